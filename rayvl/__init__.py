@@ -1,0 +1,10 @@
+"""rayvl: a Ray-distributed trainer for CLIP-style dual encoders."""
+import os
+
+# rayvl never downloads models: weights come from installed packages or local paths (DESIGN, "no hub at run time")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+__version__ = "0.1.0"

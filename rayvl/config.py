@@ -1,0 +1,317 @@
+"""One typed config tree for every rayvl job.
+
+Defaults live in the dataclasses; recipes (configs/*.yaml) override a few fields; the command line overrides any
+field with ``--set section.field=value``. Every error — unknown key, wrong type, impossible combination — is raised
+as ``ConfigError`` naming the full dotted key, before Ray starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, mistyped or conflicts with another key."""
+
+
+@dataclass
+class DataConfig:
+    train: str = ""
+    """img2dataset shards for training: a directory, glob, list file or fsspec URL ('' = embedded demo dataset)."""
+    eval: str = ""
+    """held-out img2dataset shards for evaluation ('' = the demo's held-out split next to ``train``)."""
+    classes: str = ""
+    """zero-shot class list + prompt templates (JSON: {"classes": [...], "templates": [...]}; '' = the demo's)."""
+    demo_dir: str = "~/.cache/rayvl/demo"
+    """where the embedded demo dataset is written when ``train`` is empty."""
+    demo_samples: int = 4000
+    """training samples of the generated demo dataset."""
+    demo_eval_samples: int = 500
+    """held-out samples of the generated demo dataset."""
+    image_size: int = 64
+    """side of the square crop fed to the image tower."""
+    crop_scale_min: float = 0.6
+    """lower bound of the random-resized-crop area fraction (upper bound is 1.0)."""
+    max_text_tokens: int = 24
+    """captions are padded/truncated to this many tokens."""
+    read_cpus: float = 0.5
+    """CPUs reserved per Ray Data read/transform task; keep < 1 on small machines so Ray Train cannot starve them."""
+    transform_batch_size: int = 64
+    """rows per Ray Data map_batches call (decode + crop + tokenize)."""
+    shuffle_files: bool = True
+    """shuffle shard order every epoch."""
+    local_shuffle_buffer: int = 256
+    """rows in each worker's local shuffle buffer (0 = off)."""
+    prefetch_batches: int = 2
+    """batches prefetched by each worker's iterator."""
+    stall_timeout_s: float = 300.0
+    """raise if a worker waits this long for one batch (a starved Ray Data pipeline otherwise hangs silently)."""
+
+
+@dataclass
+class ModelConfig:
+    vision: str = "efficientnet-lite0"
+    """image tower: a rayvl asset name or any timm model name."""
+    vision_checkpoint: str = ""
+    """checkpoint file for a timm model name ('' = random init unless ``vision`` is an asset)."""
+    text: str = "minilm-l6"
+    """text tower: a rayvl asset name or a local HF model directory."""
+    text_strategy: Literal["finetune", "frozen", "frozen_alignment"] = "frozen_alignment"
+    """seed 002 §4: finetune the LM, freeze it, or freeze it and append alignment layers."""
+    alignment_layers: int = 2
+    """m, the number of appended alignment layers (seed 002 uses 6 at LAION scale)."""
+    pooling: Literal["avg", "cls"] = "avg"
+    """how token features become one text feature."""
+    embed_dim: int = 256
+    """dimension of the shared embedding space."""
+    vision_projection: Literal["linear", "mlp2"] = "linear"
+    """seed 002 §5: a linear projection for vision."""
+    text_projection: Literal["linear", "mlp2"] = "mlp2"
+    """seed 002 §5: a 2-layer MLP projection for text."""
+    init_logit_scale: float = 14.285714
+    """exp(s) at init, 1/τ (CLIP: 1/0.07)."""
+    learn_logit_scale: bool = True
+    """learn the temperature (CLIP) or keep it fixed at ``init_logit_scale``."""
+    max_logit_scale: float = 100.0
+    """clamp on exp(s), as in CLIP."""
+
+
+@dataclass
+class LossConfig:
+    gather_with_grad: bool = True
+    """gather features from all workers with gradients flowing back to their owners (open_clip semantics)."""
+
+
+@dataclass
+class TrainConfig:
+    num_workers: int = 2
+    """Ray Train workers (data-parallel ranks)."""
+    use_gpu: bool = False
+    """one GPU per worker, NCCL backend; CPU workers use gloo."""
+    cpus_per_worker: float = 0.5
+    """CPUs reserved per worker; leave CPUs for Ray Data (DESIGN: starvation hangs silently)."""
+    micro_batch_size: int = 32
+    """samples per worker per step."""
+    grad_accumulation: int = 1
+    """micro-batches per optimizer step."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage 0-3."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """fp32 on CPU; bf16 on GPUs; fp16 only on GPUs."""
+    lr: float = 1e-3
+    """peak learning rate (seed 002 Table B.1)."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to biases, norms and the logit scale)."""
+    betas: tuple[float, float] = (0.9, 0.98)
+    """AdamW β1, β2 (seed 002: 0.98 for ViT)."""
+    eps: float = 1e-6
+    """AdamW ε."""
+    warmup_steps: int = 20
+    """linear warm-up steps before cosine decay."""
+    max_steps: int = 200
+    """optimizer steps in total."""
+    grad_clip: float = 1.0
+    """global gradient-norm clip (0 = off)."""
+    log_every: int = 10
+    """report metrics every N steps."""
+    checkpoint_every: int = 100
+    """checkpoint every N steps (the last step is always checkpointed)."""
+    checkpoints_to_keep: int = 2
+    """checkpoints kept in the run directory."""
+    max_failures: int = 1
+    """worker-group restarts Ray Train may do from the latest checkpoint."""
+    storage_path: str = "runs"
+    """where runs are stored (local path or fsspec URL)."""
+    run_name: str = ""
+    """run directory name ('' = <recipe>-<timestamp>)."""
+    resume: bool = False
+    """continue from the latest checkpoint of ``run_name``."""
+    seed: int = 0
+    """seed for model init and data augmentation."""
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 0
+    """run the evaluation tasks every N steps during training (0 = only at the end)."""
+    tasks: list[str] = field(default_factory=lambda: ["zeroshot", "retrieval"])
+    """evaluation tasks run in training."""
+    batch_size: int = 128
+    """images/texts per forward pass during evaluation."""
+
+
+@dataclass
+class RayvlConfig:
+    recipe: str = "laion_adapt"
+    """name of the recipe, used in run names."""
+    ray_address: str = ""
+    """Ray cluster to join ('' = RAY_ADDRESS or a local Ray started on demand)."""
+    local_num_cpus: int = 0
+    """CPUs of a local Ray started on demand (0 = all)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+EVAL_TASKS = ("zeroshot", "retrieval")
+
+
+# ----------------------------------------------------------------------------- typed construction
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
+        return _build(hint, value, key)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {value!r} is not one of {list(args)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], key)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__}")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true/false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def _build(cls: type, values: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k in values:
+        if k not in names:
+            full = f"{prefix}.{k}" if prefix else k
+            raise ConfigError(f"{full}: unknown key (known: {', '.join(sorted(names))})")
+    kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}" if prefix else k) for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def _merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for k, v in override.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def parse_override(text: str) -> dict:
+    """``a.b.c=value`` → {"a": {"b": {"c": value}}}; the value is read as YAML (numbers, bools, lists)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key=value")
+    key, raw = text.split("=", 1)
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    out: dict = {}
+    node = out
+    parts = key.strip().split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    node[parts[-1]] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RayvlConfig:
+    """Defaults ← recipe YAML ← ``--set`` overrides, then validated."""
+    values: dict = {}
+    if path:
+        with open(path) as f:
+            loaded = yaml.safe_load(f) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: a recipe must be a mapping of sections")
+        values = loaded
+    for text in overrides or []:
+        values = _merge(values, parse_override(text))
+    cfg = _build(RayvlConfig, values)
+    validate(cfg)
+    return cfg
+
+
+def from_dict(values: dict) -> RayvlConfig:
+    cfg = _build(RayvlConfig, values)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RayvlConfig) -> None:
+    """Impossible combinations, each naming the key to change."""
+    t, d, m = cfg.train, cfg.data, cfg.model
+    if t.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"train.zero_stage: {t.zero_stage} is not a DeepSpeed ZeRO stage (0, 1, 2 or 3)")
+    if not t.use_gpu and t.precision != "fp32":
+        raise ConfigError(
+            f"train.precision: {t.precision} needs GPUs (train.use_gpu=true); CPU workers train in fp32"
+        )
+    for name in ("num_workers", "micro_batch_size", "grad_accumulation", "max_steps", "log_every",
+                 "checkpoint_every", "checkpoints_to_keep"):
+        if getattr(t, name) < 1:
+            raise ConfigError(f"train.{name}: must be ≥ 1, got {getattr(t, name)}")
+    if t.warmup_steps < 0 or t.warmup_steps >= t.max_steps:
+        raise ConfigError(f"train.warmup_steps: must be in [0, train.max_steps={t.max_steps}), got {t.warmup_steps}")
+    if t.lr <= 0:
+        raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
+    if t.cpus_per_worker <= 0:
+        raise ConfigError(f"train.cpus_per_worker: must be > 0, got {t.cpus_per_worker}")
+    if t.max_failures < 0:
+        raise ConfigError(f"train.max_failures: must be ≥ 0, got {t.max_failures}")
+    if d.image_size < 32:
+        raise ConfigError(f"data.image_size: must be ≥ 32, got {d.image_size}")
+    if not 0.0 < d.crop_scale_min <= 1.0:
+        raise ConfigError(f"data.crop_scale_min: must be in (0, 1], got {d.crop_scale_min}")
+    if d.max_text_tokens < 4:
+        raise ConfigError(f"data.max_text_tokens: must be ≥ 4, got {d.max_text_tokens}")
+    if d.read_cpus <= 0:
+        raise ConfigError(f"data.read_cpus: must be > 0, got {d.read_cpus}")
+    if d.demo_samples < t.num_workers * t.micro_batch_size:
+        raise ConfigError(
+            f"data.demo_samples: {d.demo_samples} cannot fill one global batch of "
+            f"{t.num_workers}×{t.micro_batch_size} (train.num_workers × train.micro_batch_size)"
+        )
+    if m.text_strategy == "frozen_alignment" and m.alignment_layers < 1:
+        raise ConfigError("model.alignment_layers: frozen_alignment needs at least 1 alignment layer")
+    if m.embed_dim < 1:
+        raise ConfigError(f"model.embed_dim: must be ≥ 1, got {m.embed_dim}")
+    if m.init_logit_scale <= 0 or m.init_logit_scale > m.max_logit_scale:
+        raise ConfigError(
+            f"model.init_logit_scale: must be in (0, model.max_logit_scale={m.max_logit_scale}], "
+            f"got {m.init_logit_scale}"
+        )
+    for i, task in enumerate(cfg.eval.tasks):
+        if task not in EVAL_TASKS:
+            raise ConfigError(f"eval.tasks[{i}]: unknown task {task!r} (known: {', '.join(EVAL_TASKS)})")
+    if cfg.eval.every_steps < 0:
+        raise ConfigError(f"eval.every_steps: must be ≥ 0, got {cfg.eval.every_steps}")

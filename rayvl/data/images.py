@@ -1,0 +1,56 @@
+"""JPEG → uint8 CHW crop. Normalisation happens on the device (models/dual_encoder.py), so batches stay uint8
+on the wire (4× smaller than float32)."""
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+Image.MAX_IMAGE_PIXELS = 200_000_000  # LAION has a few huge images; beyond this a "decompression bomb" is corrupt
+
+
+def random_resized_crop_box(width: int, height: int, scale_min: float, rng: np.random.Generator):
+    """Inception-style crop: area fraction in [scale_min, 1], aspect ratio in [3/4, 4/3] (log-uniform)."""
+    area = width * height
+    for _ in range(10):
+        target = area * rng.uniform(scale_min, 1.0)
+        ratio = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
+        w = int(round(math.sqrt(target * ratio)))
+        h = int(round(math.sqrt(target / ratio)))
+        if 0 < w <= width and 0 < h <= height:
+            x = int(rng.integers(0, width - w + 1))
+            y = int(rng.integers(0, height - h + 1))
+            return x, y, x + w, y + h
+    side = min(width, height)  # fall back to the central square
+    x, y = (width - side) // 2, (height - side) // 2
+    return x, y, x + side, y + side
+
+
+def center_crop_box(width: int, height: int):
+    side = min(width, height)
+    x, y = (width - side) // 2, (height - side) // 2
+    return x, y, x + side, y + side
+
+
+def decode_and_crop(jpg: bytes, size: int, scale_min: float | None,
+                    rng: np.random.Generator | None = None) -> np.ndarray | None:
+    """uint8 array (3, size, size), or None when the bytes are not a decodable image.
+
+    ``scale_min`` None → centre crop (evaluation); otherwise a random resized crop (training).
+    """
+    try:
+        with Image.open(io.BytesIO(jpg)) as img:
+            img = img.convert("RGB")
+            img.load()
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError, SyntaxError):
+        return None
+    if min(img.size) < 2:
+        return None
+    if scale_min is None:
+        box = center_crop_box(*img.size)
+    else:
+        box = random_resized_crop_box(*img.size, scale_min, rng or np.random.default_rng())
+    img = img.resize((size, size), Image.BICUBIC, box=box)
+    return np.asarray(img, dtype=np.uint8).transpose(2, 0, 1).copy()

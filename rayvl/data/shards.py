@@ -1,0 +1,204 @@
+"""Streaming read of img2dataset shards with Ray Data.
+
+Why not ``ray.data.read_webdataset``: with its decoder it fails the whole dataset on one undecodable JPEG, and a
+shard truncated mid-member fails the read (both seen on these machines; LAION shards contain both). This
+datasource keeps Ray's file listing, fsspec filesystems, file shuffling and parallel read tasks, and replaces only
+the per-file parse: it streams raw member bytes and stops a truncated shard at its last complete sample, naming it
+in the run's data report. Decoding and validation happen in ``preprocess`` where bad samples are dropped and counted.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import tarfile
+import zlib
+from collections import Counter
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import ray
+from ray.data.datasource import FileBasedDatasource
+
+from rayvl.data.images import decode_and_crop
+from rayvl.data.text import tokenize, validate_caption
+
+COLUMNS = ("key", "jpg", "txt", "json")
+ROWS_PER_BLOCK = 256
+
+
+class DataPlaneError(RuntimeError):
+    """The data path cannot produce training data (no shards, every sample dropped, a starved pipeline)."""
+
+
+# ----------------------------------------------------------------------------- the run's data report
+
+@ray.remote(num_cpus=0)
+class DataReport:
+    """Counts every sample seen and every sample dropped (by reason) across all Ray Data tasks of one run."""
+
+    def __init__(self):
+        self.counts: Counter = Counter()
+        self.bad_shards: dict[str, str] = {}
+
+    def add(self, counts: dict, bad_shard: tuple[str, str] | None = None) -> None:
+        self.counts.update(counts)
+        if bad_shard:
+            self.bad_shards[bad_shard[0]] = bad_shard[1]
+
+    def snapshot(self) -> dict:
+        return {"counts": dict(self.counts), "bad_shards": dict(self.bad_shards)}
+
+
+_handles: dict = {}
+
+
+def report_actor(name: str):
+    """The run's DataReport actor. The driver calls this first, so the actor is owned by (and dies with) the
+    driver; Ray Data tasks then find the existing one (get_if_exists makes that race-free)."""
+    if name not in _handles:
+        _handles[name] = DataReport.options(name=name, namespace="rayvl", get_if_exists=True).remote()
+    return _handles[name]
+
+
+def _send(report_name: str | None, counts: dict, bad_shard=None) -> None:
+    if report_name:
+        report_actor(report_name).add.remote(counts, bad_shard)
+
+
+# ----------------------------------------------------------------------------- reading
+
+def resolve_shards(spec: str) -> list[str]:
+    """A directory, a glob, a comma list, a ``.txt`` list file, or fsspec URLs → tar paths (local ones checked)."""
+    if not spec:
+        raise DataPlaneError("data.train: no shards given")
+    out: list[str] = []
+    for part in [p.strip() for p in spec.split(",") if p.strip()]:
+        if "://" in part:
+            out.append(part)  # Ray lists remote directories itself
+            continue
+        part = os.path.expanduser(part)
+        if os.path.isdir(part):
+            out += sorted(glob.glob(os.path.join(part, "*.tar")))
+        elif part.endswith(".txt") and os.path.isfile(part):
+            out += [line.strip() for line in Path(part).read_text().splitlines() if line.strip()]
+        else:
+            out += sorted(glob.glob(part))
+    if not out:
+        raise DataPlaneError(f"no .tar shards found for {spec!r}")
+    return out
+
+
+class Img2DatasetShards(FileBasedDatasource):
+    """Raw samples (key, jpg, txt, json bytes) of img2dataset / webdataset tar shards."""
+
+    _FILE_EXTENSIONS = ["tar"]
+
+    def __init__(self, paths, report_name: str | None = None, **kwargs):
+        super().__init__(paths, **kwargs)
+        self.report_name = report_name
+
+    def _read_stream(self, f, path: str) -> Iterator[pa.Table]:
+        rows: list[dict] = []
+        current: dict = {}
+        read = 0
+        try:
+            with tarfile.open(fileobj=f, mode="r|*") as tar:
+                for member in tar:
+                    if not member.isreg():
+                        continue
+                    stem, _, ext = os.path.basename(member.name).partition(".")
+                    if current and current["key"] != stem:
+                        rows.append(current)
+                        current = {}
+                    current.setdefault("key", stem)
+                    if ext in COLUMNS:
+                        current[ext] = tar.extractfile(member).read()
+                    if len(rows) >= ROWS_PER_BLOCK:
+                        read += len(rows)
+                        yield _table(rows)
+                        rows = []
+            if current:
+                rows.append(current)
+        except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
+            # A truncated shard costs only its own bad tail: the incomplete sample in `current` is dropped.
+            _send(self.report_name, {"dropped_truncated_shard_tail": 1 if current else 0},
+                  (path, f"{type(e).__name__}: {e} after {read + len(rows)} samples"))
+        if rows:
+            yield _table(rows)
+
+
+def _table(rows: list[dict]) -> pa.Table:
+    return pa.table({
+        "key": pa.array([r.get("key") for r in rows], pa.string()),
+        "jpg": pa.array([r.get("jpg") for r in rows], pa.binary()),
+        "txt": pa.array([r.get("txt") for r in rows], pa.binary()),
+        "json": pa.array([r.get("json") for r in rows], pa.binary()),
+    })
+
+
+# ----------------------------------------------------------------------------- decode, validate, tokenize
+
+def preprocess(batch: dict, *, image_size: int, crop_scale_min: float, train: bool, tokenizer_path: str,
+               max_tokens: int, report_name: str | None) -> dict:
+    """Raw rows → model inputs. Bad samples are dropped here and counted by reason in the run's DataReport."""
+    import json
+
+    drops: Counter = Counter()
+    images, captions, keys, classes = [], [], [], []
+    for key, jpg, txt, meta in zip(batch["key"], batch["jpg"], batch["txt"], batch["json"]):
+        text, reason = validate_caption(txt)
+        if reason:
+            drops[reason] += 1
+            continue
+        if jpg is None:
+            drops["dropped_missing_image"] += 1
+            continue
+        image = decode_and_crop(jpg, image_size, crop_scale_min if train else None)
+        if image is None:
+            drops["dropped_corrupt_image"] += 1
+            continue
+        try:
+            cls = int(json.loads(meta).get("cls", -1)) if meta else -1
+        except (ValueError, TypeError, AttributeError):
+            cls = -1
+        images.append(image)
+        captions.append(text)
+        keys.append(key)
+        classes.append(cls)
+    _send(report_name, {"samples_seen": len(batch["key"]), "samples_kept": len(keys), **drops})
+    ids, mask = tokenize(captions, tokenizer_path, max_tokens)
+    size = (0, 3, image_size, image_size)
+    return {
+        "image": np.stack(images) if images else np.zeros(size, np.uint8),
+        "input_ids": ids,
+        "attention_mask": mask,
+        "key": np.array(keys, dtype=object),
+        "caption": np.array(captions, dtype=object),
+        "cls": np.array(classes, dtype=np.int64),
+    }
+
+
+def read_shards(spec: str, *, image_size: int, crop_scale_min: float, train: bool, tokenizer_path: str,
+                max_tokens: int, read_cpus: float, transform_batch_size: int, shuffle_files: bool,
+                report_name: str | None) -> ray.data.Dataset:
+    """The streaming Ray Dataset of model inputs for a shard spec."""
+    source = Img2DatasetShards(resolve_shards(spec), report_name=report_name,
+                               shuffle="files" if shuffle_files else None)
+    ds = ray.data.read_datasource(source, ray_remote_args={"num_cpus": read_cpus})
+    return ds.map_batches(
+        preprocess, batch_size=transform_batch_size, batch_format="numpy", num_cpus=read_cpus,
+        fn_kwargs=dict(image_size=image_size, crop_scale_min=crop_scale_min, train=train,
+                       tokenizer_path=tokenizer_path, max_tokens=max_tokens, report_name=report_name),
+    )
+
+
+def expected_samples(spec: str) -> int | None:
+    """Successful samples according to img2dataset's parquet files (a Ray Data aggregation), or None if absent."""
+    parquets = [p[:-4] + ".parquet" for p in resolve_shards(spec) if "://" not in p]
+    parquets = [p for p in parquets if os.path.exists(p)]
+    if not parquets:
+        return None
+    ds = ray.data.read_parquet(parquets, columns=["status"], ray_remote_args={"num_cpus": 0.25})
+    return ds.filter(expr="status == 'success'").count()

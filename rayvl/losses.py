@@ -1,0 +1,45 @@
+"""Contrastive loss with negatives gathered from every worker.
+
+open_clip's ``ClipLoss(local_loss=True, gather_with_grad=True)`` semantics: each rank scores its own B queries
+against the world's W·B keys, so the logits matrix is B × WB (not WB × WB), and the all-gather is differentiable,
+so gradients of every rank's loss reach the features that produced them on their owner rank. Averaged over ranks
+(as data-parallel gradient averaging does) this is exactly the full-batch CLIP loss of the global batch
+(CLIP eq. / seed 002 §4: symmetric InfoNCE).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def gather_features(features: torch.Tensor, with_grad: bool) -> torch.Tensor:
+    """Concatenate every rank's features in rank order (identity outside a process group)."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return features
+    if with_grad:
+        import torch.distributed.nn.functional as dist_nn
+
+        with warnings.catch_warnings():  # torch 2.13 deprecates it for an internal API; it is still the public one
+            warnings.simplefilter("ignore", FutureWarning)
+            return torch.cat(dist_nn.all_gather(features), dim=0)
+    gathered = [torch.empty_like(features) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, features.contiguous())
+    # without grad flowing back, keep this rank's own slice differentiable
+    gathered[dist.get_rank()] = features
+    return torch.cat(gathered, dim=0)
+
+
+def clip_loss(image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
+              gather_with_grad: bool = True) -> torch.Tensor:
+    """Symmetric InfoNCE of this rank's pairs against all gathered pairs."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    all_images = gather_features(image_features, gather_with_grad)
+    all_texts = gather_features(text_features, gather_with_grad)
+    logits_per_image = logit_scale * image_features @ all_texts.T
+    logits_per_text = logit_scale * text_features @ all_images.T
+    b = image_features.shape[0]
+    targets = torch.arange(b, device=image_features.device) + rank * b  # positives sit at this rank's offset
+    return (F.cross_entropy(logits_per_image, targets) + F.cross_entropy(logits_per_text, targets)) / 2

@@ -1,0 +1,53 @@
+"""Image tower + text tower mapped into one L2-normalised embedding space, with CLIP's learnable temperature."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rayvl.config import ModelConfig
+from rayvl.models.towers import TextTower, VisionTower, projection
+
+
+class DualEncoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.vision = VisionTower(cfg.vision, cfg.vision_checkpoint)
+        self.text = TextTower(cfg.text, cfg.text_strategy, cfg.alignment_layers, cfg.pooling)
+        self.vision_proj = projection(cfg.vision_projection, self.vision.out_dim, cfg.embed_dim)
+        self.text_proj = projection(cfg.text_projection, self.text.out_dim, cfg.embed_dim)
+        # CLIP keeps log(1/τ) as the parameter and clamps exp() at 100; shape [1], not a 0-dim tensor, because
+        # DeepSpeed broadcasts parameters as byte views, which 0-dim tensors do not allow
+        self.logit_scale = nn.Parameter(torch.full((1,), math.log(cfg.init_logit_scale)),
+                                        requires_grad=cfg.learn_logit_scale)
+
+    def encode_image(self, images: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.vision_proj(self.vision(images)), dim=-1)
+
+    def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.text_proj(self.text(input_ids, attention_mask)), dim=-1)
+
+    def scale(self) -> torch.Tensor:
+        return self.logit_scale.exp().clamp(max=self.cfg.max_logit_scale).squeeze(0)
+
+    def forward(self, image, input_ids, attention_mask):
+        return self.encode_image(image), self.encode_text(input_ids, attention_mask), self.scale()
+
+
+def build_model(cfg: ModelConfig, seed: int = 0) -> DualEncoder:
+    torch.manual_seed(seed)  # every rank builds identical random layers; DeepSpeed also broadcasts rank 0's
+    return DualEncoder(cfg)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Trainable parameters only (frozen LM weights never reach the optimizer or its ZeRO state); no decay on
+    biases, norms and the logit scale (CLIP / open_clip convention)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or "logit_scale" in name else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

@@ -1,0 +1,92 @@
+"""Image tower (timm) and text tower (HF encoder + the text strategies of seed 002 §4)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from rayvl import assets
+from rayvl.compat import ensure_torchvision_importable
+
+
+class VisionTower(nn.Module):
+    """A timm backbone without its classifier; takes uint8 images and normalises them on the device."""
+
+    def __init__(self, name: str, checkpoint: str = ""):
+        super().__init__()
+        ensure_torchvision_importable()
+        import timm
+
+        self.backbone = timm.create_model(assets.vision_timm_name(name), pretrained=False)
+        state = assets.vision_state_dict(name, checkpoint)
+        if state is not None:
+            self.backbone.load_state_dict(state, strict=True)
+        self.backbone.reset_classifier(0)
+        cfg = self.backbone.pretrained_cfg
+        self.register_buffer("mean", torch.tensor(cfg.get("mean", (0.485, 0.456, 0.406))).view(1, 3, 1, 1) * 255)
+        self.register_buffer("std", torch.tensor(cfg.get("std", (0.229, 0.224, 0.225))).view(1, 3, 1, 1) * 255)
+        self.out_dim = self.backbone.num_features
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = (images.to(self.mean.dtype) - self.mean) / self.std
+        return self.backbone(x)
+
+
+class TextTower(nn.Module):
+    """A pretrained HF encoder used by one of three strategies (seed 002 §4, Fig. 3 b/c/e):
+
+    - ``finetune``: every LM weight trains;
+    - ``frozen``: the LM is frozen (LiT's locked text tower) — only the projection trains;
+    - ``frozen_alignment``: the LM is frozen and ``alignment_layers`` transformer layers shaped like the LM's own,
+      randomly initialised, are appended on top ("alignment layers", seed 002 Fig. 3e).
+    """
+
+    def __init__(self, name: str, strategy: str, alignment_layers: int, pooling: str):
+        super().__init__()
+        from transformers import AutoModel
+
+        self.lm = AutoModel.from_pretrained(str(assets.text_model_path(name)), local_files_only=True,
+                                            add_pooling_layer=False)
+        self.strategy, self.pooling = strategy, pooling
+        self.lm_frozen = strategy != "finetune"
+        if self.lm_frozen:
+            self.lm.requires_grad_(False)
+        self.alignment = nn.ModuleList()
+        if strategy == "frozen_alignment":
+            template = self.lm.encoder.layer[-1]
+            for _ in range(alignment_layers):
+                layer = copy.deepcopy(template)
+                layer.apply(self.lm._init_weights)  # same shape as the LM's layers, random init (seed 002 §4)
+                layer.requires_grad_(True)
+                self.alignment.append(layer)
+        self.out_dim = self.lm.config.hidden_size
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.lm_frozen:
+            self.lm.eval()  # a frozen LM is the pretrained function: no dropout
+        return self
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.lm_frozen):
+            hidden = self.lm(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        if len(self.alignment):
+            from transformers.masking_utils import create_bidirectional_mask
+
+            mask4d = create_bidirectional_mask(config=self.lm.config, inputs_embeds=hidden,
+                                               attention_mask=attention_mask)
+            for layer in self.alignment:
+                out = layer(hidden, mask4d)
+                hidden = out[0] if isinstance(out, tuple) else out
+        if self.pooling == "cls":
+            return hidden[:, 0]
+        m = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        return (hidden * m).sum(1) / m.sum(1).clamp(min=1.0)
+
+
+def projection(kind: str, in_dim: int, out_dim: int) -> nn.Module:
+    """seed 002 §5: linear for vision, a 2-layer MLP for text."""
+    if kind == "linear":
+        return nn.Linear(in_dim, out_dim, bias=False)
+    return nn.Sequential(nn.Linear(in_dim, in_dim), nn.GELU(), nn.Linear(in_dim, out_dim))

@@ -1,0 +1,74 @@
+"""Checkpoints that restore everything: every rank's DeepSpeed shards (model, optimizer, ZeRO partitions),
+the LR scheduler, the step and the metric history, reported through ``ray.train.report``.
+
+Every rank saves into its own local directory and reports it; Ray Train merges the ranks' files into one
+checkpoint directory in the run's storage (the DeepSpeed file names carry the rank), so no shared filesystem is
+needed between nodes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import ray.train
+import torch
+
+TAG = "deepspeed"
+MODEL_FILE = "model.pt"  # consolidated fp32 weights, written with the final checkpoint for evaluation/export
+META_FILE = "rayvl.json"
+
+
+def consolidated_state_dict(engine) -> dict | None:
+    """Full model weights on rank 0 (gathered from ZeRO-3 partitions when needed), None elsewhere."""
+    import deepspeed
+
+    module = engine.module
+    rank = torch.distributed.get_rank()
+    if engine.zero_optimization_stage() == 3:
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            state = {k: v.detach().clone() for k, v in module.state_dict().items()} if rank == 0 else None
+        return state
+    return {k: v.detach().clone() for k, v in module.state_dict().items()} if rank == 0 else None
+
+
+@contextmanager
+def saved(engine, step: int, history: list, config: dict, final: bool):
+    """Write this rank's part of the checkpoint into a temporary directory and yield it as a Checkpoint."""
+    with tempfile.TemporaryDirectory(prefix="rayvl-ckpt-") as tmp:
+        engine.save_checkpoint(tmp, tag=TAG, client_state={"step": step})
+        state = consolidated_state_dict(engine) if final else None
+        if torch.distributed.get_rank() == 0:
+            (Path(tmp) / META_FILE).write_text(json.dumps({"step": step, "config": config, "final": final}))
+            with open(Path(tmp) / "metrics.jsonl", "w") as f:
+                f.writelines(json.dumps(row) + "\n" for row in history)
+            if state is not None:
+                torch.save(state, Path(tmp) / MODEL_FILE)
+        yield ray.train.Checkpoint.from_directory(tmp)
+
+
+def restore(engine) -> tuple[int, list]:
+    """(step to continue from, metric history) from Ray Train's checkpoint, or (0, []) on a fresh run."""
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return 0, []
+    with checkpoint.as_directory() as d:
+        _, client_state = engine.load_checkpoint(d, tag=TAG, load_optimizer_states=True,
+                                                 load_lr_scheduler_states=True)
+        history_file = Path(d) / "metrics.jsonl"
+        history = [json.loads(x) for x in history_file.read_text().splitlines()] if history_file.exists() else []
+    return int(client_state["step"]), history
+
+
+def latest_checkpoint_dir(run_dir: str | os.PathLike) -> Path | None:
+    """The newest ``checkpoint_*`` folder of a local run directory (the one holding the highest step)."""
+    best, best_step = None, -1
+    for d in Path(run_dir).glob("checkpoint_*"):
+        meta = d / META_FILE
+        if meta.exists():
+            step = json.loads(meta.read_text())["step"]
+            if step > best_step:
+                best, best_step = d, step
+    return best

@@ -1,0 +1,181 @@
+"""Driver side: data → Ray Data datasets → TorchTrainer(DeepSpeed) → run directory with metrics and evaluation."""
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+import ray.train
+from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+from rayvl import assets
+from rayvl.config import ConfigError, RayvlConfig
+from rayvl.data import shards
+from rayvl.data.demo import ensure_demo
+from rayvl.train.batches import TRAIN_COLUMNS
+from rayvl.train.checkpoint import latest_checkpoint_dir
+from rayvl.train.loop import train_loop_per_worker
+
+WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+              "TRANSFORMERS_VERBOSITY": "error", "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    checkpoint_dir: str
+    metrics: dict
+    data_report: dict
+
+
+def resolve_data(cfg: RayvlConfig) -> tuple[str, str, str]:
+    """(train shards, eval shards, classes file); generates the embedded demo dataset when none is given."""
+    d = cfg.data
+    train, evalset, classes = d.train, d.eval, d.classes
+    if not train:
+        root = ensure_demo(d.demo_dir, d.demo_samples, d.demo_eval_samples, seed=cfg.train.seed)
+        train = str(root / "train")
+        evalset = evalset or str(root / "eval")
+        classes = classes or str(root / "classes.json")
+    if classes and not Path(classes).expanduser().is_file():
+        raise ConfigError(f"data.classes: {classes!r} does not exist")
+    return train, evalset, str(Path(classes).expanduser()) if classes else ""
+
+
+def connect(cfg: RayvlConfig) -> bool:
+    """Join a cluster (config, RAY_ADDRESS, or a `ray job submit` driver) or start a local Ray. True if local."""
+    if ray.is_initialized():
+        return False
+    address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return False
+    ray.init(num_cpus=cfg.local_num_cpus or None, runtime_env={"env_vars": WORKER_ENV})
+    return True
+
+
+def check_resources(cfg: RayvlConfig) -> None:
+    """Ray Train workers must leave CPUs for Ray Data, else the pipeline starves silently (DESIGN)."""
+    t, d = cfg.train, cfg.data
+    total = ray.cluster_resources().get("CPU", 0)
+    need = t.num_workers * t.cpus_per_worker + d.read_cpus
+    if need > total:
+        raise ConfigError(
+            f"train.num_workers × train.cpus_per_worker + data.read_cpus = {need:g} CPUs, but the cluster has "
+            f"{total:g}: Ray Data would starve. Lower train.cpus_per_worker or data.read_cpus."
+        )
+    if t.use_gpu and ray.cluster_resources().get("GPU", 0) < t.num_workers:
+        print(f"rayvl: waiting for {t.num_workers} GPUs (cluster has "
+              f"{ray.cluster_resources().get('GPU', 0):g}; the autoscaler may add them)")
+
+
+def run_paths(cfg: RayvlConfig) -> tuple[str, str]:
+    storage = cfg.train.storage_path
+    if "://" not in storage:
+        storage = str(Path(storage).expanduser().resolve())
+    name = cfg.train.run_name or f"{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(storage) / name if "://" not in storage else None
+    if run_dir is not None:
+        exists = run_dir.exists() and latest_checkpoint_dir(run_dir) is not None
+        if exists and not cfg.train.resume:
+            raise ConfigError(f"train.run_name: run {str(run_dir)!r} already has checkpoints; "
+                              f"set train.resume=true (--resume) to continue it, or choose another name")
+        if cfg.train.resume and not exists:
+            raise ConfigError(f"train.resume: run {str(run_dir)!r} has no checkpoint to resume from")
+    return storage, name
+
+
+def build_datasets(cfg: RayvlConfig, train: str, evalset: str, report_name: str) -> dict:
+    tokenizer_path = str(assets.text_model_path(cfg.model.text))
+    common = dict(image_size=cfg.data.image_size, crop_scale_min=cfg.data.crop_scale_min,
+                  tokenizer_path=tokenizer_path, max_tokens=cfg.data.max_text_tokens, read_cpus=cfg.data.read_cpus,
+                  transform_batch_size=cfg.data.transform_batch_size, report_name=report_name)
+    # only tensor columns go to the training iterator (keys and captions are strings)
+    datasets = {"train": shards.read_shards(train, train=True, shuffle_files=cfg.data.shuffle_files, **common)
+                .select_columns(TRAIN_COLUMNS)}
+    if cfg.eval.tasks and evalset:
+        # evaluation images are counted in the same report only if they are dropped; keep them apart
+        datasets["eval"] = shards.read_shards(evalset, train=False, shuffle_files=False,
+                                              **{**common, "report_name": None})
+    return datasets
+
+
+def train(cfg: RayvlConfig) -> RunResult:
+    """Run one training job end to end and return where everything is."""
+    train_data, eval_data, classes_file = resolve_data(cfg)
+    storage, name = run_paths(cfg)
+    connect(cfg)
+    ray.data.DataContext.get_current().enable_progress_bars = False  # per-operator bars flood job logs
+    check_resources(cfg)
+    report_name = f"rayvl-data-report-{name}-{uuid.uuid4().hex[:8]}"
+    report = shards.report_actor(report_name)
+    datasets = build_datasets(cfg, train_data, eval_data, report_name)
+    t = cfg.train
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            "rayvl": cfg.to_dict(), "report_name": report_name, "classes_file": classes_file,
+            "tokenizer_path": str(assets.text_model_path(cfg.model.text)),
+        },
+        scaling_config=ScalingConfig(num_workers=t.num_workers, use_gpu=t.use_gpu,
+                                     resources_per_worker={"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {})}),
+        run_config=RunConfig(
+            name=name, storage_path=storage,
+            checkpoint_config=CheckpointConfig(num_to_keep=t.checkpoints_to_keep),
+            failure_config=FailureConfig(max_failures=t.max_failures),
+        ),
+        datasets=datasets,
+        dataset_config=DataConfig(datasets_to_split=["train"]),
+    )
+    result = trainer.fit()
+    data_report = ray.get(report.snapshot.remote())
+    return finish(Path(storage) / name if "://" not in storage else Path(name), result, data_report)
+
+
+def finish(run_dir: Path, result, data_report: dict) -> RunResult:
+    """Copy what a user looks for into the run directory: metrics.jsonl, eval.json, data_report.json."""
+    checkpoint_dir = result.checkpoint.path if result.checkpoint else ""
+    metrics = dict(result.metrics or {})
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if checkpoint_dir and Path(checkpoint_dir).is_dir():
+        history = Path(checkpoint_dir) / "metrics.jsonl"
+        if history.exists():
+            (run_dir / "metrics.jsonl").write_text(history.read_text())
+    evals = {k: v for k, v in metrics.items() if k.startswith(("zeroshot", "t2i", "i2t", "eval_"))}
+    (run_dir / "eval.json").write_text(json.dumps(evals, indent=2))
+    (run_dir / "data_report.json").write_text(json.dumps(data_report, indent=2))
+    return RunResult(run_dir, checkpoint_dir, metrics, data_report)
+
+
+def format_eval_table(metrics: dict) -> str:
+    """Each metric next to its chance level."""
+    rows = [("metric", "value %", "chance %")]
+    if "zeroshot_top1" in metrics:
+        n = metrics.get("zeroshot_classes", 0)
+        rows.append((f"zero-shot top-1 ({n} classes)", f"{metrics['zeroshot_top1']:.1f}",
+                     f"{metrics['zeroshot_chance_top1']:.1f}"))
+        if "zeroshot_top5" in metrics:
+            rows.append(("zero-shot top-5", f"{metrics['zeroshot_top5']:.1f}", f"{min(100, 500 / n):.1f}"))
+        rows.append(("zero-shot mean per-class recall", f"{metrics['zeroshot_mean_per_class_recall']:.1f}",
+                     f"{metrics['zeroshot_chance_top1']:.1f}"))
+    for direction, label in (("i2t", "image→text"), ("t2i", "text→image")):
+        for k in (1, 5, 10):
+            key = f"{direction}_R@{k}"
+            if key in metrics:
+                rows.append((f"{label} R@{k} ({metrics.get('eval_images', '?')} pairs)", f"{metrics[key]:.1f}",
+                             f"{metrics[f'{direction}_chance_R@{k}']:.1f}"))
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{a:<{width}}  {b:>8}  {c:>8}" for a, b, c in rows)
+
+
+def format_data_report(report: dict) -> str:
+    counts = report.get("counts", {})
+    lines = [f"samples seen {counts.get('samples_seen', 0)}, kept {counts.get('samples_kept', 0)}"]
+    lines += [f"  {k}: {v}" for k, v in sorted(counts.items()) if k.startswith("dropped")]
+    lines += [f"  bad shard {path}: {why}" for path, why in report.get("bad_shards", {}).items()]
+    return "\n".join(lines)
