@@ -28,8 +28,9 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: install
 	$(PY) jobs/laion_adapt.py
 
+# pytest exits 5 when it collected no test: that is a failure of the suite, not a pass
 test: install
-	$(PY) -m pytest -q -ra --durations=15 tests
+	$(PY) -m pytest -q -ra --durations=15 tests || { rc=$$?; [ $$rc -eq 5 ] && echo "make test: no tests ran" >&2; exit $$rc; }
 
 benchmark: install
 	$(PY) benchmarks/data_pipeline.py

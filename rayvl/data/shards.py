@@ -186,7 +186,7 @@ def read_shards(spec: str, *, image_size: int, crop_scale_min: float, train: boo
     """The streaming Ray Dataset of model inputs for a shard spec."""
     source = Img2DatasetShards(resolve_shards(spec), report_name=report_name,
                                shuffle="files" if shuffle_files else None)
-    ds = ray.data.read_datasource(source, ray_remote_args={"num_cpus": read_cpus})
+    ds = ray.data.read_datasource(source, num_cpus=read_cpus)
     return ds.map_batches(
         preprocess, batch_size=transform_batch_size, batch_format="numpy", num_cpus=read_cpus,
         fn_kwargs=dict(image_size=image_size, crop_scale_min=crop_scale_min, train=train,
@@ -200,5 +200,5 @@ def expected_samples(spec: str) -> int | None:
     parquets = [p for p in parquets if os.path.exists(p)]
     if not parquets:
         return None
-    ds = ray.data.read_parquet(parquets, columns=["status"], ray_remote_args={"num_cpus": 0.25})
+    ds = ray.data.read_parquet(parquets, columns=["status"], num_cpus=0.25)
     return ds.filter(expr="status == 'success'").count()

@@ -132,8 +132,9 @@ def train(cfg: RayvlConfig) -> RunResult:
         datasets=datasets,
         dataset_config=DataConfig(datasets_to_split=["train"]),
     )
+    expected = shards.expected_samples(train_data)
     result = trainer.fit()
-    data_report = ray.get(report.snapshot.remote())
+    data_report = {**ray.get(report.snapshot.remote()), "img2dataset_successes_per_pass": expected}
     return finish(Path(storage) / name if "://" not in storage else Path(name), result, data_report)
 
 
@@ -175,7 +176,9 @@ def format_eval_table(metrics: dict) -> str:
 
 def format_data_report(report: dict) -> str:
     counts = report.get("counts", {})
-    lines = [f"samples seen {counts.get('samples_seen', 0)}, kept {counts.get('samples_kept', 0)}"]
+    lines = [f"samples seen {counts.get('samples_seen', 0)}, kept {counts.get('samples_kept', 0)} "
+             f"(all passes over the data; img2dataset lists {report.get('img2dataset_successes_per_pass')} "
+             f"successful samples per pass)"]
     lines += [f"  {k}: {v}" for k, v in sorted(counts.items()) if k.startswith("dropped")]
     lines += [f"  bad shard {path}: {why}" for path, why in report.get("bad_shards", {}).items()]
     return "\n".join(lines)

@@ -1,0 +1,64 @@
+"""Config errors are caught before Ray starts and name the full key."""
+import subprocess
+import sys
+
+import pytest
+
+from rayvl.cli import REPO
+from rayvl.config import ConfigError, load_config, parse_override
+
+RECIPE = REPO / "configs" / "laion_adapt.yaml"
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.zero_stagee=3", "train.zero_stagee"),
+    ("model.vision_tower=x", "model.vision_tower"),
+    ("nosuchsection.x=1", "nosuchsection"),
+    ("train.zero_stage=4", "train.zero_stage"),
+    ("train.zero_stage=two", "train.zero_stage"),
+    ("train.precision=fp16", "train.precision"),
+    ("train.precision=bf16", "train.precision"),
+    ("model.text_strategy=adapter", "model.text_strategy"),
+    ("train.lr=-1", "train.lr"),
+    ("train.betas=[0.9]", "train.betas"),
+    ("train.use_gpu=yes please", "train.use_gpu"),
+    ("eval.tasks=[zeroshot, nope]", "eval.tasks[1]"),
+    ("train.warmup_steps=500", "train.warmup_steps"),
+    ("data.read_cpus=0", "data.read_cpus"),
+])
+def test_bad_config_names_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(RECIPE, [override])
+    assert str(err.value).startswith(key), str(err.value)
+
+
+def test_recipe_and_overrides_compose():
+    cfg = load_config(RECIPE, ["train.zero_stage=3", "model.alignment_layers=4", "train.betas=[0.9, 0.95]"])
+    assert cfg.train.zero_stage == 3 and cfg.model.alignment_layers == 4
+    assert cfg.model.text_strategy == "frozen_alignment"  # from the recipe
+    assert cfg.train.betas == (0.9, 0.95)
+    assert isinstance(cfg.train.lr, float)
+
+
+def test_fp16_allowed_on_gpu():
+    cfg = load_config(RECIPE, ["train.use_gpu=true", "train.precision=bf16"])
+    assert cfg.train.precision == "bf16"
+
+
+def test_parse_override_types():
+    assert parse_override("a.b=3") == {"a": {"b": 3}}
+    assert parse_override("a=true") == {"a": True}
+    assert parse_override("a.b=s3://bucket/x.tar") == {"a": {"b": "s3://bucket/x.tar"}}
+    with pytest.raises(ConfigError):
+        parse_override("novalue")
+
+
+def test_job_rejects_bad_key_before_starting_ray(tmp_path):
+    """The job exits 2 with the key's name, without starting Ray (no session directory is created)."""
+    r = subprocess.run([sys.executable, str(REPO / "jobs" / "laion_adapt.py"), "--set", "train.zero_stag=1",
+                        "--set", f"train.storage_path={tmp_path}"],
+                       capture_output=True, text=True, timeout=120, env={"RAY_TMPDIR": str(tmp_path / "ray"),
+                                                                          "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 2, r.stderr
+    assert "train.zero_stag" in r.stderr
+    assert not (tmp_path / "ray").exists()

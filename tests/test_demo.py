@@ -1,0 +1,57 @@
+"""The embedded dataset is deterministic and written in img2dataset's layout exactly."""
+import io
+import json
+import tarfile
+
+import pyarrow.parquet as pq
+from PIL import Image
+
+from rayvl.data.demo import SHAPES, write_demo
+
+
+def test_img2dataset_layout(demo_dir):
+    train = demo_dir / "train"
+    assert sorted(p.name for p in train.iterdir()) == [
+        "00000.parquet", "00000.tar", "00000_stats.json", "00001.parquet", "00001.tar", "00001_stats.json",
+        "00002.parquet", "00002.tar", "00002_stats.json"]
+    with tarfile.open(train / "00001.tar") as tar:
+        names = tar.getnames()
+        assert names[:3] == ["000010000.jpg", "000010000.txt", "000010000.json"]
+        assert len(names) == 3 * 128
+        meta = json.loads(tar.extractfile("000010000.json").read())
+        text = tar.extractfile("000010000.txt").read().decode()
+        img = Image.open(io.BytesIO(tar.extractfile("000010000.jpg").read()))
+    assert img.format == "JPEG" and img.size == (112, 112)
+    assert meta["key"] == "000010000" and meta["caption"] == text and meta["status"] == "success"
+    table = pq.read_table(train / "00001.parquet")
+    assert {"key", "url", "caption", "status", "width", "height", "sha256"} <= set(table.column_names)
+    assert table.num_rows == 128
+    stats = json.loads((train / "00001_stats.json").read_text())
+    assert stats["count"] == stats["successes"] == 128
+
+
+def test_eval_split_classes_and_paraphrases(demo_dir):
+    classes = json.loads((demo_dir / "classes.json").read_text())
+    assert classes["classes"] == SHAPES and all("{}" in t for t in classes["templates"])
+    pairs = [json.loads(x) for x in (demo_dir / "paraphrases.jsonl").read_text().splitlines()]
+    assert len(pairs) == 64
+    assert all(p["caption"] != p["paraphrase"] for p in pairs)
+    table = pq.read_table(demo_dir / "eval" / "00000.parquet")
+    # each held-out caption names its class (the single object's shape)
+    for caption, cls in zip(table["caption"].to_pylist(), table["cls"].to_pylist()):
+        assert SHAPES[cls] in caption
+
+
+def test_captions_are_varied_english(demo_dir):
+    captions = pq.read_table(demo_dir / "train" / "00000.parquet")["caption"].to_pylist()
+    assert len(set(captions)) > 0.9 * len(captions)
+    joined = " ".join(captions)
+    for phrase in ("to the left of", "above", "a small", "there is"):
+        assert phrase in joined
+
+
+def test_deterministic(tmp_path):
+    a = write_demo(tmp_path / "a", samples=20, eval_samples=5, seed=3)
+    b = write_demo(tmp_path / "b", samples=20, eval_samples=5, seed=3)
+    assert (a / "train" / "00000.tar").read_bytes() == (b / "train" / "00000.tar").read_bytes()
+    assert (a / "paraphrases.jsonl").read_text() == (b / "paraphrases.jsonl").read_text()

@@ -1,0 +1,92 @@
+"""The Ray Data reader drops bad samples and counts them; a truncated shard costs only its bad tail."""
+import io
+import json
+import tarfile
+
+import numpy as np
+import pytest
+import ray
+from PIL import Image
+
+from rayvl import assets
+from rayvl.data import shards
+
+
+def _jpeg(seed: int) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (40, 50, 3), dtype=np.uint8)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+def _write(path, samples):
+    with tarfile.open(path, "w") as tar:
+        for key, members in samples:
+            for ext, payload in members.items():
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+
+
+def _read(spec, report_name, train=True):
+    ds = shards.read_shards(spec, image_size=32, crop_scale_min=0.5, train=train,
+                            tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=16,
+                            read_cpus=0.5, transform_batch_size=4, shuffle_files=False, report_name=report_name)
+    return ds.take_all()
+
+
+@pytest.fixture
+def bad_shard(tmp_path):
+    good = lambda i: {"jpg": _jpeg(i), "txt": f"a photo number {i}".encode(), "json": b"{}"}  # noqa: E731
+    samples = [(f"{i:09d}", good(i)) for i in range(6)]
+    samples.append(("000000006", {"jpg": b"\xff\xd8\xff this is not a jpeg", "txt": b"corrupt", "json": b"{}"}))
+    samples.append(("000000007", {"jpg": _jpeg(7), "txt": b"   \n", "json": b"{}"}))
+    samples.append(("000000008", {"jpg": _jpeg(8), "txt": b"caf\xe9 latin-1", "json": b"{}"}))
+    samples.append(("000000009", {"jpg": _jpeg(9), "json": b"{}"}))  # caption missing
+    samples.append(("000000010", {"txt": b"no image", "json": b"{}"}))  # image missing
+    _write(tmp_path / "00000.tar", samples)
+    return tmp_path
+
+
+def test_drop_counters(ray_local, bad_shard):
+    name = "test-report-drops"
+    report = shards.report_actor(name)
+    rows = _read(str(bad_shard), name)
+    assert sorted(r["key"] for r in rows) == [f"{i:09d}" for i in range(6)]
+    assert rows[0]["image"].shape == (3, 32, 32) and rows[0]["image"].dtype == np.uint8
+    assert rows[0]["input_ids"].shape == (16,) and rows[0]["input_ids"][0] == 101  # [CLS]
+    counts = ray.get(report.snapshot.remote())["counts"]
+    assert counts == {"samples_seen": 11, "samples_kept": 6, "dropped_corrupt_image": 1,
+                      "dropped_empty_caption": 1, "dropped_non_utf8_caption": 1, "dropped_missing_caption": 1,
+                      "dropped_missing_image": 1}
+
+
+def test_truncated_shard_costs_only_its_tail(ray_local, demo_dir, tmp_path):
+    whole = (demo_dir / "train" / "00000.tar").read_bytes()
+    (tmp_path / "00000.tar").write_bytes(whole[: len(whole) // 2 + 777])  # cut inside a member
+    (tmp_path / "00001.tar").write_bytes((demo_dir / "train" / "00001.tar").read_bytes())
+    name = "test-report-truncated"
+    report = shards.report_actor(name)
+    rows = _read(str(tmp_path), name)
+    snap = ray.get(report.snapshot.remote())
+    keys = {r["key"] for r in rows}
+    assert {f"00001{i:04d}" for i in range(128)} <= keys  # the intact shard is read completely
+    from_cut = sorted(k for k in keys if k.startswith("00000"))
+    assert 55 <= len(from_cut) < 128 and from_cut == [f"00000{i:04d}" for i in range(len(from_cut))]
+    (path, why), = snap["bad_shards"].items()
+    assert path.endswith("00000.tar") and "after" in why
+    assert snap["counts"]["samples_kept"] == len(rows)
+
+
+def test_eval_rows_carry_class_and_center_crop(ray_local, demo_dir):
+    rows = _read(str(demo_dir / "eval"), None, train=False)
+    assert len(rows) == 64
+    again = {r["key"]: r["image"] for r in _read(str(demo_dir / "eval"), None, train=False)}
+    assert all(np.array_equal(r["image"], again[r["key"]]) for r in rows)  # deterministic centre crop
+    meta = {json.loads(x)["key"] for x in (demo_dir / "paraphrases.jsonl").read_text().splitlines()}
+    assert {r["key"] for r in rows} == meta
+    assert all(r["cls"] >= 0 for r in rows)
+
+
+def test_missing_shards_is_a_clear_error(tmp_path):
+    with pytest.raises(shards.DataPlaneError, match="no .tar shards"):
+        shards.resolve_shards(str(tmp_path / "nothing-here"))
