@@ -126,7 +126,7 @@ class TrainConfig:
     """checkpoints kept in the run directory."""
     max_failures: int = 1
     """worker-group restarts Ray Train may do from the latest checkpoint."""
-    storage_path: str = "runs"
+    storage_path: str = "~/rayvl-runs"
     """where runs are stored (local path or fsspec URL)."""
     run_name: str = ""
     """run directory name ('' = <recipe>-<timestamp>)."""

@@ -20,7 +20,7 @@ def ray_local():
     # workers unpickle train functions defined in test modules: they must be able to import them
     tests = os.path.dirname(os.path.abspath(__file__))
     env = {**WORKER_ENV, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": env})
+    ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={"env_vars": env})
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield ray
     ray.shutdown()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import small_config
+from rayvl.train.engine import lr_lambda
 from rayvl.train.trainer import train
 
 
@@ -21,7 +22,8 @@ def test_zero_stage_trains_two_workers(ray_local, demo_dir, tmp_path, stage):
     history = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == [1, 2, 3]
     assert all(math.isfinite(h["loss"]) for h in history)
-    assert history[0]["lr"] < history[1]["lr"]  # warm-up then cosine
+    schedule = lr_lambda(cfg.train.warmup_steps, cfg.train.max_steps)  # warm-up then cosine, stepped per step
+    assert [h["lr"] for h in history] == pytest.approx([cfg.train.lr * schedule(s) for s in (1, 2, 3)])
     assert result.metrics["samples_kept"] > 0 and "zeroshot_top1" in result.metrics
     files = _ds_files(Path(result.checkpoint_dir))
     if stage >= 1:  # every rank's optimizer partition is in the one checkpoint (Ray merged both ranks' files)

@@ -55,7 +55,9 @@ def connect(cfg: RayvlConfig) -> bool:
     if address:
         ray.init(address=address, log_to_driver=True)
         return False
-    ray.init(num_cpus=cfg.local_num_cpus or None, runtime_env={"env_vars": WORKER_ENV})
+    # "local": start a fresh Ray even if a `ray start` cluster runs on this machine; joining one is explicit
+    # (ray_address / RAY_ADDRESS, which `ray job submit` sets for its driver)
+    ray.init(address="local", num_cpus=cfg.local_num_cpus or None, runtime_env={"env_vars": WORKER_ENV})
     return True
 
 
