@@ -55,3 +55,12 @@ def test_deterministic(tmp_path):
     b = write_demo(tmp_path / "b", samples=20, eval_samples=5, seed=3)
     assert (a / "train" / "00000.tar").read_bytes() == (b / "train" / "00000.tar").read_bytes()
     assert (a / "paraphrases.jsonl").read_text() == (b / "paraphrases.jsonl").read_text()
+
+
+def test_cli_writes_demo(tmp_path):
+    from rayvl.cli import main
+
+    assert main(["data", "demo", "--out", str(tmp_path / "d"), "--samples", "30", "--eval-samples", "4",
+                 "--shard-size", "16"]) == 0
+    assert sorted(p.name for p in (tmp_path / "d" / "train").glob("*.tar")) == ["00000.tar", "00001.tar"]
+    assert (tmp_path / "d" / "classes.json").exists() and (tmp_path / "d" / "paraphrases.jsonl").exists()

@@ -11,16 +11,24 @@ from rayvl.train.checkpoint import latest_checkpoint_dir
 from rayvl.train.trainer import train
 
 
-def _kill_one_worker_after_first_checkpoint(run_dir: Path, killed: list, stop: threading.Event):
-    from ray.util.state import list_actors
+def _train_worker_pids() -> list[int]:
+    """Ray titles actor processes "ray::<Class>.<method>"; the session's Ray is the only one running."""
+    import psutil
 
+    pids = []
+    for p in psutil.process_iter(["cmdline"]):
+        if any("ray::RayTrainWorker" in part for part in (p.info["cmdline"] or [])):
+            pids.append(p.pid)
+    return sorted(pids)
+
+
+def _kill_one_worker_after_first_checkpoint(run_dir: Path, killed: list, stop: threading.Event):
     while not stop.is_set():
         if latest_checkpoint_dir(run_dir) is not None:
-            workers = [a for a in list_actors(filters=[("state", "=", "ALIVE")])
-                       if a.class_name == "RayTrainWorker"]
-            if workers:
-                os.kill(workers[-1].pid, signal.SIGKILL)
-                killed.append(workers[-1].pid)
+            pids = _train_worker_pids()
+            if pids:
+                os.kill(pids[-1], signal.SIGKILL)
+                killed.append(pids[-1])
                 return
         time.sleep(0.2)
 
