@@ -7,7 +7,8 @@ PY := $(VENV)/bin/python
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # pip warns once per package about this machine's unused local index folders; keep the log readable
-QUIET := grep -v "is ignored: it is neither a file nor a directory" || true
+# (grep exits 1 when it prints nothing; pip's own failure still fails the recipe through pipefail)
+QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 TORCHVISION := torchvision==0.28.0
 
 .PHONY: install demo test benchmark clean

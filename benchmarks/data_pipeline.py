@@ -6,9 +6,7 @@ reader of the same shards doing the same per-sample work. Both are measured in t
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -23,33 +21,22 @@ from rayvl.data.demo import write_demo  # noqa: E402
 
 
 def plain_reader(paths, kw) -> int:
-    """tarfile + the same preprocess function, one process, one batch at a time."""
-    n, batch = 0, {"key": [], "jpg": [], "txt": [], "json": []}
-
-    def flush():
-        nonlocal n, batch
-        n += len(shards.preprocess(batch, **kw)["key"])
-        batch = {k: [] for k in batch}
-
+    """The same tar parse and preprocess function, one process, one batch at a time."""
+    n = 0
+    batch: list[dict] = []
     for path in paths:
-        current = {}
-        with tarfile.open(path, "r|*") as tar:
-            for m in tar:
-                stem, _, ext = os.path.basename(m.name).partition(".")
-                if current and current["key"] != stem:
-                    for k in batch:
-                        batch[k].append(current.get(k))
-                    current = {}
-                    if len(batch["key"]) == kw_batch:
-                        flush()
-                current.setdefault("key", stem)
-                current[ext] = tar.extractfile(m).read()
-        if current:
-            for k in batch:
-                batch[k].append(current.get(k))
-    if batch["key"]:
-        flush()
-    return n
+        with open(path, "rb") as f:
+            for sample in shards.iter_tar_samples(f):
+                batch.append(sample)
+                if len(batch) == kw_batch:
+                    n += _preprocess(batch, kw)
+                    batch = []
+    return n + (_preprocess(batch, kw) if batch else 0)
+
+
+def _preprocess(samples: list[dict], kw) -> int:
+    batch = {c: [s.get(c) for s in samples] for c in shards.COLUMNS}
+    return len(shards.preprocess(batch, **kw)["key"])
 
 
 kw_batch = 64

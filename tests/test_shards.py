@@ -74,7 +74,7 @@ def test_truncated_shard_costs_only_its_tail(ray_local, demo_dir, tmp_path):
     assert 55 <= len(from_cut) < 128 and from_cut == [f"00000{i:04d}" for i in range(len(from_cut))]
     (path, why), = snap["bad_shards"].items()
     assert path.endswith("00000.tar") and "after" in why
-    assert snap["counts"]["samples_kept"] == len(rows)
+    assert snap["counts"]["samples_kept"] == len(rows) and snap["counts"]["truncated_shards"] == 1
 
 
 def test_eval_rows_carry_class_and_center_crop(ray_local, demo_dir):

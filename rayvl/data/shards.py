@@ -101,32 +101,39 @@ class Img2DatasetShards(FileBasedDatasource):
 
     def _read_stream(self, f, path: str) -> Iterator[pa.Table]:
         rows: list[dict] = []
-        current: dict = {}
         read = 0
         try:
-            with tarfile.open(fileobj=f, mode="r|*") as tar:
-                for member in tar:
-                    if not member.isreg():
-                        continue
-                    stem, _, ext = os.path.basename(member.name).partition(".")
-                    if current and current["key"] != stem:
-                        rows.append(current)
-                        current = {}
-                    current.setdefault("key", stem)
-                    if ext in COLUMNS:
-                        current[ext] = tar.extractfile(member).read()
-                    if len(rows) >= ROWS_PER_BLOCK:
-                        read += len(rows)
-                        yield _table(rows)
-                        rows = []
-            if current:
-                rows.append(current)
+            for sample in iter_tar_samples(f):
+                rows.append(sample)
+                if len(rows) >= ROWS_PER_BLOCK:
+                    read += len(rows)
+                    yield _table(rows)
+                    rows = []
         except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
-            # A truncated shard costs only its own bad tail: the incomplete sample in `current` is dropped.
-            _send(self.report_name, {"dropped_truncated_shard_tail": 1 if current else 0},
+            # A damaged shard costs only its own bad tail (at most the one sample being read when it broke).
+            _send(self.report_name, {"truncated_shards": 1},
                   (path, f"{type(e).__name__}: {e} after {read + len(rows)} samples"))
         if rows:
             yield _table(rows)
+
+
+def iter_tar_samples(f) -> Iterator[dict]:
+    """Samples of an img2dataset tar stream: {"key", "jpg", "txt", "json"} bytes, members grouped by key (img2dataset
+    writes a sample's members next to each other). Raises on a damaged stream; the incomplete sample is lost."""
+    current: dict = {}
+    with tarfile.open(fileobj=f, mode="r|*") as tar:
+        for member in tar:
+            if not member.isreg():
+                continue
+            stem, _, ext = os.path.basename(member.name).partition(".")
+            if current and current["key"] != stem:
+                yield current
+                current = {}
+            current.setdefault("key", stem)
+            if ext in COLUMNS:
+                current[ext] = tar.extractfile(member).read()
+    if current:
+        yield current
 
 
 def _table(rows: list[dict]) -> pa.Table:

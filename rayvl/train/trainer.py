@@ -181,6 +181,6 @@ def format_data_report(report: dict) -> str:
     lines = [f"samples seen {counts.get('samples_seen', 0)}, kept {counts.get('samples_kept', 0)} "
              f"(all passes over the data; img2dataset lists {report.get('img2dataset_successes_per_pass')} "
              f"successful samples per pass)"]
-    lines += [f"  {k}: {v}" for k, v in sorted(counts.items()) if k.startswith("dropped")]
+    lines += [f"  {k}: {v}" for k, v in sorted(counts.items()) if k not in ("samples_seen", "samples_kept")]
     lines += [f"  bad shard {path}: {why}" for path, why in report.get("bad_shards", {}).items()]
     return "\n".join(lines)
