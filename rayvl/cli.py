@@ -58,6 +58,39 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> int:
     return 0
 
 
+def eval_main(args) -> int:
+    import json
+
+    import ray
+
+    from rayvl.eval.embed import resolve_checkpoint
+    from rayvl.eval.runner import TASKS, default_sources, format_tables, run_eval
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    bad = [t for t in tasks if t not in TASKS]
+    if bad:
+        print(f"--tasks: unknown {bad} (known: {', '.join(TASKS)})", file=sys.stderr)
+        return 2
+    try:
+        ckpt = resolve_checkpoint(args.checkpoint)
+        config = json.loads((ckpt / "rayvl.json").read_text())["config"]
+        sources = default_sources(config, args.data, args.kind, args.classes, args.paraphrases, args.sts)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"rayvl eval: {e}", file=sys.stderr)
+        return 2
+    if not ray.is_initialized():
+        import os
+
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    results = run_eval(str(ckpt), tasks, sources, args.out or None, actors=args.actors,
+                       cpus_per_actor=args.cpus_per_actor, k=args.k, limit=args.limit)
+    print(f"checkpoint {ckpt}\ndata {sources.data} ({sources.kind})")
+    print(format_tables(results))
+    print(f"\nresults: {Path(args.out) if args.out else ckpt.parent / 'eval'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rayvl")
     sub = p.add_subparsers(dest="command", required=True)
@@ -70,6 +103,20 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--eval-samples", type=int, default=500)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--shard-size", type=int, default=1000)
+    e = sub.add_parser("eval", help="evaluate a checkpoint: zero-shot, retrieval, paraphrase, STS, linear probe")
+    e.add_argument("--checkpoint", required=True, help="a checkpoint directory or a run directory (its latest)")
+    e.add_argument("--tasks", default="zeroshot,retrieval,paraphrase,sts,linear_probe")
+    e.add_argument("--data", default="", help="img2dataset shards, an ImageFolder tree or Fashion-MNIST IDX files "
+                                              "(default: the checkpoint's held-out data)")
+    e.add_argument("--kind", default="auto", choices=["auto", "shards", "imagefolder", "fashion-mnist"])
+    e.add_argument("--classes", default="", help="JSON {classes, templates} for zero-shot")
+    e.add_argument("--paraphrases", default="", help="JSON lines {caption, paraphrase[, expansions]}")
+    e.add_argument("--sts", default="", help="TSV sentence1, sentence2, score")
+    e.add_argument("--out", default="", help="output directory (default: <run>/eval)")
+    e.add_argument("--actors", type=int, default=1, help="embedding actors (Ray Data actor pool size)")
+    e.add_argument("--cpus-per-actor", type=float, default=0.5)
+    e.add_argument("--k", type=int, default=10, help="k of AO@k / JS@k")
+    e.add_argument("--limit", type=int, default=0, help="use only the first N Fashion-MNIST images")
     a = sub.add_parser("assets", help="offline assets").add_subparsers(dest="assets_command", required=True)
     a.add_parser("fetch", help="unpack Debian data packages (Fashion-MNIST) into the environment")
     a.add_parser("check", help="verify that the pretrained towers load offline")
@@ -78,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         argv = list(argv if argv is not None else sys.argv[1:])[1:]
         return run_recipe(args.config, argv)
+    if args.command == "eval":
+        return eval_main(args)
     if args.command == "data":
         from rayvl.data.demo import write_demo
 

@@ -28,6 +28,10 @@ class DataConfig:
     """held-out img2dataset shards for evaluation ('' = the demo's held-out split next to ``train``)."""
     classes: str = ""
     """zero-shot class list + prompt templates (JSON: {"classes": [...], "templates": [...]}; '' = the demo's)."""
+    paraphrases: str = ""
+    """paraphrase pairs over the eval images (JSON lines: caption, paraphrase; '' = the demo's)."""
+    sts: str = ""
+    """STS sentence pairs (TSV: sentence1, sentence2, score; '' = the demo's)."""
     demo_dir: str = "~/.cache/rayvl/demo"
     """where the embedded demo dataset is written when ``train`` is empty."""
     demo_samples: int = 4000
@@ -140,8 +144,10 @@ class TrainConfig:
 class EvalConfig:
     every_steps: int = 0
     """run the evaluation tasks every N steps during training (0 = only at the end)."""
-    tasks: list[str] = field(default_factory=lambda: ["zeroshot", "retrieval"])
-    """evaluation tasks run in training."""
+    tasks: list[str] = field(default_factory=lambda: ["zeroshot", "retrieval", "paraphrase", "sts"])
+    """evaluation tasks run in training (the linear probe runs in `rayvl eval`)."""
+    paraphrase_k: int = 10
+    """k of AO@k / JS@k (seed 002 §3 uses 10)."""
     batch_size: int = 128
     """images/texts per forward pass during evaluation."""
 
@@ -164,7 +170,7 @@ class RayvlConfig:
         return dataclasses.asdict(self)
 
 
-EVAL_TASKS = ("zeroshot", "retrieval")
+EVAL_TASKS = ("zeroshot", "retrieval", "paraphrase", "sts")
 
 
 # ----------------------------------------------------------------------------- typed construction
@@ -311,6 +317,9 @@ def validate(cfg: RayvlConfig) -> None:
             f"got {m.init_logit_scale}"
         )
     for i, task in enumerate(cfg.eval.tasks):
+        if task == "linear_probe":
+            raise ConfigError(f"eval.tasks[{i}]: linear_probe fits a classifier and runs in `rayvl eval`, "
+                              f"not inside training")
         if task not in EVAL_TASKS:
             raise ConfigError(f"eval.tasks[{i}]: unknown task {task!r} (known: {', '.join(EVAL_TASKS)})")
     if cfg.eval.every_steps < 0:

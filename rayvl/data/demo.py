@@ -7,7 +7,8 @@ The output is read by exactly the code that reads LAION shards:
     OUT/train/00000.tar (KEY.jpg KEY.txt KEY.json) 00000.parquet 00000_stats.json ...
     OUT/eval/...            held-out scenes, one object each (json carries the class id for zero-shot)
     OUT/classes.json        class names + prompt templates for zero-shot
-    OUT/paraphrases.jsonl   (key, caption, paraphrase) for the held-out images: synonym + rephrasing pairs
+    OUT/paraphrases.jsonl   (key, caption, paraphrase, 3 expansions) for the held-out images: synonym + rephrasing
+    OUT/sts.tsv             sentence1, sentence2, gold score 0-5 (paraphrases 5; else the share of scene attributes)
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ COLORS = {
     "purple": (140, 50, 180), "orange": (245, 140, 30), "black": (25, 25, 25), "white": (245, 245, 245),
 }
 SIZES = {"small": (10, 15), "large": (22, 30)}
+FORMAT = 2  # bump when the files written change, so ensure_demo regenerates older demo folders
 TEMPLATES = ["a photo of a {}.", "a picture of a {}.", "an image of a {}.", "a drawing of a {}.",
              "a {} on a plain background.", "there is a {} in the picture."]
 
@@ -184,12 +186,26 @@ def write_split(out: Path, n: int, seed: int, single_object: bool, shard_size: i
         rows.append({"key": key, "url": f"demo://{seed}/{i}", "caption": text, "status": "success",
                      "error_message": None, "width": 112, "height": 112, "original_width": 112,
                      "original_height": 112, "exif": "{}", "sha256": hashlib.sha256(jpg).hexdigest(),
-                     "cls": SHAPES.index(objects[0].shape), "jpg": jpg})
+                     "cls": SHAPES.index(objects[0].shape),
+                     "objects": [[o.shape, o.color, o.size, o.position] for o in objects], "jpg": jpg})
         if paraphrases is not None:
-            paraphrases.append({"key": key, "caption": text, "paraphrase": paraphrase(text, rng)})
+            paraphrases.append({"key": key, "caption": text, "paraphrase": paraphrase(text, rng),
+                                "expansions": [paraphrase(text, rng) for _ in range(3)],
+                                "objects": rows[-1]["objects"]})
         if len(rows) == shard_size or i == n - 1:
             _write_shard(out, shard_id, rows, started)
             rows, shard_id, started = [], shard_id + 1, time.time()
+
+
+def write_sts(path: Path, pairs: list[dict], rng: np.random.Generator, n_random: int = 300) -> None:
+    """Sentence pairs with graded gold similarity: a caption and its paraphrase score 5; two captions of different
+    single-object scenes score 5 × (shared attributes among shape, colour, size, position) / 4."""
+    rows = [(p["caption"], p["paraphrase"], 5.0) for p in pairs[: len(pairs) // 2]]
+    for _ in range(n_random):
+        a, b = rng.choice(len(pairs), size=2, replace=False)
+        shared = sum(x == y for x, y in zip(pairs[a]["objects"][0], pairs[b]["objects"][0]))
+        rows.append((pairs[a]["caption"], pairs[b]["caption"], 5.0 * shared / 4))
+    path.write_text("sentence1\tsentence2\tscore\n" + "".join(f"{a}\t{b}\t{s:.2f}\n" for a, b, s in rows))
 
 
 def write_demo(out: str | Path, samples: int = 6000, eval_samples: int = 500, seed: int = 0,
@@ -203,8 +219,10 @@ def write_demo(out: str | Path, samples: int = 6000, eval_samples: int = 500, se
                 paraphrases=pairs)
     (out / "classes.json").write_text(json.dumps({"classes": SHAPES, "templates": TEMPLATES}, indent=2))
     with open(out / "paraphrases.jsonl", "w") as f:
-        f.writelines(json.dumps(p) + "\n" for p in pairs)
-    (out / "DONE.json").write_text(json.dumps({"samples": samples, "eval_samples": eval_samples, "seed": seed}))
+        f.writelines(json.dumps({k: v for k, v in p.items() if k != "objects"}) + "\n" for p in pairs)
+    write_sts(out / "sts.tsv", pairs, np.random.default_rng(seed + 7))
+    (out / "DONE.json").write_text(json.dumps({"samples": samples, "eval_samples": eval_samples, "seed": seed,
+                                               "format": FORMAT}))
     return out
 
 
@@ -212,7 +230,7 @@ def ensure_demo(out: str | Path, samples: int, eval_samples: int, seed: int = 0)
     """Generate the demo dataset unless the same one is already there."""
     out = Path(out).expanduser()
     done = out / "DONE.json"
-    want = {"samples": samples, "eval_samples": eval_samples, "seed": seed}
+    want = {"samples": samples, "eval_samples": eval_samples, "seed": seed, "format": FORMAT}
     if done.exists() and json.loads(done.read_text()) == want:
         return out
     return write_demo(out, samples, eval_samples, seed)

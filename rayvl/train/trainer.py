@@ -33,18 +33,23 @@ class RunResult:
     data_report: dict
 
 
-def resolve_data(cfg: RayvlConfig) -> tuple[str, str, str]:
-    """(train shards, eval shards, classes file); generates the embedded demo dataset when none is given."""
+def resolve_data(cfg: RayvlConfig) -> tuple[str, str, dict]:
+    """(train shards, eval shards, eval files); generates the embedded demo dataset when no data is given."""
     d = cfg.data
-    train, evalset, classes = d.train, d.eval, d.classes
+    train, evalset = d.train, d.eval
+    files = {"classes_file": d.classes, "paraphrases_file": d.paraphrases, "sts_file": d.sts}
     if not train:
         root = ensure_demo(d.demo_dir, d.demo_samples, d.demo_eval_samples, seed=cfg.train.seed)
         train = str(root / "train")
         evalset = evalset or str(root / "eval")
-        classes = classes or str(root / "classes.json")
-    if classes and not Path(classes).expanduser().is_file():
-        raise ConfigError(f"data.classes: {classes!r} does not exist")
-    return train, evalset, str(Path(classes).expanduser()) if classes else ""
+        for key, name in (("classes_file", "classes.json"), ("paraphrases_file", "paraphrases.jsonl"),
+                          ("sts_file", "sts.tsv")):
+            files[key] = files[key] or str(root / name)
+    for key, value in files.items():
+        if value and not Path(value).expanduser().is_file():
+            field = {"classes_file": "classes", "paraphrases_file": "paraphrases", "sts_file": "sts"}[key]
+            raise ConfigError(f"data.{field}: {value!r} does not exist")
+    return train, evalset, {k: str(Path(v).expanduser()) if v else "" for k, v in files.items()}
 
 
 def connect(cfg: RayvlConfig) -> bool:
@@ -109,7 +114,7 @@ def build_datasets(cfg: RayvlConfig, train: str, evalset: str, report_name: str)
 
 def train(cfg: RayvlConfig) -> RunResult:
     """Run one training job end to end and return where everything is."""
-    train_data, eval_data, classes_file = resolve_data(cfg)
+    train_data, eval_data, eval_files = resolve_data(cfg)
     storage, name = run_paths(cfg)
     connect(cfg)
     ray.data.DataContext.get_current().enable_progress_bars = False  # per-operator bars flood job logs
@@ -121,7 +126,7 @@ def train(cfg: RayvlConfig) -> RunResult:
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
-            "rayvl": cfg.to_dict(), "report_name": report_name, "classes_file": classes_file,
+            "rayvl": cfg.to_dict(), "report_name": report_name, **eval_files,
             "tokenizer_path": str(assets.text_model_path(cfg.model.text)),
         },
         scaling_config=ScalingConfig(num_workers=t.num_workers, use_gpu=t.use_gpu,
@@ -149,7 +154,8 @@ def finish(run_dir: Path, result, data_report: dict) -> RunResult:
         history = Path(checkpoint_dir) / "metrics.jsonl"
         if history.exists():
             (run_dir / "metrics.jsonl").write_text(history.read_text())
-    evals = {k: v for k, v in metrics.items() if k.startswith(("zeroshot", "t2i", "i2t", "eval_"))}
+    evals = {k: v for k, v in metrics.items() if k.startswith(("zeroshot", "t2i", "i2t", "eval_", "paraphrase",
+                                                                 "sts", "retrieval"))}
     (run_dir / "eval.json").write_text(json.dumps(evals, indent=2))
     (run_dir / "data_report.json").write_text(json.dumps(data_report, indent=2))
     return RunResult(run_dir, checkpoint_dir, metrics, data_report)
@@ -172,6 +178,14 @@ def format_eval_table(metrics: dict) -> str:
             if key in metrics:
                 rows.append((f"{label} R@{k} ({metrics.get('eval_images', '?')} pairs)", f"{metrics[key]:.1f}",
                              f"{metrics[f'{direction}_chance_R@{k}']:.1f}"))
+    k = next((key.split("@")[1] for key in metrics if key.startswith("paraphrase_AO@")), None)
+    if k:
+        rows.append((f"paraphrase AO@{k} ({metrics['paraphrase_pairs']} pairs)",
+                     f"{metrics[f'paraphrase_AO@{k}']:.1f}", "-"))
+        rows.append((f"paraphrase JS@{k}", f"{metrics[f'paraphrase_JS@{k}']:.1f}", "-"))
+    if "sts_spearman" in metrics:
+        rows.append((f"STS Spearman ({metrics['sts_pairs']} pairs)", f"{metrics['sts_spearman']:.1f}", "0.0"))
+        rows.append(("STS Pearson", f"{metrics['sts_pearson']:.1f}", "0.0"))
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{a:<{width}}  {b:>8}  {c:>8}" for a, b, c in rows)
 

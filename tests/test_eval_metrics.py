@@ -1,0 +1,100 @@
+"""Every evaluation metric against small hand-computed cases; faiss against brute force."""
+import numpy as np
+import pytest
+import torch
+
+from rayvl.eval.knn import top_k
+from rayvl.eval.linear_probe import linear_probe, split_indices
+from rayvl.eval.paraphrase import average_overlap, expand_queries, jaccard, paraphrase_metrics
+from rayvl.eval.retrieval import retrieval_metrics, retrieval_metrics_bruteforce
+from rayvl.eval.sts import read_sts, sts_metrics
+from rayvl.eval.zeroshot import zeroshot_metrics
+
+
+def test_average_overlap_and_jaccard_by_hand():
+    # d=1: {1}∩{2}=0; d=2: {1,2}∩{2,1}=2 → 2/2; d=3: {1,2,3}∩{2,1,4}=2 → 2/3
+    assert average_overlap([1, 2, 3], [2, 1, 4], 3) == pytest.approx((0 + 1 + 2 / 3) / 3)
+    assert jaccard([1, 2, 3], [2, 1, 4], 3) == pytest.approx(2 / 4)
+    assert average_overlap([5, 6, 7], [5, 6, 7], 3) == 1.0 and jaccard([5, 6, 7], [7, 6, 5], 3) == 1.0
+    assert average_overlap([1, 2, 3], [4, 5, 6], 3) == 0.0 and jaccard([1, 2, 3], [4, 5, 6], 3) == 0.0
+    # same set, reversed order: JS is order-blind, AO is top-weighted
+    assert jaccard([1, 2], [2, 1], 2) == 1.0 and average_overlap([1, 2], [2, 1], 2) == pytest.approx(0.5)
+
+
+def test_paraphrase_metrics_on_a_gallery():
+    gallery = np.eye(4, dtype=np.float32)
+    q = np.array([[1, 0.5, 0.2, 0], [0, 0, 1, 0.1]], np.float32)
+    p = np.array([[1, 0.5, 0.2, 0], [0, 1, 0, 0.5]], np.float32)  # pair 1 identical, pair 2 disagrees at the top
+    # rankings: q1=p1=[0,1,2,3]; q2=[2,3,0,1] vs p2=[1,3,0,2]
+    r = paraphrase_metrics(gallery, q, p, k=2)
+    ao2 = (0 / 1 + 1 / 2) / 2  # d=1: {2}∩{1}=0; d=2: {2,3}∩{1,3}=1 → 1/2
+    assert r["paraphrase_AO@2"] == pytest.approx(100 * (1 + ao2) / 2)
+    assert r["paraphrase_JS@2"] == pytest.approx(100 * (1 + 1 / 3) / 2)
+
+
+def test_query_expansion_is_eq5_average():
+    q = np.array([[1.0, 0.0]])
+    e = np.array([[[0.0, 1.0], [1.0, 1.0], [0.0, 0.0]]])
+    z = expand_queries(q, e)  # (q + Σe)/(K+1) = (2, 2)/4 → normalised
+    np.testing.assert_allclose(z, [[2 ** -0.5, 2 ** -0.5]])
+
+
+def test_recall_with_several_captions_per_image():
+    img = np.array([[1, 0, 0], [0, 1, 0], [0, 0, 1]], np.float32)
+    txt = np.array([[0.9, 0.1, 0], [0.6, 0.8, 0], [0.1, 0.9, 0], [0.7, 0, 0.3], [0.8, 0.6, 0]], np.float32)
+    owner = np.array([0, 0, 1, 2, 1])
+    r = retrieval_metrics(img, txt, owner, ks=(1, 2))
+    # t2i top-1: t0→img0 ✓, t1→img1 ✗, t2→img1 ✓, t3→img0 ✗, t4→img0 ✗ ; top-2 adds t1 ✓, t3 (img0, img2) ✓, t4 ✓
+    assert r["t2i_R@1"] == pytest.approx(40.0) and r["t2i_R@2"] == pytest.approx(100.0)
+    # i2t top-1: img0→t0 (own) ✓; img1→t2 (own) ✓; img2→t3 (own) ✓
+    assert r["i2t_R@1"] == pytest.approx(100.0)
+    bf = retrieval_metrics_bruteforce(img, txt, owner, ks=(1, 2))
+    assert all(bf[k] == pytest.approx(r[k]) for k in bf)
+
+
+def test_faiss_agrees_with_bruteforce():
+    rng = np.random.default_rng(0)
+    img = rng.normal(size=(200, 16)).astype(np.float32)
+    txt = rng.normal(size=(500, 16)).astype(np.float32)
+    owner = rng.integers(0, 200, size=500)
+    owner[:200] = np.arange(200)  # every image has at least one caption
+    fast, slow = retrieval_metrics(img, txt, owner), retrieval_metrics_bruteforce(img, txt, owner)
+    assert all(fast[k] == pytest.approx(slow[k]) for k in slow)
+    scores, idx = top_k(img, txt[:7], 5)
+    ref = np.argsort(-(txt[:7] @ img.T), axis=1)[:, :5]
+    np.testing.assert_array_equal(idx, ref)
+
+
+def test_zeroshot_per_class_recall_by_hand():
+    classes = torch.eye(3)
+    images = torch.tensor([[1, 0, 0], [1, 0, 0], [0, 1, 0], [1, 0, 0], [0, 0, 1.0]])
+    labels = torch.tensor([0, 0, 1, 1, 2])  # predictions 0,0,1,0,2 → class recalls 1, 1/2, 1
+    r = zeroshot_metrics(images, labels, classes)
+    assert r["zeroshot_top1"] == pytest.approx(80.0)
+    assert r["zeroshot_mean_per_class_recall"] == pytest.approx(100 * (1 + 0.5 + 1) / 3)
+    assert r["zeroshot_chance_top1"] == pytest.approx(100 / 3)
+
+
+def test_sts_metrics_and_reader(tmp_path):
+    f = tmp_path / "sts.tsv"
+    f.write_text("sentence1\tsentence2\tscore\na\tb\t1.0\nc\td\t3.0\ne\tf\t2.0\nbroken row\n")
+    s1, s2, gold = read_sts(f)
+    assert s1 == ["a", "c", "e"] and gold.tolist() == [1.0, 3.0, 2.0]
+    e1 = np.array([[1, 0], [1, 0], [1, 0]], float)
+    e2 = np.array([[0.2, 1], [1, 0.1], [1, 0.6]], float)  # cosines rise with gold: 1 < 2 < 3
+    r = sts_metrics(e1, e2, gold)
+    assert r["sts_spearman"] == pytest.approx(100.0)
+    cos = np.array([0.2 / np.hypot(0.2, 1), 1 / np.hypot(1, 0.1), 1 / np.hypot(1, 0.6)])
+    assert r["sts_pearson"] == pytest.approx(100 * np.corrcoef(cos, gold)[0, 1])
+
+
+def test_linear_probe_separable_and_stratified():
+    rng = np.random.default_rng(0)
+    y = np.repeat(np.arange(4), 50)
+    x = rng.normal(size=(200, 8)) + 4 * np.eye(4, 8)[y]
+    tr, va, te = split_indices(y)
+    assert len(set(tr) | set(va) | set(te)) == 200 and not (set(tr) & set(te))
+    assert np.bincount(y[te]).tolist() == [10, 10, 10, 10]
+    r = linear_probe(x[tr], y[tr], x[va], y[va], x[te], y[te])
+    assert r["linear_probe_top1"] > 95 and r["linear_probe_C"] in (0.01, 0.1, 1.0, 10.0, 100.0)
+    assert r["linear_probe_chance_top1"] == 25.0
