@@ -63,8 +63,10 @@ def report_actor(name: str):
 
 
 def _send(report_name: str | None, counts: dict, bad_shard=None) -> None:
+    # waited for (one round trip per batch): the counts are recorded before the batch they describe is emitted,
+    # so whoever has consumed the data also sees its counts — a fire-and-forget call could still be in flight
     if report_name:
-        report_actor(report_name).add.remote(counts, bad_shard)
+        ray.get(report_actor(report_name).add.remote(counts, bad_shard))
 
 
 # ----------------------------------------------------------------------------- reading

@@ -66,16 +66,18 @@ def connect(cfg: RayvlConfig) -> bool:
     return True
 
 
-def check_resources(cfg: RayvlConfig) -> None:
-    """Ray Train workers must leave CPUs for Ray Data, else the pipeline starves silently (DESIGN)."""
+def check_resources(cfg: RayvlConfig, fixed_size: bool) -> None:
+    """Ray Train workers must leave CPUs for Ray Data, else the pipeline starves silently (DESIGN). On a Ray we
+    started ourselves the size is final, so too few CPUs is an error; a cluster may still autoscale, so a warning."""
     t, d = cfg.train, cfg.data
     total = ray.cluster_resources().get("CPU", 0)
     need = t.num_workers * t.cpus_per_worker + d.read_cpus
     if need > total:
-        raise ConfigError(
-            f"train.num_workers × train.cpus_per_worker + data.read_cpus = {need:g} CPUs, but the cluster has "
-            f"{total:g}: Ray Data would starve. Lower train.cpus_per_worker or data.read_cpus."
-        )
+        message = (f"train.num_workers × train.cpus_per_worker + data.read_cpus = {need:g} CPUs, but the cluster "
+                   f"has {total:g}: Ray Data would starve. Lower train.cpus_per_worker or data.read_cpus.")
+        if fixed_size:
+            raise ConfigError(message)
+        print(f"rayvl: warning: {message} (waiting for the autoscaler)")
     if t.use_gpu and ray.cluster_resources().get("GPU", 0) < t.num_workers:
         print(f"rayvl: waiting for {t.num_workers} GPUs (cluster has "
               f"{ray.cluster_resources().get('GPU', 0):g}; the autoscaler may add them)")
@@ -116,9 +118,9 @@ def train(cfg: RayvlConfig) -> RunResult:
     """Run one training job end to end and return where everything is."""
     train_data, eval_data, eval_files = resolve_data(cfg)
     storage, name = run_paths(cfg)
-    connect(cfg)
+    started_here = connect(cfg)
     ray.data.DataContext.get_current().enable_progress_bars = False  # per-operator bars flood job logs
-    check_resources(cfg)
+    check_resources(cfg, fixed_size=started_here)
     report_name = f"rayvl-data-report-{name}-{uuid.uuid4().hex[:8]}"
     report = shards.report_actor(report_name)
     datasets = build_datasets(cfg, train_data, eval_data, report_name)
