@@ -50,6 +50,7 @@ def test_rayvl_eval_prints_every_task(ray_local, checkpoint, tmp_path, capsys):
     results = json.loads((tmp_path / "out" / "eval.json").read_text())
     assert results["retrieval"]["retrieval_images"] == 64 and results["paraphrase"]["paraphrase_pairs"] == 64
     assert "skipped" not in results
+    assert results["data"]["samples_seen"] == results["data"]["samples_kept"] == 64
     assert (tmp_path / "out" / "image_embeddings.npy").exists()
 
 

@@ -26,6 +26,7 @@ def test_zero_stage_trains_two_workers(ray_local, demo_dir, tmp_path, stage):
     schedule = lr_lambda(cfg.train.warmup_steps, cfg.train.max_steps)  # warm-up then cosine, stepped per step
     assert [h["lr"] for h in history] == pytest.approx([cfg.train.lr * schedule(s) for s in (1, 2, 3)])
     assert result.metrics["samples_kept"] > 0
+    assert result.data_report["eval"]["counts"]["samples_kept"] == 2 * 64  # each rank reads the held-out split
     for key in ("zeroshot_top1", "t2i_R@10", "paraphrase_AO@10", "paraphrase_JS@10", "sts_spearman"):
         assert key in result.metrics
     files = _ds_files(Path(result.checkpoint_dir))

@@ -5,6 +5,7 @@ Each task writes ``<out>/<task>.json``; embeddings are saved as ``.npy`` next to
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 
 from rayvl import assets
 from rayvl.config import from_dict
+from rayvl.data.shards import report_actor
 from rayvl.data.text import tokenize
 from rayvl.eval import datasets
 from rayvl.eval.embed import ImageEmbedder, TextEmbedder, embed, load_model, resolve_checkpoint
@@ -69,8 +71,11 @@ def run_eval(checkpoint: str, tasks=TASKS, sources: Sources | None = None, out: 
     results: dict = {}
 
     if sources.kind == "shards":
+        report_name = f"rayvl-eval-report-{uuid.uuid4().hex[:8]}"
+        report = report_actor(report_name)  # owned by this driver; counts the samples dropped while reading
         data = datasets.load_shards(sources.data, cfg.data.image_size, tok_path, cfg.data.max_text_tokens,
-                                    cpus_per_actor)
+                                    cpus_per_actor, report_name)
+        results["data"] = ray.get(report.snapshot.remote())["counts"]
     elif sources.kind == "imagefolder":
         data = datasets.load_imagefolder(sources.data, cfg.data.image_size, cpus_per_actor)
     else:
@@ -125,8 +130,9 @@ def run_eval(checkpoint: str, tasks=TASKS, sources: Sources | None = None, out: 
         results["linear_probe"] = linear_probe(x[tr], y[tr], x[va], y[va], x[te], y[te])
 
     for task, metrics in results.items():
-        (out / f"{task}.json").write_text(json.dumps(metrics, indent=2))
-    skipped = [t for t in tasks if t not in results]
+        if task in TASKS:
+            (out / f"{task}.json").write_text(json.dumps(metrics, indent=2))
+    skipped = [t for t in tasks if t not in results]  # "data" (read counts) is not a task
     if skipped:
         results["skipped"] = {t: _why_skipped(t, data, sources) for t in skipped}
     (out / "eval.json").write_text(json.dumps(results, indent=2))

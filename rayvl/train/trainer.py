@@ -108,9 +108,9 @@ def build_datasets(cfg: RayvlConfig, train: str, evalset: str, report_name: str)
     datasets = {"train": shards.read_shards(train, train=True, shuffle_files=cfg.data.shuffle_files, **common)
                 .select_columns(TRAIN_COLUMNS)}
     if cfg.eval.tasks and evalset:
-        # evaluation images are counted in the same report only if they are dropped; keep them apart
+        # held-out samples are counted in their own report, so training counts stay per pass over training data
         datasets["eval"] = shards.read_shards(evalset, train=False, shuffle_files=False,
-                                              **{**common, "report_name": None})
+                                              **{**common, "report_name": f"{report_name}-eval"})
     return datasets
 
 
@@ -122,7 +122,7 @@ def train(cfg: RayvlConfig) -> RunResult:
     ray.data.DataContext.get_current().enable_progress_bars = False  # per-operator bars flood job logs
     check_resources(cfg, fixed_size=started_here)
     report_name = f"rayvl-data-report-{name}-{uuid.uuid4().hex[:8]}"
-    report = shards.report_actor(report_name)
+    report, eval_report = shards.report_actor(report_name), shards.report_actor(f"{report_name}-eval")
     datasets = build_datasets(cfg, train_data, eval_data, report_name)
     t = cfg.train
     trainer = TorchTrainer(
@@ -143,7 +143,8 @@ def train(cfg: RayvlConfig) -> RunResult:
     )
     expected = shards.expected_samples(train_data)
     result = trainer.fit()
-    data_report = {**ray.get(report.snapshot.remote()), "img2dataset_successes_per_pass": expected}
+    data_report = {**ray.get(report.snapshot.remote()), "img2dataset_successes_per_pass": expected,
+                   "eval": ray.get(eval_report.snapshot.remote())}
     return finish(Path(storage) / name if "://" not in storage else Path(name), result, data_report)
 
 
@@ -192,11 +193,19 @@ def format_eval_table(metrics: dict) -> str:
     return "\n".join(f"{a:<{width}}  {b:>8}  {c:>8}" for a, b, c in rows)
 
 
+def _drop_lines(report: dict) -> list[str]:
+    counts = report.get("counts", {})
+    lines = [f"  {k}: {v}" for k, v in sorted(counts.items()) if k not in ("samples_seen", "samples_kept")]
+    return lines + [f"  bad shard {path}: {why}" for path, why in report.get("bad_shards", {}).items()]
+
+
 def format_data_report(report: dict) -> str:
     counts = report.get("counts", {})
-    lines = [f"samples seen {counts.get('samples_seen', 0)}, kept {counts.get('samples_kept', 0)} "
+    lines = [f"training: seen {counts.get('samples_seen', 0)}, kept {counts.get('samples_kept', 0)} "
              f"(all passes over the data; img2dataset lists {report.get('img2dataset_successes_per_pass')} "
-             f"successful samples per pass)"]
-    lines += [f"  {k}: {v}" for k, v in sorted(counts.items()) if k not in ("samples_seen", "samples_kept")]
-    lines += [f"  bad shard {path}: {why}" for path, why in report.get("bad_shards", {}).items()]
+             f"successful samples per pass)", *_drop_lines(report)]
+    if "eval" in report:
+        held = report["eval"].get("counts", {})
+        lines += [f"held-out: seen {held.get('samples_seen', 0)}, kept {held.get('samples_kept', 0)} "
+                  f"(every rank reads the whole held-out split)", *_drop_lines(report["eval"])]
     return "\n".join(lines)
