@@ -79,8 +79,9 @@ def embed(ds: ray.data.Dataset, embedder: type, checkpoint: str, *, actors: int,
           batch_size: int, out: Path | None = None) -> np.ndarray:
     """Embeddings of every row of ``ds`` (which has an ``index`` column 0..N-1), in index order."""
     # enough blocks that every actor of the pool gets work (an eval split is often a single shard = one block)
-    result = ds.repartition(actors * 4).map_batches(embedder, fn_constructor_kwargs={"checkpoint": str(checkpoint)}, concurrency=actors,
-                            num_cpus=cpus_per_actor, batch_size=batch_size, batch_format="numpy")
+    result = ds.repartition(actors * 4).map_batches(
+        embedder, fn_constructor_kwargs={"checkpoint": str(checkpoint)}, concurrency=actors, num_cpus=cpus_per_actor,
+        batch_size=batch_size, batch_format="numpy")
     index, chunks = [], []
     for batch in result.iter_batches(batch_size=None, batch_format="numpy"):
         index.append(batch["index"])

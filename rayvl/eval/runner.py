@@ -149,10 +149,11 @@ def format_tables(results: dict) -> str:
     lines = []
     for task, metrics in results.items():
         if task == "skipped":
-            lines += [f"\n== skipped ==", *[f"{t}: {why}" for t, why in metrics.items()]]
+            lines += ["\n== skipped ==", *[f"{t}: {why}" for t, why in metrics.items()]]
             continue
         lines.append(f"\n== {task} ==")
         width = max(len(k) for k in metrics)
         for key, value in metrics.items():
-            lines.append(f"{key:<{width}}  {value:>8.2f}" if isinstance(value, float) else f"{key:<{width}}  {value:>8}")
+            shown = f"{value:>8.2f}" if isinstance(value, float) else f"{value:>8}"
+            lines.append(f"{key:<{width}}  {shown}")
     return "\n".join(lines)

@@ -131,8 +131,9 @@ def train(cfg: RayvlConfig) -> RunResult:
             "rayvl": cfg.to_dict(), "report_name": report_name, **eval_files,
             "tokenizer_path": str(assets.text_model_path(cfg.model.text)),
         },
-        scaling_config=ScalingConfig(num_workers=t.num_workers, use_gpu=t.use_gpu,
-                                     resources_per_worker={"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {})}),
+        scaling_config=ScalingConfig(
+            num_workers=t.num_workers, use_gpu=t.use_gpu,
+            resources_per_worker={"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {})}),
         run_config=RunConfig(
             name=name, storage_path=storage,
             checkpoint_config=CheckpointConfig(num_to_keep=t.checkpoints_to_keep),
