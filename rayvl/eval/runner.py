@@ -26,6 +26,9 @@ from rayvl.eval.sts import read_sts, sts_metrics
 from rayvl.eval.zeroshot import class_embeddings, zeroshot_metrics
 
 TASKS = ("zeroshot", "retrieval", "paraphrase", "sts", "linear_probe")
+SKIP_REASONS = {"zeroshot": "no class names or labels", "retrieval": "the data has no captions",
+                "paraphrase": "no paraphrase file", "sts": "no STS file",
+                "linear_probe": "fewer than 10 labelled images"}
 
 
 @dataclass
@@ -134,15 +137,9 @@ def run_eval(checkpoint: str, tasks=TASKS, sources: Sources | None = None, out: 
             (out / f"{task}.json").write_text(json.dumps(metrics, indent=2))
     skipped = [t for t in tasks if t not in results]  # "data" (read counts) is not a task
     if skipped:
-        results["skipped"] = {t: _why_skipped(t, data, sources) for t in skipped}
+        results["skipped"] = {t: SKIP_REASONS[t] for t in skipped}
     (out / "eval.json").write_text(json.dumps(results, indent=2))
     return results
-
-
-def _why_skipped(task: str, data, sources: Sources) -> str:
-    return {"zeroshot": "no class names or labels", "retrieval": "the data has no captions",
-            "paraphrase": "no paraphrase file", "sts": "no STS file",
-            "linear_probe": "fewer than 10 labelled images"}[task]
 
 
 def format_tables(results: dict) -> str:
