@@ -35,6 +35,8 @@ test: install
 
 benchmark: install
 	$(PY) benchmarks/data_pipeline.py
+	$(PY) benchmarks/bow.py
+	$(PY) benchmarks/sampler.py
 
 clean:
 	rm -rf $(VENV)

@@ -122,7 +122,38 @@ def data_root() -> Path:
     return Path(os.environ.get("RAYVL_ASSETS", Path(sys.prefix) / "share" / "rayvl"))
 
 
-DEBIAN_PACKAGES = {"dataset-fashion-mnist": "usr/share/datasets/fashion-mnist"}
+DEBIAN_PACKAGES = {"dataset-fashion-mnist": "usr/share/datasets/fashion-mnist",
+                   "wordnet-base": "nltk_data/corpora/wordnet/data.noun",
+                   "wordnet-sense-index": "nltk_data/corpora/wordnet/index.sense"}
+# nltk 3.10 reads corpora only from real folders under nltk.data.path (a symlink is refused), so the Debian files
+# are moved from usr/share/wordnet into an nltk_data tree
+WORDNET_DIR = "nltk_data/corpora/wordnet"
+
+
+def nltk_data_dir() -> Path | None:
+    """The nltk_data folder holding WordNet 3.0 (Debian wordnet-base) after ``rayvl assets fetch``."""
+    path = data_root() / WORDNET_DIR
+    return data_root() / "nltk_data" if (path / "data.noun").exists() and (path / "lexnames").exists() else None
+
+
+def _arrange_wordnet(root: Path) -> None:
+    """Move Debian's WordNet files into root/nltk_data/corpora/wordnet and add the ``lexnames`` file nltk needs:
+    Debian lacks it but ships its man page lexnames(5WN), whose table lists every lexicographer file (number,
+    name); the syntactic category column follows from the name (wninput(5WN))."""
+    import re
+
+    debian, target = root / "usr/share/wordnet", root / WORDNET_DIR
+    target.mkdir(parents=True, exist_ok=True)
+    for f in debian.glob("*") if debian.is_dir() else []:
+        shutil.move(str(f), str(target / f.name))
+    man = root / "usr/share/man/man5/lexnames.5WN.gz"
+    if (target / "lexnames").exists() or not man.exists():
+        return
+    category = {"noun": 1, "verb": 2, "adj": 3, "adv": 4}
+    rows = re.findall(r"^(\d\d)\t((noun|verb|adj|adv)\.\w+)", gzip.open(man, "rt").read(), flags=re.M)
+    if len(rows) != 45:  # WordNet 3.0 has 45 lexicographer files
+        raise RuntimeError(f"{man}: expected 45 lexicographer files, found {len(rows)}")
+    (target / "lexnames").write_text("".join(f"{n}\t{name}\t{category[pos]}\n" for n, name, pos in rows))
 
 
 def fashion_mnist_dir() -> Path | None:
@@ -152,6 +183,8 @@ def fetch_debian_packages(names=tuple(DEBIAN_PACKAGES)) -> list[str]:
             root.mkdir(parents=True, exist_ok=True)
             subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(root)], check=True)
             done.append(name)
+    if any(n.startswith("wordnet") for n in done):
+        _arrange_wordnet(root)
     return done
 
 

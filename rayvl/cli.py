@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -58,6 +59,57 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> int:
     return 0
 
 
+def run_comparison(default_config: str, variants: dict[str, list[str]], rows: list[tuple[str, str, str]],
+                   argv: list[str] | None = None, defaults=None, after=None) -> int:
+    """Train the same recipe once per variant (same data, seed and steps; each variant adds its own --set
+    overrides) and print the evaluations side by side. ``rows``: (label, metric key, format).
+    ``defaults(args)`` may return overrides applied before the user's --set (e.g. a demo data split);
+    ``after(result)`` may return more metrics for a finished run (e.g. a second evaluation set)."""
+    import time
+
+    p = argparse.ArgumentParser(description=f"rayvl comparison {Path(default_config).stem}: {', '.join(variants)}")
+    add_train_args(p, default_config)
+    args = p.parse_args(argv)
+    try:
+        configs = {}
+        base = defaults(args) if defaults else []
+        for name, overrides in variants.items():
+            args_v = argparse.Namespace(**{**vars(args), "set": base + list(args.set) + overrides})
+            configs[name] = config_from_args(args_v)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    from rayvl.train.trainer import caption_stats, format_data_report, train
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    results = {}
+    for name, cfg in configs.items():
+        cfg.train.run_name = f"{cfg.train.run_name or cfg.recipe + '-' + stamp}-{name}"
+        print(f"\n== {name}: training {cfg.train.run_name} ==", flush=True)
+        try:
+            result = train(cfg)
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
+        print(format_data_report(result.data_report))
+        results[name] = {**result.metrics, **caption_stats(result.data_report["counts"]),
+                         **(after(result) if after else {}), "run_dir": str(result.run_dir)}
+    print(f"\n== {Path(default_config).stem}: held-out evaluation side by side ==")
+    print(format_side_by_side(results, rows))
+    for name, r in results.items():
+        print(f"{name}: {r['run_dir']}")
+    return 0
+
+
+def format_side_by_side(results: dict[str, dict], rows: list[tuple[str, str, str]]) -> str:
+    names = list(results)
+    table = [("", *names)] + [(label, *(format(results[n][key], fmt) if key in results[n] else "-" for n in names))
+                              for label, key, fmt in rows]
+    width = max(len(r[0]) for r in table)
+    cols = [max(len(r[i]) for r in table) for i in range(1, len(names) + 1)]
+    return "\n".join(f"{r[0]:<{width}}  " + "  ".join(f"{v:>{c}}" for v, c in zip(r[1:], cols)) for r in table)
+
+
 def eval_main(args) -> int:
     import json
 
@@ -79,8 +131,6 @@ def eval_main(args) -> int:
         print(f"rayvl eval: {e}", file=sys.stderr)
         return 2
     if not ray.is_initialized():
-        import os
-
         ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
     results = run_eval(str(ckpt), tasks, sources, args.out or None, actors=args.actors,
@@ -89,6 +139,81 @@ def eval_main(args) -> int:
     print(format_tables(results))
     print(f"\nresults: {Path(args.out) if args.out else ckpt.parent / 'eval'}")
     return 0
+
+
+def bow_preview(args) -> int:
+    """The configured cascade on the first N captions: what a user reads before committing to a BoW run."""
+    import tempfile
+
+    from rayvl.data import bow
+    from rayvl.data.shards import DataPlaneError, iter_tar_samples, resolve_shards
+    from rayvl.data.text import validate_caption
+
+    try:
+        cfg = load_config(args.config, list(args.set))
+        data = args.data
+        if not data:
+            from rayvl.data.demo import ensure_demo
+
+            data = str(ensure_demo(cfg.data.demo_dir, cfg.data.demo_samples, cfg.data.demo_eval_samples,
+                                   seed=cfg.train.seed) / "train")
+        paths = resolve_shards(data)
+    except (ConfigError, DataPlaneError) as e:
+        print(f"rayvl bow preview: {e}", file=sys.stderr)
+        return 2
+    ops = bow.parse_ops(cfg.bow.ops)
+    stats = None
+    if bow.needs_stats(ops):
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False,
+                     logging_level="ERROR", log_to_driver=False)
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        path = args.stats or str(Path(tempfile.mkdtemp()) / "bow_stats.json")
+        try:
+            stats, reused = bow.load_or_compute(data, path, seed=cfg.bow.seed, fraction=cfg.bow.base_fraction,
+                                                read_cpus=cfg.data.read_cpus)
+        except bow.BowStatsMismatch as e:
+            print(f"rayvl bow preview: {e}", file=sys.stderr)
+            return 2
+        print(f"statistics {'reused' if reused else 'computed'}: {stats.base_captions} base captions of "
+              f"{stats.captions}, base vocabulary {len(stats.df)} words"
+              + (f", saved to {path}" if args.stats and not reused else ""))
+    deform = bow.Deformer(ops, cfg.bow.seed, cfg.bow.base_fraction, stats)
+    print(f"cascade: {' + '.join(op.name + (f'({op.arg})' if op.arg is not None else '') for op in ops)}; "
+          f"base split {cfg.bow.base_fraction:.0%}\n")
+    shown = before = after = emptied = 0
+    for path in paths:
+        with _open(path) as f:
+            for sample in iter_tar_samples(f, ("key", "txt")):
+                text, reason = validate_caption(sample.get("txt"))
+                if reason:
+                    continue
+                out, base = deform(sample["key"], text)
+                note = "  (base: intact)" if base else ("  (emptied: sample dropped)" if not out else "")
+                print(f"{sample['key']}: {text}\n{'':>{len(sample['key'])}}  → {out}{note}")
+                shown += 1
+                before += len(text.split())
+                after += len(out.split())
+                emptied += not out
+                if shown >= args.n:
+                    break
+        if shown >= args.n:
+            break
+    kept = max(1, shown - emptied)
+    print(f"\n{shown} captions: {before / max(1, shown):.1f} → {after / kept:.1f} words on average, "
+          f"{emptied} emptied")
+    return 0
+
+
+def _open(path: str):
+    if "://" not in path:
+        return open(path, "rb")
+    import pyarrow.fs as pafs
+
+    fs, inner = pafs.FileSystem.from_uri(path)
+    return fs.open_input_stream(inner)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +242,14 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--cpus-per-actor", type=float, default=0.5)
     e.add_argument("--k", type=int, default=10, help="k of AO@k / JS@k")
     e.add_argument("--limit", type=int, default=0, help="use only the first N Fashion-MNIST images")
+    b = sub.add_parser("bow", help="Bag-of-Words caption deformation").add_subparsers(dest="bow_command",
+                                                                                         required=True)
+    bp = b.add_parser("preview", help="print intact → deformed captions of the first N samples")
+    bp.add_argument("--data", default="", help="img2dataset shards (default: the embedded demo's training split)")
+    bp.add_argument("-n", type=int, default=20, help="samples to show")
+    bp.add_argument("--config", default=str(REPO / "configs" / "bow_pretrain.yaml"), help="recipe with a bow section")
+    bp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="e.g. --set 'bow.ops=[shuffle]'")
+    bp.add_argument("--stats", default="", help="statistics artifact to reuse or write (default: computed, not saved)")
     a = sub.add_parser("assets", help="offline assets").add_subparsers(dest="assets_command", required=True)
     a.add_parser("fetch", help="unpack Debian data packages (Fashion-MNIST) into the environment")
     a.add_parser("check", help="verify that the pretrained towers load offline")
@@ -127,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_recipe(args.config, argv)
     if args.command == "eval":
         return eval_main(args)
+    if args.command == "bow":
+        return bow_preview(args)
     if args.command == "data":
         from rayvl.data.demo import write_demo
 

@@ -59,6 +59,62 @@ class DataConfig:
 
 
 @dataclass
+class BowConfig:
+    """Bag-of-Words caption deformation of the training captions (seed bow-fistful-of-words §2.2)."""
+
+    enabled: bool = False
+    """deform the training captions (held-out captions always stay intact)."""
+    ops: list[Any] = field(default_factory=lambda: [dict(o) if isinstance(o, dict) else o for o in DEFAULT_BOW_OPS])
+    """the cascade, in order; Keep(n) must be last. Names: shuffle, rm_stop_nalpha, limit_to_base_vocab,
+    {rm_top_freq: t}, {keep: n}. Default: the paper's default BoW."""
+    base_fraction: float = 0.1
+    """share of captions kept intact (the "base" split, chosen by hashing the sample key); 0 = only BoW."""
+    seed: int = 0
+    """seed of the base split and of each caption's shuffle (hash of seed and sample key)."""
+    stats_path: str = ""
+    """base-split statistics artifact (JSON, local or URL); reused when its fingerprint matches the shards and
+    split, computed with Ray Data otherwise ('' = <run directory>/bow_stats.json)."""
+
+
+DEFAULT_BOW_OPS = ("shuffle", "rm_stop_nalpha", "limit_to_base_vocab", {"rm_top_freq": 1000}, {"keep": 4})
+
+
+@dataclass
+class TonicsConfig:
+    """TOnICS ontology-bucketed curriculum minibatches (seed tonics-curriculum §3, App. A)."""
+
+    enabled: bool = False
+    """draw each step's minibatch from the root (random) or from one object node (seed tonics §3)."""
+    classes: list[str] = field(default_factory=list)
+    """object classes: WordNet nouns ("dog": its first noun sense) or synset ids ("dog.n.01")."""
+    overrides: str = ""
+    """JSON file {noun: class} applied before WordNet (the paper corrects its noun→object mapping by hand)."""
+    tags_field: str = "objects"
+    """JSON metadata field with detector tags (strings, [label, ...] lists or {label|name|class: ...}); when a
+    sample has tags they are its objects, otherwise the caption's nouns are mapped through WordNet hypernyms."""
+    min_instances: int = 5000
+    """object classes with fewer training rows are dropped (paper: 5000 of 5.8M triplets)."""
+    buffer_rows: int = 2048
+    """rows each worker keeps in its bucket buffers."""
+    max_wait_rows: int = 4096
+    """rows a worker may read past its buffer looking for an object's rows before the fallback applies: the rest of
+    the micro-batch is filled with random rows, counted in tonics_fallback_rows."""
+    refresh_every: int = 5000
+    """steps between curriculum refreshes (paper: 5K)."""
+    refresh_instances: int = 100
+    """held-out instances (the first of the eval split) whose image retrieval decides a refresh (paper: 100)."""
+    threshold: float = 90.0
+    """refresh when held-out text→image R@1 (%) is at least this (paper: 90)."""
+    alpha: float = 0.9
+    """P_S(root) ← α·P_S(root) at a refresh (paper: 0.9)."""
+    beta: float = 0.2
+    """floor of P_S(root) (paper: 0.2)."""
+    counts_path: str = ""
+    """per-class row counts |X(η_o)| (JSON artifact, Ray Data aggregation); reused when its fingerprint matches
+    ('' = <run directory>/tonics_counts.json)."""
+
+
+@dataclass
 class ModelConfig:
     vision: str = "efficientnet-lite0"
     """image tower: a rayvl asset name or any timm model name."""
@@ -161,6 +217,8 @@ class RayvlConfig:
     local_num_cpus: int = 0
     """CPUs of a local Ray started on demand (0 = all)."""
     data: DataConfig = field(default_factory=DataConfig)
+    bow: BowConfig = field(default_factory=BowConfig)
+    tonics: TonicsConfig = field(default_factory=TonicsConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -322,5 +380,43 @@ def validate(cfg: RayvlConfig) -> None:
                               f"not inside training")
         if task not in EVAL_TASKS:
             raise ConfigError(f"eval.tasks[{i}]: unknown task {task!r} (known: {', '.join(EVAL_TASKS)})")
+    _validate_bow(cfg.bow)
+    _validate_tonics(cfg.tonics, cfg)
     if cfg.eval.every_steps < 0:
         raise ConfigError(f"eval.every_steps: must be ≥ 0, got {cfg.eval.every_steps}")
+
+
+def _validate_bow(b: BowConfig) -> None:
+    from rayvl.data.bow import needs_stats, parse_ops
+
+    try:
+        ops = parse_ops(b.ops)
+    except ValueError as e:
+        raise ConfigError(f"bow.ops{e}") from None
+    if not 0.0 <= b.base_fraction < 1.0:
+        raise ConfigError(f"bow.base_fraction: must be in [0, 1), got {b.base_fraction}")
+    if b.base_fraction == 0.0 and needs_stats(ops):
+        raise ConfigError("bow.base_fraction: limit_to_base_vocab / rm_top_freq need a base split (> 0)")
+
+
+def _validate_tonics(x: TonicsConfig, cfg: RayvlConfig) -> None:
+    if not x.enabled:
+        return
+    if not x.classes:
+        raise ConfigError("tonics.classes: TOnICS needs object classes (WordNet nouns or synset ids)")
+    if x.overrides and not Path(x.overrides).expanduser().is_file():
+        raise ConfigError(f"tonics.overrides: {x.overrides!r} does not exist")
+    if not 0.0 < x.alpha < 1.0:
+        raise ConfigError(f"tonics.alpha: must be in (0, 1), got {x.alpha}")
+    if not 0.0 <= x.beta <= 1.0:
+        raise ConfigError(f"tonics.beta: must be in [0, 1], got {x.beta}")
+    for name in ("refresh_every", "refresh_instances", "buffer_rows", "min_instances"):
+        if getattr(x, name) < 1:
+            raise ConfigError(f"tonics.{name}: must be ≥ 1, got {getattr(x, name)}")
+    if x.buffer_rows < cfg.train.micro_batch_size:
+        raise ConfigError(f"tonics.buffer_rows: {x.buffer_rows} cannot hold one micro-batch of "
+                          f"train.micro_batch_size={cfg.train.micro_batch_size}")
+    if x.max_wait_rows < 0:
+        raise ConfigError(f"tonics.max_wait_rows: must be ≥ 0, got {x.max_wait_rows}")
+    if not cfg.eval.tasks:
+        raise ConfigError("eval.tasks: the TOnICS curriculum refresh needs the held-out split (eval.tasks empty)")

@@ -9,7 +9,8 @@ import torch
 
 from conftest import small_config
 from rayvl.train.engine import lr_lambda
-from rayvl.train.trainer import train
+from rayvl.data.demo import SHAPES
+from rayvl.train.trainer import format_data_report, train
 
 
 def _ds_files(ckpt: Path) -> list[str]:
@@ -18,8 +19,17 @@ def _ds_files(ckpt: Path) -> list[str]:
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_stage_trains_two_workers(ray_local, demo_dir, tmp_path, stage):
-    cfg = small_config(demo_dir, tmp_path, f"train.zero_stage={stage}")
+    # stage 1 also trains on BoW captions (seed bow §2.2): statistics pass + deformation inside the real pipeline
+    bow = ["bow.enabled=true", "bow.ops=[shuffle, rm_stop_nalpha, limit_to_base_vocab, {rm_top_freq: 3}, {keep: 3}]"]
+    cfg = small_config(demo_dir, tmp_path, f"train.zero_stage={stage}", *(bow if stage == 1 else []))
     result = train(cfg)
+    captions = result.data_report["captions"]
+    if stage == 1:
+        assert (result.run_dir / "bow_stats.json").is_file()
+        assert captions["bow_avg_words_before"] > 8 and 3 <= captions["avg_caption_words"] < 4.5
+        assert 5 < captions["bow_base_share_pct"] < 20
+    else:
+        assert "bow_avg_words_before" not in captions and captions["avg_caption_words"] > 8
     history = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == [1, 2, 3]
     assert all(math.isfinite(h["loss"]) for h in history)
@@ -51,7 +61,7 @@ def _check_restore(config):
     cfg = from_dict(config["rayvl"])
     world = ray.train.get_context().get_world_size()
     engine = build_engine(build_model(cfg.model, seed=123), cfg, world)  # different init on purpose
-    step, history = checkpoint.restore(engine)
+    step, history, _ = checkpoint.restore(engine)
     restored = checkpoint.consolidated_state_dict(engine)
     if ray.train.get_context().get_world_rank() == 0:
         with ray.train.get_checkpoint().as_directory() as d:
@@ -67,7 +77,10 @@ def test_checkpoint_round_trip_and_resume(ray_local, demo_dir, tmp_path):
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    cfg = small_config(demo_dir, tmp_path, "train.zero_stage=3", "train.max_steps=2")
+    # with TOnICS refreshing at every step (threshold 0): P_S(root) = 0.8^step only if the curriculum resumes too
+    tonics = ["tonics.enabled=true", f"tonics.classes={json.dumps(SHAPES)}", "tonics.min_instances=20",
+              "tonics.refresh_every=1", "tonics.threshold=0", "tonics.alpha=0.8", "tonics.buffer_rows=64"]
+    cfg = small_config(demo_dir, tmp_path, "train.zero_stage=3", "train.max_steps=2", *tonics)
     first = train(cfg)
     assert json.loads((Path(first.checkpoint_dir) / "rayvl.json").read_text())["step"] == 2
 
@@ -79,10 +92,17 @@ def test_checkpoint_round_trip_and_resume(ray_local, demo_dir, tmp_path):
     assert restored == {"step": 2, "history_steps": [1, 2], "identical": True, "scheduler_steps": 2}
 
     with pytest.raises(Exception, match="already has checkpoints"):
-        train(small_config(demo_dir, tmp_path, "train.zero_stage=3", "train.max_steps=4"))
-    resumed = train(small_config(demo_dir, tmp_path, "train.zero_stage=3", "train.max_steps=4", "train.resume=true"))
+        train(small_config(demo_dir, tmp_path, "train.zero_stage=3", "train.max_steps=4", *tonics))
+    resumed = train(small_config(demo_dir, tmp_path, "train.zero_stage=3", "train.max_steps=4", "train.resume=true",
+                                 *tonics))
     history = [json.loads(x) for x in (resumed.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == [1, 2, 3, 4]  # continued at step 3, nothing repeated
+    assert [h["tonics_p_root"] for h in history] == pytest.approx([0.8, 0.64, 0.512, 0.4096])
+    assert [h["tonics_refreshes"] for h in history] == [1, 2, 3, 4]
+    last = history[-1]  # the sampler counts micro-batches since the resumed workers started: 2 steps × 2 ranks
+    assert last["tonics_node_root_batches"] + last["tonics_node_object_batches"] == 2 * 2
+    assert (resumed.run_dir / "tonics_counts.json").is_file()
+    assert "TOnICS:" in format_data_report(resumed.data_report)
     assert json.loads((Path(resumed.checkpoint_dir) / "rayvl.json").read_text())["step"] == 4
 
     # an intermediate checkpoint has no consolidated model.pt: `rayvl eval` rebuilds the weights from the ZeRO-3

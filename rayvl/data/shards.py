@@ -21,7 +21,9 @@ import pyarrow as pa
 import ray
 from ray.data.datasource import FileBasedDatasource
 
+from rayvl.data.bow import Deformer
 from rayvl.data.images import decode_and_crop
+from rayvl.data.ontology import Ontology
 from rayvl.data.text import tokenize, validate_caption
 
 COLUMNS = ("key", "jpg", "txt", "json")
@@ -97,29 +99,30 @@ class Img2DatasetShards(FileBasedDatasource):
 
     _FILE_EXTENSIONS = ["tar"]
 
-    def __init__(self, paths, report_name: str | None = None, **kwargs):
+    def __init__(self, paths, report_name: str | None = None, columns: tuple[str, ...] = COLUMNS, **kwargs):
         super().__init__(paths, **kwargs)
         self.report_name = report_name
+        self.columns = tuple(columns)  # e.g. ("key", "txt") for a caption-only pass: image bytes are not kept
 
     def _read_stream(self, f, path: str) -> Iterator[pa.Table]:
         rows: list[dict] = []
         read = 0
         try:
-            for sample in iter_tar_samples(f):
+            for sample in iter_tar_samples(f, self.columns):
                 rows.append(sample)
                 if len(rows) >= ROWS_PER_BLOCK:
                     read += len(rows)
-                    yield _table(rows)
+                    yield _table(rows, self.columns)
                     rows = []
         except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
             # A damaged shard costs only its own bad tail (at most the one sample being read when it broke).
             _send(self.report_name, {"truncated_shards": 1},
                   (path, f"{type(e).__name__}: {e} after {read + len(rows)} samples"))
         if rows:
-            yield _table(rows)
+            yield _table(rows, self.columns)
 
 
-def iter_tar_samples(f) -> Iterator[dict]:
+def iter_tar_samples(f, columns: tuple[str, ...] = COLUMNS) -> Iterator[dict]:
     """Samples of an img2dataset tar stream: {"key", "jpg", "txt", "json"} bytes, members grouped by key (img2dataset
     writes a sample's members next to each other). Raises on a damaged stream; the incomplete sample is lost."""
     current: dict = {}
@@ -132,51 +135,70 @@ def iter_tar_samples(f) -> Iterator[dict]:
                 yield current
                 current = {}
             current.setdefault("key", stem)
-            if ext in COLUMNS:
+            if ext in columns:
                 current[ext] = tar.extractfile(member).read()
     if current:
         yield current
 
 
-def _table(rows: list[dict]) -> pa.Table:
-    return pa.table({
-        "key": pa.array([r.get("key") for r in rows], pa.string()),
-        "jpg": pa.array([r.get("jpg") for r in rows], pa.binary()),
-        "txt": pa.array([r.get("txt") for r in rows], pa.binary()),
-        "json": pa.array([r.get("json") for r in rows], pa.binary()),
-    })
+def _table(rows: list[dict], columns: tuple[str, ...] = COLUMNS) -> pa.Table:
+    return pa.table({c: pa.array([r.get(c) for r in rows], pa.string() if c == "key" else pa.binary())
+                     for c in columns})
 
 
 # ----------------------------------------------------------------------------- decode, validate, tokenize
 
 def preprocess(batch: dict, *, image_size: int, crop_scale_min: float, train: bool, tokenizer_path: str,
-               max_tokens: int, report_name: str | None) -> dict:
-    """Raw rows → model inputs. Bad samples are dropped here and counted by reason in the run's DataReport."""
+               max_tokens: int, report_name: str | None, bow: Deformer | None = None,
+               ontology: Ontology | None = None) -> dict:
+    """Raw rows → model inputs. Bad samples are dropped here and counted by reason in the run's DataReport
+    (with caption statistics: words of kept captions, BoW counts).
+    With ``bow`` the caption is deformed (seed bow §2.2) before the image is decoded and before tokenisation;
+    a caption the cascade empties drops its sample (counted as dropped_bow_empty, as the paper removes them)."""
     import json
 
-    drops: Counter = Counter()
-    images, captions, keys, classes = [], [], [], []
+    counts: Counter = Counter()
+    images, captions, keys, classes, objects = [], [], [], [], []
     for key, jpg, txt, meta in zip(batch["key"], batch["jpg"], batch["txt"], batch["json"]):
         text, reason = validate_caption(txt)
         if reason:
-            drops[reason] += 1
+            counts[reason] += 1
             continue
+        if bow is not None:
+            counts["bow_captions_in"] += 1
+            counts["bow_words_in"] += len(text.split())
+            text, base = bow(key, text)
+            counts["bow_base_captions"] += base
+            if not text:
+                counts["dropped_bow_empty"] += 1
+                continue
         if jpg is None:
-            drops["dropped_missing_image"] += 1
+            counts["dropped_missing_image"] += 1
             continue
         image = decode_and_crop(jpg, image_size, crop_scale_min if train else None)
         if image is None:
-            drops["dropped_corrupt_image"] += 1
+            counts["dropped_corrupt_image"] += 1
             continue
         try:
             cls = int(json.loads(meta).get("cls", -1)) if meta else -1
         except (ValueError, TypeError, AttributeError):
             cls = -1
-        images.append(image)
-        captions.append(text)
-        keys.append(key)
-        classes.append(cls)
-    _send(report_name, {"samples_seen": len(batch["key"]), "samples_kept": len(keys), **drops})
+        counts["caption_words"] += len(text.split())
+        # TOnICS: one training row per (pair, aligned noun), seed tonics App. A.1; a pair without one is a
+        # single root-only row (object −1)
+        row_objects = ontology.row_objects(text, meta) if ontology is not None else [-1]
+        if ontology is not None and row_objects == [-1]:
+            counts["tonics_unaligned_pairs"] += 1
+        for obj in row_objects:
+            images.append(image)
+            captions.append(text)
+            keys.append(key)
+            classes.append(cls)
+            objects.append(obj)
+    samples_kept = len(set(keys)) if ontology is not None else len(keys)
+    if ontology is not None:
+        counts["tonics_rows"] += len(keys)
+    _send(report_name, {"samples_seen": len(batch["key"]), "samples_kept": samples_kept, **counts})
     ids, mask = tokenize(captions, tokenizer_path, max_tokens)
     size = (0, 3, image_size, image_size)
     return {
@@ -186,12 +208,14 @@ def preprocess(batch: dict, *, image_size: int, crop_scale_min: float, train: bo
         "key": np.array(keys, dtype=object),
         "caption": np.array(captions, dtype=object),
         "cls": np.array(classes, dtype=np.int64),
+        "object": np.array(objects, dtype=np.int64),
     }
 
 
 def read_shards(spec: str, *, image_size: int, crop_scale_min: float, train: bool, tokenizer_path: str,
                 max_tokens: int, read_cpus: float, transform_batch_size: int, shuffle_files: bool,
-                report_name: str | None) -> ray.data.Dataset:
+                report_name: str | None, bow: Deformer | None = None,
+                ontology: Ontology | None = None) -> ray.data.Dataset:
     """The streaming Ray Dataset of model inputs for a shard spec."""
     source = Img2DatasetShards(resolve_shards(spec), report_name=report_name,
                                shuffle="files" if shuffle_files else None)
@@ -199,7 +223,8 @@ def read_shards(spec: str, *, image_size: int, crop_scale_min: float, train: boo
     return ds.map_batches(
         preprocess, batch_size=transform_batch_size, batch_format="numpy", num_cpus=read_cpus,
         fn_kwargs=dict(image_size=image_size, crop_scale_min=crop_scale_min, train=train,
-                       tokenizer_path=tokenizer_path, max_tokens=max_tokens, report_name=report_name),
+                       tokenizer_path=tokenizer_path, max_tokens=max_tokens, report_name=report_name, bow=bow,
+                       ontology=ontology),
     )
 
 

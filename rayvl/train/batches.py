@@ -11,6 +11,8 @@ import threading
 import time
 from typing import Iterator
 
+import torch
+
 from rayvl.config import RayvlConfig
 from rayvl.data.shards import DataPlaneError
 
@@ -19,23 +21,68 @@ _END = object()
 
 
 def batch_stream(shard, cfg: RayvlConfig) -> Iterator[tuple[dict, float]]:
-    d, t = cfg.data, cfg.train
+    """(micro-batch of torch tensors, seconds waited for it), endlessly."""
+    t = cfg.train
+
+    def batches():
+        for batch in _epochs(lambda: shard.iter_torch_batches(
+                batch_size=t.micro_batch_size, drop_last=True, prefetch_batches=cfg.data.prefetch_batches,
+                local_shuffle_buffer_size=cfg.data.local_shuffle_buffer or None,
+                device="cuda" if t.use_gpu else "cpu")):
+            yield {k: batch[k] for k in TRAIN_COLUMNS}
+
+    return _prefetched(batches, cfg)
+
+
+class TonicsBatches:
+    """TOnICS micro-batches (rayvl.data.tonics.BucketSampler) over this rank's stream of rows with an "object"
+    column, as torch tensors, with the time spent waiting for the stream."""
+
+    def __init__(self, shard, cfg: RayvlConfig, rank: int):
+        from rayvl.data.tonics import BucketSampler
+
+        t, x = cfg.train, cfg.tonics
+        self.device = "cuda" if t.use_gpu else "cpu"
+        self.waited = 0.0
+        rows = _prefetched(lambda: _epochs(lambda: shard.iter_batches(
+            batch_size=t.micro_batch_size, batch_format="numpy", prefetch_batches=cfg.data.prefetch_batches,
+            local_shuffle_buffer_size=cfg.data.local_shuffle_buffer or None)), cfg)
+        self.sampler = BucketSampler(self._timed(rows), TRAIN_COLUMNS + ["object"], t.micro_batch_size,
+                                     x.buffer_rows, x.max_wait_rows, t.seed, rank)
+
+    def _timed(self, rows):
+        for item, waited in rows:
+            self.waited += waited
+            yield item
+
+    def next(self, node: int, step: int, micro: int) -> tuple[dict, float]:
+        before = self.waited
+        batch = self.sampler.batch(node, step, micro)
+        return {k: torch.from_numpy(v).to(self.device) for k, v in batch.items()}, self.waited - before
+
+
+def _epochs(iterate) -> Iterator:
+    """Epoch after epoch of a Ray Data iterator (streaming_split(equal=True) gives every rank the same count)."""
+    while True:
+        n = 0
+        for batch in iterate():
+            yield batch
+            n += 1
+        if n == 0:
+            raise DataPlaneError("an epoch produced no full batch: every sample was dropped or there are "
+                                 "fewer samples than train.micro_batch_size × train.num_workers")
+
+
+def _prefetched(make, cfg: RayvlConfig) -> Iterator[tuple[object, float]]:
+    """Items of ``make()`` produced by a thread; the consumer waits at most data.stall_timeout_s for each."""
+    d = cfg.data
     q: queue.Queue = queue.Queue(maxsize=max(1, d.prefetch_batches))
     failure: list[BaseException] = []
 
     def produce():
         try:
-            while True:  # epochs; streaming_split(equal=True) gives every rank the same number of batches
-                n = 0
-                for batch in shard.iter_torch_batches(
-                        batch_size=t.micro_batch_size, drop_last=True, prefetch_batches=d.prefetch_batches,
-                        local_shuffle_buffer_size=d.local_shuffle_buffer or None,
-                        device="cuda" if t.use_gpu else "cpu"):
-                    q.put({k: batch[k] for k in TRAIN_COLUMNS})
-                    n += 1
-                if n == 0:
-                    raise DataPlaneError("an epoch produced no full batch: every sample was dropped or there are "
-                                         "fewer samples than train.micro_batch_size × train.num_workers")
+            for item in make():
+                q.put(item)
         except BaseException as e:  # handed to the training thread, which raises it
             failure.append(e)
             q.put(_END)

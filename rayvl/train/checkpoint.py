@@ -35,10 +35,11 @@ def consolidated_state_dict(engine) -> dict | None:
 
 
 @contextmanager
-def saved(engine, step: int, history: list, config: dict, final: bool):
-    """Write this rank's part of the checkpoint into a temporary directory and yield it as a Checkpoint."""
+def saved(engine, step: int, history: list, config: dict, final: bool, extra: dict | None = None):
+    """Write this rank's part of the checkpoint into a temporary directory and yield it as a Checkpoint.
+    ``extra`` (e.g. the TOnICS curriculum) rides in DeepSpeed's client state of every rank."""
     with tempfile.TemporaryDirectory(prefix="rayvl-ckpt-") as tmp:
-        engine.save_checkpoint(tmp, tag=TAG, client_state={"step": step})
+        engine.save_checkpoint(tmp, tag=TAG, client_state={"step": step, **(extra or {})})
         state = consolidated_state_dict(engine) if final else None
         if torch.distributed.get_rank() == 0:
             (Path(tmp) / META_FILE).write_text(json.dumps({"step": step, "config": config, "final": final}))
@@ -49,17 +50,17 @@ def saved(engine, step: int, history: list, config: dict, final: bool):
         yield ray.train.Checkpoint.from_directory(tmp)
 
 
-def restore(engine) -> tuple[int, list]:
-    """(step to continue from, metric history) from Ray Train's checkpoint, or (0, []) on a fresh run."""
+def restore(engine) -> tuple[int, list, dict]:
+    """(step to continue from, metric history, client state) from Ray Train's checkpoint; (0, [], {}) when fresh."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        return 0, []
+        return 0, [], {}
     with checkpoint.as_directory() as d:
         _, client_state = engine.load_checkpoint(d, tag=TAG, load_optimizer_states=True,
                                                  load_lr_scheduler_states=True)
         history_file = Path(d) / "metrics.jsonl"
         history = [json.loads(x) for x in history_file.read_text().splitlines()] if history_file.exists() else []
-    return int(client_state["step"]), history
+    return int(client_state["step"]), history, client_state
 
 
 def latest_checkpoint_dir(run_dir: str | os.PathLike) -> Path | None:

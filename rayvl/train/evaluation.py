@@ -107,3 +107,19 @@ def evaluate(model, data: EvalSet, cfg: RayvlConfig, rank: int, world: int) -> d
         out.update(sts_metrics(texts(s1).numpy(), texts(s2).numpy(), gold))
     model.train(was_training)
     return out
+
+
+@torch.no_grad()
+def held_out_retrieval(model, data: EvalSet, n: int, cfg: RayvlConfig, rank: int, world: int) -> float:
+    """Text→image R@1 (%) over the first n held-out instances: TOnICS' refresh signal (seed tonics §3, App. A.2:
+    100 instances). Split across ranks and gathered, so every rank gets the same number."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    n, bs = min(n, len(data.images)), cfg.eval.batch_size
+    ids, mask = data.captions
+    image_emb = _split_embed(lambda j: model.encode_image(t(data.images[j])), n, rank, world, bs)
+    text_emb = _split_embed(lambda j: model.encode_text(t(ids[j]), t(mask[j])), n, rank, world, bs)
+    model.train(was_training)
+    return retrieval_metrics(image_emb, text_emb, np.arange(n), ks=(1,))["t2i_R@1"]

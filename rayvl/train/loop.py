@@ -8,11 +8,12 @@ import ray.train
 import torch
 
 from rayvl.config import from_dict
+from rayvl.data.tonics import Curriculum
 from rayvl.losses import clip_loss
 from rayvl.models.dual_encoder import build_model
 from rayvl.train import checkpoint
-from rayvl.train.batches import batch_stream
-from rayvl.train.evaluation import EvalSet, evaluate
+from rayvl.train.batches import TonicsBatches, batch_stream
+from rayvl.train.evaluation import EvalSet, evaluate, held_out_retrieval
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -23,15 +24,25 @@ def train_loop_per_worker(config: dict) -> None:
     from rayvl.train.engine import build_engine
 
     engine = build_engine(build_model(cfg.model, cfg.train.seed), cfg, world)
-    step, history = checkpoint.restore(engine)
-    batches = batch_stream(ray.train.get_dataset_shard("train"), cfg)
+    step, history, client_state = checkpoint.restore(engine)
+    shard = ray.train.get_dataset_shard("train")
+    curriculum = None
+    if cfg.tonics.enabled:  # seed tonics §3: the node of each step, drawn identically on every rank
+        x = cfg.tonics
+        curriculum = Curriculum(config["tonics_sizes"], x.alpha, x.beta, x.threshold, cfg.train.seed)
+        if "tonics" in client_state:
+            curriculum.load_state_dict(client_state["tonics"])
+        source = TonicsBatches(shard, cfg, rank)
+    else:
+        batches = batch_stream(shard, cfg)
     eval_set = EvalSet.load(ray.train.get_dataset_shard("eval"), config, cfg) if cfg.eval.tasks else None
     report_name = config.get("report_name")
     window = _new_window()
 
     while step < cfg.train.max_steps:
-        for _ in range(cfg.train.grad_accumulation):
-            batch, waited = next(batches)
+        node = curriculum.node(step + 1) if curriculum else None
+        for micro in range(cfg.train.grad_accumulation):
+            batch, waited = source.next(node, step + 1, micro) if curriculum else next(batches)
             image_features, text_features, scale = engine(batch["image"], batch["input_ids"],
                                                           batch["attention_mask"])
             loss = clip_loss(image_features, text_features, scale, cfg.loss.gather_with_grad)
@@ -44,20 +55,48 @@ def train_loop_per_worker(config: dict) -> None:
         window["steps"] += 1
 
         last = step == cfg.train.max_steps
+        do_refresh = curriculum is not None and step % cfg.tonics.refresh_every == 0
+        if do_refresh:
+            accuracy = held_out_retrieval(engine.module, eval_set, cfg.tonics.refresh_instances, cfg, rank, world)
+            refreshed = curriculum.update(step, accuracy)
+            if rank == 0:
+                print(f"rayvl: TOnICS step {step}: held-out t2i R@1 {accuracy:.1f}% "
+                      f"{'≥' if refreshed else '<'} {cfg.tonics.threshold:g}% → P_S(root) {curriculum.p[0]:.3f}"
+                      f"{' (refreshed)' if refreshed else ''}", flush=True)
         do_eval = eval_set is not None and (last or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0))
         do_ckpt = last or step % cfg.train.checkpoint_every == 0
-        if not (do_eval or do_ckpt or step % cfg.train.log_every == 0):
+        if not (do_eval or do_ckpt or do_refresh or step % cfg.train.log_every == 0):
             continue
         metrics = _window_metrics(window, step, engine, report_name)
+        if curriculum is not None:
+            metrics.update(_tonics_metrics(curriculum, source))
         if do_eval:
             metrics.update(evaluate(engine.module, eval_set, cfg, rank, world))
         history.append(metrics)
         if do_ckpt:
-            with checkpoint.saved(engine, step, history, config["rayvl"], final=last) as ckpt:
+            extra = {"tonics": curriculum.state_dict()} if curriculum else None
+            with checkpoint.saved(engine, step, history, config["rayvl"], final=last, extra=extra) as ckpt:
                 ray.train.report(metrics, checkpoint=ckpt)
         else:
             ray.train.report(metrics)
         window = _new_window()
+
+
+def _tonics_metrics(curriculum: Curriculum, source: TonicsBatches) -> dict:
+    """P_S(root), the last refresh, and the sampler's counts summed over ranks (fallbacks happen per rank)."""
+    import torch.distributed as dist
+
+    names = ["tonics_node_root_batches", "tonics_node_object_batches", "tonics_fallback_batches",
+             "tonics_fallback_rows"]
+    counts = torch.tensor([float(source.sampler.counts[n]) for n in names])
+    if dist.is_initialized():
+        dist.all_reduce(counts)
+    out = {n: int(v) for n, v in zip(names, counts.tolist())}
+    out["tonics_p_root"] = float(curriculum.p[0])
+    out["tonics_refreshes"] = sum(h["refreshed"] for h in curriculum.history)
+    if curriculum.history:
+        out["tonics_last_refresh_accuracy"] = curriculum.history[-1]["accuracy"]
+    return out
 
 
 def _new_window() -> dict:

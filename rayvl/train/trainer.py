@@ -15,8 +15,9 @@ from ray.train.torch import TorchTrainer
 
 from rayvl import assets
 from rayvl.config import ConfigError, RayvlConfig
-from rayvl.data import shards
+from rayvl.data import bow, shards
 from rayvl.data.demo import ensure_demo
+from rayvl.data.ontology import Ontology, OntologyMismatch, keep_frequent, load_or_count
 from rayvl.train.batches import TRAIN_COLUMNS
 from rayvl.train.checkpoint import latest_checkpoint_dir
 from rayvl.train.loop import train_loop_per_worker
@@ -99,14 +100,64 @@ def run_paths(cfg: RayvlConfig) -> tuple[str, str]:
     return storage, name
 
 
-def build_datasets(cfg: RayvlConfig, train: str, evalset: str, report_name: str) -> dict:
+def bow_deformer(cfg: RayvlConfig, train: str, run_dir: str) -> bow.Deformer | None:
+    """The configured BoW cascade with its base-split statistics (reused from the artifact when it matches)."""
+    b = cfg.bow
+    if not b.enabled:
+        return None
+    ops = bow.parse_ops(b.ops)
+    stats = None
+    if bow.needs_stats(ops):
+        path = b.stats_path or f"{run_dir.rstrip('/')}/bow_stats.json"
+        try:
+            stats, reused = bow.load_or_compute(train, path, seed=b.seed, fraction=b.base_fraction,
+                                                read_cpus=cfg.data.read_cpus)
+        except bow.BowStatsMismatch as e:
+            raise ConfigError(str(e)) from None
+        print(f"rayvl: BoW statistics {'reused from' if reused else 'computed with Ray Data →'} {path}: "
+              f"{stats.base_captions} base captions of {stats.captions}, base vocabulary {len(stats.df)} words")
+    return bow.Deformer(ops, b.seed, b.base_fraction, stats)
+
+
+def tonics_ontology(cfg: RayvlConfig) -> Ontology | None:
+    """The TOnICS ontology resolved against WordNet (before Ray starts: a bad class name is a config error)."""
+    x = cfg.tonics
+    if not x.enabled:
+        return None
+    try:
+        return Ontology.build(x.classes, x.overrides, x.tags_field)
+    except ValueError as e:
+        raise ConfigError(f"tonics.classes{e}" if str(e).startswith("[") else f"tonics.{e}") from None
+
+
+def tonics_counts(cfg: RayvlConfig, ontology: Ontology, train: str, run_dir: str) -> tuple[Ontology, list[int]]:
+    """|X(η_o)| per class (Ray Data groupby, reused from the artifact when it matches); rare classes dropped."""
+    x = cfg.tonics
+    path = x.counts_path or f"{run_dir.rstrip('/')}/tonics_counts.json"
+    try:
+        counts, reused = load_or_count(train, path, ontology, cfg.data.read_cpus)
+    except OntologyMismatch as e:
+        raise ConfigError(str(e)) from None
+    kept, sizes = keep_frequent(ontology, counts, x.min_instances)
+    print(f"rayvl: TOnICS rows per class {'reused from' if reused else 'counted with Ray Data →'} {path}: "
+          + ", ".join(f"{c} {counts.get(i, 0)}{'' if sizes[i] else ' (dropped)'}"
+                      for i, c in enumerate(ontology.classes))
+          + f"; {counts.get(-1, 0)} pairs without an aligned noun")
+    if not kept.kept:
+        raise ConfigError(f"tonics.min_instances: no object class has {x.min_instances} rows")
+    return kept, sizes
+
+
+def build_datasets(cfg: RayvlConfig, train: str, evalset: str, report_name: str,
+                   deformer: bow.Deformer | None = None, ontology: Ontology | None = None) -> dict:
     tokenizer_path = str(assets.text_model_path(cfg.model.text))
     common = dict(image_size=cfg.data.image_size, crop_scale_min=cfg.data.crop_scale_min,
                   tokenizer_path=tokenizer_path, max_tokens=cfg.data.max_text_tokens, read_cpus=cfg.data.read_cpus,
                   transform_batch_size=cfg.data.transform_batch_size, report_name=report_name)
     # only tensor columns go to the training iterator (keys and captions are strings)
-    datasets = {"train": shards.read_shards(train, train=True, shuffle_files=cfg.data.shuffle_files, **common)
-                .select_columns(TRAIN_COLUMNS)}
+    columns = TRAIN_COLUMNS + (["object"] if ontology is not None else [])
+    datasets = {"train": shards.read_shards(train, train=True, shuffle_files=cfg.data.shuffle_files, bow=deformer,
+                                            ontology=ontology, **common).select_columns(columns)}
     if cfg.eval.tasks and evalset:
         # held-out samples are counted in their own report, so training counts stay per pass over training data
         datasets["eval"] = shards.read_shards(evalset, train=False, shuffle_files=False,
@@ -118,18 +169,24 @@ def train(cfg: RayvlConfig) -> RunResult:
     """Run one training job end to end and return where everything is."""
     train_data, eval_data, eval_files = resolve_data(cfg)
     storage, name = run_paths(cfg)
+    ontology = tonics_ontology(cfg)
     started_here = connect(cfg)
     ray.data.DataContext.get_current().enable_progress_bars = False  # per-operator bars flood job logs
     check_resources(cfg, fixed_size=started_here)
     report_name = f"rayvl-data-report-{name}-{uuid.uuid4().hex[:8]}"
     report, eval_report = shards.report_actor(report_name), shards.report_actor(f"{report_name}-eval")
-    datasets = build_datasets(cfg, train_data, eval_data, report_name)
+    run_dir = f"{storage.rstrip('/')}/{name}"
+    sizes = None
+    if ontology is not None:
+        ontology, sizes = tonics_counts(cfg, ontology, train_data, run_dir)
+    datasets = build_datasets(cfg, train_data, eval_data, report_name, bow_deformer(cfg, train_data, run_dir),
+                              ontology)
     t = cfg.train
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
             "rayvl": cfg.to_dict(), "report_name": report_name, **eval_files,
-            "tokenizer_path": str(assets.text_model_path(cfg.model.text)),
+            "tokenizer_path": str(assets.text_model_path(cfg.model.text)), "tonics_sizes": sizes,
         },
         scaling_config=ScalingConfig(
             num_workers=t.num_workers, use_gpu=t.use_gpu,
@@ -146,6 +203,7 @@ def train(cfg: RayvlConfig) -> RunResult:
     result = trainer.fit()
     data_report = {**ray.get(report.snapshot.remote()), "img2dataset_successes_per_pass": expected,
                    "eval": ray.get(eval_report.snapshot.remote())}
+    data_report["captions"] = caption_stats(data_report["counts"])
     return finish(Path(storage) / name if "://" not in storage else Path(name), result, data_report)
 
 
@@ -196,15 +254,40 @@ def format_eval_table(metrics: dict) -> str:
 
 def _drop_lines(report: dict) -> list[str]:
     counts = report.get("counts", {})
-    lines = [f"  {k}: {v}" for k, v in sorted(counts.items()) if k not in ("samples_seen", "samples_kept")]
+    lines = [f"  {k}: {v}" for k, v in sorted(counts.items()) if k.startswith(("dropped_", "truncated_"))]
     return lines + [f"  bad shard {path}: {why}" for path, why in report.get("bad_shards", {}).items()]
+
+
+def caption_stats(counts: dict) -> dict:
+    """Average caption length (words) of the kept samples and, with BoW, before deformation and the dataset-size
+    change caused by emptied captions — the columns of seed bow Tables 2 and 5."""
+    out = {"avg_caption_words": counts.get("caption_words", 0) / max(1, counts.get("samples_kept", 0)),
+           "bow_dataset_change_pct": 0.0}
+    if counts.get("bow_captions_in"):
+        n = counts["bow_captions_in"]
+        out.update({"bow_avg_words_before": counts["bow_words_in"] / n,
+                    "bow_dataset_change_pct": -100.0 * counts.get("dropped_bow_empty", 0) / n + 0.0,
+                    "bow_base_share_pct": 100.0 * counts.get("bow_base_captions", 0) / n})
+    return out
+
+
+def _caption_line(counts: dict) -> str:
+    c = caption_stats(counts)
+    if "bow_avg_words_before" not in c:
+        return f"  captions: {c['avg_caption_words']:.1f} words on average"
+    return (f"  captions: BoW {c['bow_avg_words_before']:.1f} → {c['avg_caption_words']:.1f} words on average, "
+            f"dataset {c['bow_dataset_change_pct']:+.1f}% (emptied captions dropped), "
+            f"{c['bow_base_share_pct']:.1f}% kept intact (base split)")
 
 
 def format_data_report(report: dict) -> str:
     counts = report.get("counts", {})
     lines = [f"training: seen {counts.get('samples_seen', 0)}, kept {counts.get('samples_kept', 0)} "
              f"(all passes over the data; img2dataset lists {report.get('img2dataset_successes_per_pass')} "
-             f"successful samples per pass)", *_drop_lines(report)]
+             f"successful samples per pass)", _caption_line(counts), *_drop_lines(report)]
+    if "tonics_rows" in counts:  # seed tonics App. A.1: one row per (pair, aligned noun)
+        lines.insert(2, f"  TOnICS: {counts['tonics_rows']} rows from {counts.get('samples_kept', 0)} pairs; "
+                        f"{counts.get('tonics_unaligned_pairs', 0)} pairs without an aligned noun (root-only rows)")
     if "eval" in report:
         held = report["eval"].get("counts", {})
         lines += [f"held-out: seen {held.get('samples_seen', 0)}, kept {held.get('samples_kept', 0)} "

@@ -1,0 +1,63 @@
+"""Small run artifacts (corpus statistics, class counts) saved next to a run and reused when their fingerprint —
+the shards they were computed on (name and size) and the settings they depend on — still matches."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def shard_sizes(paths: list[str]) -> dict[str, int]:
+    import pyarrow.fs as pafs
+
+    sizes: dict[str, int] = {}
+    for p in paths:
+        fs, inner = pafs.FileSystem.from_uri(p) if "://" in p else (pafs.LocalFileSystem(), os.path.abspath(p))
+        info = fs.get_file_info(inner)
+        infos = (fs.get_file_info(pafs.FileSelector(inner)) if info.type == pafs.FileType.Directory else [info])
+        for i in infos:
+            if i.path.endswith(".tar"):
+                sizes[os.path.basename(i.path)] = int(i.size or 0)
+    return dict(sorted(sizes.items()))
+
+
+def exists(path: str) -> bool:
+    import pyarrow.fs as pafs
+
+    fs, inner = pafs.FileSystem.from_uri(path) if "://" in path else (pafs.LocalFileSystem(), os.path.abspath(path))
+    return fs.get_file_info(inner).type == pafs.FileType.File
+
+
+def write_text(path: str, text: str) -> None:
+    if "://" not in path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text)
+        return
+    import pyarrow.fs as pafs
+
+    fs, inner = pafs.FileSystem.from_uri(path)
+    with fs.open_output_stream(inner) as f:
+        f.write(text.encode())
+
+
+def read_text(path: str) -> str:
+    if "://" not in path:
+        return Path(path).read_text()
+    import pyarrow.fs as pafs
+
+    fs, inner = pafs.FileSystem.from_uri(path)
+    with fs.open_input_stream(inner) as f:
+        return f.read().decode()
+
+
+def diff(saved: dict, now: dict) -> str:
+    out = []
+    for k in sorted(set(saved) | set(now)):
+        if saved.get(k) == now.get(k):
+            continue
+        if k == "shards":
+            a, b = saved.get(k, {}), now.get(k, {})
+            changed = sorted(n for n in set(a) | set(b) if a.get(n) != b.get(n))
+            out.append(f"shards differ: {', '.join(changed[:5])}{' …' if len(changed) > 5 else ''}")
+        else:
+            out.append(f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}")
+    return "; ".join(out)

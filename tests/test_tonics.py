@@ -1,0 +1,160 @@
+"""TOnICS (seed tonics §3, App. A): WordNet ontology offline, the Ray Data class counts, node draws against P_S,
+refresh arithmetic with the β floor, curriculum state round trip, and 2 real Ray workers drawing the same nodes."""
+import glob
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from conftest import small_config
+from rayvl.config import ConfigError
+from rayvl.data import ontology as onto
+from rayvl.data import shards
+from rayvl.data.demo import SHAPES
+from rayvl.data.text import validate_caption
+from rayvl.data.tonics import Curriculum, draw_node, refresh
+
+
+# ----------------------------------------------------------------------------- ontology (WordNet, offline)
+
+def test_wordnet_maps_plurals_synonyms_and_hyponyms_offline(tmp_path):
+    o = onto.Ontology.build(["dog", "car", "circle.n.01"])
+    assert o.synsets == ["dog.n.01", "car.n.01", "circle.n.01"] and o.classes == ["dog", "car", "circle"]
+    assert o.noun_class("puppies") == 0  # morphy → puppy → hypernym dog.n.01
+    assert o.noun_class("dogs") == 0 and o.noun_class("poodle") == 0 and o.noun_class("hounds") == 0
+    assert o.noun_class("automobiles") == 1 and o.noun_class("cab") == 1  # synonym (car.n.01) and hyponym
+    assert o.noun_class("circles") == 2
+    assert o.noun_class("the") is None and o.noun_class("42") is None and o.noun_class("sky") is None
+    assert o.aligned("Two puppies chase a cab past the circles.", None) == [("puppies", 0), ("cab", 1),
+                                                                          ("circles", 2)]
+    # detector tags in the metadata come first: the caption's nouns are not used then
+    assert o.row_objects("a dog", json.dumps({"objects": [["circle", "red"], {"label": "car"}]})) == [2, 1]
+    assert o.row_objects("a blue sky", "{}") == [onto.UNALIGNED]
+
+    overrides = tmp_path / "overrides.json"
+    overrides.write_text(json.dumps({"Pup": "car"}))
+    o2 = onto.Ontology.build(["dog", "car"], str(overrides))
+    assert o2.noun_class("pup") == 1 and o2.noun_class("puppy") == 0
+
+
+def test_bad_class_is_a_config_error_before_ray():
+    from rayvl.train.trainer import tonics_ontology
+    from rayvl.config import load_config
+
+    cfg = load_config(None, ["tonics.enabled=true", "tonics.classes=[dog, qwertyuiop]"])
+    with pytest.raises(ConfigError, match=r"tonics\.classes\[1\]: 'qwertyuiop' is not a WordNet noun"):
+        tonics_ontology(cfg)
+    with pytest.raises(ConfigError, match=r"tonics\.classes: TOnICS needs object classes"):
+        load_config(None, ["tonics.enabled=true"])
+
+
+def test_class_counts_are_a_ray_data_aggregation(ray_local, demo_dir, tmp_path):
+    o = onto.Ontology.build(SHAPES)
+    counts = onto.count_rows(str(demo_dir / "train"), o)
+    reference: Counter = Counter()
+    for path in sorted(glob.glob(str(demo_dir / "train" / "*.tar"))):
+        with open(path, "rb") as f:
+            for sample in shards.iter_tar_samples(f):
+                text, _ = validate_caption(sample["txt"])
+                reference.update(o.row_objects(text, sample["json"]))
+    assert counts == dict(reference) and sum(counts.values()) > 384  # multi-object scenes → several rows
+    assert onto.UNALIGNED not in counts  # every demo scene carries tags
+
+    path = str(tmp_path / "counts.json")
+    assert onto.load_or_count(str(demo_dir / "train"), path, o) == (counts, False)
+    assert onto.load_or_count(str(demo_dir / "train"), path, o) == (counts, True)
+    with pytest.raises(onto.OntologyMismatch, match="classes: saved"):
+        onto.load_or_count(str(demo_dir / "train"), path, onto.Ontology.build(SHAPES[:4]))
+    m = sorted(counts.values())[2]
+    kept, sizes = onto.keep_frequent(o, counts, min_instances=m)
+    assert kept.kept == {i for i, n in counts.items() if n >= m} and 0 < len(kept.kept) < 8
+    assert sizes == [counts[i] if counts[i] >= m else 0 for i in range(8)]
+    assert kept.row_objects("a circle", json.dumps({"objects": [[SHAPES[i]] for i in range(8)]})) == sorted(kept.kept)
+
+
+# ----------------------------------------------------------------------------- sampler and curriculum
+
+def test_node_frequencies_match_p_s():
+    p = np.array([0.5, 0.25, 0.15, 0.1, 0.0])
+    draws = np.bincount([draw_node(p, seed=7, step=s) for s in range(1, 20001)], minlength=5)
+    assert draws[4] == 0
+    assert chisquare(draws[:4], 20000 * p[:4]).pvalue > 0.001
+    assert [draw_node(p, 7, s) for s in range(50)] == [draw_node(p, 7, s) for s in range(50)]
+
+
+def test_refresh_arithmetic_and_beta_floor():
+    sizes = np.array([3.0, 1.0])
+    p = refresh(np.array([1.0, 0.0, 0.0]), sizes, alpha=0.9, beta=0.2)
+    assert p == pytest.approx([0.9, 0.075, 0.025])  # (1 − 0.9)·1 split 3:1
+    p = refresh(p, sizes, 0.9, 0.2)
+    assert p == pytest.approx([0.81, 0.075 + 0.0675, 0.025 + 0.0225])
+    for _ in range(13):
+        p = refresh(p, sizes, 0.9, 0.2)
+    assert p[0] == pytest.approx(0.9 ** 15) and p[0] > 0.2  # 0.2059
+    p = refresh(p, sizes, 0.9, 0.2)  # 0.9 × 0.2059 < β: the root keeps exactly β
+    assert p[0] == pytest.approx(0.2) and p.sum() == pytest.approx(1.0)
+    assert refresh(p, sizes, 0.9, 0.2) == pytest.approx(p)  # at the floor nothing moves
+    assert p[1] / p[2] == pytest.approx(3.0)
+
+
+def test_curriculum_state_round_trip_draws_the_same_nodes():
+    a = Curriculum([30, 10, 0], alpha=0.5, beta=0.2, threshold=50.0, seed=3)
+    assert not a.update(10, 40.0) and a.update(20, 60.0) and a.update(30, 75.0)
+    assert a.p == pytest.approx([0.25, 0.5625, 0.1875, 0.0])
+    b = Curriculum([30, 10, 0], alpha=0.5, beta=0.2, threshold=50.0, seed=3)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))  # as in the checkpoint's client state
+    assert [a.node(s) for s in range(31, 200)] == [b.node(s) for s in range(31, 200)]
+    assert {a.node(s) for s in range(31, 200)} == {0, 1, 2}
+    assert [h["refreshed"] for h in b.history] == [False, True, True]
+
+
+def _sample_nodes(config):
+    """Inside Ray Train: each rank draws nodes and micro-batches through the real sampler and stream."""
+    import ray.train
+
+    from rayvl.config import from_dict
+    from rayvl.train.batches import TonicsBatches
+
+    cfg = from_dict(config["rayvl"])
+    rank = ray.train.get_context().get_world_rank()
+    curriculum = Curriculum(config["sizes"], 0.5, 0.2, 0.0, cfg.train.seed)
+    curriculum.p = np.array(config["p"])
+    source = TonicsBatches(ray.train.get_dataset_shard("train"), cfg, rank)
+    log = []
+    for step in range(1, 41):
+        node = curriculum.node(step)
+        batch, _ = source.next(node, step, 0)
+        log.append({"node": node, "objects": sorted(set(batch["object"].tolist())), "rows": len(batch["object"])})
+    Path(config["out"]).joinpath(f"rank{rank}.json").write_text(json.dumps(
+        {"log": log, "fallback_rows": source.sampler.counts["tonics_fallback_rows"]}))
+
+
+def test_two_workers_draw_the_same_node_and_object_batches_share_it(ray_local, demo_dir, tmp_path):
+    from ray.train import DataConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from rayvl.train.trainer import build_datasets, tonics_counts, tonics_ontology
+
+    cfg = small_config(demo_dir, tmp_path, "tonics.enabled=true", f"tonics.classes={json.dumps(SHAPES)}",
+                       "tonics.min_instances=20", "tonics.buffer_rows=64", "tonics.max_wait_rows=128")
+    kept, sizes = tonics_counts(cfg, tonics_ontology(cfg), str(demo_dir / "train"), str(tmp_path / "run"))
+    datasets = build_datasets(cfg, str(demo_dir / "train"), "", "tonics-test", ontology=kept)
+    p = [0.3] + [0.7 / len(SHAPES)] * len(SHAPES)
+    TorchTrainer(_sample_nodes, train_loop_config={"rayvl": cfg.to_dict(), "sizes": sizes, "p": p,
+                                                   "out": str(tmp_path)},
+                 scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+                 run_config=RunConfig(name="tonics-sampler", storage_path=str(tmp_path)),
+                 datasets={"train": datasets["train"]}, dataset_config=DataConfig(datasets_to_split=["train"])).fit()
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    nodes = [[e["node"] for e in r["log"]] for r in ranks]
+    assert nodes[0] == nodes[1] and 0 in nodes[0] and len(set(nodes[0])) > 3
+    for r in ranks:
+        assert all(e["rows"] == cfg.train.micro_batch_size for e in r["log"])
+        if r["fallback_rows"] == 0:  # object node: the rank's whole micro-batch shows that object
+            assert all(e["objects"] == [e["node"] - 1] for e in r["log"] if e["node"] != 0)
+    assert sum(r["fallback_rows"] for r in ranks) == 0  # demo objects are common: no fallback needed
+    root_objects = {o for r in ranks for e in r["log"] if e["node"] == 0 for o in e["objects"]}
+    assert len(root_objects) > 3  # root batches mix objects
