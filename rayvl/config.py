@@ -122,10 +122,13 @@ class ModelConfig:
     """checkpoint file for a timm model name ('' = random init unless ``vision`` is an asset)."""
     text: str = "minilm-l6"
     """text tower: a rayvl asset name or a local HF model directory."""
-    text_strategy: Literal["finetune", "frozen", "frozen_alignment"] = "frozen_alignment"
-    """seed 002 §4: finetune the LM, freeze it, or freeze it and append alignment layers."""
+    text_strategy: Literal["finetune", "frozen", "frozen_adapters", "frozen_alignment"] = "frozen_alignment"
+    """seed 002 §4: finetune the LM, freeze it, freeze it with bottleneck adapters in every layer, or freeze it and
+    append alignment layers."""
     alignment_layers: int = 2
     """m, the number of appended alignment layers (seed 002 uses 6 at LAION scale)."""
+    adapter_reduction: int = 2
+    """bottleneck adapters' reduction factor: hidden size d → d / r → d (seed 002 §4: 2)."""
     pooling: Literal["avg", "cls"] = "avg"
     """how token features become one text feature."""
     embed_dim: int = 256
@@ -146,6 +149,23 @@ class ModelConfig:
 class LossConfig:
     gather_with_grad: bool = True
     """gather features from all workers with gradients flowing back to their owners (open_clip semantics)."""
+    kind: Literal["clip", "unicl"] = "clip"
+    """clip: InfoNCE with one positive per query; unicl: label-aware targets, every key with the query's label is
+    a positive (seed unicl eq. (1)–(3)); identical when all labels are unique (image-text data only)."""
+
+
+@dataclass
+class MemoryBankConfig:
+    """EMA memory bank of negatives (seed bow §2.1 eq. (1)–(3), MoCo)."""
+
+    size: int = 0
+    """K image keys and K text keys in the queue (paper: 8192); 0 = plain in-batch InfoNCE."""
+    momentum: float = 0.999
+    """EMA momentum m of the key encoders: θ' ← m·θ' + (1 − m)·θ."""
+    temperature: float = 0.02
+    """τ of eq. (1)–(2) (paper: 0.02, fixed)."""
+    learn_temperature: bool = False
+    """use the model's learnable logit scale instead of the fixed 1/τ."""
 
 
 @dataclass
@@ -221,6 +241,7 @@ class RayvlConfig:
     tonics: TonicsConfig = field(default_factory=TonicsConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    memory_bank: MemoryBankConfig = field(default_factory=MemoryBankConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
@@ -367,6 +388,8 @@ def validate(cfg: RayvlConfig) -> None:
         )
     if m.text_strategy == "frozen_alignment" and m.alignment_layers < 1:
         raise ConfigError("model.alignment_layers: frozen_alignment needs at least 1 alignment layer")
+    if m.adapter_reduction < 1:
+        raise ConfigError(f"model.adapter_reduction: must be ≥ 1, got {m.adapter_reduction}")
     if m.embed_dim < 1:
         raise ConfigError(f"model.embed_dim: must be ≥ 1, got {m.embed_dim}")
     if m.init_logit_scale <= 0 or m.init_logit_scale > m.max_logit_scale:
@@ -381,6 +404,16 @@ def validate(cfg: RayvlConfig) -> None:
         if task not in EVAL_TASKS:
             raise ConfigError(f"eval.tasks[{i}]: unknown task {task!r} (known: {', '.join(EVAL_TASKS)})")
     _validate_bow(cfg.bow)
+    mb = cfg.memory_bank
+    if mb.size < 0:
+        raise ConfigError(f"memory_bank.size: must be ≥ 0, got {mb.size}")
+    if mb.size and t.zero_stage == 3:
+        raise ConfigError("memory_bank.size: the EMA memory bank needs every full parameter on every rank at every "
+                          "step, which ZeRO-3 partitions away; use train.zero_stage ≤ 2 with a memory bank")
+    if mb.size and not 0.0 <= mb.momentum < 1.0:
+        raise ConfigError(f"memory_bank.momentum: must be in [0, 1), got {mb.momentum}")
+    if mb.size and mb.temperature <= 0:
+        raise ConfigError(f"memory_bank.temperature: must be > 0, got {mb.temperature}")
     _validate_tonics(cfg.tonics, cfg)
     if cfg.eval.every_steps < 0:
         raise ConfigError(f"eval.every_steps: must be ≥ 0, got {cfg.eval.every_steps}")

@@ -43,3 +43,29 @@ def clip_loss(image_features: torch.Tensor, text_features: torch.Tensor, logit_s
     b = image_features.shape[0]
     targets = torch.arange(b, device=image_features.device) + rank * b  # positives sit at this rank's offset
     return (F.cross_entropy(logits_per_image, targets) + F.cross_entropy(logits_per_text, targets)) / 2
+
+
+def unicl_loss(image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
+               labels: torch.Tensor, gather_with_grad: bool = True, image_keys: torch.Tensor | None = None,
+               text_keys: torch.Tensor | None = None, key_labels: torch.Tensor | None = None) -> torch.Tensor:
+    """UniCL's bidirectional label-aware contrastive loss (seed unicl eq. (1)–(3), Algorithm 1 TargetM).
+
+    Every sample carries a label (image-text pairs a unique one, image-label samples their class id); the
+    positives of a query are all keys with its label, across the gathered batch and the optional extra keys (a
+    memory bank's queue, with its labels), and its loss is soft-target cross-entropy normalised by the number of
+    positives, 1/|P(i)| Σ_{k∈P(i)} −log softmax. With all labels unique it is exactly ``clip_loss``.
+    Keys default to the gathered online features; ``image_keys``/``text_keys`` (e.g. EMA features of the global
+    batch followed by the queue, seed bow eq. (1)–(3)) replace them.
+    """
+    all_labels = gather_features(labels, with_grad=False)
+    if image_keys is None:
+        image_keys = gather_features(image_features, gather_with_grad)
+        text_keys = gather_features(text_features, gather_with_grad)
+        key_labels = all_labels
+    elif key_labels is None:
+        raise ValueError("key_labels are needed with explicit keys")
+    positives = (labels[:, None] == key_labels[None, :]).to(image_features.dtype)  # [B, N]
+    targets = positives / positives.sum(1, keepdim=True)  # every query has ≥ 1 positive: its own key
+    logits_per_image = logit_scale * image_features @ text_keys.T
+    logits_per_text = logit_scale * text_features @ image_keys.T
+    return (F.cross_entropy(logits_per_image, targets) + F.cross_entropy(logits_per_text, targets)) / 2

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from rayvl.losses import clip_loss
+from rayvl.losses import clip_loss, unicl_loss
 
 
 def reference_clip_loss(img: np.ndarray, txt: np.ndarray, scale: float) -> float:
@@ -20,6 +20,19 @@ def reference_clip_loss(img: np.ndarray, txt: np.ndarray, scale: float) -> float
     return 0.5 * (ce_rows(logits) + ce_rows(logits.T))
 
 
+def reference_unicl_loss(img_q, txt_q, img_k, txt_k, labels_q, labels_k, scale) -> float:
+    """seed unicl eq. (2)–(3) in float64 numpy: each query's mean −log softmax over its positives (same label
+    among the keys), averaged over queries, the two directions averaged."""
+    def side(q, k):
+        logits = scale * q @ k.T
+        m = logits.max(1, keepdims=True)
+        logp = logits - m - np.log(np.exp(logits - m).sum(1, keepdims=True))
+        pos = labels_q[:, None] == labels_k[None, :]
+        return np.mean(-(logp * pos).sum(1) / pos.sum(1))
+
+    return 0.5 * (side(img_q, txt_k) + side(txt_q, img_k))
+
+
 def _features(seed, n, d):
     g = torch.Generator().manual_seed(seed)
     img = torch.nn.functional.normalize(torch.randn(n, d, generator=g, dtype=torch.float64), dim=-1)
@@ -31,6 +44,33 @@ def test_single_process_matches_reference():
     img, txt = _features(0, 12, 7)
     loss = clip_loss(img, txt, torch.tensor(9.5, dtype=torch.float64))
     assert loss.item() == pytest.approx(reference_clip_loss(img.numpy(), txt.numpy(), 9.5), rel=1e-12)
+
+
+def test_unicl_with_unique_labels_is_clip_exactly():
+    img, txt = _features(3, 16, 8)
+    scale = torch.tensor(11.0, dtype=torch.float64)
+    unique = torch.arange(16) * 7 - 50  # any distinct labels
+    assert unicl_loss(img, txt, scale, unique).item() == pytest.approx(clip_loss(img, txt, scale).item(), rel=1e-13)
+
+
+def test_unicl_repeated_labels_and_queue_match_float64_reference():
+    img, txt = _features(4, 12, 8)
+    labels = torch.tensor([0, 1, 0, 2, 1, 0, -1, -2, -3, 2, -4, -5])  # classes 0–2 repeat; pairs unique (< 0)
+    got = unicl_loss(img, txt, torch.tensor(9.0, dtype=torch.float64), labels)
+    ref = reference_unicl_loss(img.numpy(), txt.numpy(), img.numpy(), txt.numpy(), labels.numpy(), labels.numpy(), 9)
+    assert got.item() == pytest.approx(ref, rel=1e-12)
+    assert got.item() != pytest.approx(clip_loss(img, txt, torch.tensor(9.0, dtype=torch.float64)).item())
+
+    # queue keys with labels (memory bank): positives are found in the queue too
+    q_img, q_txt = _features(5, 20, 8)
+    q_labels = torch.tensor([0, 5, 1, -9, 2, 0, 7, -10, 1, 1, 3, -11, 0, 2, 4, -12, 6, 0, -13, 8])
+    keys_img, keys_txt = torch.cat([img, q_img]), torch.cat([txt, q_txt])
+    key_labels = torch.cat([labels, q_labels])
+    got = unicl_loss(img, txt, torch.tensor(50.0, dtype=torch.float64), labels, image_keys=keys_img,
+                     text_keys=keys_txt, key_labels=key_labels)
+    ref = reference_unicl_loss(img.numpy(), txt.numpy(), keys_img.numpy(), keys_txt.numpy(), labels.numpy(),
+                               key_labels.numpy(), 50.0)
+    assert got.item() == pytest.approx(ref, rel=1e-12)
 
 
 def _two_worker_loss(config):
@@ -47,8 +87,12 @@ def _two_worker_loss(config):
     loss.backward()
     mean_loss = loss.detach().clone()
     dist.all_reduce(mean_loss)
+    labels = torch.tensor(config["labels"])[rank * b:(rank + 1) * b]
+    unicl = unicl_loss(mine_img.detach(), mine_txt.detach(), torch.tensor(config["scale"], dtype=torch.float64),
+                       labels).detach()
+    dist.all_reduce(unicl)
     with open(f"{config['out']}/rank{rank}.json", "w") as f:
-        json.dump({"loss": loss.item(), "mean_loss": mean_loss.item() / world,
+        json.dump({"loss": loss.item(), "mean_loss": mean_loss.item() / world, "unicl": unicl.item() / world,
                    "grad_img": mine_img.grad.tolist(), "grad_txt": mine_txt.grad.tolist()}, f)
 
 
@@ -57,8 +101,9 @@ def test_two_ray_workers_match_float64_reference(ray_local, tmp_path):
     from ray.train.torch import TorchTrainer
 
     n, d, scale, world = 10, 6, 7.0, 2
+    labels = [3, 1, 3, -1, 1, 3, -2, -3, 1, -4]  # positives shared across the two ranks' batches
     TorchTrainer(_two_worker_loss, train_loop_config={"seed": 1, "n": n, "d": d, "scale": scale,
-                                                      "out": str(tmp_path)},
+                                                      "labels": labels, "out": str(tmp_path)},
                  scaling_config=ScalingConfig(num_workers=world, resources_per_worker={"CPU": 0.5}),
                  run_config=RunConfig(storage_path=str(tmp_path / "ray"), name="loss")).fit()
     img, txt = _features(1, n, d)
@@ -73,8 +118,11 @@ def test_two_ray_workers_match_float64_reference(ray_local, tmp_path):
     assert full.item() == pytest.approx(ref, rel=1e-12)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     b = n // world
+    unicl_ref = reference_unicl_loss(img.numpy(), txt.numpy(), img.numpy(), txt.numpy(), np.array(labels),
+                                     np.array(labels), scale)
     for r, out in enumerate(ranks):
         assert out["mean_loss"] == pytest.approx(ref, rel=1e-10)
+        assert out["unicl"] == pytest.approx(unicl_ref, rel=1e-10)  # labels gathered with the features
         # each rank's own-feature gradient collects every rank's loss terms (gather with grad); data-parallel
         # averaging over ranks divides by world, giving exactly the global loss's gradient
         np.testing.assert_allclose(np.array(out["grad_img"]) / world, gi.grad[r * b:(r + 1) * b].numpy(),

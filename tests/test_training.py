@@ -21,7 +21,10 @@ def _ds_files(ckpt: Path) -> list[str]:
 def test_zero_stage_trains_two_workers(ray_local, demo_dir, tmp_path, stage):
     # stage 1 also trains on BoW captions (seed bow §2.2): statistics pass + deformation inside the real pipeline
     bow = ["bow.enabled=true", "bow.ops=[shuffle, rm_stop_nalpha, limit_to_base_vocab, {rm_top_freq: 3}, {keep: 3}]"]
-    cfg = small_config(demo_dir, tmp_path, f"train.zero_stage={stage}", *(bow if stage == 1 else []))
+    # stage 2 trains UniCL against an EMA memory bank of 40 keys (seed bow §2.1): 3 steps × 16 keys wrap around
+    bank = ["memory_bank.size=40", "loss.kind=unicl", "memory_bank.momentum=0.9"]
+    extra = {1: bow, 2: bank}.get(stage, [])
+    cfg = small_config(demo_dir, tmp_path, f"train.zero_stage={stage}", *extra)
     result = train(cfg)
     captions = result.data_report["captions"]
     if stage == 1:
@@ -47,6 +50,32 @@ def test_zero_stage_trains_two_workers(ray_local, demo_dir, tmp_path, stage):
     state = torch.load(Path(result.checkpoint_dir) / "model.pt")
     assert "text.alignment.0.attention.self.query.weight" in state and state["logit_scale"].shape == (1,)
     assert json.loads((result.run_dir / "eval.json").read_text())["eval_images"] == 64
+    if stage == 2:
+        _check_memory_bank(cfg, result, state, demo_dir, tmp_path)
+
+
+def _check_memory_bank(cfg, result, state, demo_dir, tmp_path):
+    """The bank is in the checkpoint (EMA weights + queue with labels) and a resumed run continues its queue."""
+    from rayvl.models.dual_encoder import build_model
+    from rayvl.models.memory_bank import MemoryBank
+
+    saved = torch.load(Path(result.checkpoint_dir) / "memory_bank.pt", weights_only=False)
+    assert (saved["ptr"], saved["filled"]) == (48 % 40, 40)
+    assert len(set(saved["labels"].tolist())) == 40 and (saved["labels"] < 0).all()  # unique pair labels
+    # keys are L2-normalised EMA features; at this test's 32 px, after 3 steps of lr 1e-3 on batches of 8, the
+    # EfficientNet's ReLU6 head outputs all zeros for ~10% of images (the trained model does too), so 0 is allowed
+    norms = saved["texts"].norm(dim=1).tolist() + saved["images"].norm(dim=1).tolist()
+    assert all(abs(n - 1) < 1e-5 or n == 0 for n in norms) and sum(n > 0.5 for n in norms) >= 60
+    bank = MemoryBank(build_model(cfg.model), 40, cfg.model.embed_dim, 0.9)
+    bank.load_state_dict(saved)
+    ema = bank.ema.state_dict()
+    moved = [k for k in state if k.startswith("vision_proj") and not torch.equal(ema[k], state[k])]
+    assert moved  # EMA lags the trained weights (momentum 0.9)
+    resumed = train(small_config(demo_dir, tmp_path, "train.zero_stage=2", "memory_bank.size=40", "loss.kind=unicl",
+                                 "memory_bank.momentum=0.9", "train.max_steps=4", "train.resume=true"))
+    after = torch.load(Path(resumed.checkpoint_dir) / "memory_bank.pt", weights_only=False)
+    assert (after["ptr"], after["filled"]) == (64 % 40, 40)  # restored queue + one step (a fresh one: 16, 16)
+    assert torch.equal(after["labels"][24:40], saved["labels"][24:40])  # entries not yet overwritten survive
 
 
 def _check_restore(config):

@@ -150,7 +150,7 @@ def _table(rows: list[dict], columns: tuple[str, ...] = COLUMNS) -> pa.Table:
 
 def preprocess(batch: dict, *, image_size: int, crop_scale_min: float, train: bool, tokenizer_path: str,
                max_tokens: int, report_name: str | None, bow: Deformer | None = None,
-               ontology: Ontology | None = None) -> dict:
+               ontology: Ontology | None = None, labeled: bool = False) -> dict:
     """Raw rows → model inputs. Bad samples are dropped here and counted by reason in the run's DataReport
     (with caption statistics: words of kept captions, BoW counts).
     With ``bow`` the caption is deformed (seed bow §2.2) before the image is decoded and before tokenisation;
@@ -208,6 +208,9 @@ def preprocess(batch: dict, *, image_size: int, crop_scale_min: float, train: bo
         "key": np.array(keys, dtype=object),
         "caption": np.array(captions, dtype=object),
         "cls": np.array(classes, dtype=np.int64),
+        # UniCL label (seed unicl Algorithm 1): the class id of an image-label source, −1 for an image-text pair
+        # (the training loop gives each of those a unique label)
+        "label": np.array(classes if labeled else [-1] * len(classes), dtype=np.int64),
         "object": np.array(objects, dtype=np.int64),
     }
 

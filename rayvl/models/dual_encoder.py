@@ -16,7 +16,7 @@ class DualEncoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.vision = VisionTower(cfg.vision, cfg.vision_checkpoint)
-        self.text = TextTower(cfg.text, cfg.text_strategy, cfg.alignment_layers, cfg.pooling)
+        self.text = TextTower(cfg.text, cfg.text_strategy, cfg.alignment_layers, cfg.pooling, cfg.adapter_reduction)
         self.vision_proj = projection(cfg.vision_projection, self.vision.out_dim, cfg.embed_dim)
         self.text_proj = projection(cfg.text_projection, self.text.out_dim, cfg.embed_dim)
         # CLIP keeps log(1/τ) as the parameter and clamps exp() at 100; shape [1], not a 0-dim tensor, because

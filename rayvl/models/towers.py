@@ -33,16 +33,44 @@ class VisionTower(nn.Module):
         return self.backbone(x)
 
 
+class BottleneckAdapter(nn.Module):
+    """x + up(ReLU(down(x))) with hidden size d / reduction (seed 002 §4 "Frozen Text Encoder with Bottleneck
+    Adapter", refs [6, 28]: reduction factor 2). ``up`` starts at zero: the adapted LM starts as the pretrained one."""
+
+    def __init__(self, dim: int, reduction: int):
+        super().__init__()
+        self.down = nn.Linear(dim, dim // reduction)
+        self.up = nn.Linear(dim // reduction, dim)
+        nn.init.zeros_(self.up.weight)
+        nn.init.zeros_(self.up.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.up(torch.relu(self.down(x)))
+
+
+class _AdaptedOutput(nn.Module):
+    """A layer's feed-forward output projection followed by its adapter, before the residual + LayerNorm
+    (the sequential bottleneck placement of Pfeiffer et al. / AdapterHub's default)."""
+
+    def __init__(self, dense: nn.Linear, adapter: BottleneckAdapter):
+        super().__init__()
+        self.dense, self.adapter = dense, adapter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.adapter(self.dense(x))
+
+
 class TextTower(nn.Module):
-    """A pretrained HF encoder used by one of three strategies (seed 002 §4, Fig. 3 b/c/e):
+    """A pretrained HF encoder used by one of four strategies (seed 002 §4, Fig. 3 b–e):
 
     - ``finetune``: every LM weight trains;
     - ``frozen``: the LM is frozen (LiT's locked text tower) — only the projection trains;
+    - ``frozen_adapters``: the LM is frozen and a bottleneck adapter (reduction 2) is inserted in every layer;
     - ``frozen_alignment``: the LM is frozen and ``alignment_layers`` transformer layers shaped like the LM's own,
       randomly initialised, are appended on top ("alignment layers", seed 002 Fig. 3e).
     """
 
-    def __init__(self, name: str, strategy: str, alignment_layers: int, pooling: str):
+    def __init__(self, name: str, strategy: str, alignment_layers: int, pooling: str, adapter_reduction: int = 2):
         super().__init__()
         from transformers import AutoModel
 
@@ -52,6 +80,12 @@ class TextTower(nn.Module):
         self.lm_frozen = strategy != "finetune"
         if self.lm_frozen:
             self.lm.requires_grad_(False)
+        self.adapters: list[BottleneckAdapter] = []  # a plain list: the modules live (once) inside the LM's layers
+        if strategy == "frozen_adapters":
+            for layer in self.lm.encoder.layer:
+                adapter = BottleneckAdapter(self.lm.config.hidden_size, adapter_reduction)
+                layer.output.dense = _AdaptedOutput(layer.output.dense, adapter)
+                self.adapters.append(adapter)
         self.alignment = nn.ModuleList()
         if strategy == "frozen_alignment":
             template = self.lm.encoder.layer[-1]
@@ -65,11 +99,12 @@ class TextTower(nn.Module):
     def train(self, mode: bool = True):
         super().train(mode)
         if self.lm_frozen:
-            self.lm.eval()  # a frozen LM is the pretrained function: no dropout
+            self.lm.eval()  # a frozen LM is the pretrained function: no dropout (adapters have none)
         return self
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.lm_frozen):
+        # a frozen LM needs no graph — unless adapters inside it train
+        with torch.set_grad_enabled(torch.is_grad_enabled() and (not self.lm_frozen or len(self.adapters) > 0)):
             hidden = self.lm(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         if len(self.alignment):
             from transformers.masking_utils import create_bidirectional_mask

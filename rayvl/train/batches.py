@@ -16,7 +16,7 @@ import torch
 from rayvl.config import RayvlConfig
 from rayvl.data.shards import DataPlaneError
 
-TRAIN_COLUMNS = ["image", "input_ids", "attention_mask"]
+TRAIN_COLUMNS = ["image", "input_ids", "attention_mask", "label"]
 _END = object()
 
 

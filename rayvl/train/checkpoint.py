@@ -35,9 +35,11 @@ def consolidated_state_dict(engine) -> dict | None:
 
 
 @contextmanager
-def saved(engine, step: int, history: list, config: dict, final: bool, extra: dict | None = None):
+def saved(engine, step: int, history: list, config: dict, final: bool, extra: dict | None = None,
+          rank0_files: dict | None = None):
     """Write this rank's part of the checkpoint into a temporary directory and yield it as a Checkpoint.
-    ``extra`` (e.g. the TOnICS curriculum) rides in DeepSpeed's client state of every rank."""
+    ``extra`` (e.g. the TOnICS curriculum) rides in DeepSpeed's client state of every rank; ``rank0_files``
+    ({name: object}, e.g. the memory bank, identical on every rank) are written once, by rank 0, with torch.save."""
     with tempfile.TemporaryDirectory(prefix="rayvl-ckpt-") as tmp:
         engine.save_checkpoint(tmp, tag=TAG, client_state={"step": step, **(extra or {})})
         state = consolidated_state_dict(engine) if final else None
@@ -47,6 +49,8 @@ def saved(engine, step: int, history: list, config: dict, final: bool, extra: di
                 f.writelines(json.dumps(row) + "\n" for row in history)
             if state is not None:
                 torch.save(state, Path(tmp) / MODEL_FILE)
+            for name, obj in (rank0_files or {}).items():
+                torch.save(obj, Path(tmp) / f"{name}.pt")
         yield ray.train.Checkpoint.from_directory(tmp)
 
 
@@ -60,6 +64,9 @@ def restore(engine) -> tuple[int, list, dict]:
                                                  load_lr_scheduler_states=True)
         history_file = Path(d) / "metrics.jsonl"
         history = [json.loads(x) for x in history_file.read_text().splitlines()] if history_file.exists() else []
+        for f in Path(d).glob("*.pt"):  # rank-0 files (memory bank); model.pt is the export, not state
+            if f.name != MODEL_FILE:
+                client_state[f.stem] = torch.load(f, map_location="cpu", weights_only=False)
     return int(client_state["step"]), history, client_state
 
 

@@ -9,8 +9,9 @@ import torch
 
 from rayvl.config import from_dict
 from rayvl.data.tonics import Curriculum
-from rayvl.losses import clip_loss
+from rayvl.losses import clip_loss, gather_features, unicl_loss
 from rayvl.models.dual_encoder import build_model
+from rayvl.models.memory_bank import MemoryBank
 from rayvl.train import checkpoint
 from rayvl.train.batches import TonicsBatches, batch_stream
 from rayvl.train.evaluation import EvalSet, evaluate, held_out_retrieval
@@ -23,8 +24,15 @@ def train_loop_per_worker(config: dict) -> None:
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     from rayvl.train.engine import build_engine
 
-    engine = build_engine(build_model(cfg.model, cfg.train.seed), cfg, world)
+    model = build_model(cfg.model, cfg.train.seed)
+    bank = MemoryBank(model, cfg.memory_bank.size, cfg.model.embed_dim, cfg.memory_bank.momentum) \
+        if cfg.memory_bank.size else None
+    engine = build_engine(model, cfg, world)
+    if bank is not None:
+        bank.to(engine.device)
     step, history, client_state = checkpoint.restore(engine)
+    if bank is not None and "memory_bank" in client_state:
+        bank.load_state_dict(client_state["memory_bank"])
     shard = ray.train.get_dataset_shard("train")
     curriculum = None
     if cfg.tonics.enabled:  # seed tonics §3: the node of each step, drawn identically on every rank
@@ -43,11 +51,11 @@ def train_loop_per_worker(config: dict) -> None:
         node = curriculum.node(step + 1) if curriculum else None
         for micro in range(cfg.train.grad_accumulation):
             batch, waited = source.next(node, step + 1, micro) if curriculum else next(batches)
-            image_features, text_features, scale = engine(batch["image"], batch["input_ids"],
-                                                          batch["attention_mask"])
-            loss = clip_loss(image_features, text_features, scale, cfg.loss.gather_with_grad)
+            loss = _loss(engine, batch, cfg, bank, (step * cfg.train.grad_accumulation + micro) * world + rank)
             engine.backward(loss)
             engine.step()
+            if bank is not None:
+                bank.update(engine.module)  # MoCo: the key encoders follow the trained ones after each step
             window["loss"] += loss.item() / cfg.train.grad_accumulation
             window["wait"] += waited
             window["samples"] += batch["image"].shape[0] * world
@@ -75,11 +83,36 @@ def train_loop_per_worker(config: dict) -> None:
         history.append(metrics)
         if do_ckpt:
             extra = {"tonics": curriculum.state_dict()} if curriculum else None
-            with checkpoint.saved(engine, step, history, config["rayvl"], final=last, extra=extra) as ckpt:
+            files = {"memory_bank": bank.state_dict()} if bank else None
+            with checkpoint.saved(engine, step, history, config["rayvl"], final=last, extra=extra,
+                                  rank0_files=files) as ckpt:
                 ray.train.report(metrics, checkpoint=ckpt)
         else:
             ray.train.report(metrics)
         window = _new_window()
+
+
+def _loss(engine, batch: dict, cfg, bank: MemoryBank | None, batch_index: int) -> torch.Tensor:
+    """InfoNCE or UniCL over the gathered batch, or against the EMA keys + queue when a memory bank is on."""
+    image_features, text_features, scale = engine(batch["image"], batch["input_ids"], batch["attention_mask"])
+    if bank is None and cfg.loss.kind == "clip":
+        return clip_loss(image_features, text_features, scale, cfg.loss.gather_with_grad)
+    # TargetM (seed unicl Algorithm 1): image-label rows keep their class id (≥ 0); every image-text row gets a
+    # label of its own, unique across ranks, steps and so across the queue
+    b = batch["label"].shape[0]
+    unique = -1 - (batch_index * b + torch.arange(b, device=batch["label"].device))
+    labels = torch.where(batch["label"] >= 0, batch["label"], unique)
+    if bank is None:
+        return unicl_loss(image_features, text_features, scale, labels, cfg.loss.gather_with_grad)
+    keys = [gather_features(k, with_grad=False) for k in (*bank.encode(batch["image"], batch["input_ids"],
+                                                                        batch["attention_mask"]), labels)]
+    mb = cfg.memory_bank
+    bank_scale = scale if mb.learn_temperature else torch.tensor(1.0 / mb.temperature, device=scale.device)
+    image_keys, text_keys, key_labels = bank.keys(*keys)  # seed bow eq. (1)–(2): EMA positives + queue
+    loss = unicl_loss(image_features, text_features, bank_scale, labels, image_keys=image_keys,
+                      text_keys=text_keys, key_labels=key_labels)
+    bank.enqueue(*keys)
+    return loss
 
 
 def _tonics_metrics(curriculum: Curriculum, source: TonicsBatches) -> dict:

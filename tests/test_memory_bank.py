@@ -1,0 +1,64 @@
+"""EMA memory bank (seed bow §2.1): EMA arithmetic, queue wrap-around, state round trip, config guard."""
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from rayvl.config import ConfigError, load_config
+from rayvl.models.memory_bank import MemoryBank
+
+
+def test_ema_update_math():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    bank = MemoryBank(model, size=4, dim=2, momentum=0.9)
+    start = {k: v.clone() for k, v in bank.ema.state_dict().items()}
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+        model[1].running_mean.fill_(5.0)
+    bank.update(model)
+    ema = bank.ema.state_dict()
+    # θ' ← 0.9·θ' + 0.1·θ with θ = θ'_0 + 1 → θ'_0 + 0.1; buffers are copied, not averaged
+    assert torch.allclose(ema["0.weight"], start["0.weight"] + 0.1, atol=1e-7)
+    assert torch.equal(ema["0.bias"], start["0.bias"])
+    assert torch.equal(ema["1.running_mean"], torch.full((2,), 5.0))
+    assert not any(p.requires_grad for p in bank.ema.parameters())
+
+
+def test_queue_wraps_around_and_keeps_labels():
+    bank = MemoryBank(nn.Linear(2, 2), size=5, dim=2, momentum=0.5)
+    feats = lambda lo, n: torch.arange(lo, lo + n, dtype=torch.float32)[:, None].repeat(1, 2)  # noqa: E731
+    bank.enqueue(feats(0, 3), -feats(0, 3), torch.tensor([10, 11, 12]))
+    assert (bank.ptr, bank.filled) == (3, 3)
+    bank.enqueue(feats(3, 3), -feats(3, 3), torch.tensor([13, 14, 15]))
+    assert (bank.ptr, bank.filled) == (1, 5)
+    assert bank.images[:, 0].tolist() == [5, 1, 2, 3, 4]  # the oldest entry (0) was overwritten by the newest
+    assert bank.labels.tolist() == [15, 11, 12, 13, 14] and bank.texts[:, 0].tolist() == [-5, -1, -2, -3, -4]
+    img, txt, lab = bank.keys(feats(100, 2), -feats(100, 2), torch.tensor([-1, -2]))
+    assert img.shape == (7, 2) and lab.tolist() == [-1, -2, 15, 11, 12, 13, 14]  # batch keys first, then queue
+    bank.enqueue(feats(20, 7), -feats(20, 7), torch.arange(7))  # larger than the queue: its newest 5 stay
+    assert sorted(bank.images[:, 0].tolist()) == [22, 23, 24, 25, 26] and bank.filled == 5
+
+
+def test_state_round_trips_through_torch_save():
+    torch.manual_seed(1)
+    bank = MemoryBank(nn.Linear(4, 3), size=6, dim=3, momentum=0.99)
+    bank.enqueue(torch.randn(4, 3), torch.randn(4, 3), torch.arange(4))
+    bank.update(nn.Linear(4, 3))
+    buf = io.BytesIO()
+    torch.save(bank.state_dict(), buf)
+    buf.seek(0)
+    other = MemoryBank(nn.Linear(4, 3), size=6, dim=3, momentum=0.99)
+    other.load_state_dict(torch.load(buf, weights_only=False))
+    assert (other.ptr, other.filled) == (4, 4)
+    for a, b in zip(bank.state_dict().values(), other.state_dict().values()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)
+    assert all(torch.equal(bank.ema.state_dict()[k], v) for k, v in other.ema.state_dict().items())
+
+
+def test_zero3_with_a_memory_bank_is_refused_at_config_load():
+    with pytest.raises(ConfigError, match=r"memory_bank\.size: .*ZeRO-3"):
+        load_config(None, ["memory_bank.size=64", "train.zero_stage=3"])
+    load_config(None, ["memory_bank.size=64", "train.zero_stage=2"])

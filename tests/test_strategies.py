@@ -1,0 +1,122 @@
+"""Text-tower strategies of seed 002 §4: parameter counts for MiniLM, and every strategy training under real
+DeepSpeed ZeRO 0 and 2 with 2 Ray Train workers — frozen LM weights bit-identical and absent from the optimizer."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rayvl.config import load_config
+from rayvl.models.dual_encoder import build_model
+
+STRATEGIES = ["finetune", "frozen", "frozen_adapters", "frozen_alignment"]
+
+
+def test_parameter_counts_for_minilm():
+    counts = {}
+    for strategy in STRATEGIES:
+        text = build_model(load_config(None, [f"model.text_strategy={strategy}"]).model).text
+        counts[strategy] = sum(p.numel() for p in text.parameters() if p.requires_grad)
+    lm = 22_565_376  # all-MiniLM-L6-v2: 6 layers, d = 384, FFN 1536
+    # an adapter per layer, 384 → 192 → 384 with biases: 384·192 + 192 + 192·384 + 384 = 148,032
+    adapters = 6 * (384 * 192 + 192 + 192 * 384 + 384)
+    # an alignment layer is a BERT layer: QKV + attention output + LN, FFN in/out + LN
+    layer = 3 * (384 * 384 + 384) + (384 * 384 + 384 + 768) + (384 * 1536 + 1536) + (1536 * 384 + 384 + 768)
+    assert counts == {"finetune": lm, "frozen": 0, "frozen_adapters": adapters, "frozen_alignment": 2 * layer}
+    assert adapters == 888_192 and 2 * layer == 3_548_928
+
+
+def test_adapters_start_as_the_pretrained_lm():
+    from rayvl import assets
+    from rayvl.data.text import tokenize
+
+    ids, mask = (torch.from_numpy(a) for a in tokenize(["a red circle", "two dogs on a beach"],
+                                                       str(assets.text_model_path("minilm-l6")), 16))
+    frozen = build_model(load_config(None, ["model.text_strategy=frozen"]).model).text.eval()
+    adapted = build_model(load_config(None, ["model.text_strategy=frozen_adapters"]).model).text.eval()
+    with torch.no_grad():
+        assert torch.equal(frozen(ids, mask), adapted(ids, mask))  # up-projections start at zero
+
+
+def _optimized(engine) -> list:
+    """The model parameters DeepSpeed's optimizer updates (ZeRO 1/2 keep them per group in bit16_groups)."""
+    groups = getattr(engine.optimizer, "bit16_groups", None)
+    if groups is None:
+        groups = [g["params"] for g in engine.optimizer.param_groups]
+    return [p for g in groups for p in g]
+
+
+def _train_each_strategy(config):
+    """Inside Ray Train (2 workers): every strategy × ZeRO stage builds an engine and takes 2 steps."""
+    import ray.train
+
+    from rayvl.config import from_dict
+    from rayvl.data.text import tokenize
+    from rayvl.losses import clip_loss
+    from rayvl.train.engine import build_engine
+
+    rank, world = ray.train.get_context().get_world_rank(), ray.train.get_context().get_world_size()
+    gen = torch.Generator().manual_seed(rank)
+    images = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8, generator=gen)
+    ids, mask = (torch.from_numpy(a) for a in tokenize([f"caption {rank} {i}" for i in range(4)],
+                                                       config["tokenizer"], 12))
+    out = {}
+    for strategy in STRATEGIES:
+        for stage in (0, 2):
+            cfg = from_dict({**config["rayvl"], "model": {**config["rayvl"]["model"], "text_strategy": strategy},
+                             "train": {**config["rayvl"]["train"], "zero_stage": stage}})
+            model = build_model(cfg.model, seed=0)
+            frozen = {n: p.detach().clone() for n, p in model.text.lm.named_parameters() if not p.requires_grad}
+            trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+            engine = build_engine(model, cfg, world)
+            losses = []
+            for _ in range(2):
+                loss = clip_loss(*engine(images, ids, mask))
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            params = dict(engine.module.named_parameters())
+            optimized = {id(p) for p in _optimized(engine)}
+            out[f"{strategy}/{stage}"] = {
+                "losses_finite": all(torch.isfinite(torch.tensor(losses))),
+                "frozen_identical": all(torch.equal(params[f"text.lm.{n}"], v) for n, v in frozen.items()),
+                "frozen_count": sum(v.numel() for v in frozen.values()),
+                "frozen_in_optimizer": any(id(params[f"text.lm.{n}"]) in optimized for n in frozen),
+                "optimized_numel": sum(p.numel() for p in _optimized(engine)),
+                "trainable_numel": sum(v.numel() for v in trainable.values()),
+                "text_changed": any(not torch.equal(params[n], v) for n, v in trainable.items()
+                                    if n.startswith("text.")),
+            }
+            del engine
+    if rank == 0:
+        Path(config["out"]).write_text(json.dumps(out))
+
+
+def test_every_strategy_trains_under_zero_0_and_2(ray_local, tmp_path):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from rayvl import assets
+
+    cfg = load_config(None, ["model.embed_dim=32", "model.alignment_layers=1", "data.image_size=32"])
+    out = tmp_path / "strategies.json"
+    TorchTrainer(_train_each_strategy,
+                 train_loop_config={"rayvl": cfg.to_dict(), "out": str(out),
+                                    "tokenizer": str(assets.text_model_path("minilm-l6"))},
+                 scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+                 run_config=RunConfig(name="strategies", storage_path=str(tmp_path))).fit()
+    results = json.loads(out.read_text())
+    assert len(results) == 8
+    for key, r in results.items():
+        strategy = key.split("/")[0]
+        assert r["losses_finite"] and r["frozen_identical"] and not r["frozen_in_optimizer"], key
+        assert r["optimized_numel"] == r["trainable_numel"], key  # DeepSpeed's state holds trainables only
+        assert r["frozen_count"] == (0 if strategy == "finetune" else 22_565_376), key
+        assert r["text_changed"] == (strategy != "frozen"), key  # frozen: only text_proj (outside text.) trains
+
+
+@pytest.mark.parametrize("strategy", ["frozen_adapters"])
+def test_adapters_are_what_trains(strategy):
+    model = build_model(load_config(None, [f"model.text_strategy={strategy}"]).model)
+    names = [n for n, p in model.text.named_parameters() if p.requires_grad]
+    assert len(names) == 6 * 4 and all(".adapter." in n for n in names)
