@@ -115,6 +115,25 @@ class TonicsConfig:
 
 
 @dataclass
+class ImageLabelConfig:
+    """Image-label data mixed with image-text data (seed unicl §3, App. B.2)."""
+
+    data: str = ""
+    """'' = none; "fashion-mnist" (Debian dataset-fashion-mnist), a folder of Fashion-MNIST IDX files, or
+    img2dataset-style shards whose JSON carries ``cls``."""
+    classes: str = ""
+    """JSON {"classes": [...]}: the name of each class id ('' = Fashion-MNIST's names for Fashion-MNIST)."""
+    templates: str = ""
+    """JSON {"templates": [...]} with "{}" for the class name ('' = CLIP's 80 ImageNet templates)."""
+    train_classes: list[int] = field(default_factory=list)
+    """class ids trained on ([] = all); the others stay unseen, for zero-shot on held-out classes."""
+    weight: float = 0.5
+    """share of every micro-batch drawn from image-label data (seed unicl App. B.2: 1:1); 1.0 = image-label only."""
+    limit: int = 0
+    """use only the first N Fashion-MNIST training images (0 = all 60,000), for quick runs."""
+
+
+@dataclass
 class ModelConfig:
     vision: str = "efficientnet-lite0"
     """image tower: a rayvl asset name or any timm model name."""
@@ -127,6 +146,11 @@ class ModelConfig:
     append alignment layers."""
     alignment_layers: int = 2
     """m, the number of appended alignment layers (seed 002 uses 6 at LAION scale)."""
+    text_tower: Literal["lm", "class_embedding"] = "lm"
+    """lm: the pretrained text encoder; class_embedding: one learned vector per class of image_label (the CE
+    baseline of seed unicl eq. (4): no text encoder, so no zero-shot to unseen classes)."""
+    num_classes: int = 0
+    """rows of the class-embedding matrix (set from image_label's class list by the trainer)."""
     adapter_reduction: int = 2
     """bottleneck adapters' reduction factor: hidden size d → d / r → d (seed 002 §4: 2)."""
     pooling: Literal["avg", "cls"] = "avg"
@@ -149,9 +173,10 @@ class ModelConfig:
 class LossConfig:
     gather_with_grad: bool = True
     """gather features from all workers with gradients flowing back to their owners (open_clip semantics)."""
-    kind: Literal["clip", "unicl"] = "clip"
+    kind: Literal["clip", "unicl", "ce"] = "clip"
     """clip: InfoNCE with one positive per query; unicl: label-aware targets, every key with the query's label is
-    a positive (seed unicl eq. (1)–(3)); identical when all labels are unique (image-text data only)."""
+    a positive (seed unicl eq. (1)–(3)); identical when all labels are unique (image-text data only); ce: cross-
+    entropy against a learned class-embedding matrix (seed unicl eq. (4); needs model.text_tower=class_embedding)."""
 
 
 @dataclass
@@ -239,6 +264,7 @@ class RayvlConfig:
     data: DataConfig = field(default_factory=DataConfig)
     bow: BowConfig = field(default_factory=BowConfig)
     tonics: TonicsConfig = field(default_factory=TonicsConfig)
+    image_label: ImageLabelConfig = field(default_factory=ImageLabelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     memory_bank: MemoryBankConfig = field(default_factory=MemoryBankConfig)
@@ -404,6 +430,7 @@ def validate(cfg: RayvlConfig) -> None:
         if task not in EVAL_TASKS:
             raise ConfigError(f"eval.tasks[{i}]: unknown task {task!r} (known: {', '.join(EVAL_TASKS)})")
     _validate_bow(cfg.bow)
+    _validate_image_label(cfg)
     mb = cfg.memory_bank
     if mb.size < 0:
         raise ConfigError(f"memory_bank.size: must be ≥ 0, got {mb.size}")
@@ -453,3 +480,23 @@ def _validate_tonics(x: TonicsConfig, cfg: RayvlConfig) -> None:
         raise ConfigError(f"tonics.max_wait_rows: must be ≥ 0, got {x.max_wait_rows}")
     if not cfg.eval.tasks:
         raise ConfigError("eval.tasks: the TOnICS curriculum refresh needs the held-out split (eval.tasks empty)")
+
+
+def _validate_image_label(cfg: RayvlConfig) -> None:
+    il, m = cfg.image_label, cfg.model
+    if not 0.0 < il.weight <= 1.0:
+        raise ConfigError(f"image_label.weight: must be in (0, 1], got {il.weight}")
+    if (m.text_tower == "class_embedding") != (cfg.loss.kind == "ce"):
+        raise ConfigError("loss.kind: ce goes with model.text_tower=class_embedding (and only with it)")
+    if cfg.loss.kind == "ce" and (not il.data or il.weight < 1.0):
+        raise ConfigError("loss.kind: ce trains on image-label data only: set image_label.data and "
+                          "image_label.weight=1.0")
+    if cfg.loss.kind == "ce" and (cfg.eval.tasks or cfg.memory_bank.size):
+        raise ConfigError("eval.tasks: a class-embedding model has no text encoder; set eval.tasks=[] (and no "
+                          "memory bank) — evaluate it with its class embeddings")
+    if il.data and cfg.tonics.enabled:
+        raise ConfigError("tonics.enabled: TOnICS batches come from one image-text stream; it does not combine "
+                          "with image_label.data")
+    if il.data and il.weight < 1.0 and cfg.train.micro_batch_size * il.weight < 1:
+        raise ConfigError(f"image_label.weight: {il.weight} of train.micro_batch_size="
+                          f"{cfg.train.micro_batch_size} is less than one sample")

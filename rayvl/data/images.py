@@ -48,6 +48,11 @@ def decode_and_crop(jpg: bytes, size: int, scale_min: float | None,
         return None
     if min(img.size) < 2:
         return None
+    return crop(img, size, scale_min, rng)
+
+
+def crop(img: Image.Image, size: int, scale_min: float | None, rng: np.random.Generator | None = None) -> np.ndarray:
+    """An RGB PIL image → uint8 (3, size, size): centre crop (``scale_min`` None) or random resized crop."""
     if scale_min is None:
         box = center_crop_box(*img.size)
     else:

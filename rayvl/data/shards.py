@@ -23,6 +23,7 @@ from ray.data.datasource import FileBasedDatasource
 
 from rayvl.data.bow import Deformer
 from rayvl.data.images import decode_and_crop
+from rayvl.data.labeled import Prompts
 from rayvl.data.ontology import Ontology
 from rayvl.data.text import tokenize, validate_caption
 
@@ -150,17 +151,21 @@ def _table(rows: list[dict], columns: tuple[str, ...] = COLUMNS) -> pa.Table:
 
 def preprocess(batch: dict, *, image_size: int, crop_scale_min: float, train: bool, tokenizer_path: str,
                max_tokens: int, report_name: str | None, bow: Deformer | None = None,
-               ontology: Ontology | None = None, labeled: bool = False) -> dict:
+               ontology: Ontology | None = None, prompts: Prompts | None = None) -> dict:
     """Raw rows → model inputs. Bad samples are dropped here and counted by reason in the run's DataReport
     (with caption statistics: words of kept captions, BoW counts).
     With ``bow`` the caption is deformed (seed bow §2.2) before the image is decoded and before tokenisation;
-    a caption the cascade empties drops its sample (counted as dropped_bow_empty, as the paper removes them)."""
-    import json
-
+    a caption the cascade empties drops its sample (counted as dropped_bow_empty, as the paper removes them).
+    With ``prompts`` the shards are image-label data (seed unicl): the JSON ``cls`` is the label and the caption is
+    a prompt drawn for that class; classes outside ``prompts.train_classes`` are excluded and counted."""
     counts: Counter = Counter()
     images, captions, keys, classes, objects = [], [], [], [], []
+    rng = np.random.default_rng() if prompts is not None else None
     for key, jpg, txt, meta in zip(batch["key"], batch["jpg"], batch["txt"], batch["json"]):
-        text, reason = validate_caption(txt)
+        if prompts is not None:
+            text, reason = _prompt_for(meta, prompts, rng)
+        else:
+            text, reason = validate_caption(txt)
         if reason:
             counts[reason] += 1
             continue
@@ -179,10 +184,7 @@ def preprocess(batch: dict, *, image_size: int, crop_scale_min: float, train: bo
         if image is None:
             counts["dropped_corrupt_image"] += 1
             continue
-        try:
-            cls = int(json.loads(meta).get("cls", -1)) if meta else -1
-        except (ValueError, TypeError, AttributeError):
-            cls = -1
+        cls = _cls(meta)
         counts["caption_words"] += len(text.split())
         # TOnICS: one training row per (pair, aligned noun), seed tonics App. A.1; a pair without one is a
         # single root-only row (object −1)
@@ -210,15 +212,33 @@ def preprocess(batch: dict, *, image_size: int, crop_scale_min: float, train: bo
         "cls": np.array(classes, dtype=np.int64),
         # UniCL label (seed unicl Algorithm 1): the class id of an image-label source, −1 for an image-text pair
         # (the training loop gives each of those a unique label)
-        "label": np.array(classes if labeled else [-1] * len(classes), dtype=np.int64),
+        "label": np.array(classes if prompts is not None else [-1] * len(classes), dtype=np.int64),
         "object": np.array(objects, dtype=np.int64),
     }
+
+
+def _cls(meta) -> int:
+    import json
+
+    try:
+        return int(json.loads(meta).get("cls", -1)) if meta else -1
+    except (ValueError, TypeError, AttributeError):
+        return -1
+
+
+def _prompt_for(meta, prompts: Prompts, rng) -> tuple[str, str | None]:
+    cls = _cls(meta)
+    if not 0 <= cls < len(prompts.classes):
+        return "", "dropped_missing_cls"
+    if cls not in prompts.train_classes:
+        return "", "excluded_held_out_class"
+    return prompts.caption(cls, rng), None
 
 
 def read_shards(spec: str, *, image_size: int, crop_scale_min: float, train: bool, tokenizer_path: str,
                 max_tokens: int, read_cpus: float, transform_batch_size: int, shuffle_files: bool,
                 report_name: str | None, bow: Deformer | None = None,
-                ontology: Ontology | None = None) -> ray.data.Dataset:
+                ontology: Ontology | None = None, prompts: Prompts | None = None) -> ray.data.Dataset:
     """The streaming Ray Dataset of model inputs for a shard spec."""
     source = Img2DatasetShards(resolve_shards(spec), report_name=report_name,
                                shuffle="files" if shuffle_files else None)
@@ -227,7 +247,7 @@ def read_shards(spec: str, *, image_size: int, crop_scale_min: float, train: boo
         preprocess, batch_size=transform_batch_size, batch_format="numpy", num_cpus=read_cpus,
         fn_kwargs=dict(image_size=image_size, crop_scale_min=crop_scale_min, train=train,
                        tokenizer_path=tokenizer_path, max_tokens=max_tokens, report_name=report_name, bow=bow,
-                       ontology=ontology),
+                       ontology=ontology, prompts=prompts),
     )
 
 

@@ -17,9 +17,8 @@ from PIL import Image
 from rayvl import assets
 from rayvl.data import shards
 from rayvl.data.images import decode_and_crop
+from rayvl.data.labeled import FASHION_MNIST_CLASSES
 
-FASHION_MNIST_CLASSES = ["t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag",
-                         "ankle boot"]
 # a short subset of CLIP's ImageNet templates, used when a dataset brings none
 DEFAULT_TEMPLATES = ["a photo of a {}.", "a bad photo of a {}.", "a photo of the {}.", "a close-up photo of a {}.",
                      "a black and white photo of a {}.", "a low resolution photo of a {}."]

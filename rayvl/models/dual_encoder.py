@@ -16,9 +16,16 @@ class DualEncoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.vision = VisionTower(cfg.vision, cfg.vision_checkpoint)
-        self.text = TextTower(cfg.text, cfg.text_strategy, cfg.alignment_layers, cfg.pooling, cfg.adapter_reduction)
         self.vision_proj = projection(cfg.vision_projection, self.vision.out_dim, cfg.embed_dim)
-        self.text_proj = projection(cfg.text_projection, self.text.out_dim, cfg.embed_dim)
+        if cfg.text_tower == "class_embedding":
+            # seed unicl eq. (4): CE is the special case whose "text encoder" is a linear embedding per class
+            if cfg.num_classes < 1:
+                raise ValueError("model.num_classes: a class-embedding text tower needs the number of classes")
+            self.class_embed = nn.Parameter(torch.randn(cfg.num_classes, cfg.embed_dim) * 0.02)
+        else:
+            self.text = TextTower(cfg.text, cfg.text_strategy, cfg.alignment_layers, cfg.pooling,
+                                  cfg.adapter_reduction)
+            self.text_proj = projection(cfg.text_projection, self.text.out_dim, cfg.embed_dim)
         # CLIP keeps log(1/τ) as the parameter and clamps exp() at 100; shape [1], not a 0-dim tensor, because
         # DeepSpeed broadcasts parameters as byte views, which 0-dim tensors do not allow
         self.logit_scale = nn.Parameter(torch.full((1,), math.log(cfg.init_logit_scale)),
@@ -33,7 +40,13 @@ class DualEncoder(nn.Module):
     def scale(self) -> torch.Tensor:
         return self.logit_scale.exp().clamp(max=self.cfg.max_logit_scale).squeeze(0)
 
+    def encode_classes(self) -> torch.Tensor:
+        return F.normalize(self.class_embed, dim=-1)
+
     def forward(self, image, input_ids, attention_mask):
+        """(image features, text features — or the class embeddings of a CE model —, logit scale)."""
+        if self.cfg.text_tower == "class_embedding":
+            return self.encode_image(image), self.encode_classes(), self.scale()
         return self.encode_image(image), self.encode_text(input_ids, attention_mask), self.scale()
 
 

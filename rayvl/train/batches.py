@@ -20,18 +20,30 @@ TRAIN_COLUMNS = ["image", "input_ids", "attention_mask", "label"]
 _END = object()
 
 
-def batch_stream(shard, cfg: RayvlConfig) -> Iterator[tuple[dict, float]]:
+def batch_stream(shard, cfg: RayvlConfig, size: int | None = None) -> Iterator[tuple[dict, float]]:
     """(micro-batch of torch tensors, seconds waited for it), endlessly."""
     t = cfg.train
 
     def batches():
         for batch in _epochs(lambda: shard.iter_torch_batches(
-                batch_size=t.micro_batch_size, drop_last=True, prefetch_batches=cfg.data.prefetch_batches,
+                batch_size=size or t.micro_batch_size, drop_last=True, prefetch_batches=cfg.data.prefetch_batches,
                 local_shuffle_buffer_size=cfg.data.local_shuffle_buffer or None,
                 device="cuda" if t.use_gpu else "cpu")):
             yield {k: batch[k] for k in TRAIN_COLUMNS}
 
     return _prefetched(batches, cfg)
+
+
+def mixed_stream(text_shard, label_shard, cfg: RayvlConfig) -> Iterator[tuple[dict, float]]:
+    """UniCL's balanced sampling (seed unicl App. B.2): every micro-batch takes round(weight × size) rows from
+    the image-label stream and the rest from the image-text stream — an exact ratio per batch; each stream is its
+    own Ray Data pipeline and runs through its epochs at its own pace (the smaller set repeats more often)."""
+    n_label = round(cfg.train.micro_batch_size * cfg.image_label.weight)
+    labels = batch_stream(label_shard, cfg, n_label)
+    texts = batch_stream(text_shard, cfg, cfg.train.micro_batch_size - n_label)
+    while True:
+        (a, wait_a), (b, wait_b) = next(labels), next(texts)
+        yield {k: torch.cat([a[k], b[k]]) for k in TRAIN_COLUMNS}, wait_a + wait_b
 
 
 class TonicsBatches:

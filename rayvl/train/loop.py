@@ -6,6 +6,7 @@ import time
 
 import ray.train
 import torch
+import torch.nn.functional as F
 
 from rayvl.config import from_dict
 from rayvl.data.tonics import Curriculum
@@ -13,7 +14,7 @@ from rayvl.losses import clip_loss, gather_features, unicl_loss
 from rayvl.models.dual_encoder import build_model
 from rayvl.models.memory_bank import MemoryBank
 from rayvl.train import checkpoint
-from rayvl.train.batches import TonicsBatches, batch_stream
+from rayvl.train.batches import TonicsBatches, batch_stream, mixed_stream
 from rayvl.train.evaluation import EvalSet, evaluate, held_out_retrieval
 
 
@@ -28,29 +29,19 @@ def train_loop_per_worker(config: dict) -> None:
     bank = MemoryBank(model, cfg.memory_bank.size, cfg.model.embed_dim, cfg.memory_bank.momentum) \
         if cfg.memory_bank.size else None
     engine = build_engine(model, cfg, world)
+    step, history, client_state = checkpoint.restore(engine)
     if bank is not None:
         bank.to(engine.device)
-    step, history, client_state = checkpoint.restore(engine)
-    if bank is not None and "memory_bank" in client_state:
-        bank.load_state_dict(client_state["memory_bank"])
-    shard = ray.train.get_dataset_shard("train")
-    curriculum = None
-    if cfg.tonics.enabled:  # seed tonics §3: the node of each step, drawn identically on every rank
-        x = cfg.tonics
-        curriculum = Curriculum(config["tonics_sizes"], x.alpha, x.beta, x.threshold, cfg.train.seed)
-        if "tonics" in client_state:
-            curriculum.load_state_dict(client_state["tonics"])
-        source = TonicsBatches(shard, cfg, rank)
-    else:
-        batches = batch_stream(shard, cfg)
+        if "memory_bank" in client_state:
+            bank.load_state_dict(client_state["memory_bank"])
+    next_batch, curriculum, source = _batches(cfg, config, rank, client_state)
     eval_set = EvalSet.load(ray.train.get_dataset_shard("eval"), config, cfg) if cfg.eval.tasks else None
     report_name = config.get("report_name")
     window = _new_window()
 
     while step < cfg.train.max_steps:
-        node = curriculum.node(step + 1) if curriculum else None
         for micro in range(cfg.train.grad_accumulation):
-            batch, waited = source.next(node, step + 1, micro) if curriculum else next(batches)
+            batch, waited = next_batch(step + 1, micro)
             loss = _loss(engine, batch, cfg, bank, (step * cfg.train.grad_accumulation + micro) * world + rank)
             engine.backward(loss)
             engine.step()
@@ -59,6 +50,7 @@ def train_loop_per_worker(config: dict) -> None:
             window["loss"] += loss.item() / cfg.train.grad_accumulation
             window["wait"] += waited
             window["samples"] += batch["image"].shape[0] * world
+            window["label_rows"] += int((batch["label"] >= 0).sum()) * world  # image-label share of batches
         step += 1
         window["steps"] += 1
 
@@ -92,9 +84,28 @@ def train_loop_per_worker(config: dict) -> None:
         window = _new_window()
 
 
+def _batches(cfg, config: dict, rank: int, client_state: dict):
+    """(next_batch(step, micro) → (batch, seconds waited), TOnICS curriculum or None, TOnICS source or None)."""
+    shard = ray.train.get_dataset_shard("train")
+    if cfg.tonics.enabled:  # seed tonics §3: the node of step s is drawn from (seed, s), the same on every rank
+        x = cfg.tonics
+        curriculum = Curriculum(config["tonics_sizes"], x.alpha, x.beta, x.threshold, cfg.train.seed)
+        if "tonics" in client_state:
+            curriculum.load_state_dict(client_state["tonics"])
+        source = TonicsBatches(shard, cfg, rank)
+        return (lambda step, micro: source.next(curriculum.node(step), step, micro)), curriculum, source
+    if cfg.image_label.data and cfg.image_label.weight < 1.0:  # seed unicl App. B.2: balanced batches
+        stream = mixed_stream(shard, ray.train.get_dataset_shard("labeled"), cfg)
+    else:
+        stream = batch_stream(shard, cfg)
+    return (lambda step, micro: next(stream)), None, None
+
+
 def _loss(engine, batch: dict, cfg, bank: MemoryBank | None, batch_index: int) -> torch.Tensor:
     """InfoNCE or UniCL over the gathered batch, or against the EMA keys + queue when a memory bank is on."""
     image_features, text_features, scale = engine(batch["image"], batch["input_ids"], batch["attention_mask"])
+    if cfg.loss.kind == "ce":  # seed unicl eq. (4): the text side is the class-embedding matrix
+        return F.cross_entropy(scale * image_features @ text_features.T, batch["label"])
     if bank is None and cfg.loss.kind == "clip":
         return clip_loss(image_features, text_features, scale, cfg.loss.gather_with_grad)
     # TargetM (seed unicl Algorithm 1): image-label rows keep their class id (≥ 0); every image-text row gets a
@@ -133,7 +144,7 @@ def _tonics_metrics(curriculum: Curriculum, source: TonicsBatches) -> dict:
 
 
 def _new_window() -> dict:
-    return {"loss": 0.0, "wait": 0.0, "samples": 0, "steps": 0, "start": time.perf_counter()}
+    return {"loss": 0.0, "wait": 0.0, "samples": 0, "label_rows": 0, "steps": 0, "start": time.perf_counter()}
 
 
 def _window_metrics(window: dict, step: int, engine, report_name: str | None) -> dict:
@@ -145,6 +156,7 @@ def _window_metrics(window: dict, step: int, engine, report_name: str | None) ->
         "logit_scale": engine.module.scale().item(),
         "samples_per_s": window["samples"] / elapsed,
         "data_wait_share": window["wait"] / elapsed,
+        "image_label_share": window["label_rows"] / max(1, window["samples"]),
     }
     if report_name:
         from rayvl.data.shards import report_actor

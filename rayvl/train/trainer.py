@@ -17,6 +17,8 @@ from rayvl import assets
 from rayvl.config import ConfigError, RayvlConfig
 from rayvl.data import bow, shards
 from rayvl.data.demo import ensure_demo
+from rayvl.data.labeled import FASHION_MNIST_CLASSES, Prompts, fashion_mnist_rows, is_fashion_mnist, load_prompts, \
+    prompt_batch
 from rayvl.data.ontology import Ontology, OntologyMismatch, keep_frequent, load_or_count
 from rayvl.train.batches import TRAIN_COLUMNS
 from rayvl.train.checkpoint import latest_checkpoint_dir
@@ -148,6 +150,38 @@ def tonics_counts(cfg: RayvlConfig, ontology: Ontology, train: str, run_dir: str
     return kept, sizes
 
 
+def image_label_prompts(cfg: RayvlConfig) -> Prompts | None:
+    """Class names and templates of the image-label source (before Ray starts: a bad file is a config error)."""
+    il = cfg.image_label
+    if not il.data:
+        return None
+    try:
+        default = FASHION_MNIST_CLASSES if is_fashion_mnist(il.data) else None
+        prompts = load_prompts(il.classes, il.templates, il.train_classes, default)
+    except (ValueError, OSError, KeyError) as e:
+        raise ConfigError(str(e) if str(e).startswith("image_label") else f"image_label.classes: {e}") from None
+    if cfg.model.text_tower == "class_embedding":
+        cfg.model.num_classes = len(prompts.classes)
+    return prompts
+
+
+def labeled_dataset(cfg: RayvlConfig, prompts: Prompts, report_name: str):
+    """The image-label stream: Fashion-MNIST IDX rows or img2dataset shards with ``cls``, prompts as captions."""
+    d, il = cfg.data, cfg.image_label
+    tokenizer_path = str(assets.text_model_path(cfg.model.text))
+    if is_fashion_mnist(il.data):
+        ds = fashion_mnist_rows(il.data, limit=il.limit).map_batches(
+            prompt_batch, batch_size=d.transform_batch_size, batch_format="numpy", num_cpus=d.read_cpus,
+            fn_kwargs=dict(prompts=prompts, image_size=d.image_size, crop_scale_min=d.crop_scale_min,
+                           tokenizer_path=tokenizer_path, max_tokens=d.max_text_tokens, report_name=report_name))
+    else:
+        ds = shards.read_shards(il.data, image_size=d.image_size, crop_scale_min=d.crop_scale_min, train=True,
+                                tokenizer_path=tokenizer_path, max_tokens=d.max_text_tokens, read_cpus=d.read_cpus,
+                                transform_batch_size=d.transform_batch_size, shuffle_files=d.shuffle_files,
+                                report_name=report_name, prompts=prompts)
+    return ds.select_columns(TRAIN_COLUMNS)
+
+
 def build_datasets(cfg: RayvlConfig, train: str, evalset: str, report_name: str,
                    deformer: bow.Deformer | None = None, ontology: Ontology | None = None) -> dict:
     tokenizer_path = str(assets.text_model_path(cfg.model.text))
@@ -170,6 +204,7 @@ def train(cfg: RayvlConfig) -> RunResult:
     train_data, eval_data, eval_files = resolve_data(cfg)
     storage, name = run_paths(cfg)
     ontology = tonics_ontology(cfg)
+    prompts = image_label_prompts(cfg)
     started_here = connect(cfg)
     ray.data.DataContext.get_current().enable_progress_bars = False  # per-operator bars flood job logs
     check_resources(cfg, fixed_size=started_here)
@@ -181,6 +216,11 @@ def train(cfg: RayvlConfig) -> RunResult:
         ontology, sizes = tonics_counts(cfg, ontology, train_data, run_dir)
     datasets = build_datasets(cfg, train_data, eval_data, report_name, bow_deformer(cfg, train_data, run_dir),
                               ontology)
+    label_report = None
+    if prompts is not None:  # seed unicl App. B.2: image-label data next to (or instead of) image-text data
+        label_report = shards.report_actor(f"{report_name}-labels")
+        labeled = labeled_dataset(cfg, prompts, f"{report_name}-labels")
+        datasets["labeled" if cfg.image_label.weight < 1.0 else "train"] = labeled
     t = cfg.train
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -197,13 +237,15 @@ def train(cfg: RayvlConfig) -> RunResult:
             failure_config=FailureConfig(max_failures=t.max_failures),
         ),
         datasets=datasets,
-        dataset_config=DataConfig(datasets_to_split=["train"]),
+        dataset_config=DataConfig(datasets_to_split=[k for k in ("train", "labeled") if k in datasets]),
     )
     expected = shards.expected_samples(train_data)
     result = trainer.fit()
     data_report = {**ray.get(report.snapshot.remote()), "img2dataset_successes_per_pass": expected,
                    "eval": ray.get(eval_report.snapshot.remote())}
     data_report["captions"] = caption_stats(data_report["counts"])
+    if label_report is not None:
+        data_report["image_label"] = ray.get(label_report.snapshot.remote())
     return finish(Path(storage) / name if "://" not in storage else Path(name), result, data_report)
 
 
@@ -288,6 +330,11 @@ def format_data_report(report: dict) -> str:
     if "tonics_rows" in counts:  # seed tonics App. A.1: one row per (pair, aligned noun)
         lines.insert(2, f"  TOnICS: {counts['tonics_rows']} rows from {counts.get('samples_kept', 0)} pairs; "
                         f"{counts.get('tonics_unaligned_pairs', 0)} pairs without an aligned noun (root-only rows)")
+    if "image_label" in report:
+        lab = report["image_label"].get("counts", {})
+        lines += [f"image-label: seen {lab.get('samples_seen', 0)}, kept {lab.get('samples_kept', 0)}, "
+                  f"{lab.get('excluded_held_out_class', 0)} of held-out classes excluded",
+                  *_drop_lines(report["image_label"])]
     if "eval" in report:
         held = report["eval"].get("counts", {})
         lines += [f"held-out: seen {held.get('samples_seen', 0)}, kept {held.get('samples_kept', 0)} "

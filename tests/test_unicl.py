@@ -1,0 +1,98 @@
+"""UniCL data (seed unicl §3, App. B.2): prompts from CLIP's 80 templates, image-label shards and Fashion-MNIST
+with held-out classes excluded and counted, balanced 1:1 batches in training, and the CE-style baseline."""
+import io
+import json
+import tarfile
+
+import numpy as np
+import pytest
+import ray
+
+from conftest import small_config
+from rayvl import assets
+from rayvl.config import ConfigError, load_config
+from rayvl.data import labeled, shards
+
+needs_fmnist = pytest.mark.skipif(assets.fashion_mnist_dir() is None, reason="Fashion-MNIST not installed")
+
+
+def test_prompts_use_clip_templates_and_train_classes():
+    templates = labeled.clip_templates()
+    assert len(templates) == 80 and all(t.count("{}") == 1 for t in templates)
+    p = labeled.load_prompts("", "", [0, 2], labeled.FASHION_MNIST_CLASSES)
+    assert p.train_classes == {0, 2} and len(p.classes) == 10
+    rng = np.random.default_rng(0)
+    captions = {p.caption(2, rng) for _ in range(200)}
+    assert len(captions) > 40 and all("pullover" in c for c in captions)  # one template drawn per sample
+    with pytest.raises(ValueError, match="train_classes"):
+        labeled.load_prompts("", "", [12], labeled.FASHION_MNIST_CLASSES)
+
+
+def test_ce_and_mixing_options_are_checked_before_ray():
+    with pytest.raises(ConfigError, match="loss.kind: ce goes with model.text_tower"):
+        load_config(None, ["loss.kind=ce"])
+    with pytest.raises(ConfigError, match="image_label.weight=1.0"):
+        load_config(None, ["loss.kind=ce", "model.text_tower=class_embedding", "image_label.data=fashion-mnist"])
+    with pytest.raises(ConfigError, match="image_label.weight: must be in"):
+        load_config(None, ["image_label.weight=0"])
+
+
+def _jpeg(seed):
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (40, 40, 3), dtype=np.uint8)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+def test_image_label_shards_get_prompts_and_labels(ray_local, tmp_path):
+    with tarfile.open(tmp_path / "00000.tar", "w") as tar:
+        for i in range(12):
+            meta = {} if i == 11 else {"cls": i % 3}  # sample 11 carries no class: dropped and counted
+            for ext, payload in (("jpg", _jpeg(i)), ("json", json.dumps(meta).encode())):
+                info = tarfile.TarInfo(f"{i:09d}.{ext}")
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+    prompts = labeled.Prompts(("cat", "dog", "bird"), labeled.clip_templates(), frozenset({0, 1}))
+    shards.report_actor("test-labels")
+    rows = shards.read_shards(str(tmp_path), image_size=32, crop_scale_min=0.5, train=True,
+                              tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=16, read_cpus=0.5,
+                              transform_batch_size=4, shuffle_files=False, report_name="test-labels",
+                              prompts=prompts).take_all()
+    counts = ray.get(shards.report_actor("test-labels").snapshot.remote())["counts"]
+    assert sorted(r["label"] for r in rows) == [0] * 4 + [1] * 4
+    assert all(("cat" if r["label"] == 0 else "dog") in r["caption"] for r in rows)
+    assert counts["excluded_held_out_class"] == 3 and counts["dropped_missing_cls"] == 1
+    assert counts["samples_seen"] == 12 and counts["samples_kept"] == 8
+
+
+@needs_fmnist
+def test_fashion_mnist_rows_exclude_held_out_classes(ray_local):
+    prompts = labeled.load_prompts("", "", [0, 1, 2], labeled.FASHION_MNIST_CLASSES)
+    ds = labeled.fashion_mnist_rows("fashion-mnist", split="t10k").limit(300)
+    batch = ds.take_batch(300, batch_format="numpy")
+    out = labeled.prompt_batch(batch, prompts=prompts, image_size=32, crop_scale_min=0.6,
+                               tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=16,
+                               report_name=None)
+    keep = np.isin(batch["cls"], [0, 1, 2])
+    assert out["label"].tolist() == batch["cls"][keep].tolist() and out["image"].shape[1:] == (3, 32, 32)
+    assert all(labeled.FASHION_MNIST_CLASSES[c] in t for c, t in zip(out["label"], out["caption"]))
+
+
+@needs_fmnist
+@pytest.mark.parametrize("variant", ["unicl_mixed", "ce"])
+def test_unicl_mix_and_ce_baseline_train_two_workers(ray_local, demo_dir, tmp_path, variant):
+    from rayvl.train.trainer import format_data_report, train
+
+    common = ["image_label.data=fashion-mnist", "image_label.train_classes=[0, 2, 4, 6]", "train.max_steps=2",
+              "image_label.limit=1000"]
+    extra = {"unicl_mixed": ["loss.kind=unicl", "image_label.weight=0.5", "memory_bank.size=32"],
+             "ce": ["loss.kind=ce", "model.text_tower=class_embedding", "image_label.weight=1.0", "eval.tasks=[]"]}
+    result = train(small_config(demo_dir, tmp_path, *common, *extra[variant]))
+    history = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == [1, 2] and all(np.isfinite(h["loss"]) for h in history)
+    # every micro-batch: exactly half image-label rows (seed unicl App. B.2), or all of them for CE
+    assert all(h["image_label_share"] == (0.5 if variant == "unicl_mixed" else 1.0) for h in history)
+    lab = result.data_report["image_label"]["counts"]
+    assert lab["samples_kept"] > 0 and lab["excluded_held_out_class"] > 0
+    assert "image-label: seen" in format_data_report(result.data_report)
