@@ -278,6 +278,15 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         print("text minilm-l6:", assets.text_model_path("minilm-l6"))
         print("vision efficientnet-lite0:", len(assets.vision_state_dict("efficientnet-lite0")), "tensors")
+        from rayvl.data.bow import stopwords
+
+        print("nltk English stopwords:", len(stopwords()), "words")
+        if assets.nltk_data_dir() is not None:
+            from rayvl.data.ontology import wordnet
+
+            print("WordNet:", wordnet().get_version(), "e.g. puppies →", wordnet().morphy("puppies", "n"))
+        else:
+            print("WordNet: not installed (rayvl assets fetch)")
         return 0
     return 1
 
