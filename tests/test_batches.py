@@ -34,7 +34,7 @@ def test_epoch_without_a_full_batch_is_an_error(ray_local):
 
 def test_batches_flow_across_epochs(ray_local):
     rows = [{"image": np.full((3, 8, 8), i, np.uint8), "input_ids": np.full(4, i, np.int64),
-             "attention_mask": np.ones(4, np.int64)} for i in range(6)]
+             "attention_mask": np.ones(4, np.int64), "label": -1} for i in range(6)]
     cfg = load_config(None, ["train.micro_batch_size=2", "data.local_shuffle_buffer=0"])
     stream = batch_stream(ray_local.data.from_items(rows).iterator(), cfg)
     seen = [next(stream)[0]["input_ids"][:, 0].tolist() for _ in range(6)]  # 2 epochs of 3 batches
