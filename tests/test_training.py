@@ -17,7 +17,7 @@ def _ds_files(ckpt: Path) -> list[str]:
     return sorted(p.name for p in (ckpt / "deepspeed").iterdir())
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2])  # ZeRO-3 trains (and resumes) in test_checkpoint_round_trip_and_resume
 def test_zero_stage_trains_two_workers(ray_local, demo_dir, tmp_path, stage):
     # stage 1 also trains on BoW captions (seed bow §2.2): statistics pass + deformation inside the real pipeline
     bow = ["bow.enabled=true", "bow.ops=[shuffle, rm_stop_nalpha, limit_to_base_vocab, {rm_top_freq: 3}, {keep: 3}]"]
@@ -45,8 +45,6 @@ def test_zero_stage_trains_two_workers(ray_local, demo_dir, tmp_path, stage):
     files = _ds_files(Path(result.checkpoint_dir))
     if stage >= 1:  # every rank's optimizer partition is in the one checkpoint (Ray merged both ranks' files)
         assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= set(files)
-    if stage == 3:
-        assert "zero_pp_rank_1_mp_rank_00_model_states.pt" in files
     state = torch.load(Path(result.checkpoint_dir) / "model.pt")
     assert "text.alignment.0.attention.self.query.weight" in state and state["logit_scale"].shape == (1,)
     assert json.loads((result.run_dir / "eval.json").read_text())["eval_images"] == 64
@@ -112,6 +110,10 @@ def test_checkpoint_round_trip_and_resume(ray_local, demo_dir, tmp_path):
     cfg = small_config(demo_dir, tmp_path, "train.zero_stage=3", "train.max_steps=2", *tonics)
     first = train(cfg)
     assert json.loads((Path(first.checkpoint_dir) / "rayvl.json").read_text())["step"] == 2
+    files = set(_ds_files(Path(first.checkpoint_dir)))  # ZeRO-3: both ranks' parameter and optimizer partitions
+    assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+            "zero_pp_rank_1_mp_rank_00_model_states.pt"} <= files
+    assert all(k in first.metrics for k in ("zeroshot_top1", "t2i_R@10", "paraphrase_AO@10", "sts_spearman"))
 
     out = tmp_path / "restore.json"
     TorchTrainer(_check_restore, train_loop_config={"rayvl": cfg.to_dict(), "out": str(out)},
