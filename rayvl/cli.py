@@ -161,26 +161,23 @@ def bow_preview(args) -> int:
     except (ConfigError, DataPlaneError) as e:
         print(f"rayvl bow preview: {e}", file=sys.stderr)
         return 2
-    ops = bow.parse_ops(cfg.bow.ops)
-    stats = None
-    if bow.needs_stats(ops):
+    from rayvl.train.trainer import bow_deformer
+
+    cfg.bow.enabled = True  # the preview shows the cascade whether or not the recipe switches it on
+    cfg.bow.stats_path = args.stats or str(Path(tempfile.mkdtemp()) / "bow_stats.json")
+    if bow.needs_stats(bow.parse_ops(cfg.bow.ops)):  # the statistics pass runs on Ray Data
         import ray
 
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False,
                      logging_level="ERROR", log_to_driver=False)
         ray.data.DataContext.get_current().enable_progress_bars = False
-        path = args.stats or str(Path(tempfile.mkdtemp()) / "bow_stats.json")
-        try:
-            stats, reused = bow.load_or_compute(data, path, seed=cfg.bow.seed, fraction=cfg.bow.base_fraction,
-                                                read_cpus=cfg.data.read_cpus)
-        except bow.BowStatsMismatch as e:
-            print(f"rayvl bow preview: {e}", file=sys.stderr)
-            return 2
-        print(f"statistics {'reused' if reused else 'computed'}: {stats.base_captions} base captions of "
-              f"{stats.captions}, base vocabulary {len(stats.df)} words"
-              + (f", saved to {path}" if args.stats and not reused else ""))
-    deform = bow.Deformer(ops, cfg.bow.seed, cfg.bow.base_fraction, stats)
+    try:
+        deform = bow_deformer(cfg, data, "")
+    except ConfigError as e:
+        print(f"rayvl bow preview: {e}", file=sys.stderr)
+        return 2
+    ops = deform.ops
     print(f"cascade: {' + '.join(op.name + (f'({op.arg})' if op.arg is not None else '') for op in ops)}; "
           f"base split {cfg.bow.base_fraction:.0%}\n")
     shown = before = after = emptied = 0

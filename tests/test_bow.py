@@ -14,6 +14,7 @@ import ray
 from rayvl import assets
 from rayvl.config import ConfigError, load_config
 from rayvl.data import bow, shards
+from rayvl.data.artifacts import ArtifactMismatch
 from rayvl.data.text import validate_caption
 
 
@@ -125,10 +126,10 @@ def test_stats_pass_equals_single_process_reference_and_artifact_is_reused(ray_l
     again, reused = bow.load_or_compute(str(data), path, seed=3, fraction=0.25)
     assert reused and again.df == stats.df and again.fingerprint == first.fingerprint
 
-    with pytest.raises(bow.BowStatsMismatch, match=r"seed: saved 3, now 4"):
+    with pytest.raises(ArtifactMismatch, match=r"seed: saved 3, now 4"):
         bow.load_or_compute(str(data), path, seed=4, fraction=0.25)
     shutil.copy(data / "00000.tar", data / "00009.tar")  # same shards + one more
-    with pytest.raises(bow.BowStatsMismatch, match=r"shards differ: 00009\.tar"):
+    with pytest.raises(ArtifactMismatch, match=r"shards differ: 00009\.tar"):
         bow.load_or_compute(str(data), path, seed=3, fraction=0.25)
 
 

@@ -13,6 +13,7 @@ from conftest import small_config
 from rayvl.config import ConfigError
 from rayvl.data import ontology as onto
 from rayvl.data import shards
+from rayvl.data.artifacts import ArtifactMismatch
 from rayvl.data.demo import SHAPES
 from rayvl.data.text import validate_caption
 from rayvl.data.tonics import Curriculum, draw_node, refresh
@@ -66,7 +67,7 @@ def test_class_counts_are_a_ray_data_aggregation(ray_local, demo_dir, tmp_path):
     path = str(tmp_path / "counts.json")
     assert onto.load_or_count(str(demo_dir / "train"), path, o) == (counts, False)
     assert onto.load_or_count(str(demo_dir / "train"), path, o) == (counts, True)
-    with pytest.raises(onto.OntologyMismatch, match="classes: saved"):
+    with pytest.raises(ArtifactMismatch, match="classes: saved"):
         onto.load_or_count(str(demo_dir / "train"), path, onto.Ontology.build(SHAPES[:4]))
     m = sorted(counts.values())[2]
     kept, sizes = onto.keep_frequent(o, counts, min_instances=m)

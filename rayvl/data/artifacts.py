@@ -2,8 +2,14 @@
 the shards they were computed on (name and size) and the settings they depend on — still matches."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Callable
+
+
+class ArtifactMismatch(RuntimeError):
+    """A saved artifact was made from other shards or other settings than the run's."""
 
 
 def shard_sizes(paths: list[str]) -> dict[str, int]:
@@ -61,3 +67,19 @@ def diff(saved: dict, now: dict) -> str:
         else:
             out.append(f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}")
     return "; ".join(out)
+
+
+def load_or_make(path: str, expected: dict, key: str, make: Callable[[], dict]) -> tuple[dict, bool]:
+    """(content, reused): the JSON artifact at ``path`` when its fingerprint equals ``expected``; otherwise
+    ``make()``'s content, saved there with that fingerprint. A saved artifact with another fingerprint is refused,
+    naming the config key that points at it and what changed — never silently mixed into another run."""
+    if exists(path):
+        saved = json.loads(read_text(path))
+        if saved["fingerprint"] != expected:
+            raise ArtifactMismatch(f"{key}: {path} was made from other data or other settings "
+                                   f"({diff(saved['fingerprint'], expected)}); delete it or point {key} "
+                                   f"elsewhere to make it again")
+        return saved, True
+    content = {"fingerprint": expected, **make()}
+    write_text(path, json.dumps(content))
+    return content, False

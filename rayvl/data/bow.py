@@ -18,7 +18,6 @@ joined by spaces.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,10 +31,6 @@ TOKEN_PATTERN = r"\w+(?:[-'’]\w+)*|[^\w\s]+"
 STATS_FORMAT = 1
 # reserved aggregation keys: the tokenizer never joins "<" to a word, so no caption word can collide with these
 BASE_CAPTIONS, ALL_CAPTIONS = "<base captions>", "<captions>"
-
-
-class BowStatsMismatch(RuntimeError):
-    """A saved statistics artifact was computed for other shards or another base split."""
 
 
 # ----------------------------------------------------------------------------- words and language resources
@@ -166,16 +161,6 @@ class BowStats:
         """The t most frequent base words (ties broken alphabetically, so the set is deterministic)."""
         return frozenset(w for w, _ in sorted(self.df.items(), key=lambda kv: (-kv[1], kv[0]))[:t])
 
-    def save(self, path: str | Path) -> None:
-        artifacts.write_text(str(path), json.dumps({"format": STATS_FORMAT, "fingerprint": self.fingerprint,
-                                           "captions": self.captions, "base_captions": self.base_captions,
-                                           "df": dict(sorted(self.df.items()))}))
-
-    @classmethod
-    def load(cls, path: str | Path) -> "BowStats":
-        raw = json.loads(artifacts.read_text(str(path)))
-        return cls(raw["fingerprint"], raw["captions"], raw["base_captions"], raw["df"])
-
 
 def base_word_counts(batch: dict, *, seed: int, fraction: float) -> dict:
     """One Ray Data batch → partial document frequencies of its base captions (each word once per caption),
@@ -204,38 +189,27 @@ def fingerprint(spec: str, seed: int, fraction: float) -> dict:
             "token_pattern": TOKEN_PATTERN, "format": STATS_FORMAT}
 
 
-def compute_stats(spec: str, *, seed: int, fraction: float, read_cpus: float = 0.5) -> BowStats:
+def _count(spec: str, seed: int, fraction: float, read_cpus: float) -> dict:
     """The statistics pass: shards streamed by Ray Data → per-batch partial counts → groupby("word").sum("df")."""
-    import ray
+    from rayvl.data.shards import group_over_shards
 
-    from rayvl.data.shards import Img2DatasetShards, resolve_shards
-
-    paths = resolve_shards(spec)
-    source = Img2DatasetShards(paths, columns=("key", "txt"))
-    partials = ray.data.read_datasource(source, num_cpus=read_cpus).map_batches(
-        base_word_counts, batch_format="numpy", num_cpus=read_cpus, fn_kwargs={"seed": seed, "fraction": fraction})
-    # hash partitions of the vocabulary: Ray's default (200) costs ~15 s of task overhead on a few demo shards;
-    # one per 8 shards keeps LAION's 41k shards at the default cap
-    grouped = partials.groupby("word", num_partitions=max(1, min(200, len(paths) // 8)))
+    grouped = group_over_shards(spec, ("key", "txt"), base_word_counts, {"seed": seed, "fraction": fraction},
+                                "word", read_cpus)
     df = {row["word"]: int(row["sum(df)"]) for row in grouped.sum("df").iter_rows()}
     captions, base = df.pop(ALL_CAPTIONS, 0), df.pop(BASE_CAPTIONS, 0)
-    return BowStats(fingerprint(spec, seed, fraction), captions, base, df)
+    return {"captions": captions, "base_captions": base, "df": dict(sorted(df.items()))}
+
+
+def compute_stats(spec: str, *, seed: int, fraction: float, read_cpus: float = 0.5) -> BowStats:
+    return BowStats(fingerprint(spec, seed, fraction), **_count(spec, seed, fraction, read_cpus))
 
 
 def load_or_compute(spec: str, path: str, *, seed: int, fraction: float, read_cpus: float = 0.5
                     ) -> tuple[BowStats, bool]:
     """(stats, reused). A saved artifact is reused only if its fingerprint matches the data and split now."""
-    expected = fingerprint(spec, seed, fraction)
-    if artifacts.exists(path):
-        stats = BowStats.load(path)
-        if stats.fingerprint != expected:
-            raise BowStatsMismatch(f"bow.stats_path: {path} was computed for other data or another split "
-                                   f"({artifacts.diff(stats.fingerprint, expected)}); delete it or point "
-                                   f"bow.stats_path elsewhere to recompute")
-        return stats, True
-    stats = compute_stats(spec, seed=seed, fraction=fraction, read_cpus=read_cpus)
-    stats.save(path)
-    return stats, False
+    content, reused = artifacts.load_or_make(path, fingerprint(spec, seed, fraction), "bow.stats_path",
+                                             lambda: _count(spec, seed, fraction, read_cpus))
+    return BowStats(**content), reused
 
 
 # ----------------------------------------------------------------------------- the deformation

@@ -23,10 +23,6 @@ COUNTS_FORMAT = 1
 UNALIGNED = -1
 
 
-class OntologyMismatch(RuntimeError):
-    """A saved class-count artifact was computed for other shards or another ontology."""
-
-
 @lru_cache(maxsize=1)
 def wordnet():
     """nltk's WordNet reader over the offline WordNet 3.0 (loaded once per process, ≈4 s)."""
@@ -176,32 +172,19 @@ def fingerprint(spec: str, ontology: Ontology) -> dict:
 
 def count_rows(spec: str, ontology: Ontology, read_cpus: float = 0.5) -> dict[int, int]:
     """Rows per object id over the shards: map to objects, then groupby("object").count() on Ray Data."""
-    import ray
+    from rayvl.data.shards import group_over_shards
 
-    from rayvl.data.shards import Img2DatasetShards, resolve_shards
-
-    paths = resolve_shards(spec)
-    source = Img2DatasetShards(paths, columns=("key", "txt", "json"))
-    rows = ray.data.read_datasource(source, num_cpus=read_cpus).map_batches(
-        batch_objects, batch_format="numpy", num_cpus=read_cpus, fn_kwargs={"ontology": ontology})
-    grouped = rows.groupby("object", num_partitions=max(1, min(200, len(paths) // 8))).count()
-    return {int(r["object"]): int(r["count()"]) for r in grouped.iter_rows()}
+    grouped = group_over_shards(spec, ("key", "txt", "json"), batch_objects, {"ontology": ontology}, "object",
+                                read_cpus)
+    return {int(r["object"]): int(r["count()"]) for r in grouped.count().iter_rows()}
 
 
 def load_or_count(spec: str, path: str, ontology: Ontology, read_cpus: float = 0.5) -> tuple[dict[int, int], bool]:
     """(rows per object id, reused). A saved artifact is reused only if its fingerprint still matches."""
-    expected = fingerprint(spec, ontology)
-    if artifacts.exists(path):
-        saved = json.loads(artifacts.read_text(path))
-        if saved["fingerprint"] != expected:
-            raise OntologyMismatch(f"tonics.counts_path: {path} was counted for other data or another ontology "
-                                   f"({artifacts.diff(saved['fingerprint'], expected)}); delete it or point "
-                                   f"tonics.counts_path elsewhere to recount")
-        return {int(k): v for k, v in saved["counts"].items()}, True
-    counts = count_rows(spec, ontology, read_cpus)
-    artifacts.write_text(path, json.dumps({"fingerprint": expected, "counts": {str(k): v for k, v in
-                                                                                sorted(counts.items())}}))
-    return counts, False
+    content, reused = artifacts.load_or_make(
+        path, fingerprint(spec, ontology), "tonics.counts_path",
+        lambda: {"counts": {str(k): v for k, v in sorted(count_rows(spec, ontology, read_cpus).items())}})
+    return {int(k): v for k, v in content["counts"].items()}, reused
 
 
 def keep_frequent(ontology: Ontology, counts: dict[int, int], min_instances: int) -> tuple[Ontology, list[int]]:

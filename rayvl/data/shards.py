@@ -147,6 +147,18 @@ def _table(rows: list[dict], columns: tuple[str, ...] = COLUMNS) -> pa.Table:
                      for c in columns})
 
 
+def group_over_shards(spec: str, columns: tuple[str, ...], fn, fn_kwargs: dict, key: str, read_cpus: float):
+    """Corpus statistics as a Ray Data aggregation: only ``columns`` of the shards are read, ``fn`` turns each
+    batch into rows with a ``key`` column, and the rows are grouped by it for a sum or count — never collected on
+    the driver."""
+    paths = resolve_shards(spec)
+    rows = ray.data.read_datasource(Img2DatasetShards(paths, columns=columns), num_cpus=read_cpus).map_batches(
+        fn, batch_format="numpy", num_cpus=read_cpus, fn_kwargs=fn_kwargs)
+    # hash partitions of the keys: Ray's default (200) costs ~15 s of task overhead on a few demo shards; one per
+    # 8 shards keeps LAION's 41k shards at the default cap
+    return rows.groupby(key, num_partitions=max(1, min(200, len(paths) // 8)))
+
+
 # ----------------------------------------------------------------------------- decode, validate, tokenize
 
 def preprocess(batch: dict, *, image_size: int, crop_scale_min: float, train: bool, tokenizer_path: str,
@@ -162,8 +174,9 @@ def preprocess(batch: dict, *, image_size: int, crop_scale_min: float, train: bo
     images, captions, keys, classes, objects = [], [], [], [], []
     rng = np.random.default_rng() if prompts is not None else None
     for key, jpg, txt, meta in zip(batch["key"], batch["jpg"], batch["txt"], batch["json"]):
+        cls = _cls(meta)
         if prompts is not None:
-            text, reason = _prompt_for(meta, prompts, rng)
+            text, reason = _prompt_for(cls, prompts, rng)
         else:
             text, reason = validate_caption(txt)
         if reason:
@@ -184,7 +197,6 @@ def preprocess(batch: dict, *, image_size: int, crop_scale_min: float, train: bo
         if image is None:
             counts["dropped_corrupt_image"] += 1
             continue
-        cls = _cls(meta)
         counts["caption_words"] += len(text.split())
         # TOnICS: one training row per (pair, aligned noun), seed tonics App. A.1; a pair without one is a
         # single root-only row (object −1)
@@ -226,8 +238,7 @@ def _cls(meta) -> int:
         return -1
 
 
-def _prompt_for(meta, prompts: Prompts, rng) -> tuple[str, str | None]:
-    cls = _cls(meta)
+def _prompt_for(cls: int, prompts: Prompts, rng) -> tuple[str, str | None]:
     if not 0 <= cls < len(prompts.classes):
         return "", "dropped_missing_cls"
     if cls not in prompts.train_classes:

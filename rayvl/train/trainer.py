@@ -16,10 +16,11 @@ from ray.train.torch import TorchTrainer
 from rayvl import assets
 from rayvl.config import ConfigError, RayvlConfig
 from rayvl.data import bow, shards
+from rayvl.data.artifacts import ArtifactMismatch
 from rayvl.data.demo import ensure_demo
 from rayvl.data.labeled import FASHION_MNIST_CLASSES, Prompts, fashion_mnist_rows, is_fashion_mnist, load_prompts, \
     prompt_batch
-from rayvl.data.ontology import Ontology, OntologyMismatch, keep_frequent, load_or_count
+from rayvl.data.ontology import Ontology, keep_frequent, load_or_count
 from rayvl.train.batches import TRAIN_COLUMNS
 from rayvl.train.checkpoint import latest_checkpoint_dir
 from rayvl.train.loop import train_loop_per_worker
@@ -114,7 +115,7 @@ def bow_deformer(cfg: RayvlConfig, train: str, run_dir: str) -> bow.Deformer | N
         try:
             stats, reused = bow.load_or_compute(train, path, seed=b.seed, fraction=b.base_fraction,
                                                 read_cpus=cfg.data.read_cpus)
-        except bow.BowStatsMismatch as e:
+        except ArtifactMismatch as e:
             raise ConfigError(str(e)) from None
         print(f"rayvl: BoW statistics {'reused from' if reused else 'computed with Ray Data →'} {path}: "
               f"{stats.base_captions} base captions of {stats.captions}, base vocabulary {len(stats.df)} words")
@@ -138,7 +139,7 @@ def tonics_counts(cfg: RayvlConfig, ontology: Ontology, train: str, run_dir: str
     path = x.counts_path or f"{run_dir.rstrip('/')}/tonics_counts.json"
     try:
         counts, reused = load_or_count(train, path, ontology, cfg.data.read_cpus)
-    except OntologyMismatch as e:
+    except ArtifactMismatch as e:
         raise ConfigError(str(e)) from None
     kept, sizes = keep_frequent(ontology, counts, x.min_instances)
     print(f"rayvl: TOnICS rows per class {'reused from' if reused else 'counted with Ray Data →'} {path}: "
