@@ -62,3 +62,24 @@ def test_zero3_with_a_memory_bank_is_refused_at_config_load():
     with pytest.raises(ConfigError, match=r"memory_bank\.size: .*ZeRO-3"):
         load_config(None, ["memory_bank.size=64", "train.zero_stage=3"])
     load_config(None, ["memory_bank.size=64", "train.zero_stage=2"])
+
+
+def test_ema_steps_once_per_optimizer_step_under_grad_accumulation(ray_local, demo_dir, tmp_path):
+    """Two micro-batches make one optimizer step, so the key encoders take one EMA step per step:
+    θ'_2 = m·θ'_1 + (1 − m)·θ_2. One update per micro-batch would also average in θ_1 (the weights the first
+    micro-batch of step 2 sees): m²·θ'_1 + m(1 − m)·θ_1 + (1 − m)·θ_2."""
+    from conftest import small_config
+    from rayvl.train.trainer import train
+
+    cfg = small_config(demo_dir, tmp_path, "train.num_workers=1", "train.grad_accumulation=2", "train.max_steps=2",
+                       "train.warmup_steps=0", "train.checkpoint_every=1", "memory_bank.size=64",
+                       "memory_bank.momentum=0.5", "eval.tasks=[]")
+    result = train(cfg)
+    first, last = sorted(d for d in result.run_dir.glob("checkpoint_*") if d.is_dir())  # named by time
+    bank_1 = torch.load(first / "memory_bank.pt", weights_only=False)
+    bank_2 = torch.load(last / "memory_bank.pt", weights_only=False)
+    theta_2 = torch.load(last / "model.pt")
+    assert (bank_1["ptr"], bank_2["ptr"]) == (16, 32)  # both micro-batches' keys are queued every step
+    for key in ("vision_proj.weight", "text_proj.0.weight"):
+        assert not torch.equal(bank_1["ema"][key], theta_2[key])
+        assert torch.allclose(bank_2["ema"][key], 0.5 * bank_1["ema"][key] + 0.5 * theta_2[key], atol=1e-6)

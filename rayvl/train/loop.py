@@ -45,12 +45,12 @@ def train_loop_per_worker(config: dict) -> None:
             loss = _loss(engine, batch, cfg, bank, (step * cfg.train.grad_accumulation + micro) * world + rank)
             engine.backward(loss)
             engine.step()
-            if bank is not None:
-                bank.update(engine.module)  # MoCo: the key encoders follow the trained ones after each step
             window["loss"] += loss.item() / cfg.train.grad_accumulation
             window["wait"] += waited
             window["samples"] += batch["image"].shape[0] * world
             window["label_rows"] += int((batch["label"] >= 0).sum()) * world  # image-label share of batches
+        if bank is not None:  # MoCo: the key encoders follow the trained ones once per optimizer step
+            bank.update(engine.module)
         step += 1
         window["steps"] += 1
 
