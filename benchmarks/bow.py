@@ -18,8 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ray  # noqa: E402
 
 from rayvl import assets  # noqa: E402
-from rayvl.config import DEFAULT_BOW_OPS  # noqa: E402
-from rayvl.data import bow, shards  # noqa: E402
+from rayvl.config import DEFAULT_BOW_OPS, parse_bow_ops  # noqa: E402
+from rayvl.data import bow  # noqa: E402
+from rayvl.data.pipeline import preprocess  # noqa: E402
+from rayvl.data.tar import COLUMNS, iter_tar_samples, resolve_shards  # noqa: E402
 from rayvl.data.demo import write_demo  # noqa: E402
 from rayvl.data.text import validate_caption  # noqa: E402
 
@@ -28,7 +30,7 @@ BATCH = 64
 
 def _read(path: str):
     with open(path, "rb") as f:
-        yield from shards.iter_tar_samples(f)
+        yield from iter_tar_samples(f)
 
 
 def _pipeline(paths, kw, deform) -> None:
@@ -39,10 +41,10 @@ def _pipeline(paths, kw, deform) -> None:
         for sample in _read(path):
             batch.append(sample)
             if len(batch) == BATCH:
-                shards.preprocess({c: [s.get(c) for s in batch] for c in shards.COLUMNS}, **kw, bow=deform)
+                preprocess({c: [s.get(c) for s in batch] for c in COLUMNS}, **kw, bow=deform)
                 batch = []
     if batch:
-        shards.preprocess({c: [s.get(c) for s in batch] for c in shards.COLUMNS}, **kw, bow=deform)
+        preprocess({c: [s.get(c) for s in batch] for c in COLUMNS}, **kw, bow=deform)
 
 
 def main():
@@ -54,7 +56,7 @@ def main():
     args = p.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
     spec = args.data or str(write_demo(Path(tempfile.mkdtemp()) / "demo", args.samples, 10) / "train")
-    paths = shards.resolve_shards(spec)
+    paths = resolve_shards(spec)
 
     ray.init(address="local", include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
@@ -63,7 +65,7 @@ def main():
     stats_s = time.perf_counter() - t
     ray.shutdown()
     ops = [{"rm_top_freq": args.top} if isinstance(o, dict) and "rm_top_freq" in o else o for o in DEFAULT_BOW_OPS]
-    deform = bow.Deformer(bow.parse_ops(ops), 0, 0.1, stats)
+    deform = bow.Deformer(parse_bow_ops(ops), 0, 0.1, stats)
 
     samples = [s for path in paths for s in _read(path)]
     captions = [(s["key"], validate_caption(s.get("txt"))[0]) for s in samples]

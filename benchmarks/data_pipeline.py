@@ -17,6 +17,8 @@ import ray  # noqa: E402
 
 from rayvl import assets  # noqa: E402
 from rayvl.data import shards  # noqa: E402
+from rayvl.data.pipeline import preprocess  # noqa: E402
+from rayvl.data.tar import COLUMNS, iter_tar_samples, resolve_shards  # noqa: E402
 from rayvl.data.demo import write_demo  # noqa: E402
 
 
@@ -26,7 +28,7 @@ def plain_reader(paths, kw) -> int:
     batch: list[dict] = []
     for path in paths:
         with open(path, "rb") as f:
-            for sample in shards.iter_tar_samples(f):
+            for sample in iter_tar_samples(f):
                 batch.append(sample)
                 if len(batch) == kw_batch:
                     n += _preprocess(batch, kw)
@@ -35,8 +37,8 @@ def plain_reader(paths, kw) -> int:
 
 
 def _preprocess(samples: list[dict], kw) -> int:
-    batch = {c: [s.get(c) for s in samples] for c in shards.COLUMNS}
-    return len(shards.preprocess(batch, **kw)["key"])
+    batch = {c: [s.get(c) for s in samples] for c in COLUMNS}
+    return len(preprocess(batch, **kw)["key"])
 
 
 kw_batch = 64
@@ -51,7 +53,7 @@ def main():
     p.add_argument("--read-cpus", type=float, default=0.5)
     args = p.parse_args()
     spec = args.data or str(write_demo(Path(tempfile.mkdtemp()) / "demo", args.samples, 10) / "train")
-    paths = shards.resolve_shards(spec)
+    paths = resolve_shards(spec)
     tok = str(assets.text_model_path("minilm-l6"))
     kw = dict(image_size=args.image_size, crop_scale_min=0.6, train=True, tokenizer_path=tok, max_tokens=24,
               report_name=None)

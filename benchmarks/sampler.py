@@ -19,9 +19,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from rayvl import assets  # noqa: E402
-from rayvl.cli import REPO  # noqa: E402
 from rayvl.config import load_config  # noqa: E402
-from rayvl.data import shards  # noqa: E402
+from rayvl.data.pipeline import preprocess  # noqa: E402
+from rayvl.data import tar  # noqa: E402
+from rayvl.data.tar import iter_tar_samples, resolve_shards  # noqa: E402
 from rayvl.data.demo import SHAPES, write_demo  # noqa: E402
 from rayvl.data.ontology import Ontology  # noqa: E402
 from rayvl.data.tonics import BucketSampler, draw_node  # noqa: E402
@@ -38,9 +39,9 @@ def rows(paths, ontology, micro_batch: int) -> list[dict]:
     out = []
     for path in paths:
         with open(path, "rb") as f:
-            samples = list(shards.iter_tar_samples(f))
+            samples = list(iter_tar_samples(f))
         for i in range(0, len(samples), 64):
-            batch = shards.preprocess({c: [s.get(c) for s in samples[i:i + 64]] for c in shards.COLUMNS}, **kw)
+            batch = preprocess({c: [s.get(c) for s in samples[i:i + 64]] for c in tar.COLUMNS}, **kw)
             out.append({c: batch[c] for c in COLUMNS})
     flat = {c: np.concatenate([b[c] for b in out]) for c in COLUMNS}
     return [{c: v[i:i + micro_batch] for c, v in flat.items()} for i in range(0, len(flat["object"]), micro_batch)]
@@ -57,7 +58,7 @@ def main():
     torch.set_num_threads(1)
     spec = args.data or str(write_demo(Path(tempfile.mkdtemp()) / "demo", 4000, 10) / "train")
     ontology = Ontology.build(SHAPES)
-    stream_batches = rows(shards.resolve_shards(spec), ontology, args.micro_batch)
+    stream_batches = rows(resolve_shards(spec), ontology, args.micro_batch)
 
     def stream():
         while True:
@@ -72,7 +73,7 @@ def main():
         sampler.batch(draw_node(p_s, 0, step), step)
     sampler_s = (time.perf_counter() - t) / args.steps
 
-    cfg = load_config(REPO / "configs" / "laion_adapt.yaml")
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "laion_adapt.yaml")
     model = build_model(cfg.model, seed=0)
     opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)
     batch = {k: torch.from_numpy(v) for k, v in sampler.batch(0, 0).items()}

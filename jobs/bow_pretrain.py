@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `ray job submit --working-dir .` runs from a copy
 
-from rayvl.cli import run_comparison  # noqa: E402
+from rayvl.recipes import run_comparison  # noqa: E402
 
 ROWS = [
     ("zero-shot top-1 %", "zeroshot_top1", ".1f"),

@@ -14,7 +14,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # `ray job submit --working-dir .` runs from a copy
 
-from rayvl.cli import run_comparison  # noqa: E402
+from rayvl.recipes import run_comparison  # noqa: E402
 
 ROWS = [(f"{split} {label} R@{k} %", f"{prefix}{d}_R@{k}", ".1f")
         for split, prefix in (("in-distribution", ""), ("held-out", "heldout_"))

@@ -18,7 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # `ray job submit --working-dir .` runs from a copy
 
-from rayvl.cli import run_comparison  # noqa: E402
+from rayvl.recipes import run_comparison  # noqa: E402
 
 ROWS = [("zero-shot top-1, all 10 classes %", "zs_all_top1", ".1f"),
         ("zero-shot top-1, 7 training classes %", "zs_seen_top1", ".1f"),
@@ -29,50 +29,48 @@ TEST_IMAGES = 2000
 
 
 def zero_shot(result) -> dict:
-    """Fashion-MNIST test images, zero-shot over all / seen / held-out classes (templates averaged)."""
+    """Fashion-MNIST test images, zero-shot over all / seen / held-out classes (CLIP's 80 templates averaged)."""
     import numpy as np
     import torch
 
     from rayvl import assets
-    from rayvl.data.labeled import FASHION_MNIST_CLASSES, clip_templates
-    from rayvl.data.text import tokenize
-    from rayvl.eval.embed import embed_local, load_model
+    from rayvl.checkpoints import load_model
+    from rayvl.data import fashion_mnist
+    from rayvl.data.prompts import templates
+    from rayvl.eval.embed import ModelEmbedder
     from rayvl.eval.zeroshot import class_embeddings
 
     model, config = load_model(result.checkpoint_dir)
-    root = assets.fashion_mnist_dir()
-    pixels = assets.read_idx(root / "t10k-images-idx3-ubyte.gz")[:TEST_IMAGES]
-    labels = torch.from_numpy(assets.read_idx(root / "t10k-labels-idx1-ubyte.gz")[:TEST_IMAGES].astype(np.int64))
-    size = config["data"]["image_size"]
-    from PIL import Image
-
-    images = np.stack([np.asarray(Image.fromarray(p, "L").convert("RGB").resize((size, size), Image.BICUBIC),
-                                  np.uint8).transpose(2, 0, 1) for p in pixels])
-    with torch.no_grad():
-        image_emb = torch.from_numpy(embed_local(model, images))
-        seen = sorted(config["image_label"]["train_classes"])
-        held = [c for c in range(10) if c not in seen]
-        if config["model"]["text_tower"] == "class_embedding":
+    pixels, labels = fashion_mnist.read("fashion-mnist", "t10k", TEST_IMAGES)
+    images = np.stack([fashion_mnist.to_rgb(p, config["data"]["image_size"]) for p in pixels])
+    labels = torch.from_numpy(labels)
+    seen = sorted(config["image_label"]["train_classes"])
+    held = [c for c in range(10) if c not in seen]
+    if config["model"]["text_tower"] == "class_embedding":  # a CE model scores only its own classes
+        with torch.no_grad():
+            image_emb = torch.from_numpy(ModelEmbedder(model, "", 0).images(images))
             class_emb = model.encode_classes().clone()
-            class_emb[held] = float("nan")  # rows never trained: a CE model knows no unseen class
-        else:
-            tok_path = str(assets.text_model_path(config["model"]["text"]))
-            tok = lambda xs: tuple(torch.from_numpy(a) for a in tokenize(xs, tok_path, 24))  # noqa: E731
-            class_emb = class_embeddings(model.encode_text, tok, FASHION_MNIST_CLASSES, list(clip_templates()))
+        pred = torch.tensor(seen)[(image_emb @ class_emb[seen].T).argmax(1)]
+        return {"zs_all_top1": 100.0 * (pred == labels).float().mean().item(),  # held-out images count as misses
+                "zs_seen_top1": _top1(image_emb, labels, class_emb, seen)}
+    embedder = ModelEmbedder(model, str(assets.text_model_path(config["model"]["text"])),
+                             config["data"]["max_text_tokens"])
+    image_emb = torch.from_numpy(embedder.images(images))
+    names, chosen = fashion_mnist.CLASSES, templates("clip_imagenet")
+    prompts = embedder.texts([t.format(c) for c in names for t in chosen]).reshape(len(names), len(chosen), -1)
+    class_emb = torch.from_numpy(class_embeddings(prompts))
+    return {"zs_all_top1": _top1(image_emb, labels, class_emb, list(range(10))),
+            "zs_seen_top1": _top1(image_emb, labels, class_emb, seen),
+            "zs_heldout_top1": _top1(image_emb, labels, class_emb, held)}
 
-    def top1(classes: list[int]) -> float:
-        mask = torch.isin(labels, torch.tensor(classes))
-        emb = class_emb[classes]
-        if torch.isnan(emb).any():
-            return float("nan")
-        pred = torch.tensor(classes)[(image_emb[mask] @ emb.T).argmax(1)]
-        return 100.0 * (pred == labels[mask]).float().mean().item()
 
-    if config["model"]["text_tower"] == "class_embedding":  # scores only its own classes: held-out = misses
-        pred = (image_emb @ class_emb[seen].T).argmax(1)
-        all_top1 = 100.0 * (torch.tensor(seen)[pred] == labels).float().mean().item()
-        return {"zs_all_top1": all_top1, "zs_seen_top1": top1(seen)}
-    return {"zs_all_top1": top1(list(range(10))), "zs_seen_top1": top1(seen), "zs_heldout_top1": top1(held)}
+def _top1(image_emb, labels, class_emb, classes: list[int]) -> float:
+    """Top-1 (%) over the images of ``classes``, choosing among those classes only."""
+    import torch
+
+    mask = torch.isin(labels, torch.tensor(classes))
+    pred = torch.tensor(classes)[(image_emb[mask] @ class_emb[classes].T).argmax(1)]
+    return 100.0 * (pred == labels[mask]).float().mean().item()
 
 
 def main() -> int:

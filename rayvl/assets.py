@@ -172,7 +172,7 @@ def fetch_debian_packages(names=tuple(DEBIAN_PACKAGES)) -> list[str]:
         if (root / DEBIAN_PACKAGES[name]).exists():
             continue
         if shutil.which("apt-get") is None:
-            print(f"rayvl assets: apt-get not found; {name} unavailable (tests that need it are skipped)")
+            print(f"rayvl assets: apt-get not found; {name} unavailable (`rayvl assets check` will fail)")
             continue
         with tempfile.TemporaryDirectory() as tmp:
             r = subprocess.run(["apt-get", "download", name], cwd=tmp, capture_output=True, text=True)
@@ -196,3 +196,21 @@ def read_idx(path: Path) -> np.ndarray:
     ndim = data[3]
     shape = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
     return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+def check() -> tuple[list[str], list[str]]:
+    """(one line per asset, names of the missing ones): the towers load offline, and the Debian data files that
+    ``fetch_debian_packages`` unpacks are in place. A missing asset is a failure, never a reason to skip."""
+    lines, missing = [], []
+    for label, probe in (("text minilm-l6", lambda: text_model_path("minilm-l6")),
+                         ("vision efficientnet-lite0", lambda: f"{len(vision_state_dict('efficientnet-lite0'))} "
+                                                               f"tensors"),
+                         ("Fashion-MNIST", fashion_mnist_dir), ("WordNet 3.0 (nltk_data)", nltk_data_dir)):
+        try:
+            found = probe()
+        except MissingAssetError as e:
+            found, label = None, f"{label} ({e})"
+        lines.append(f"{label}: {found if found is not None else 'MISSING'}")
+        if found is None:
+            missing.append(label)
+    return lines, missing

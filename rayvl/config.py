@@ -79,6 +79,49 @@ class BowConfig:
 DEFAULT_BOW_OPS = ("shuffle", "rm_stop_nalpha", "limit_to_base_vocab", {"rm_top_freq": 1000}, {"keep": 4})
 
 
+@dataclass(frozen=True)
+class BowOp:
+    """One operator of the ``bow.ops`` cascade ([BoW] §2.2), its argument t or n where it takes one."""
+
+    name: str
+    arg: int | None = None
+
+
+_BOW_OP_TAKES_ARG = {"shuffle": False, "rm_stop_nalpha": False, "limit_to_base_vocab": False, "rm_top_freq": True,
+                     "keep": True}
+
+
+def parse_bow_ops(spec: list) -> list[BowOp]:
+    """``[shuffle, rm_stop_nalpha, {rm_top_freq: 1000}, {keep: 4}]`` → BowOps. Errors are ValueError("[i]: ...")."""
+    ops: list[BowOp] = []
+    for i, item in enumerate(spec):
+        if isinstance(item, str):
+            name, arg = item, None
+        elif isinstance(item, dict) and len(item) == 1:
+            name, arg = next(iter(item.items()))
+        else:
+            raise ValueError(f"[{i}]: expected an operator name or {{name: value}}, got {item!r}")
+        if name not in _BOW_OP_TAKES_ARG:
+            raise ValueError(f"[{i}]: unknown operator {name!r} (known: {', '.join(_BOW_OP_TAKES_ARG)})")
+        if _BOW_OP_TAKES_ARG[name]:
+            if isinstance(arg, bool) or not isinstance(arg, int) or arg < (1 if name == "keep" else 0):
+                raise ValueError(f"[{i}]: {name} needs a whole number{' ≥ 1' if name == 'keep' else ' ≥ 0'}, "
+                                 f"e.g. {{{name}: 4}}; got {arg!r}")
+        elif arg is not None:
+            raise ValueError(f"[{i}]: {name} takes no value, got {arg!r}")
+        ops.append(BowOp(name, arg))
+    names = [op.name for op in ops]
+    if "keep" in names and (names.count("keep") > 1 or names[-1] != "keep"):
+        raise ValueError(f"[{names.index('keep')}]: keep must come once and last — Keep(n) is always applied after "
+                         f"all other operations ([BoW] §2.2)")
+    return ops
+
+
+def bow_needs_stats(ops: list[BowOp]) -> bool:
+    """LimitToBaseVocab and RmTopFreq read the base split's statistics (a Ray Data pass before training)."""
+    return any(op.name in ("limit_to_base_vocab", "rm_top_freq") for op in ops)
+
+
 @dataclass
 class TonicsConfig:
     """TOnICS ontology-bucketed curriculum minibatches (seed tonics-curriculum §3, App. A)."""
@@ -380,38 +423,9 @@ def from_dict(values: dict) -> RayvlConfig:
 
 def validate(cfg: RayvlConfig) -> None:
     """Impossible combinations, each naming the key to change."""
-    t, d, m = cfg.train, cfg.data, cfg.model
-    if t.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"train.zero_stage: {t.zero_stage} is not a DeepSpeed ZeRO stage (0, 1, 2 or 3)")
-    if not t.use_gpu and t.precision != "fp32":
-        raise ConfigError(
-            f"train.precision: {t.precision} needs GPUs (train.use_gpu=true); CPU workers train in fp32"
-        )
-    for name in ("num_workers", "micro_batch_size", "grad_accumulation", "max_steps", "log_every",
-                 "checkpoint_every", "checkpoints_to_keep"):
-        if getattr(t, name) < 1:
-            raise ConfigError(f"train.{name}: must be ≥ 1, got {getattr(t, name)}")
-    if t.warmup_steps < 0 or t.warmup_steps >= t.max_steps:
-        raise ConfigError(f"train.warmup_steps: must be in [0, train.max_steps={t.max_steps}), got {t.warmup_steps}")
-    if t.lr <= 0:
-        raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
-    if t.cpus_per_worker <= 0:
-        raise ConfigError(f"train.cpus_per_worker: must be > 0, got {t.cpus_per_worker}")
-    if t.max_failures < 0:
-        raise ConfigError(f"train.max_failures: must be ≥ 0, got {t.max_failures}")
-    if d.image_size < 32:
-        raise ConfigError(f"data.image_size: must be ≥ 32, got {d.image_size}")
-    if not 0.0 < d.crop_scale_min <= 1.0:
-        raise ConfigError(f"data.crop_scale_min: must be in (0, 1], got {d.crop_scale_min}")
-    if d.max_text_tokens < 4:
-        raise ConfigError(f"data.max_text_tokens: must be ≥ 4, got {d.max_text_tokens}")
-    if d.read_cpus <= 0:
-        raise ConfigError(f"data.read_cpus: must be > 0, got {d.read_cpus}")
-    if d.demo_samples < t.num_workers * t.micro_batch_size:
-        raise ConfigError(
-            f"data.demo_samples: {d.demo_samples} cannot fill one global batch of "
-            f"{t.num_workers}×{t.micro_batch_size} (train.num_workers × train.micro_batch_size)"
-        )
+    _validate_train(cfg.train)
+    _validate_data(cfg.data, cfg.train)
+    m, t = cfg.model, cfg.train
     if m.text_strategy == "frozen_alignment" and m.alignment_layers < 1:
         raise ConfigError("model.alignment_layers: frozen_alignment needs at least 1 alignment layer")
     if m.adapter_reduction < 1:
@@ -446,16 +460,51 @@ def validate(cfg: RayvlConfig) -> None:
         raise ConfigError(f"eval.every_steps: must be ≥ 0, got {cfg.eval.every_steps}")
 
 
-def _validate_bow(b: BowConfig) -> None:
-    from rayvl.data.bow import needs_stats, parse_ops
+def _validate_train(t: TrainConfig) -> None:
+    if t.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"train.zero_stage: {t.zero_stage} is not a DeepSpeed ZeRO stage (0, 1, 2 or 3)")
+    if not t.use_gpu and t.precision != "fp32":
+        raise ConfigError(
+            f"train.precision: {t.precision} needs GPUs (train.use_gpu=true); CPU workers train in fp32"
+        )
+    for name in ("num_workers", "micro_batch_size", "grad_accumulation", "max_steps", "log_every",
+                 "checkpoint_every", "checkpoints_to_keep"):
+        if getattr(t, name) < 1:
+            raise ConfigError(f"train.{name}: must be ≥ 1, got {getattr(t, name)}")
+    if t.warmup_steps < 0 or t.warmup_steps >= t.max_steps:
+        raise ConfigError(f"train.warmup_steps: must be in [0, train.max_steps={t.max_steps}), got {t.warmup_steps}")
+    if t.lr <= 0:
+        raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
+    if t.cpus_per_worker <= 0:
+        raise ConfigError(f"train.cpus_per_worker: must be > 0, got {t.cpus_per_worker}")
+    if t.max_failures < 0:
+        raise ConfigError(f"train.max_failures: must be ≥ 0, got {t.max_failures}")
 
+
+def _validate_data(d: DataConfig, t: TrainConfig) -> None:
+    if d.image_size < 32:
+        raise ConfigError(f"data.image_size: must be ≥ 32, got {d.image_size}")
+    if not 0.0 < d.crop_scale_min <= 1.0:
+        raise ConfigError(f"data.crop_scale_min: must be in (0, 1], got {d.crop_scale_min}")
+    if d.max_text_tokens < 4:
+        raise ConfigError(f"data.max_text_tokens: must be ≥ 4, got {d.max_text_tokens}")
+    if d.read_cpus <= 0:
+        raise ConfigError(f"data.read_cpus: must be > 0, got {d.read_cpus}")
+    if d.demo_samples < t.num_workers * t.micro_batch_size:
+        raise ConfigError(
+            f"data.demo_samples: {d.demo_samples} cannot fill one global batch of "
+            f"{t.num_workers}×{t.micro_batch_size} (train.num_workers × train.micro_batch_size)"
+        )
+
+
+def _validate_bow(b: BowConfig) -> None:
     try:
-        ops = parse_ops(b.ops)
+        ops = parse_bow_ops(b.ops)
     except ValueError as e:
         raise ConfigError(f"bow.ops{e}") from None
     if not 0.0 <= b.base_fraction < 1.0:
         raise ConfigError(f"bow.base_fraction: must be in [0, 1), got {b.base_fraction}")
-    if b.base_fraction == 0.0 and needs_stats(ops):
+    if b.base_fraction == 0.0 and bow_needs_stats(ops):
         raise ConfigError("bow.base_fraction: limit_to_base_vocab / rm_top_freq need a base split (> 0)")
 
 

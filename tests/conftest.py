@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -9,12 +10,14 @@ os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 
 import pytest  # noqa: E402
 
+REPO = Path(__file__).resolve().parent.parent
+
 
 @pytest.fixture(scope="session")
 def ray_local():
     import ray
 
-    from rayvl.train.trainer import WORKER_ENV
+    from rayvl.session import WORKER_ENV
 
     # 4 logical CPUs on 2 cores: 2 train workers × 0.5 CPU leave room for Ray Data tasks (DESIGN: starvation)
     # workers unpickle train functions defined in test modules: they must be able to import them
@@ -35,7 +38,6 @@ def demo_dir(tmp_path_factory):
 
 def small_config(demo_dir, tmp_path, *overrides):
     """A laion_adapt config that trains 2 workers for a few steps on the small demo set."""
-    from rayvl.cli import REPO
     from rayvl.config import load_config
 
     base = [

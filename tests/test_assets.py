@@ -53,8 +53,7 @@ def reference_logits(sd: dict, x: torch.Tensor) -> torch.Tensor:
 def _real_image() -> torch.Tensor:
     """A real photo: the first Fashion-MNIST test image (Debian dataset-fashion-mnist), as RGB 224×224."""
     root = assets.fashion_mnist_dir()
-    if root is None:
-        pytest.skip("dataset-fashion-mnist not unpacked (make install runs `rayvl assets fetch`)")
+    assert root is not None, "dataset-fashion-mnist not unpacked: make install runs `rayvl assets fetch`"
     img = assets.read_idx(root / "t10k-images-idx3-ubyte.gz")[0]
     x = torch.from_numpy(img.astype(np.float64) / 255.0)[None, None].repeat(1, 3, 1, 1)
     x = F.interpolate(x, size=(224, 224), mode="bilinear", align_corners=False)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from rayvl.config import load_config
-from rayvl.data.shards import DataPlaneError
+from rayvl.data.report import DataPlaneError
 from rayvl.train.batches import batch_stream
 
 

@@ -12,36 +12,38 @@ import pytest
 import ray
 
 from rayvl import assets
-from rayvl.config import ConfigError, load_config
+from rayvl.config import ConfigError, load_config, parse_bow_ops
 from rayvl.data import bow, shards
 from rayvl.data.artifacts import ArtifactMismatch
-from rayvl.data.text import validate_caption
+from rayvl.data.report import report_actor
+from rayvl.data.tar import iter_tar_samples
+from rayvl.data.text import TOKEN_PATTERN, stopwords, validate_caption, words
 
 
 # ----------------------------------------------------------------------------- operators by hand
 
 def test_words_keep_contractions_and_split_punctuation():
-    assert bow.words("A man's T-shirt: 3.5 dogs, SHOULD'VE been here…") == [
+    assert words("A man's T-shirt: 3.5 dogs, SHOULD'VE been here…") == [
         "a", "man's", "t-shirt", ":", "3", ".", "5", "dogs", ",", "should've", "been", "here", "…"]
-    assert bow.words("don’t") == ["don't"]  # typographic apostrophe folded onto NLTK's spelling
+    assert words("don’t") == ["don't"]  # typographic apostrophe folded onto NLTK's spelling
     from nltk.tokenize import RegexpTokenizer  # rayvl runs the same pattern through `re` (5× faster, see bow.py)
 
     for text in ("a man's t-shirt: 3.5 dogs", "café olé — 100% «naïve» x2!!", "should've... o'clock?"):
-        assert bow.words(text) == RegexpTokenizer(bow.TOKEN_PATTERN).tokenize(text)
-    ws = bow.words("one two three four five six seven")
+        assert words(text) == RegexpTokenizer(TOKEN_PATTERN).tokenize(text)
+    ws = words("one two three four five six seven")
     assert sorted(bow.shuffle(ws, "k", 0)) == sorted(ws) and bow.shuffle(ws, "k", 0) == bow.shuffle(ws, "k", 0)
     assert bow.shuffle(ws, "k", 0) != bow.shuffle(ws, "k", 1)
 
 
 def test_nltk_stopword_list_is_loaded_through_nltk():
-    stop = bow.stopwords()
+    stop = stopwords()
     assert len(stop) == 179  # NLTK's English list, read by nltk.corpus.stopwords from the shipped data file
     assert {"should've", "don't", "any", "the", "wouldn't", "ma"} <= stop
     assert "picture" not in stop
 
 
 def test_rm_stop_nalpha():
-    ws = bow.words("There is a small red circle, and it's 3 feet away; you should've seen o'clock t-shirts!")
+    ws = words("There is a small red circle, and it's 3 feet away; you should've seen o'clock t-shirts!")
     assert bow.rm_stop_nalpha(ws) == ["small", "red", "circle", "feet", "away", "seen", "o'clock", "t-shirts"]
     assert bow.rm_stop_nalpha(["42", "3d", "...", "x2", "ok"]) == ["ok"]  # numbers / mixed / punctuation go
 
@@ -59,18 +61,18 @@ def test_vocab_top_freq_and_keep():
 def test_default_cascade_by_hand():
     stats = bow.BowStats({}, 100, 10, {"men": 9, "table": 8, "rocks": 5, "utter": 2, "ash": 2, "sitting": 3,
                                        "a": 10, "the": 9, ".": 9})
-    ops = bow.parse_ops(["shuffle", "rm_stop_nalpha", "limit_to_base_vocab", {"rm_top_freq": 3}, {"keep": 4}])
+    ops = parse_bow_ops(["shuffle", "rm_stop_nalpha", "limit_to_base_vocab", {"rm_top_freq": 3}, {"keep": 4}])
     deform = bow.Deformer(ops, seed=0, base_fraction=0.0, stats=stats)
     caption = "Men were sitting at the table: all utter mikoshi ash, 4 rocks."
-    out = deform.deform_words(bow.words(caption), "k1")
+    out = deform.deform_words(words(caption), "k1")
     # top-3 by df (ties alphabetical): a, ".", men → men removed; mikoshi is not in the base vocab; 4, ":" not alpha
     survivors = ["sitting", "table", "utter", "ash", "rocks"]
-    shuffled = bow.shuffle(bow.words(caption), "k1", 0)
+    shuffled = bow.shuffle(words(caption), "k1", 0)
     expected = [w for w in shuffled if w in survivors][:4]  # Keep(4) after everything else: 4 of the 5, in the
     assert out == expected                                   # order the seeded shuffle put them
     assert deform("k1", caption) == (" ".join(expected), False)
     assert deform("k1", caption) == deform("k1", caption)  # same key, same result, any worker
-    assert len({" ".join(deform.deform_words(bow.words(caption), f"k{i}")) for i in range(20)}) > 1
+    assert len({" ".join(deform.deform_words(words(caption), f"k{i}")) for i in range(20)}) > 1
 
 
 def test_keep_must_be_last_and_ops_are_checked_before_ray():
@@ -101,14 +103,14 @@ def _reference_stats(train_dir: Path, seed: int, fraction: float) -> tuple[int, 
     captions, base, df = 0, 0, Counter()
     for path in sorted(glob.glob(str(train_dir / "*.tar"))):
         with open(path, "rb") as f:
-            for sample in shards.iter_tar_samples(f):
+            for sample in iter_tar_samples(f):
                 text, reason = validate_caption(sample.get("txt"))
                 if reason:
                     continue
                 captions += 1
                 if bow.is_base(sample["key"], seed, fraction):
                     base += 1
-                    df.update(set(bow.words(text)))
+                    df.update(set(words(text)))
     return captions, base, df
 
 
@@ -149,7 +151,7 @@ def _consume(iterator) -> dict:
 def test_deformation_is_identical_on_one_and_two_workers(ray_local, demo_dir):
     spec = str(demo_dir / "train")
     stats = bow.compute_stats(spec, seed=0, fraction=0.1)
-    ops = bow.parse_ops(["shuffle", "rm_stop_nalpha", "limit_to_base_vocab", {"rm_top_freq": 3}, {"keep": 3}])
+    ops = parse_bow_ops(["shuffle", "rm_stop_nalpha", "limit_to_base_vocab", {"rm_top_freq": 3}, {"keep": 3}])
     deform = bow.Deformer(ops, 0, 0.1, stats)
     one = ray.get(_consume.remote(_pipeline(spec, deform).streaming_split(1)[0]))
     splits = _pipeline(spec, deform).streaming_split(2, equal=False)  # two consumers, like two Ray Train workers
@@ -182,14 +184,14 @@ def test_emptied_captions_are_dropped_and_counted(ray_local, tmp_path):
                 info = tarfile.TarInfo(f"{key}.{ext}")
                 info.size = len(payload)
                 tar.addfile(info, io.BytesIO(payload))
-    deform = bow.Deformer(bow.parse_ops(["rm_stop_nalpha"]), seed=1, base_fraction=0.3, stats=None)
+    deform = bow.Deformer(parse_bow_ops(["rm_stop_nalpha"]), seed=1, base_fraction=0.3, stats=None)
     emptied = [k for k, c in captions.items() if not deform(k, c)[0]]
     assert 0 < len(emptied) < 14  # base-split captions among the 14 stay intact
 
     report = "test-bow-empty"
-    shards.report_actor(report)
+    report_actor(report)
     rows = _pipeline(str(tmp_path), deform, report_name=report, shuffle_files=False).take_all()
-    counts = ray.get(shards.report_actor(report).snapshot.remote())["counts"]
+    counts = ray.get(report_actor(report).snapshot.remote())["counts"]
     assert counts["dropped_bow_empty"] == len(emptied) and len(rows) == 40 - len(emptied)
     assert counts["bow_captions_in"] == 40 and counts["samples_kept"] == len(rows)
     assert counts["bow_words_in"] == sum(len(c.split()) for c in captions.values())

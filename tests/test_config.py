@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from rayvl.cli import REPO
+from conftest import REPO
 from rayvl.config import ConfigError, load_config, parse_override
 
 RECIPE = REPO / "configs" / "laion_adapt.yaml"

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from conftest import small_config
-from rayvl.eval import datasets
-from rayvl.eval.embed import ImageEmbedder, TextEmbedder, embed, embed_local, load_model
+from rayvl.checkpoints import META_FILE, MODEL_FILE, load_model
+from rayvl.eval import data as datasets
+from rayvl.eval.embed import ImageEmbedder, ModelEmbedder, TextEmbedder, embed
 from rayvl.models.dual_encoder import build_model
-from rayvl.train.checkpoint import META_FILE, MODEL_FILE
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +30,13 @@ def test_ray_data_embedding_equals_single_process(ray_local, checkpoint, demo_di
                                 str(assets.text_model_path("minilm-l6")), config["data"]["max_text_tokens"], 0.5)
     ray_img = embed(data.images, ImageEmbedder, str(checkpoint), actors=2, cpus_per_actor=0.5, batch_size=16)
     rows = sorted(data.images.take_all(), key=lambda r: r["index"])
-    local_img = embed_local(model, images=np.stack([r["image"] for r in rows]))
+    local = ModelEmbedder(model, str(assets.text_model_path("minilm-l6")), config["data"]["max_text_tokens"])
+    local_img = local.images(np.stack([r["image"] for r in rows]))
     np.testing.assert_allclose(ray_img, local_img, atol=1e-5)
 
     texts = ray_local.data.from_items([{"index": i, "text": c} for i, c in enumerate(data.captions)])
     ray_txt = embed(texts, TextEmbedder, str(checkpoint), actors=2, cpus_per_actor=0.5, batch_size=16)
-    from rayvl.data.text import tokenize
-    ids, mask = tokenize(data.captions, str(assets.text_model_path("minilm-l6")), config["data"]["max_text_tokens"])
-    np.testing.assert_allclose(ray_txt, embed_local(model, input_ids=ids, attention_mask=mask), atol=1e-5)
+    np.testing.assert_allclose(ray_txt, local.texts(data.captions), atol=1e-5)
 
 
 def test_rayvl_eval_prints_every_task(ray_local, checkpoint, tmp_path, capsys):
@@ -70,8 +69,7 @@ def test_imagefolder_and_fashion_mnist(ray_local, tmp_path):
     assert sorted(r["index"] for r in rows) == list(range(6)) and rows[0]["image"].shape == (3, 32, 32)
 
     root = assets.fashion_mnist_dir()
-    if root is None:
-        pytest.skip("dataset-fashion-mnist not unpacked")
+    assert root is not None, "dataset-fashion-mnist not unpacked: make install runs `rayvl assets fetch`"
     assert datasets.detect_kind(str(root)) == "fashion-mnist"
     fm = datasets.load_fashion_mnist(str(root), 32, 0.5, limit=20)
     assert fm.size == 20 and fm.labels[0] == 9 and fm.classes[9] == "ankle boot"  # t10k's first image is a boot

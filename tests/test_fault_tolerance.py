@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from conftest import small_config
-from rayvl.train.checkpoint import latest_checkpoint_dir
+from rayvl.checkpoints import latest_checkpoint_dir
 from rayvl.train.trainer import train
 
 

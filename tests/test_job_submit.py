@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rayvl.cli import REPO
+from conftest import REPO
 
 # ports apart from the session's local Ray (which uses Ray's defaults)
 PORTS = dict(port=6391, dashboard=8377, agent_listen=52401, agent_grpc=52402, runtime_env=52403, metrics=52404,

@@ -69,6 +69,7 @@ def test_ema_steps_once_per_optimizer_step_under_grad_accumulation(ray_local, de
     θ'_2 = m·θ'_1 + (1 − m)·θ_2. One update per micro-batch would also average in θ_1 (the weights the first
     micro-batch of step 2 sees): m²·θ'_1 + m(1 − m)·θ_1 + (1 − m)·θ_2."""
     from conftest import small_config
+    from rayvl.checkpoints import read_train_state
     from rayvl.train.trainer import train
 
     cfg = small_config(demo_dir, tmp_path, "train.num_workers=1", "train.grad_accumulation=2", "train.max_steps=2",
@@ -76,8 +77,8 @@ def test_ema_steps_once_per_optimizer_step_under_grad_accumulation(ray_local, de
                        "memory_bank.momentum=0.5", "eval.tasks=[]")
     result = train(cfg)
     first, last = sorted(d for d in result.run_dir.glob("checkpoint_*") if d.is_dir())  # named by time
-    bank_1 = torch.load(first / "memory_bank.pt", weights_only=False)
-    bank_2 = torch.load(last / "memory_bank.pt", weights_only=False)
+    bank_1 = read_train_state(first)["memory_bank"]
+    bank_2 = read_train_state(last)["memory_bank"]
     theta_2 = torch.load(last / "model.pt")
     assert (bank_1["ptr"], bank_2["ptr"]) == (16, 32)  # both micro-batches' keys are queued every step
     for key in ("vision_proj.weight", "text_proj.0.weight"):

@@ -10,6 +10,8 @@ from PIL import Image
 
 from rayvl import assets
 from rayvl.data import shards
+from rayvl.data.report import DataPlaneError, report_actor
+from rayvl.data.tar import resolve_shards
 
 
 def _jpeg(seed: int) -> bytes:
@@ -49,7 +51,7 @@ def bad_shard(tmp_path):
 
 def test_drop_counters(ray_local, bad_shard):
     name = "test-report-drops"
-    report = shards.report_actor(name)
+    report = report_actor(name)
     rows = _read(str(bad_shard), name)
     assert sorted(r["key"] for r in rows) == [f"{i:09d}" for i in range(6)]
     assert rows[0]["image"].shape == (3, 32, 32) and rows[0]["image"].dtype == np.uint8
@@ -65,7 +67,7 @@ def test_truncated_shard_costs_only_its_tail(ray_local, demo_dir, tmp_path):
     (tmp_path / "00000.tar").write_bytes(whole[: len(whole) // 2 + 777])  # cut inside a member
     (tmp_path / "00001.tar").write_bytes((demo_dir / "train" / "00001.tar").read_bytes())
     name = "test-report-truncated"
-    report = shards.report_actor(name)
+    report = report_actor(name)
     rows = _read(str(tmp_path), name)
     snap = ray.get(report.snapshot.remote())
     keys = {r["key"] for r in rows}
@@ -88,5 +90,5 @@ def test_eval_rows_carry_class_and_center_crop(ray_local, demo_dir):
 
 
 def test_missing_shards_is_a_clear_error(tmp_path):
-    with pytest.raises(shards.DataPlaneError, match="no .tar shards"):
-        shards.resolve_shards(str(tmp_path / "nothing-here"))
+    with pytest.raises(DataPlaneError, match="no .tar shards"):
+        resolve_shards(str(tmp_path / "nothing-here"))

@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 from conftest import small_config
 from rayvl.config import ConfigError
 from rayvl.data import ontology as onto
-from rayvl.data import shards
+from rayvl.data.tar import iter_tar_samples
 from rayvl.data.artifacts import ArtifactMismatch
 from rayvl.data.demo import SHAPES
 from rayvl.data.text import validate_caption
@@ -42,7 +42,7 @@ def test_wordnet_maps_plurals_synonyms_and_hyponyms_offline(tmp_path):
 
 
 def test_bad_class_is_a_config_error_before_ray():
-    from rayvl.train.trainer import tonics_ontology
+    from rayvl.train.datasets import tonics_ontology
     from rayvl.config import load_config
 
     cfg = load_config(None, ["tonics.enabled=true", "tonics.classes=[dog, qwertyuiop]"])
@@ -58,7 +58,7 @@ def test_class_counts_are_a_ray_data_aggregation(ray_local, demo_dir, tmp_path):
     reference: Counter = Counter()
     for path in sorted(glob.glob(str(demo_dir / "train" / "*.tar"))):
         with open(path, "rb") as f:
-            for sample in shards.iter_tar_samples(f):
+            for sample in iter_tar_samples(f):
                 text, _ = validate_caption(sample["txt"])
                 reference.update(o.row_objects(text, sample["json"]))
     assert counts == dict(reference) and sum(counts.values()) > 384  # multi-object scenes → several rows
@@ -137,7 +137,7 @@ def test_two_workers_draw_the_same_node_and_object_batches_share_it(ray_local, d
     from ray.train import DataConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from rayvl.train.trainer import build_datasets, tonics_counts, tonics_ontology
+    from rayvl.train.datasets import build_datasets, tonics_counts, tonics_ontology
 
     cfg = small_config(demo_dir, tmp_path, "tonics.enabled=true", f"tonics.classes={json.dumps(SHAPES)}",
                        "tonics.min_instances=20", "tonics.buffer_rows=64", "tonics.max_wait_rows=128")

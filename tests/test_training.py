@@ -10,7 +10,8 @@ import torch
 from conftest import small_config
 from rayvl.train.engine import lr_lambda
 from rayvl.data.demo import SHAPES
-from rayvl.train.trainer import format_data_report, train
+from rayvl.data.report import format_data_report
+from rayvl.train.trainer import train
 
 
 def _ds_files(ckpt: Path) -> list[str]:
@@ -55,9 +56,10 @@ def test_zero_stage_trains_two_workers(ray_local, demo_dir, tmp_path, stage):
 def _check_memory_bank(cfg, result, state, demo_dir, tmp_path):
     """The bank is in the checkpoint (EMA weights + queue with labels) and a resumed run continues its queue."""
     from rayvl.models.dual_encoder import build_model
+    from rayvl.checkpoints import read_train_state
     from rayvl.models.memory_bank import MemoryBank
 
-    saved = torch.load(Path(result.checkpoint_dir) / "memory_bank.pt", weights_only=False)
+    saved = read_train_state(result.checkpoint_dir)["memory_bank"]
     assert (saved["ptr"], saved["filled"]) == (48 % 40, 40)
     assert len(set(saved["labels"].tolist())) == 40 and (saved["labels"] < 0).all()  # unique pair labels
     # keys are L2-normalised EMA features; at this test's 32 px, after 3 steps of lr 1e-3 on batches of 8, the
@@ -71,7 +73,7 @@ def _check_memory_bank(cfg, result, state, demo_dir, tmp_path):
     assert moved  # EMA lags the trained weights (momentum 0.9)
     resumed = train(small_config(demo_dir, tmp_path, "train.zero_stage=2", "memory_bank.size=40", "loss.kind=unicl",
                                  "memory_bank.momentum=0.9", "train.max_steps=4", "train.resume=true"))
-    after = torch.load(Path(resumed.checkpoint_dir) / "memory_bank.pt", weights_only=False)
+    after = read_train_state(resumed.checkpoint_dir)["memory_bank"]
     assert (after["ptr"], after["filled"]) == (64 % 40, 40)  # restored queue + one step (a fresh one: 16, 16)
     assert torch.equal(after["labels"][24:40], saved["labels"][24:40])  # entries not yet overwritten survive
 
@@ -82,17 +84,21 @@ def _check_restore(config):
 
     from rayvl.config import from_dict
     from rayvl.models.dual_encoder import build_model
+    from rayvl.checkpoints import MODEL_FILE
     from rayvl.train import checkpoint
     from rayvl.train.engine import build_engine
+    from rayvl.train.state import Progress, TrainState
 
     cfg = from_dict(config["rayvl"])
     world = ray.train.get_context().get_world_size()
     engine = build_engine(build_model(cfg.model, seed=123), cfg, world)  # different init on purpose
-    step, history, _ = checkpoint.restore(engine)
+    state = TrainState(Progress())  # the progress alone: the checkpoint's curriculum is left unread
+    checkpoint.restore(engine, state)
+    step, history = state.progress.step, state.progress.history
     restored = checkpoint.consolidated_state_dict(engine)
     if ray.train.get_context().get_world_rank() == 0:
         with ray.train.get_checkpoint().as_directory() as d:
-            saved = torch.load(Path(d) / checkpoint.MODEL_FILE)
+            saved = torch.load(Path(d) / MODEL_FILE)
         same = all(torch.equal(restored[k], saved[k]) for k in saved) and restored.keys() == saved.keys()
         Path(config["out"]).write_text(json.dumps({
             "step": step, "history_steps": [h["step"] for h in history], "identical": same,
@@ -138,7 +144,7 @@ def test_checkpoint_round_trip_and_resume(ray_local, demo_dir, tmp_path):
 
     # an intermediate checkpoint has no consolidated model.pt: `rayvl eval` rebuilds the weights from the ZeRO-3
     # shards (DeepSpeed's zero_to_fp32), frozen LM and buffers included
-    from rayvl.eval.embed import load_model
+    from rayvl.checkpoints import load_model
 
     shards_only = tmp_path / "shards_only"
     shutil.copytree(resumed.checkpoint_dir, shards_only)

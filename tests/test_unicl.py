@@ -11,21 +11,24 @@ import ray
 from conftest import small_config
 from rayvl import assets
 from rayvl.config import ConfigError, load_config
-from rayvl.data import labeled, shards
+from rayvl.data import fashion_mnist, shards
+from rayvl.data.pipeline import prompt_batch
+from rayvl.data.prompts import Prompts, load_prompts
+from rayvl.data.prompts import templates as prompt_templates
+from rayvl.data.report import report_actor
 
-needs_fmnist = pytest.mark.skipif(assets.fashion_mnist_dir() is None, reason="Fashion-MNIST not installed")
 
 
 def test_prompts_use_clip_templates_and_train_classes():
-    templates = labeled.clip_templates()
+    templates = prompt_templates()
     assert len(templates) == 80 and all(t.count("{}") == 1 for t in templates)
-    p = labeled.load_prompts("", "", [0, 2], labeled.FASHION_MNIST_CLASSES)
+    p = load_prompts("", "", [0, 2], fashion_mnist.CLASSES)
     assert p.train_classes == {0, 2} and len(p.classes) == 10
     rng = np.random.default_rng(0)
     captions = {p.caption(2, rng) for _ in range(200)}
     assert len(captions) > 40 and all("pullover" in c for c in captions)  # one template drawn per sample
     with pytest.raises(ValueError, match="train_classes"):
-        labeled.load_prompts("", "", [12], labeled.FASHION_MNIST_CLASSES)
+        load_prompts("", "", [12], fashion_mnist.CLASSES)
 
 
 def test_ce_and_mixing_options_are_checked_before_ray():
@@ -53,36 +56,35 @@ def test_image_label_shards_get_prompts_and_labels(ray_local, tmp_path):
                 info = tarfile.TarInfo(f"{i:09d}.{ext}")
                 info.size = len(payload)
                 tar.addfile(info, io.BytesIO(payload))
-    prompts = labeled.Prompts(("cat", "dog", "bird"), labeled.clip_templates(), frozenset({0, 1}))
-    shards.report_actor("test-labels")
+    prompts = Prompts(("cat", "dog", "bird"), prompt_templates(), frozenset({0, 1}))
+    report_actor("test-labels")
     rows = shards.read_shards(str(tmp_path), image_size=32, crop_scale_min=0.5, train=True,
                               tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=16, read_cpus=0.5,
                               transform_batch_size=4, shuffle_files=False, report_name="test-labels",
                               prompts=prompts).take_all()
-    counts = ray.get(shards.report_actor("test-labels").snapshot.remote())["counts"]
+    counts = ray.get(report_actor("test-labels").snapshot.remote())["counts"]
     assert sorted(r["label"] for r in rows) == [0] * 4 + [1] * 4
     assert all(("cat" if r["label"] == 0 else "dog") in r["caption"] for r in rows)
     assert counts["excluded_held_out_class"] == 3 and counts["dropped_missing_cls"] == 1
     assert counts["samples_seen"] == 12 and counts["samples_kept"] == 8
 
 
-@needs_fmnist
 def test_fashion_mnist_rows_exclude_held_out_classes(ray_local):
-    prompts = labeled.load_prompts("", "", [0, 1, 2], labeled.FASHION_MNIST_CLASSES)
-    ds = labeled.fashion_mnist_rows("fashion-mnist", split="t10k").limit(300)
+    prompts = load_prompts("", "", [0, 1, 2], fashion_mnist.CLASSES)
+    ds = fashion_mnist.rows(*fashion_mnist.read("fashion-mnist", "t10k"), "t10k").limit(300)
     batch = ds.take_batch(300, batch_format="numpy")
-    out = labeled.prompt_batch(batch, prompts=prompts, image_size=32, crop_scale_min=0.6,
+    out = prompt_batch(batch, prompts=prompts, image_size=32, crop_scale_min=0.6,
                                tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=16,
                                report_name=None)
     keep = np.isin(batch["cls"], [0, 1, 2])
     assert out["label"].tolist() == batch["cls"][keep].tolist() and out["image"].shape[1:] == (3, 32, 32)
-    assert all(labeled.FASHION_MNIST_CLASSES[c] in t for c, t in zip(out["label"], out["caption"]))
+    assert all(fashion_mnist.CLASSES[c] in t for c, t in zip(out["label"], out["caption"]))
 
 
-@needs_fmnist
 @pytest.mark.parametrize("variant", ["unicl_mixed", "ce"])
 def test_unicl_mix_and_ce_baseline_train_two_workers(ray_local, demo_dir, tmp_path, variant):
-    from rayvl.train.trainer import format_data_report, train
+    from rayvl.data.report import format_data_report
+    from rayvl.train.trainer import train
 
     common = ["image_label.data=fashion-mnist", "image_label.train_classes=[0, 2, 4, 6]", "train.max_steps=2",
               "image_label.limit=1000"]

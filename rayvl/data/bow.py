@@ -1,4 +1,4 @@
-"""Bag-of-Words caption deformation (seed bow-fistful-of-words §2.2) with its corpus statistics computed on Ray.
+"""Bag-of-Words caption deformation ([BoW] §2.2) with its corpus statistics computed on Ray.
 
 A random ``base_fraction`` of captions (10% in the paper) stays intact; every other caption goes through a cascade
 of word operations — the paper's default is Shuffle + RmStopNalpha + LimitToBaseVocab + RmTopFreq(1000) + Keep(4).
@@ -18,50 +18,20 @@ joined by spaces.
 from __future__ import annotations
 
 import hashlib
-import re
 from collections import Counter
 from dataclasses import dataclass, field
-from functools import lru_cache
-from pathlib import Path
 
+import numpy as np
+
+from rayvl.config import BowOp, bow_needs_stats
 from rayvl.data import artifacts
+from rayvl.data.shards import group_over_shards
+from rayvl.data.tar import resolve_shards
+from rayvl.data.text import TOKEN_PATTERN, is_alphabetical, stopwords, validate_caption, words
 
-RESOURCES = Path(__file__).resolve().parent.parent / "resources" / "nltk_data"
-TOKEN_PATTERN = r"\w+(?:[-'’]\w+)*|[^\w\s]+"
 STATS_FORMAT = 1
 # reserved aggregation keys: the tokenizer never joins "<" to a word, so no caption word can collide with these
 BASE_CAPTIONS, ALL_CAPTIONS = "<base captions>", "<captions>"
-
-
-# ----------------------------------------------------------------------------- words and language resources
-
-# nltk's RegexpTokenizer(TOKEN_PATTERN) gives the same tokens (tested) but routes every call through its ReDoS guard
-# (the `regex` engine with a timeout), 5× slower (21 vs 4 µs a caption, measured): this fixed pattern cannot
-# backtrack catastrophically, so the deformation's share of the pipeline stays under the 2% goal with `re`.
-_TOKENS = re.compile(TOKEN_PATTERN)
-
-
-def words(caption: str) -> list[str]:
-    """Lower-cased word and punctuation tokens; typographic apostrophes folded so "don’t" meets NLTK's "don't"."""
-    return _TOKENS.findall(caption.lower().replace("’", "'"))
-
-
-@lru_cache(maxsize=1)
-def stopwords() -> frozenset[str]:
-    """NLTK's English stopword list (179 words) through nltk's own corpus reader; the file ships with rayvl
-    (rayvl/resources/nltk_data) because nltk.download cannot reach the network on these machines."""
-    import nltk
-
-    if str(RESOURCES) not in nltk.data.path:
-        nltk.data.path.insert(0, str(RESOURCES))
-    from nltk.corpus import stopwords as corpus
-
-    return frozenset(corpus.words("english"))
-
-
-def is_alphabetical(word: str) -> bool:
-    """Letters only, apart from inner apostrophes and hyphens ("o'clock", "t-shirt"); not numbers or punctuation."""
-    return word.replace("'", "").replace("-", "").isalpha()
 
 
 # ----------------------------------------------------------------------------- the operators of §2.2
@@ -95,46 +65,6 @@ def keep(ws: list[str], n: int) -> list[str]:
     return ws[:n]
 
 
-@dataclass(frozen=True)
-class Op:
-    name: str
-    arg: int | None = None
-
-
-_TAKES_ARG = {"shuffle": False, "rm_stop_nalpha": False, "limit_to_base_vocab": False, "rm_top_freq": True,
-              "keep": True}
-
-
-def parse_ops(spec: list) -> list[Op]:
-    """``[shuffle, rm_stop_nalpha, {rm_top_freq: 1000}, {keep: 4}]`` → Ops. Errors are ValueError("[i]: ...")."""
-    ops: list[Op] = []
-    for i, item in enumerate(spec):
-        if isinstance(item, str):
-            name, arg = item, None
-        elif isinstance(item, dict) and len(item) == 1:
-            name, arg = next(iter(item.items()))
-        else:
-            raise ValueError(f"[{i}]: expected an operator name or {{name: value}}, got {item!r}")
-        if name not in _TAKES_ARG:
-            raise ValueError(f"[{i}]: unknown operator {name!r} (known: {', '.join(_TAKES_ARG)})")
-        if _TAKES_ARG[name]:
-            if isinstance(arg, bool) or not isinstance(arg, int) or arg < (1 if name == "keep" else 0):
-                raise ValueError(f"[{i}]: {name} needs a whole number{' ≥ 1' if name == 'keep' else ' ≥ 0'}, "
-                                 f"e.g. {{{name}: 4}}; got {arg!r}")
-        elif arg is not None:
-            raise ValueError(f"[{i}]: {name} takes no value, got {arg!r}")
-        ops.append(Op(name, arg))
-    names = [op.name for op in ops]
-    if "keep" in names and (names.count("keep") > 1 or names[-1] != "keep"):
-        raise ValueError(f"[{names.index('keep')}]: keep must come once and last — Keep(n) is always applied after "
-                         f"all other operations (§2.2)")
-    return ops
-
-
-def needs_stats(ops: list[Op]) -> bool:
-    return any(op.name in ("limit_to_base_vocab", "rm_top_freq") for op in ops)
-
-
 # ----------------------------------------------------------------------------- seeded per-sample randomness
 
 def _unit(seed: int, salt: str, key: str) -> int:
@@ -165,8 +95,6 @@ class BowStats:
 def base_word_counts(batch: dict, *, seed: int, fraction: float) -> dict:
     """One Ray Data batch → partial document frequencies of its base captions (each word once per caption),
     plus the caption counts under the reserved keys. The groupby-sum after this adds the partials up."""
-    from rayvl.data.text import validate_caption
-
     df: Counter = Counter()
     for key, txt in zip(batch["key"], batch["txt"]):
         text, reason = validate_caption(txt)
@@ -176,23 +104,17 @@ def base_word_counts(batch: dict, *, seed: int, fraction: float) -> dict:
         if is_base(key, seed, fraction):
             df[BASE_CAPTIONS] += 1
             df.update(set(words(text)))
-    import numpy as np
-
     return {"word": np.array(list(df), dtype=object), "df": np.array(list(df.values()), dtype=np.int64)}
 
 
 def fingerprint(spec: str, seed: int, fraction: float) -> dict:
     """What the statistics depend on: every shard (name and size), the base split, the word tokenizer."""
-    from rayvl.data.shards import resolve_shards
-
     return {"shards": artifacts.shard_sizes(resolve_shards(spec)), "seed": seed, "base_fraction": fraction,
             "token_pattern": TOKEN_PATTERN, "format": STATS_FORMAT}
 
 
 def _count(spec: str, seed: int, fraction: float, read_cpus: float) -> dict:
     """The statistics pass: shards streamed by Ray Data → per-batch partial counts → groupby("word").sum("df")."""
-    from rayvl.data.shards import group_over_shards
-
     grouped = group_over_shards(spec, ("key", "txt"), base_word_counts, {"seed": seed, "fraction": fraction},
                                 "word", read_cpus)
     df = {row["word"]: int(row["sum(df)"]) for row in grouped.sum("df").iter_rows()}
@@ -217,8 +139,8 @@ def load_or_compute(spec: str, path: str, *, seed: int, fraction: float, read_cp
 class Deformer:
     """The configured cascade with its statistics; picklable, applied inside Ray Data's map_batches."""
 
-    def __init__(self, ops: list[Op], seed: int, base_fraction: float, stats: BowStats | None):
-        if needs_stats(ops) and stats is None:
+    def __init__(self, ops: list[BowOp], seed: int, base_fraction: float, stats: BowStats | None):
+        if bow_needs_stats(ops) and stats is None:
             raise ValueError("limit_to_base_vocab / rm_top_freq need the base-split statistics")
         self.ops, self.seed, self.base_fraction = ops, seed, base_fraction
         self.vocab = frozenset(stats.df) if stats else frozenset()

@@ -27,6 +27,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw
 
+from rayvl.data.prompts import templates
+
 SHAPES = ["circle", "square", "triangle", "star", "cross", "diamond", "hexagon", "ring"]
 COLORS = {
     "red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (235, 210, 40),
@@ -34,10 +36,8 @@ COLORS = {
 }
 SIZES = {"small": (10, 15), "large": (22, 30)}
 FORMAT = 2  # bump when the files written change, so ensure_demo regenerates older demo folders
-TEMPLATES = ["a photo of a {}.", "a picture of a {}.", "an image of a {}.", "a drawing of a {}.",
-             "a {} on a plain background.", "there is a {} in the picture."]
 
-# paraphrase vocabulary: (caption word, its synonyms), used for the paraphrase pairs of seed 002 §3
+# paraphrase vocabulary: (caption word, its synonyms), used for the paraphrase pairs of [Paraphrase] §3
 SYNONYMS = {
     "small": ["little", "tiny"], "large": ["big", "huge"], "circle": ["round disc"], "square": ["box shape"],
     "picture": ["photo", "snapshot"], "star": ["star shape"], "ring": ["hoop"], "diamond": ["rhombus"],
@@ -135,7 +135,7 @@ def caption(objects: list[Obj], rng: np.random.Generator) -> str:
 
 
 def paraphrase(text: str, rng: np.random.Generator) -> str:
-    """Synonym substitution + rephrasing of a caption (seed 002 §3 uses GPT-3; we use a fixed thesaurus)."""
+    """Synonym substitution + rephrasing of a caption ([Paraphrase] §3 uses GPT-3; we use a fixed thesaurus)."""
     words = []
     for w in text.split():
         syn = SYNONYMS.get(w)
@@ -217,7 +217,8 @@ def write_demo(out: str | Path, samples: int = 6000, eval_samples: int = 500, se
     pairs: list = []
     write_split(out / "eval", eval_samples, seed + 1_000_003, single_object=True, shard_size=shard_size,
                 paraphrases=pairs)
-    (out / "classes.json").write_text(json.dumps({"classes": SHAPES, "templates": TEMPLATES}, indent=2))
+    classes = {"classes": SHAPES, "templates": list(templates("demo_shapes"))}
+    (out / "classes.json").write_text(json.dumps(classes, indent=2))
     with open(out / "paraphrases.jsonl", "w") as f:
         f.writelines(json.dumps({k: v for k, v in p.items() if k != "objects"}) + "\n" for p in pairs)
     write_sts(out / "sts.tsv", pairs, np.random.default_rng(seed + 7))

@@ -1,4 +1,4 @@
-"""The TOnICS ontology (seed tonics-curriculum §3 "Ontology Construction", App. A.1): object classes, the nouns that
+"""The TOnICS ontology ([TOnICS] §3 "Ontology Construction", App. A.1): object classes, the nouns that
 name them, and one training row per (image-text pair, aligned noun) — the paper's triplets.
 
 A sample's objects come, in order, from detector tags in its JSON metadata (``tonics.tags_field``) or else from the
@@ -16,8 +16,13 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
+
+from rayvl import assets
 from rayvl.data import artifacts
-from rayvl.data.bow import is_alphabetical, stopwords, words
+from rayvl.data.shards import group_over_shards
+from rayvl.data.tar import resolve_shards
+from rayvl.data.text import is_alphabetical, stopwords, validate_caption, words
 
 COUNTS_FORMAT = 1
 UNALIGNED = -1
@@ -27,8 +32,6 @@ UNALIGNED = -1
 def wordnet():
     """nltk's WordNet reader over the offline WordNet 3.0 (loaded once per process, ≈4 s)."""
     import nltk
-
-    from rayvl import assets
 
     root = assets.nltk_data_dir()
     if root is None:
@@ -150,10 +153,6 @@ def _tags(meta, field_name: str) -> list[str]:
 
 def batch_objects(batch: dict, *, ontology: Ontology) -> dict:
     """One Ray Data batch → one row per (pair, aligned noun) with its object id (UNALIGNED for none)."""
-    import numpy as np
-
-    from rayvl.data.text import validate_caption
-
     objects: list[int] = []
     for txt, meta in zip(batch["txt"], batch["json"]):
         text, reason = validate_caption(txt)
@@ -163,8 +162,6 @@ def batch_objects(batch: dict, *, ontology: Ontology) -> dict:
 
 
 def fingerprint(spec: str, ontology: Ontology) -> dict:
-    from rayvl.data.shards import resolve_shards
-
     return {"shards": artifacts.shard_sizes(resolve_shards(spec)), "classes": ontology.synsets,
             "overrides": dict(sorted(ontology.overrides.items())), "tags_field": ontology.tags_field,
             "format": COUNTS_FORMAT}
@@ -172,8 +169,6 @@ def fingerprint(spec: str, ontology: Ontology) -> dict:
 
 def count_rows(spec: str, ontology: Ontology, read_cpus: float = 0.5) -> dict[int, int]:
     """Rows per object id over the shards: map to objects, then groupby("object").count() on Ray Data."""
-    from rayvl.data.shards import group_over_shards
-
     grouped = group_over_shards(spec, ("key", "txt", "json"), batch_objects, {"ontology": ontology}, "object",
                                 read_cpus)
     return {int(r["object"]): int(r["count()"]) for r in grouped.count().iter_rows()}

@@ -1,51 +1,58 @@
-"""Embedding of image and text sets with Ray Data: ``map_batches`` over an actor pool, each actor holding the
-trained model loaded once. Rows carry an ``index`` column so the result can be put back in input order; the
-arrays are written to disk (``.npy``) for the metrics and for reuse."""
+"""How embeddings are computed — the only thing in which training-time evaluation and ``rayvl eval`` differ.
+
+- ``ModelEmbedder``: a model in this process. Inside a process group of ``world`` ranks every rank embeds an equal
+  slice (padded) and the slices are all-gathered in order, so every rank runs the same forwards — which ZeRO-3
+  needs, since each forward all-gathers partitioned parameters.
+- ``RayDataEmbedder``: Ray Data ``map_batches`` over an actor pool, each actor loading the checkpoint once; rows
+  carry an ``index`` column so the result is put back in input order.
+
+Both return float32 numpy arrays of L2-normalised embeddings, one row per input.
+"""
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import math
+import os
 
 import numpy as np
 import ray
 import torch
+import torch.distributed as dist
 
 from rayvl import assets
-from rayvl.config import from_dict
+from rayvl.checkpoints import load_model
 from rayvl.data.text import tokenize
-from rayvl.models.dual_encoder import DualEncoder
-from rayvl.train.checkpoint import META_FILE, MODEL_FILE, TAG, latest_checkpoint_dir
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or a run directory (its newest checkpoint)."""
-    path = Path(path).expanduser()
-    if (path / META_FILE).exists():
-        return path
-    latest = latest_checkpoint_dir(path)
-    if latest is None:
-        raise FileNotFoundError(f"{path}: neither a rayvl checkpoint nor a run directory with one")
-    return latest
+class ModelEmbedder:
+    def __init__(self, model, tokenizer_path: str, max_tokens: int, batch_size: int = 128, rank: int = 0,
+                 world: int = 1):
+        self.model, self.tokenizer_path, self.max_tokens = model, tokenizer_path, max_tokens
+        self.batch_size, self.rank, self.world = batch_size, rank, world
+        self.device = next(model.parameters()).device
 
+    def _tensor(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
 
-def load_model(checkpoint: str | Path) -> tuple[DualEncoder, dict]:
-    """The model of a checkpoint in eval mode, with its config. Final checkpoints carry consolidated weights
-    (model.pt); intermediate ones are consolidated here from the DeepSpeed shards (ZeRO 1-3 via DeepSpeed's own
-    zero_to_fp32, stage 0 from rank 0's module state)."""
-    ckpt = resolve_checkpoint(checkpoint)
-    meta = json.loads((ckpt / META_FILE).read_text())
-    cfg = from_dict(meta["config"])
-    model = DualEncoder(cfg.model)
-    if (ckpt / MODEL_FILE).exists():
-        state = torch.load(ckpt / MODEL_FILE, map_location="cpu")
-    elif cfg.train.zero_stage == 0:
-        state = torch.load(ckpt / TAG / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
-    else:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    @torch.no_grad()
+    def images(self, images: np.ndarray) -> np.ndarray:
+        return self._split(lambda j: self.model.encode_image(self._tensor(images[j])), len(images))
 
-        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=TAG)
-    model.load_state_dict(state, strict=True)
-    return model.eval(), meta["config"]
+    @torch.no_grad()
+    def texts(self, texts: list[str]) -> np.ndarray:
+        ids, mask = tokenize(list(texts), self.tokenizer_path, self.max_tokens)
+        return self._split(lambda j: self.model.encode_text(self._tensor(ids[j]), self._tensor(mask[j])), len(ids))
+
+    def _split(self, encode, n: int) -> np.ndarray:
+        """This rank's rows (padded to an equal count with the last row), encoded in batches, gathered in order."""
+        per = math.ceil(n / self.world)
+        index = np.minimum(np.arange(self.rank * per, (self.rank + 1) * per), n - 1)
+        bs = self.batch_size
+        mine = torch.cat([encode(index[i:i + bs]) for i in range(0, per, bs)]).float().contiguous()
+        if self.world > 1 and dist.is_initialized():
+            parts = [torch.empty_like(mine) for _ in range(self.world)]
+            dist.all_gather(parts, mine)
+            mine = torch.cat(parts)
+        return mine[:n].cpu().numpy()
 
 
 class ImageEmbedder:
@@ -76,7 +83,7 @@ class TextEmbedder:
 
 
 def embed(ds: ray.data.Dataset, embedder: type, checkpoint: str, *, actors: int, cpus_per_actor: float,
-          batch_size: int, out: Path | None = None) -> np.ndarray:
+          batch_size: int) -> np.ndarray:
     """Embeddings of every row of ``ds`` (which has an ``index`` column 0..N-1), in index order."""
     # enough blocks that every actor of the pool gets work (an eval split is often a single shard = one block)
     result = ds.repartition(actors * 4).map_batches(
@@ -87,23 +94,18 @@ def embed(ds: ray.data.Dataset, embedder: type, checkpoint: str, *, actors: int,
         index.append(batch["index"])
         chunks.append(batch["embedding"])
     order = np.argsort(np.concatenate(index), kind="stable")
-    emb = np.concatenate(chunks)[order]
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        np.save(out, emb)
-    return emb
+    return np.concatenate(chunks)[order]
 
 
-@torch.no_grad()
-def embed_local(model: DualEncoder, images: np.ndarray | None = None, input_ids: np.ndarray | None = None,
-                attention_mask: np.ndarray | None = None, batch_size: int = 128) -> np.ndarray:
-    """The same embeddings in this process (the reference the Ray Data path is tested against)."""
-    out = []
-    n = len(images) if images is not None else len(input_ids)
-    for i in range(0, n, batch_size):
-        if images is not None:
-            out.append(model.encode_image(torch.from_numpy(images[i:i + batch_size])))
-        else:
-            out.append(model.encode_text(torch.from_numpy(input_ids[i:i + batch_size]),
-                                         torch.from_numpy(attention_mask[i:i + batch_size])))
-    return torch.cat(out).float().numpy()
+class RayDataEmbedder:
+    def __init__(self, checkpoint: str | os.PathLike, actors: int = 1, cpus_per_actor: float = 0.5,
+                 batch_size: int = 128):
+        self.kwargs = dict(checkpoint=str(checkpoint), actors=actors, cpus_per_actor=cpus_per_actor,
+                           batch_size=batch_size)
+
+    def images(self, images: ray.data.Dataset) -> np.ndarray:
+        return embed(images, ImageEmbedder, **self.kwargs)
+
+    def texts(self, texts: list[str]) -> np.ndarray:
+        return embed(ray.data.from_items([{"index": i, "text": t} for i, t in enumerate(texts)]), TextEmbedder,
+                     **self.kwargs)

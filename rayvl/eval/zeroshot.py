@@ -1,17 +1,14 @@
 """Zero-shot classification: class names × prompt templates → class embeddings (template-ensemble average, CLIP)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
 
-def class_embeddings(encode_text, tokenize, classes: list[str], templates: list[str]) -> torch.Tensor:
-    """[C, d]: each class's prompts embedded, averaged over templates, re-normalised."""
-    rows = []
-    for name in classes:
-        ids, mask = tokenize([t.format(name) for t in templates])
-        rows.append(F.normalize(encode_text(ids, mask).mean(0), dim=-1))
-    return torch.stack(rows)
+def class_embeddings(per_template: np.ndarray) -> np.ndarray:
+    """[C, T, d] prompt embeddings → [C, d]: each class's prompts averaged over templates, re-normalised."""
+    mean = per_template.mean(1)
+    return mean / np.linalg.norm(mean, axis=1, keepdims=True)
 
 
 def zeroshot_metrics(image_emb: torch.Tensor, labels: torch.Tensor, class_emb: torch.Tensor) -> dict:

@@ -14,7 +14,8 @@ from typing import Iterator
 import torch
 
 from rayvl.config import RayvlConfig
-from rayvl.data.shards import DataPlaneError
+from rayvl.data.report import DataPlaneError
+from rayvl.data.tonics import BucketSampler
 
 TRAIN_COLUMNS = ["image", "input_ids", "attention_mask", "label"]
 _END = object()
@@ -51,8 +52,6 @@ class TonicsBatches:
     column, as torch tensors, with the time spent waiting for the stream."""
 
     def __init__(self, shard, cfg: RayvlConfig, rank: int):
-        from rayvl.data.tonics import BucketSampler
-
         t, x = cfg.train, cfg.tonics
         self.device = "cuda" if t.use_gpu else "cpu"
         self.waited = 0.0

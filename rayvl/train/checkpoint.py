@@ -1,5 +1,5 @@
-"""Checkpoints that restore everything: every rank's DeepSpeed shards (model, optimizer, ZeRO partitions),
-the LR scheduler, the step and the metric history, reported through ``ray.train.report``.
+"""Saving and restoring a training run in the format of ``rayvl.checkpoints``: every rank's DeepSpeed files, the
+train state, and (final checkpoints) consolidated weights, reported through ``ray.train.report``.
 
 Every rank saves into its own local directory and reports it; Ray Train merges the ranks' files into one
 checkpoint directory in the run's storage (the DeepSpeed file names carry the rank), so no shared filesystem is
@@ -8,7 +8,6 @@ needed between nodes.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,9 +15,8 @@ from pathlib import Path
 import ray.train
 import torch
 
-TAG = "deepspeed"
-MODEL_FILE = "model.pt"  # consolidated fp32 weights, written with the final checkpoint for evaluation/export
-META_FILE = "rayvl.json"
+from rayvl.checkpoints import META_FILE, METRICS_FILE, MODEL_FILE, STATE_FILE, TAG, read_train_state
+from rayvl.train.state import TrainState
 
 
 def consolidated_state_dict(engine) -> dict | None:
@@ -35,48 +33,28 @@ def consolidated_state_dict(engine) -> dict | None:
 
 
 @contextmanager
-def saved(engine, step: int, history: list, config: dict, final: bool, extra: dict | None = None,
-          rank0_files: dict | None = None):
-    """Write this rank's part of the checkpoint into a temporary directory and yield it as a Checkpoint.
-    ``extra`` (e.g. the TOnICS curriculum) rides in DeepSpeed's client state of every rank; ``rank0_files``
-    ({name: object}, e.g. the memory bank, identical on every rank) are written once, by rank 0, with torch.save."""
+def saved(engine, state: TrainState, config: dict, final: bool):
+    """Write this rank's part of the checkpoint into a temporary directory and yield it as a Checkpoint."""
     with tempfile.TemporaryDirectory(prefix="rayvl-ckpt-") as tmp:
-        engine.save_checkpoint(tmp, tag=TAG, client_state={"step": step, **(extra or {})})
-        state = consolidated_state_dict(engine) if final else None
+        engine.save_checkpoint(tmp, tag=TAG)
+        weights = consolidated_state_dict(engine) if final else None  # every rank joins the ZeRO-3 gather
         if torch.distributed.get_rank() == 0:
-            (Path(tmp) / META_FILE).write_text(json.dumps({"step": step, "config": config, "final": final}))
-            with open(Path(tmp) / "metrics.jsonl", "w") as f:
-                f.writelines(json.dumps(row) + "\n" for row in history)
-            if state is not None:
-                torch.save(state, Path(tmp) / MODEL_FILE)
-            for name, obj in (rank0_files or {}).items():
-                torch.save(obj, Path(tmp) / f"{name}.pt")
+            torch.save(state.state_dict(), Path(tmp) / STATE_FILE)
+            meta = {"step": state.progress.step, "config": config, "final": final}
+            (Path(tmp) / META_FILE).write_text(json.dumps(meta))
+            with open(Path(tmp) / METRICS_FILE, "w") as f:
+                f.writelines(json.dumps(row) + "\n" for row in state.progress.history)
+            if weights is not None:
+                torch.save(weights, Path(tmp) / MODEL_FILE)
         yield ray.train.Checkpoint.from_directory(tmp)
 
 
-def restore(engine) -> tuple[int, list, dict]:
-    """(step to continue from, metric history, client state) from Ray Train's checkpoint; (0, [], {}) when fresh."""
+def restore(engine, state: TrainState) -> bool:
+    """Load Ray Train's latest checkpoint (if any) into the engine and the train state; True if one was loaded."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        return 0, [], {}
+        return False
     with checkpoint.as_directory() as d:
-        _, client_state = engine.load_checkpoint(d, tag=TAG, load_optimizer_states=True,
-                                                 load_lr_scheduler_states=True)
-        history_file = Path(d) / "metrics.jsonl"
-        history = [json.loads(x) for x in history_file.read_text().splitlines()] if history_file.exists() else []
-        for f in Path(d).glob("*.pt"):  # rank-0 files (memory bank); model.pt is the export, not state
-            if f.name != MODEL_FILE:
-                client_state[f.stem] = torch.load(f, map_location="cpu", weights_only=False)
-    return int(client_state["step"]), history, client_state
-
-
-def latest_checkpoint_dir(run_dir: str | os.PathLike) -> Path | None:
-    """The newest ``checkpoint_*`` folder of a local run directory (the one holding the highest step)."""
-    best, best_step = None, -1
-    for d in Path(run_dir).glob("checkpoint_*"):
-        meta = d / META_FILE
-        if meta.exists():
-            step = json.loads(meta.read_text())["step"]
-            if step > best_step:
-                best, best_step = d, step
-    return best
+        engine.load_checkpoint(d, tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+        state.load_state_dict(read_train_state(d))
+    return True

@@ -1,35 +1,33 @@
-"""Evaluation sets as Ray Datasets with an ``index`` column (0..N-1, a stable order), plus their small metadata.
+"""Evaluation sets: images (an in-memory array, or a Ray Dataset with an ``index`` column 0..N-1) in key order,
+what is known about them (class labels, captions), and the text sets evaluated beside them (class names and
+templates, paraphrase pairs, STS pairs).
 
 Kinds: img2dataset shards (the demo's held-out split, LAION/COCO-style shards with captions and an optional ``cls``
-in the JSON), ImageFolder trees (one folder per class), and Fashion-MNIST IDX files.
+in the JSON), ImageFolder trees (one folder per class), and Fashion-MNIST IDX files. Rows are ordered by sample key
+in every path, so training-time and ``rayvl eval`` evaluation rank the same gallery in the same order.
 """
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import ray
-from PIL import Image
 
-from rayvl import assets
-from rayvl.data import shards
+from rayvl.data import fashion_mnist
 from rayvl.data.images import decode_and_crop
-from rayvl.data.labeled import FASHION_MNIST_CLASSES
+from rayvl.data.prompts import read_class_file, templates
+from rayvl.data.shards import read_shards
+from rayvl.eval.sts import read_sts
 
-# a short subset of CLIP's ImageNet templates, used when a dataset brings none
-DEFAULT_TEMPLATES = ["a photo of a {}.", "a bad photo of a {}.", "a photo of the {}.", "a close-up photo of a {}.",
-                     "a black and white photo of a {}.", "a low resolution photo of a {}."]
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 
 
 @dataclass
-class EvalImages:
-    """Images (as a Ray Dataset of uint8 crops) and what is known about them."""
-
-    images: ray.data.Dataset  # columns: index, image[, cls]
+class EvalData:
+    images: np.ndarray | ray.data.Dataset  # uint8 [N, 3, S, S], or a Dataset with columns index, image[, cls]
     size: int
     labels: np.ndarray  # class id per image (-1 unknown)
     classes: list[str] = field(default_factory=list)
@@ -37,6 +35,27 @@ class EvalImages:
     captions: list[str] = field(default_factory=list)
     caption_to_image: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     keys: list[str] = field(default_factory=list)
+    paraphrases: list[dict] = field(default_factory=list)  # {caption, paraphrase[, expansions]}
+    sts: tuple[list[str], list[str], np.ndarray] | None = None  # (sentences 1, sentences 2, gold scores)
+
+    def with_text_sets(self, classes: str = "", paraphrases: str = "", sts: str = "") -> "EvalData":
+        """The same images with the class list, paraphrase pairs and STS pairs of these files ('' = keep)."""
+        out = replace(self)
+        if classes:
+            out.classes, out.templates = read_class_file(classes)
+        if paraphrases:
+            out.paraphrases = read_paraphrases(paraphrases)
+        if sts:
+            out.sts = read_sts(sts)
+        return out
+
+    def head(self, n: int) -> "EvalData":
+        """The first n images with their captions (one caption per image), in memory: a quick held-out check."""
+        n = min(n, self.size)
+        keep = self.caption_to_image < n
+        captions = [c for c, k in zip(self.captions, keep) if k]
+        return EvalData(self.images[:n], n, self.labels[:n], captions=captions,
+                        caption_to_image=self.caption_to_image[keep], keys=self.keys[:n])
 
 
 def detect_kind(spec: str) -> str:
@@ -51,24 +70,34 @@ def detect_kind(spec: str) -> str:
     raise ValueError(f"--data {spec!r}: not a shard directory/glob, an ImageFolder tree or Fashion-MNIST IDX files")
 
 
+def from_batches(batches: list[dict]) -> EvalData:
+    """In memory, from numpy batches of preprocessed shard rows (key, caption, image, cls), in key order."""
+    cols = {c: np.concatenate([b[c] for b in batches]) for c in ("key", "caption", "image", "cls")}
+    order = np.argsort(cols["key"].astype(str), kind="stable")
+    n = len(order)
+    return EvalData(cols["image"][order], n, cols["cls"][order].astype(np.int64),
+                    captions=[str(c) for c in cols["caption"][order]], caption_to_image=np.arange(n),
+                    keys=[str(k) for k in cols["key"][order]])
+
+
 def _add_index(batch: dict, index_of: dict) -> dict:
     batch["index"] = np.array([index_of[k] for k in batch["key"]], dtype=np.int64)
     return batch
 
 
 def load_shards(spec: str, image_size: int, tokenizer_path: str, max_tokens: int, read_cpus: float,
-                report_name: str | None = None) -> EvalImages:
+                report_name: str | None = None) -> EvalData:
     """Dropped samples are counted in the DataReport ``report_name`` (created by the caller)."""
-    ds = shards.read_shards(spec, image_size=image_size, crop_scale_min=1.0, train=False,
-                            tokenizer_path=tokenizer_path, max_tokens=max_tokens, read_cpus=read_cpus,
-                            transform_batch_size=64, shuffle_files=False, report_name=report_name).materialize()
+    ds = read_shards(spec, image_size=image_size, crop_scale_min=1.0, train=False, tokenizer_path=tokenizer_path,
+                     max_tokens=max_tokens, read_cpus=read_cpus, transform_batch_size=64, shuffle_files=False,
+                     report_name=report_name).materialize()
     meta = sorted(ds.select_columns(["key", "caption", "cls"]).take_all(), key=lambda r: r["key"])
     index_of = {r["key"]: i for i, r in enumerate(meta)}
     images = ds.map_batches(_add_index, fn_kwargs={"index_of": index_of}, batch_format="numpy",
                             num_cpus=read_cpus).select_columns(["index", "image", "cls"])
-    return EvalImages(images, len(meta), np.array([r["cls"] for r in meta], np.int64),
-                      captions=[r["caption"] for r in meta], caption_to_image=np.arange(len(meta)),
-                      keys=[r["key"] for r in meta])
+    return EvalData(images, len(meta), np.array([r["cls"] for r in meta], np.int64),
+                    captions=[r["caption"] for r in meta], caption_to_image=np.arange(len(meta)),
+                    keys=[r["key"] for r in meta])
 
 
 def _decode_files(batch: dict, image_size: int, class_of: dict) -> dict:
@@ -84,7 +113,7 @@ def _decode_files(batch: dict, image_size: int, class_of: dict) -> dict:
             np.zeros((0, 3, image_size, image_size), np.uint8), "cls": np.array(cls, np.int64)}
 
 
-def load_imagefolder(root: str, image_size: int, read_cpus: float) -> EvalImages:
+def load_imagefolder(root: str, image_size: int, read_cpus: float) -> EvalData:
     root_path = Path(root).expanduser()
     classes = sorted(d.name for d in root_path.iterdir() if d.is_dir())
     files = sorted(str(p) for c in classes for p in (root_path / c).iterdir()
@@ -105,7 +134,8 @@ def load_imagefolder(root: str, image_size: int, read_cpus: float) -> EvalImages
         remap[kept] = np.arange(kept.sum())
         ds = ds.map_batches(lambda b: {**b, "index": remap[b["index"]]}, batch_format="numpy")
         print(f"rayvl eval: dropped {int((~kept).sum())} undecodable images under {root}")
-    return EvalImages(ds, int(kept.sum()), labels[kept], [c.replace("_", " ") for c in classes], DEFAULT_TEMPLATES)
+    return EvalData(ds, int(kept.sum()), labels[kept], [c.replace("_", " ") for c in classes],
+                    list(templates("clip_imagenet_short")))
 
 
 def _read_files(batch: dict) -> dict:
@@ -113,33 +143,17 @@ def _read_files(batch: dict) -> dict:
             "bytes": np.array([Path(p).read_bytes() for p in batch["path"]], dtype=object)}
 
 
-def _gray_to_rgb(batch: dict, image_size: int) -> dict:
-    out = []
-    for img in batch["pixels"]:
-        pil = Image.fromarray(img.astype(np.uint8), "L").convert("RGB").resize((image_size, image_size),
-                                                                               Image.BICUBIC)
-        out.append(np.asarray(pil, np.uint8).transpose(2, 0, 1))
-    return {"index": batch["index"], "image": np.stack(out), "cls": batch["cls"]}
+def _to_rgb(batch: dict, image_size: int) -> dict:
+    images = np.stack([fashion_mnist.to_rgb(p, image_size) for p in batch["pixels"]])
+    return {"index": batch["index"], "image": images, "cls": batch["cls"]}
 
 
 def load_fashion_mnist(root: str, image_size: int, read_cpus: float, split: str = "t10k",
-                       limit: int = 0) -> EvalImages:
-    root_path = Path(root).expanduser()
-
-    def find(stem):
-        for name in (f"{stem}.gz", stem):
-            if (root_path / name).exists():
-                return root_path / name
-        raise FileNotFoundError(f"{root_path / stem}(.gz) not found")
-
-    pixels = assets.read_idx(find(f"{split}-images-idx3-ubyte"))
-    labels = assets.read_idx(find(f"{split}-labels-idx1-ubyte")).astype(np.int64)
-    if limit:
-        pixels, labels = pixels[:limit], labels[:limit]
-    rows = [{"index": i, "pixels": pixels[i], "cls": int(labels[i])} for i in range(len(labels))]
-    ds = ray.data.from_items(rows).map_batches(_gray_to_rgb, fn_kwargs={"image_size": image_size},
-                                               batch_format="numpy", num_cpus=read_cpus)
-    return EvalImages(ds, len(labels), labels, FASHION_MNIST_CLASSES, DEFAULT_TEMPLATES)
+                       limit: int = 0) -> EvalData:
+    pixels, labels = fashion_mnist.read(root, split, limit)
+    ds = fashion_mnist.rows(pixels, labels, split).map_batches(_to_rgb, fn_kwargs={"image_size": image_size},
+                                                               batch_format="numpy", num_cpus=read_cpus)
+    return EvalData(ds, len(labels), labels, list(fashion_mnist.CLASSES), list(templates("clip_imagenet_short")))
 
 
 def read_paraphrases(path: str | Path) -> list[dict]:

@@ -1,0 +1,59 @@
+"""Fashion-MNIST (real photos, 10 classes) from the Debian ``dataset-fashion-mnist`` package: the one reader used
+by image-label training, evaluation and the UniCL job."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from rayvl import assets
+from rayvl.data.images import crop
+
+CLASSES = ["t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "ankle boot"]
+
+
+def root_of(spec: str) -> Path:
+    """"fashion-mnist" = the installed Debian copy; anything else is a folder of IDX files."""
+    if spec != "fashion-mnist":
+        return Path(spec).expanduser()
+    root = assets.fashion_mnist_dir()
+    if root is None:
+        raise FileNotFoundError("Fashion-MNIST is not installed: run `rayvl assets fetch` (Debian "
+                                "dataset-fashion-mnist)")
+    return root
+
+
+def is_fashion_mnist(spec: str) -> bool:
+    path = Path(spec).expanduser()
+    return spec == "fashion-mnist" or (path.is_dir() and any(path.glob("*-images-idx3-ubyte*")))
+
+
+def read(spec: str, split: str = "train", limit: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(pixels uint8 [N, 28, 28], labels int64 [N]) of a split ("train" or "t10k"), optionally the first ``limit``."""
+    root = root_of(spec)
+
+    def find(stem: str) -> Path:
+        for name in (f"{stem}.gz", stem):
+            if (root / name).exists():
+                return root / name
+        raise FileNotFoundError(f"{root / stem}(.gz) not found")
+
+    pixels = assets.read_idx(find(f"{split}-images-idx3-ubyte"))
+    labels = assets.read_idx(find(f"{split}-labels-idx1-ubyte")).astype(np.int64)
+    return (pixels[:limit], labels[:limit]) if limit else (pixels, labels)
+
+
+def to_rgb(pixels: np.ndarray, size: int, scale_min: float | None = None,
+           rng: np.random.Generator | None = None) -> np.ndarray:
+    """A 28×28 grey image → uint8 (3, size, size): the whole image resized (``scale_min`` None), or a random
+    resized crop for training."""
+    return crop(Image.fromarray(np.asarray(pixels, np.uint8), "L").convert("RGB"), size, scale_min, rng)
+
+
+def rows(pixels: np.ndarray, labels: np.ndarray, split: str = "train"):
+    """A Ray Dataset of rows {index, key, pixels, cls} (from ``read``)."""
+    import ray
+
+    return ray.data.from_items([{"index": i, "key": f"fmnist-{split}-{i:05d}", "pixels": pixels[i],
+                                 "cls": int(labels[i])} for i in range(len(labels))])

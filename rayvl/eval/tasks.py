@@ -1,0 +1,101 @@
+"""The five evaluation tasks, written once. Training-time evaluation and ``rayvl eval`` call ``evaluate`` with the
+same data and differ only in the embedder (``rayvl.eval.embed``): each task asks it for the embeddings it needs and
+turns them into metrics with the functions of zeroshot / retrieval / paraphrase / sts / linear_probe."""
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from rayvl.eval.data import EvalData
+from rayvl.eval.linear_probe import linear_probe as fit_linear_probe
+from rayvl.eval.linear_probe import split_indices
+from rayvl.eval.paraphrase import expand_queries, paraphrase_metrics
+from rayvl.eval.retrieval import retrieval_metrics
+from rayvl.eval.sts import sts_metrics
+from rayvl.eval.zeroshot import class_embeddings, zeroshot_metrics
+
+TASKS = ("zeroshot", "retrieval", "paraphrase", "sts", "linear_probe")
+SKIP_REASONS = {"zeroshot": "no class names or labels", "retrieval": "the data has no captions",
+                "paraphrase": "no paraphrase file", "sts": "no STS file",
+                "linear_probe": "fewer than 10 labelled images"}
+# what the tasks' metric names start with (training reports mix them with the training metrics)
+METRIC_PREFIXES = ("eval_", "zeroshot", "single_template", "t2i", "i2t", "retrieval", "paraphrase", "qe_", "sts")
+
+
+class Embedder(Protocol):
+    def images(self, images) -> np.ndarray: ...
+
+    def texts(self, texts: list[str]) -> np.ndarray: ...
+
+
+def evaluate(tasks, data: EvalData, embedder: Embedder, k: int = 10) -> tuple[dict, dict]:
+    """({task: metrics} for every task the data allows, {name: embeddings} computed on the way)."""
+    embeddings = {"image": embedder.images(data.images)}
+    results = {}
+    for task in tasks:
+        metrics = _RUN[task](data, embeddings, embedder, k)
+        if metrics is not None:
+            results[task] = metrics
+    return results, embeddings
+
+
+def zeroshot(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | None:
+    """Template-ensemble class embeddings (CLIP) and the first template alone."""
+    known = data.labels >= 0
+    if not data.classes or not known.any():
+        return None
+    prompts = [t.format(c) for c in data.classes for t in data.templates]
+    per_template = embedder.texts(prompts).reshape(len(data.classes), len(data.templates), -1)
+    images, labels = torch.from_numpy(emb["image"][known]), torch.from_numpy(data.labels[known])
+    out = zeroshot_metrics(images, labels, torch.from_numpy(class_embeddings(per_template)))
+    single = zeroshot_metrics(images, labels, torch.from_numpy(class_embeddings(per_template[:, :1])))
+    out.update({f"single_template_{name}": v for name, v in single.items() if "chance" not in name})
+    out["zeroshot_classes"], out["zeroshot_templates"] = len(data.classes), len(data.templates)
+    return out
+
+
+def retrieval(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | None:
+    if not data.captions:
+        return None
+    emb["caption"] = embedder.texts(data.captions)
+    return retrieval_metrics(emb["image"], emb["caption"], data.caption_to_image)
+
+
+def paraphrase(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | None:
+    """AO@k / JS@k ([Paraphrase] §3) and, when the pairs bring expansions, the query-expansion baseline (§5.2)."""
+    pairs = data.paraphrases
+    if not pairs:
+        return None
+    n, n_exp = len(pairs), min(len(p.get("expansions", [])) for p in pairs)
+    texts = embedder.texts([p["caption"] for p in pairs] + [p["paraphrase"] for p in pairs]
+                           + [e for p in pairs for e in p.get("expansions", [])[:n_exp]])
+    queries, paraphrases = texts[:n], texts[n:2 * n]
+    out = paraphrase_metrics(emb["image"], queries, paraphrases, k)
+    if n_exp:  # the query is replaced by eq. (5)'s average of itself and its expansions
+        expanded = expand_queries(queries, texts[2 * n:].reshape(n, n_exp, -1))
+        out.update({f"qe_{name}": v for name, v in paraphrase_metrics(emb["image"], expanded, paraphrases, k).items()
+                    if name != "paraphrase_pairs"})
+    return out
+
+
+def sts(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | None:
+    if data.sts is None:
+        return None
+    first, second, gold = data.sts
+    texts = embedder.texts(first + second)
+    return sts_metrics(texts[:len(first)], texts[len(first):], gold)
+
+
+def linear_probe(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | None:
+    known = np.flatnonzero(data.labels >= 0)
+    if len(known) < 10:
+        return None
+    x, y = emb["image"][known], data.labels[known]
+    train, val, test = split_indices(y)
+    return fit_linear_probe(x[train], y[train], x[val], y[val], x[test], y[test])
+
+
+_RUN = {"zeroshot": zeroshot, "retrieval": retrieval, "paraphrase": paraphrase, "sts": sts,
+        "linear_probe": linear_probe}

@@ -1,0 +1,151 @@
+"""Dataset building per recipe: what the config's data settings resolve to (demo data, files, the TOnICS ontology,
+image-label prompts — all checked before Ray starts), and the Ray Datasets a run trains and evaluates on."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+
+from rayvl import assets
+from rayvl.config import ConfigError, RayvlConfig, bow_needs_stats, parse_bow_ops
+from rayvl.data import bow, fashion_mnist, shards
+from rayvl.data.artifacts import ArtifactMismatch
+from rayvl.data.demo import ensure_demo
+from rayvl.data.ontology import Ontology, keep_frequent, load_or_count
+from rayvl.data.pipeline import prompt_batch
+from rayvl.data.prompts import Prompts, load_prompts
+from rayvl.train.batches import TRAIN_COLUMNS
+
+EVAL_FILES = {"classes_file": "classes", "paraphrases_file": "paraphrases", "sts_file": "sts"}
+
+
+@dataclass
+class DataPlan:
+    """What a run reads, resolved before Ray starts."""
+
+    train: str
+    eval: str
+    files: dict[str, str]  # classes_file, paraphrases_file, sts_file ('' = none)
+    ontology: Ontology | None
+    prompts: Prompts | None
+
+
+def plan(cfg: RayvlConfig) -> DataPlan:
+    train, evalset, files = resolve_data(cfg)
+    return DataPlan(train, evalset, files, tonics_ontology(cfg), image_label_prompts(cfg))
+
+
+def resolve_data(cfg: RayvlConfig) -> tuple[str, str, dict]:
+    """(train shards, eval shards, eval files); generates the embedded demo dataset when no data is given."""
+    d = cfg.data
+    train, evalset = d.train, d.eval
+    files = {"classes_file": d.classes, "paraphrases_file": d.paraphrases, "sts_file": d.sts}
+    if not train:
+        root = ensure_demo(d.demo_dir, d.demo_samples, d.demo_eval_samples, seed=cfg.train.seed)
+        train = str(root / "train")
+        evalset = evalset or str(root / "eval")
+        for key, name in (("classes_file", "classes.json"), ("paraphrases_file", "paraphrases.jsonl"),
+                          ("sts_file", "sts.tsv")):
+            files[key] = files[key] or str(root / name)
+    for key, value in files.items():
+        if value and not Path(value).expanduser().is_file():
+            raise ConfigError(f"data.{EVAL_FILES[key]}: {value!r} does not exist")
+    return train, evalset, {k: str(Path(v).expanduser()) if v else "" for k, v in files.items()}
+
+
+def tonics_ontology(cfg: RayvlConfig) -> Ontology | None:
+    """The TOnICS ontology resolved against WordNet (before Ray starts: a bad class name is a config error)."""
+    x = cfg.tonics
+    if not x.enabled:
+        return None
+    try:
+        return Ontology.build(x.classes, x.overrides, x.tags_field)
+    except ValueError as e:
+        raise ConfigError(f"tonics.classes{e}" if str(e).startswith("[") else f"tonics.{e}") from None
+
+
+def image_label_prompts(cfg: RayvlConfig) -> Prompts | None:
+    """Class names and templates of the image-label source (before Ray starts: a bad file is a config error)."""
+    il = cfg.image_label
+    if not il.data:
+        return None
+    try:
+        default = fashion_mnist.CLASSES if fashion_mnist.is_fashion_mnist(il.data) else None
+        return load_prompts(il.classes, il.templates, il.train_classes, default)
+    except (ValueError, OSError, KeyError) as e:
+        raise ConfigError(str(e) if str(e).startswith("image_label") else f"image_label.classes: {e}") from None
+
+
+def bow_deformer(cfg: RayvlConfig, train: str, run_dir: str) -> bow.Deformer | None:
+    """The configured BoW cascade with its base-split statistics (reused from the artifact when it matches)."""
+    b = cfg.bow
+    if not b.enabled:
+        return None
+    ops = parse_bow_ops(b.ops)
+    stats = None
+    if bow_needs_stats(ops):
+        path = b.stats_path or f"{run_dir.rstrip('/')}/bow_stats.json"
+        try:
+            stats, reused = bow.load_or_compute(train, path, seed=b.seed, fraction=b.base_fraction,
+                                                read_cpus=cfg.data.read_cpus)
+        except ArtifactMismatch as e:
+            raise ConfigError(str(e)) from None
+        print(f"rayvl: BoW statistics {'reused from' if reused else 'computed with Ray Data →'} {path}: "
+              f"{stats.base_captions} base captions of {stats.captions}, base vocabulary {len(stats.df)} words")
+    return bow.Deformer(ops, b.seed, b.base_fraction, stats)
+
+
+def tonics_counts(cfg: RayvlConfig, ontology: Ontology, train: str, run_dir: str) -> tuple[Ontology, list[int]]:
+    """|X(η_o)| per class (Ray Data groupby, reused from the artifact when it matches); rare classes dropped."""
+    x = cfg.tonics
+    path = x.counts_path or f"{run_dir.rstrip('/')}/tonics_counts.json"
+    try:
+        counts, reused = load_or_count(train, path, ontology, cfg.data.read_cpus)
+    except ArtifactMismatch as e:
+        raise ConfigError(str(e)) from None
+    kept, sizes = keep_frequent(ontology, counts, x.min_instances)
+    print(f"rayvl: TOnICS rows per class {'reused from' if reused else 'counted with Ray Data →'} {path}: "
+          + ", ".join(f"{c} {counts.get(i, 0)}{'' if sizes[i] else ' (dropped)'}"
+                      for i, c in enumerate(ontology.classes))
+          + f"; {counts.get(-1, 0)} pairs without an aligned noun")
+    if not kept.kept:
+        raise ConfigError(f"tonics.min_instances: no object class has {x.min_instances} rows")
+    return kept, sizes
+
+
+def _common(cfg: RayvlConfig, report_name: str) -> dict:
+    d = cfg.data
+    return dict(image_size=d.image_size, crop_scale_min=d.crop_scale_min,
+                tokenizer_path=str(assets.text_model_path(cfg.model.text)), max_tokens=d.max_text_tokens,
+                report_name=report_name)
+
+
+def labeled_dataset(cfg: RayvlConfig, prompts: Prompts, report_name: str) -> ray.data.Dataset:
+    """The image-label stream: Fashion-MNIST IDX rows or img2dataset shards with ``cls``, prompts as captions."""
+    d, il = cfg.data, cfg.image_label
+    if fashion_mnist.is_fashion_mnist(il.data):
+        ds = fashion_mnist.rows(*fashion_mnist.read(il.data, limit=il.limit)).map_batches(
+            prompt_batch, batch_size=d.transform_batch_size, batch_format="numpy", num_cpus=d.read_cpus,
+            fn_kwargs=dict(prompts=prompts, **_common(cfg, report_name)))
+    else:
+        ds = shards.read_shards(il.data, train=True, read_cpus=d.read_cpus,
+                                transform_batch_size=d.transform_batch_size, shuffle_files=d.shuffle_files,
+                                prompts=prompts, **_common(cfg, report_name))
+    return ds.select_columns(TRAIN_COLUMNS)
+
+
+def build_datasets(cfg: RayvlConfig, train: str, evalset: str, report_name: str,
+                   deformer: bow.Deformer | None = None, ontology: Ontology | None = None) -> dict:
+    """{"train": …, "eval": … (held-out, counted in its own report "<report_name>-eval")}."""
+    d = cfg.data
+    common = dict(read_cpus=d.read_cpus, transform_batch_size=d.transform_batch_size, **_common(cfg, report_name))
+    # only tensor columns go to the training iterator (keys and captions are strings)
+    columns = TRAIN_COLUMNS + (["object"] if ontology is not None else [])
+    datasets = {"train": shards.read_shards(train, train=True, shuffle_files=d.shuffle_files, bow=deformer,
+                                            ontology=ontology, **common).select_columns(columns)}
+    if cfg.eval.tasks and evalset:
+        # held-out samples are counted in their own report, so training counts stay per pass over training data
+        datasets["eval"] = shards.read_shards(evalset, train=False, shuffle_files=False,
+                                              **{**common, "report_name": f"{report_name}-eval"})
+    return datasets

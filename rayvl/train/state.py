@@ -1,0 +1,48 @@
+"""One train state: everything a resumed run needs beside DeepSpeed's own files (model, optimizer, ZeRO
+partitions, LR scheduler), as one ``state_dict()`` / ``load_state_dict()`` object per component (torchtitan's
+``Stateful``). Components: the progress (step, metric history), the TOnICS curriculum, the memory bank. Each is
+identical on every rank, so rank 0 saves it (``rayvl.checkpoints.STATE_FILE``) and every rank loads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@dataclass
+class Progress:
+    """Optimizer steps done and every metrics report so far."""
+
+    step: int = 0
+    history: list[dict] = field(default_factory=list)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "history": list(self.history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.history = int(state["step"]), list(state["history"])
+
+
+class TrainState:
+    """The run's progress and its other components by name (None = the run does not have that component)."""
+
+    def __init__(self, progress: Progress, **components: Stateful | None):
+        self.progress = progress
+        self.components = {"progress": progress, **{name: c for name, c in components.items() if c is not None}}
+
+    def state_dict(self) -> dict:
+        return {name: c.state_dict() for name, c in self.components.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        missing = sorted(set(self.components) - set(state))
+        if missing:  # e.g. resuming with a memory bank a run that trained without one
+            raise ValueError(f"the checkpoint holds no state for {missing} (it has {sorted(state)}): resume with "
+                             f"the settings the run was started with")
+        for name, component in self.components.items():
+            component.load_state_dict(state[name])
