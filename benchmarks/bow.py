@@ -1,4 +1,4 @@
-"""Cost of the Bag-of-Words deformation (seed bow §2.2): captions/s on one core, and its share of the full
+"""Cost of the Bag-of-Words deformation ([BoW] §2.2): captions/s on one core, and its share of the full
 per-sample pipeline time (tar parse → validate → deform → decode + crop → tokenize), measured in this one run on
 the same samples. Goal: < 2 % of the pipeline. Prints a table.
 

@@ -1,4 +1,4 @@
-"""Seed 002's LAION adaptation recipe: frozen pretrained text encoder + appended alignment layers.
+"""[Paraphrase]'s LAION adaptation recipe: frozen pretrained text encoder + appended alignment layers.
 
     python jobs/laion_adapt.py [--config configs/laion_adapt.yaml] [--data SHARDS] [--set key=value ...]
     ray job submit --working-dir . -- python jobs/laion_adapt.py --data s3://bucket/laion400m/{00000..41407}.tar

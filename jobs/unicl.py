@@ -3,7 +3,7 @@
     python jobs/unicl.py [--set image_label.data=SHARDS_WITH_CLS --set image_label.classes=classes.json ...]
     ray job submit --working-dir . -- python jobs/unicl.py --data s3://bucket/cc3m/... --set image_label.data=...
 
-- ce: the image tower with a learned class-embedding matrix (seed unicl eq. (4): CE is UniCL whose text encoder
+- ce: the image tower with a learned class-embedding matrix ([UniCL] eq. (4): CE is UniCL whose text encoder
   is a linear embedding), trained on the image-label data of the 7 training classes only;
 - unicl: the same image tower with the text tower, UniCL's label-aware loss, image-label prompts mixed 1:1 per
   batch with image-text pairs (the embedded demo's, or --data).

@@ -60,7 +60,7 @@ class DataConfig:
 
 @dataclass
 class BowConfig:
-    """Bag-of-Words caption deformation of the training captions (seed bow-fistful-of-words §2.2)."""
+    """Bag-of-Words caption deformation of the training captions ([BoW] §2.2)."""
 
     enabled: bool = False
     """deform the training captions (held-out captions always stay intact)."""
@@ -124,10 +124,10 @@ def bow_needs_stats(ops: list[BowOp]) -> bool:
 
 @dataclass
 class TonicsConfig:
-    """TOnICS ontology-bucketed curriculum minibatches (seed tonics-curriculum §3, App. A)."""
+    """TOnICS ontology-bucketed curriculum minibatches ([TOnICS] §3, App. A)."""
 
     enabled: bool = False
-    """draw each step's minibatch from the root (random) or from one object node (seed tonics §3)."""
+    """draw each step's minibatch from the root (random) or from one object node ([TOnICS] §3)."""
     classes: list[str] = field(default_factory=list)
     """object classes: WordNet nouns ("dog": its first noun sense) or synset ids ("dog.n.01")."""
     overrides: str = ""
@@ -159,7 +159,7 @@ class TonicsConfig:
 
 @dataclass
 class ImageLabelConfig:
-    """Image-label data mixed with image-text data (seed unicl §3, App. B.2)."""
+    """Image-label data mixed with image-text data ([UniCL] §3, App. B.2)."""
 
     data: str = ""
     """'' = none; "fashion-mnist" (Debian dataset-fashion-mnist), a folder of Fashion-MNIST IDX files, or
@@ -171,7 +171,7 @@ class ImageLabelConfig:
     train_classes: list[int] = field(default_factory=list)
     """class ids trained on ([] = all); the others stay unseen, for zero-shot on held-out classes."""
     weight: float = 0.5
-    """share of every micro-batch drawn from image-label data (seed unicl App. B.2: 1:1); 1.0 = image-label only."""
+    """share of every micro-batch drawn from image-label data ([UniCL] App. B.2: 1:1); 1.0 = image-label only."""
     limit: int = 0
     """use only the first N Fashion-MNIST training images (0 = all 60,000), for quick runs."""
 
@@ -185,25 +185,25 @@ class ModelConfig:
     text: str = "minilm-l6"
     """text tower: a rayvl asset name or a local HF model directory."""
     text_strategy: Literal["finetune", "frozen", "frozen_adapters", "frozen_alignment"] = "frozen_alignment"
-    """seed 002 §4: finetune the LM, freeze it, freeze it with bottleneck adapters in every layer, or freeze it and
+    """[Paraphrase] §4: finetune the LM, freeze it, freeze it with bottleneck adapters in every layer, or freeze it and
     append alignment layers."""
     alignment_layers: int = 2
-    """m, the number of appended alignment layers (seed 002 uses 6 at LAION scale)."""
+    """m, the number of appended alignment layers ([Paraphrase] uses 6 at LAION scale)."""
     text_tower: Literal["lm", "class_embedding"] = "lm"
     """lm: the pretrained text encoder; class_embedding: one learned vector per class of image_label (the CE
-    baseline of seed unicl eq. (4): no text encoder, so no zero-shot to unseen classes)."""
+    baseline of [UniCL] eq. (4): no text encoder, so no zero-shot to unseen classes)."""
     num_classes: int = 0
     """rows of the class-embedding matrix (set from image_label's class list by the trainer)."""
     adapter_reduction: int = 2
-    """bottleneck adapters' reduction factor: hidden size d → d / r → d (seed 002 §4: 2)."""
+    """bottleneck adapters' reduction factor: hidden size d → d / r → d ([Paraphrase] §4: 2)."""
     pooling: Literal["avg", "cls"] = "avg"
     """how token features become one text feature."""
     embed_dim: int = 256
     """dimension of the shared embedding space."""
     vision_projection: Literal["linear", "mlp2"] = "linear"
-    """seed 002 §5: a linear projection for vision."""
+    """[Paraphrase] §5: a linear projection for vision."""
     text_projection: Literal["linear", "mlp2"] = "mlp2"
-    """seed 002 §5: a 2-layer MLP projection for text."""
+    """[Paraphrase] §5: a 2-layer MLP projection for text."""
     init_logit_scale: float = 14.285714
     """exp(s) at init, 1/τ (CLIP: 1/0.07)."""
     learn_logit_scale: bool = True
@@ -218,13 +218,13 @@ class LossConfig:
     """gather features from all workers with gradients flowing back to their owners (open_clip semantics)."""
     kind: Literal["clip", "unicl", "ce"] = "clip"
     """clip: InfoNCE with one positive per query; unicl: label-aware targets, every key with the query's label is
-    a positive (seed unicl eq. (1)–(3)); identical when all labels are unique (image-text data only); ce: cross-
-    entropy against a learned class-embedding matrix (seed unicl eq. (4); needs model.text_tower=class_embedding)."""
+    a positive ([UniCL] eq. (1)–(3)); identical when all labels are unique (image-text data only); ce: cross-
+    entropy against a learned class-embedding matrix ([UniCL] eq. (4); needs model.text_tower=class_embedding)."""
 
 
 @dataclass
 class MemoryBankConfig:
-    """EMA memory bank of negatives (seed bow §2.1 eq. (1)–(3), MoCo)."""
+    """EMA memory bank of negatives ([BoW] §2.1 eq. (1)–(3), MoCo)."""
 
     size: int = 0
     """K image keys and K text keys in the queue (paper: 8192); 0 = plain in-batch InfoNCE."""
@@ -253,11 +253,11 @@ class TrainConfig:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """fp32 on CPU; bf16 on GPUs; fp16 only on GPUs."""
     lr: float = 1e-3
-    """peak learning rate (seed 002 Table B.1)."""
+    """peak learning rate ([Paraphrase] Table B.1)."""
     weight_decay: float = 0.1
     """AdamW weight decay (not applied to biases, norms and the logit scale)."""
     betas: tuple[float, float] = (0.9, 0.98)
-    """AdamW β1, β2 (seed 002: 0.98 for ViT)."""
+    """AdamW β1, β2 ([Paraphrase]: 0.98 for ViT)."""
     eps: float = 1e-6
     """AdamW ε."""
     warmup_steps: int = 20
@@ -291,7 +291,7 @@ class EvalConfig:
     tasks: list[str] = field(default_factory=lambda: ["zeroshot", "retrieval", "paraphrase", "sts"])
     """evaluation tasks run in training (the linear probe runs in `rayvl eval`)."""
     paraphrase_k: int = 10
-    """k of AO@k / JS@k (seed 002 §3 uses 10)."""
+    """k of AO@k / JS@k ([Paraphrase] §3 uses 10)."""
     batch_size: int = 128
     """images/texts per forward pass during evaluation."""
 

@@ -4,7 +4,7 @@ open_clip's ``ClipLoss(local_loss=True, gather_with_grad=True)`` semantics: each
 against the world's W·B keys, so the logits matrix is B × WB (not WB × WB), and the all-gather is differentiable,
 so gradients of every rank's loss reach the features that produced them on their owner rank. Averaged over ranks
 (as data-parallel gradient averaging does) this is exactly the full-batch CLIP loss of the global batch
-(CLIP eq. / seed 002 §4: symmetric InfoNCE).
+(CLIP eq. / [Paraphrase] §4: symmetric InfoNCE).
 """
 from __future__ import annotations
 
@@ -48,14 +48,14 @@ def clip_loss(image_features: torch.Tensor, text_features: torch.Tensor, logit_s
 def unicl_loss(image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
                labels: torch.Tensor, gather_with_grad: bool = True, image_keys: torch.Tensor | None = None,
                text_keys: torch.Tensor | None = None, key_labels: torch.Tensor | None = None) -> torch.Tensor:
-    """UniCL's bidirectional label-aware contrastive loss (seed unicl eq. (1)–(3), Algorithm 1 TargetM).
+    """UniCL's bidirectional label-aware contrastive loss ([UniCL] eq. (1)–(3), Algorithm 1 TargetM).
 
     Every sample carries a label (image-text pairs a unique one, image-label samples their class id); the
     positives of a query are all keys with its label, across the gathered batch and the optional extra keys (a
     memory bank's queue, with its labels), and its loss is soft-target cross-entropy normalised by the number of
     positives, 1/|P(i)| Σ_{k∈P(i)} −log softmax. With all labels unique it is exactly ``clip_loss``.
     Keys default to the gathered online features; ``image_keys``/``text_keys`` (e.g. EMA features of the global
-    batch followed by the queue, seed bow eq. (1)–(3)) replace them.
+    batch followed by the queue, [BoW] eq. (1)–(3)) replace them.
     """
     all_labels = gather_features(labels, with_grad=False)
     if image_keys is None:

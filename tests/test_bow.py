@@ -1,4 +1,4 @@
-"""Bag-of-Words deformation (seed bow §2.2): operators by hand, the Ray statistics pass against a single-process
+"""Bag-of-Words deformation ([BoW] §2.2): operators by hand, the Ray statistics pass against a single-process
 reference, determinism across workers, emptied captions counted, the statistics artifact reused or refused."""
 import glob
 import io

@@ -21,7 +21,7 @@ def reference_clip_loss(img: np.ndarray, txt: np.ndarray, scale: float) -> float
 
 
 def reference_unicl_loss(img_q, txt_q, img_k, txt_k, labels_q, labels_k, scale) -> float:
-    """seed unicl eq. (2)–(3) in float64 numpy: each query's mean −log softmax over its positives (same label
+    """[UniCL] eq. (2)–(3) in float64 numpy: each query's mean −log softmax over its positives (same label
     among the keys), averaged over queries, the two directions averaged."""
     def side(q, k):
         logits = scale * q @ k.T

@@ -1,4 +1,4 @@
-"""EMA memory bank (seed bow §2.1): EMA arithmetic, queue wrap-around, state round trip, config guard."""
+"""EMA memory bank ([BoW] §2.1): EMA arithmetic, queue wrap-around, state round trip, config guard."""
 import io
 
 import pytest

@@ -1,4 +1,4 @@
-"""Text-tower strategies of seed 002 §4: parameter counts for MiniLM, and every strategy training under real
+"""Text-tower strategies of [Paraphrase] §4: parameter counts for MiniLM, and every strategy training under real
 DeepSpeed ZeRO 0 and 2 with 2 Ray Train workers — frozen LM weights bit-identical and absent from the optimizer."""
 import json
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""TOnICS (seed tonics §3, App. A): WordNet ontology offline, the Ray Data class counts, node draws against P_S,
+"""TOnICS ([TOnICS] §3, App. A): WordNet ontology offline, the Ray Data class counts, node draws against P_S,
 refresh arithmetic with the β floor, curriculum state round trip, and 2 real Ray workers drawing the same nodes."""
 import glob
 import json

@@ -20,9 +20,9 @@ def _ds_files(ckpt: Path) -> list[str]:
 
 @pytest.mark.parametrize("stage", [0, 1, 2])  # ZeRO-3 trains (and resumes) in test_checkpoint_round_trip_and_resume
 def test_zero_stage_trains_two_workers(ray_local, demo_dir, tmp_path, stage):
-    # stage 1 also trains on BoW captions (seed bow §2.2): statistics pass + deformation inside the real pipeline
+    # stage 1 also trains on BoW captions ([BoW] §2.2): statistics pass + deformation inside the real pipeline
     bow = ["bow.enabled=true", "bow.ops=[shuffle, rm_stop_nalpha, limit_to_base_vocab, {rm_top_freq: 3}, {keep: 3}]"]
-    # stage 2 trains UniCL against an EMA memory bank of 40 keys (seed bow §2.1): 3 steps × 16 keys wrap around
+    # stage 2 trains UniCL against an EMA memory bank of 40 keys ([BoW] §2.1): 3 steps × 16 keys wrap around
     bank = ["memory_bank.size=40", "loss.kind=unicl", "memory_bank.momentum=0.9"]
     extra = {1: bow, 2: bank}.get(stage, [])
     cfg = small_config(demo_dir, tmp_path, f"train.zero_stage={stage}", *extra)
@@ -49,8 +49,22 @@ def test_zero_stage_trains_two_workers(ray_local, demo_dir, tmp_path, stage):
     state = torch.load(Path(result.checkpoint_dir) / "model.pt")
     assert "text.alignment.0.attention.self.query.weight" in state and state["logit_scale"].shape == (1,)
     assert json.loads((result.run_dir / "eval.json").read_text())["eval_images"] == 64
+    if stage == 0:
+        _check_same_numbers_as_rayvl_eval(result, tmp_path)
     if stage == 2:
         _check_memory_bank(cfg, result, state, demo_dir, tmp_path)
+
+
+def _check_same_numbers_as_rayvl_eval(result, tmp_path):
+    """The final in-training evaluation and `rayvl eval` on the final checkpoint (same weights) run the same task
+    code and differ only in how embeddings are computed (the training ranks' slices vs Ray Data actors)."""
+    from rayvl.eval.runner import run_eval
+
+    tasks = ["zeroshot", "retrieval", "paraphrase", "sts"]
+    evaluated = run_eval(result.checkpoint_dir, tasks, out=tmp_path / "rayvl-eval", batch_size=16)
+    pairs = {k: (v, result.metrics[k]) for t in tasks for k, v in evaluated[t].items()}
+    assert len(pairs) > 20 and {"qe_paraphrase_AO@10", "single_template_zeroshot_top1"} <= set(pairs)
+    assert {k: v[1] for k, v in pairs.items()} == pytest.approx({k: v[0] for k, v in pairs.items()}, abs=1e-6)
 
 
 def _check_memory_bank(cfg, result, state, demo_dir, tmp_path):

@@ -1,4 +1,4 @@
-"""UniCL data (seed unicl §3, App. B.2): prompts from CLIP's 80 templates, image-label shards and Fashion-MNIST
+"""UniCL data ([UniCL] §3, App. B.2): prompts from CLIP's 80 templates, image-label shards and Fashion-MNIST
 with held-out classes excluded and counted, balanced 1:1 batches in training, and the CE-style baseline."""
 import io
 import json
@@ -93,7 +93,7 @@ def test_unicl_mix_and_ce_baseline_train_two_workers(ray_local, demo_dir, tmp_pa
     result = train(small_config(demo_dir, tmp_path, *common, *extra[variant]))
     history = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == [1, 2] and all(np.isfinite(h["loss"]) for h in history)
-    # every micro-batch: exactly half image-label rows (seed unicl App. B.2), or all of them for CE
+    # every micro-batch: exactly half image-label rows ([UniCL] App. B.2), or all of them for CE
     assert all(h["image_label_share"] == (0.5 if variant == "unicl_mixed" else 1.0) for h in history)
     lab = result.data_report["image_label"]["counts"]
     assert lab["samples_kept"] > 0 and lab["excluded_held_out_class"] > 0

@@ -1,4 +1,4 @@
-"""TOnICS minibatch sampling and curriculum (seed tonics-curriculum §3 "TOnICS Minibatch Sampling", "Curriculum
+"""TOnICS minibatch sampling and curriculum ([TOnICS] §3 "TOnICS Minibatch Sampling", "Curriculum
 Refresh"; App. A.2) as a distributed batch sampler.
 
 Nodes: 0 is the root *entity* node, k ≥ 1 is object class k − 1. At global step s every rank draws the node from

@@ -1,5 +1,5 @@
 """Semantic textual similarity: Pearson and Spearman between the text tower's cosine similarity and gold scores
-(seed 002 §5.3, Table 3). Pairs come from a TSV file: sentence1 <TAB> sentence2 <TAB> score."""
+([Paraphrase] §5.3, Table 3). Pairs come from a TSV file: sentence1 <TAB> sentence2 <TAB> score."""
 from __future__ import annotations
 
 import csv

@@ -18,7 +18,7 @@ class DualEncoder(nn.Module):
         self.vision = VisionTower(cfg.vision, cfg.vision_checkpoint)
         self.vision_proj = projection(cfg.vision_projection, self.vision.out_dim, cfg.embed_dim)
         if cfg.text_tower == "class_embedding":
-            # seed unicl eq. (4): CE is the special case whose "text encoder" is a linear embedding per class
+            # [UniCL] eq. (4): CE is the special case whose "text encoder" is a linear embedding per class
             if cfg.num_classes < 1:
                 raise ValueError("model.num_classes: a class-embedding text tower needs the number of classes")
             self.class_embed = nn.Parameter(torch.randn(cfg.num_classes, cfg.embed_dim) * 0.02)

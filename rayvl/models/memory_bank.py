@@ -1,4 +1,4 @@
-"""EMA memory bank (seed bow-fistful-of-words §2.1 eq. (1)–(3), after MoCo [17]).
+"""EMA memory bank ([BoW] §2.1 eq. (1)–(3), after MoCo [17]).
 
 An exponential-moving-average copy of both towers, f' and g', encodes the keys; a queue keeps the last K image keys
 and K text keys (with their labels, so UniCL finds positives in it) filled with the EMA features of the global

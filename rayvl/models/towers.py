@@ -1,4 +1,4 @@
-"""Image tower (timm) and text tower (HF encoder + the text strategies of seed 002 §4)."""
+"""Image tower (timm) and text tower (HF encoder + the text strategies of [Paraphrase] §4)."""
 from __future__ import annotations
 
 import copy
@@ -34,7 +34,7 @@ class VisionTower(nn.Module):
 
 
 class BottleneckAdapter(nn.Module):
-    """x + up(ReLU(down(x))) with hidden size d / reduction (seed 002 §4 "Frozen Text Encoder with Bottleneck
+    """x + up(ReLU(down(x))) with hidden size d / reduction ([Paraphrase] §4 "Frozen Text Encoder with Bottleneck
     Adapter", refs [6, 28]: reduction factor 2). ``up`` starts at zero: the adapted LM starts as the pretrained one."""
 
     def __init__(self, dim: int, reduction: int):
@@ -61,13 +61,13 @@ class _AdaptedOutput(nn.Module):
 
 
 class TextTower(nn.Module):
-    """A pretrained HF encoder used by one of four strategies (seed 002 §4, Fig. 3 b–e):
+    """A pretrained HF encoder used by one of four strategies ([Paraphrase] §4, Fig. 3 b–e):
 
     - ``finetune``: every LM weight trains;
     - ``frozen``: the LM is frozen (LiT's locked text tower) — only the projection trains;
     - ``frozen_adapters``: the LM is frozen and a bottleneck adapter (reduction 2) is inserted in every layer;
     - ``frozen_alignment``: the LM is frozen and ``alignment_layers`` transformer layers shaped like the LM's own,
-      randomly initialised, are appended on top ("alignment layers", seed 002 Fig. 3e).
+      randomly initialised, are appended on top ("alignment layers", [Paraphrase] Fig. 3e).
     """
 
     def __init__(self, name: str, strategy: str, alignment_layers: int, pooling: str, adapter_reduction: int = 2):
@@ -91,7 +91,7 @@ class TextTower(nn.Module):
             template = self.lm.encoder.layer[-1]
             for _ in range(alignment_layers):
                 layer = copy.deepcopy(template)
-                layer.apply(self.lm._init_weights)  # same shape as the LM's layers, random init (seed 002 §4)
+                layer.apply(self.lm._init_weights)  # same shape as the LM's layers, random init ([Paraphrase] §4)
                 layer.requires_grad_(True)
                 self.alignment.append(layer)
         self.out_dim = self.lm.config.hidden_size
@@ -121,7 +121,7 @@ class TextTower(nn.Module):
 
 
 def projection(kind: str, in_dim: int, out_dim: int) -> nn.Module:
-    """seed 002 §5: linear for vision, a 2-layer MLP for text."""
+    """[Paraphrase] §5: linear for vision, a 2-layer MLP for text."""
     if kind == "linear":
         return nn.Linear(in_dim, out_dim, bias=False)
     return nn.Sequential(nn.Linear(in_dim, in_dim), nn.GELU(), nn.Linear(in_dim, out_dim))

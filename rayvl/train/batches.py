@@ -36,7 +36,7 @@ def batch_stream(shard, cfg: RayvlConfig, size: int | None = None) -> Iterator[t
 
 
 def mixed_stream(text_shard, label_shard, cfg: RayvlConfig) -> Iterator[tuple[dict, float]]:
-    """UniCL's balanced sampling (seed unicl App. B.2): every micro-batch takes round(weight × size) rows from
+    """UniCL's balanced sampling ([UniCL] App. B.2): every micro-batch takes round(weight × size) rows from
     the image-label stream and the rest from the image-text stream — an exact ratio per batch; each stream is its
     own Ray Data pipeline and runs through its epochs at its own pace (the smaller set repeats more often)."""
     n_label = round(cfg.train.micro_batch_size * cfg.image_label.weight)

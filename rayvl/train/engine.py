@@ -32,7 +32,7 @@ def deepspeed_config(cfg: RayvlConfig, world_size: int) -> dict:
 
 
 def lr_lambda(warmup: int, total: int):
-    """Linear warm-up then cosine decay to 0 (seed 002 Table B.1: AdamW + cosine with warm-up)."""
+    """Linear warm-up then cosine decay to 0 ([Paraphrase] Table B.1: AdamW + cosine with warm-up)."""
     def f(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
@@ -53,3 +53,22 @@ def build_engine(model: torch.nn.Module, cfg: RayvlConfig, world_size: int):
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(cfg, world_size))
     return engine
+
+
+@torch.no_grad()
+def broadcast_buffers(module: torch.nn.Module) -> None:
+    """Rank 0's buffers (BatchNorm running statistics) to every rank, coalesced per dtype. DeepSpeed, unlike DDP
+    (broadcast_buffers=True), leaves each rank's running statistics to drift with its own batches; evaluation,
+    the consolidated checkpoint (rank 0's) and the memory bank's EMA copy need the one model every rank holds."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    by_dtype: dict = {}
+    for b in module.buffers():
+        by_dtype.setdefault(b.dtype, []).append(b)
+    for buffers in by_dtype.values():
+        flat = torch._utils._flatten_dense_tensors(buffers)
+        dist.broadcast(flat, src=0)
+        for b, synced in zip(buffers, torch._utils._unflatten_dense_tensors(flat, buffers)):
+            b.copy_(synced)

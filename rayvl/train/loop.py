@@ -17,7 +17,7 @@ from rayvl.models.dual_encoder import build_model
 from rayvl.models.memory_bank import MemoryBank
 from rayvl.train import checkpoint
 from rayvl.train.batches import TonicsBatches, batch_stream, mixed_stream
-from rayvl.train.engine import build_engine
+from rayvl.train.engine import broadcast_buffers, build_engine
 from rayvl.train.evaluation import evaluate, held_out_retrieval, load_eval_data
 from rayvl.train.state import Progress, TrainState
 
@@ -48,6 +48,7 @@ def train_loop_per_worker(config: dict) -> None:
             engine.backward(loss)
             engine.step()
             window.add(loss.item() / cfg.train.grad_accumulation, waited, batch, world)
+        broadcast_buffers(engine.module)  # one set of BatchNorm statistics, as DDP keeps it
         if bank is not None:  # MoCo: the key encoders follow the trained ones once per optimizer step
             bank.update(engine.module)
         state.progress.step = step = state.progress.step + 1
