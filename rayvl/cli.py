@@ -42,6 +42,14 @@ def _parser() -> argparse.ArgumentParser:
     bp.add_argument("--config", default=str(CONFIGS / "bow_pretrain.yaml"), help="recipe with a bow section")
     bp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="e.g. --set 'bow.ops=[shuffle]'")
     bp.add_argument("--stats", default="", help="statistics artifact to reuse or write (default: computed, not saved)")
+    tu = sub.add_parser("tune", help="hyperparameter sweep over a tune_spaces/*.yaml search space (Ray Tune)")
+    tu.add_argument("space", nargs="?", help="search-space YAML, e.g. tune_spaces/alignment_depth.yaml")
+    tu.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config field of every trial (after the space's own `set`)")
+    tu.add_argument("--name", default="", help="sweep name (default: the space file's name)")
+    tu.add_argument("--resume", action="store_true", help="continue an interrupted sweep of that name")
+    tu.add_argument("--report", default="", metavar="DIR", help="only print and write the report of a sweep "
+                                                                 "directory (finished or interrupted)")
     a = sub.add_parser("assets", help="offline assets").add_subparsers(dest="assets_command", required=True)
     a.add_parser("fetch", help="unpack Debian data packages (Fashion-MNIST) into the environment")
     a.add_parser("check", help="verify that the pretrained towers load offline")
@@ -53,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "train":
         return run_recipe(args.config, argv[1:])
-    return {"eval": eval_main, "bow": bow_main, "data": data_main, "assets": assets_main}[args.command](args)
+    commands = {"eval": eval_main, "bow": bow_main, "data": data_main, "assets": assets_main, "tune": tune_main}
+    return commands[args.command](args)
 
 
 def eval_main(args) -> int:
@@ -92,6 +101,24 @@ def bow_main(args) -> int:
         preview(load_config(args.config, list(args.set)), args.data, args.n, args.stats)
     except (ConfigError, DataPlaneError) as e:
         print(f"rayvl bow preview: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def tune_main(args) -> int:
+    from rayvl import tune
+
+    if args.report:
+        print(tune.write_report(args.report))
+        return 0
+    if not args.space:
+        print("rayvl tune: give a search-space file (tune_spaces/*.yaml) or --report DIR", file=sys.stderr)
+        return 2
+    try:
+        sweep = tune.load_sweep(args.space, args.set)  # every key and domain checked before Ray starts
+        tune.sweep_and_report(sweep, name=args.name, resume=args.resume)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
         return 2
     return 0
 

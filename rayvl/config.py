@@ -188,7 +188,7 @@ class ModelConfig:
     """[Paraphrase] §4: finetune the LM, freeze it, freeze it with bottleneck adapters in every layer, or freeze it and
     append alignment layers."""
     alignment_layers: int = 2
-    """m, the number of appended alignment layers ([Paraphrase] uses 6 at LAION scale)."""
+    """m, the number of appended alignment layers ([Paraphrase] uses 6 at LAION scale; 0 = the frozen LM alone)."""
     text_tower: Literal["lm", "class_embedding"] = "lm"
     """lm: the pretrained text encoder; class_embedding: one learned vector per class of image_label (the CE
     baseline of [UniCL] eq. (4): no text encoder, so no zero-shot to unseen classes)."""
@@ -276,6 +276,9 @@ class TrainConfig:
     """worker-group restarts Ray Train may do from the latest checkpoint."""
     storage_path: str = "~/rayvl-runs"
     """where runs are stored (local path or fsspec URL)."""
+    shared_storage: bool = False
+    """a local ``storage_path`` is a mount every node shares (NFS, Lustre); otherwise a cluster of several nodes
+    needs an fsspec URL (s3://, gs://) there, since every worker writes its checkpoint shards to it."""
     run_name: str = ""
     """run directory name ('' = <recipe>-<timestamp>)."""
     resume: bool = False
@@ -297,6 +300,20 @@ class EvalConfig:
 
 
 @dataclass
+class SweepConfig:
+    """How `rayvl tune` runs trials (the search space itself is a tune_spaces/*.yaml file)."""
+
+    storage_path: str = "~/rayvl-sweeps"
+    """where sweeps are stored: <storage_path>/<sweep name>/ (Tune's state, each trial's Train run, the report)."""
+    driver_cpus: float = 0.1
+    """CPUs reserved for each trial's driver, the function that builds and fits the TorchTrainer (it mostly waits;
+    its Train workers reserve their own)."""
+    driver_resources: dict[str, float] = field(default_factory=dict)
+    """custom resources each trial driver needs, e.g. {on_demand: 0.001} to keep drivers on nodes that declare
+    that resource (Ray's advice for spot clusters: a lost driver loses its trial)."""
+
+
+@dataclass
 class RayvlConfig:
     recipe: str = "laion_adapt"
     """name of the recipe, used in run names."""
@@ -313,6 +330,7 @@ class RayvlConfig:
     memory_bank: MemoryBankConfig = field(default_factory=MemoryBankConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    tune: SweepConfig = field(default_factory=SweepConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -343,6 +361,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {type(value).__name__}")
         return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
+        return {_coerce(k, args[0], f"{key} key"): _coerce(v, args[1], f"{key}.{k}") for k, v in value.items()}
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
@@ -426,8 +448,8 @@ def validate(cfg: RayvlConfig) -> None:
     _validate_train(cfg.train)
     _validate_data(cfg.data, cfg.train)
     m, t = cfg.model, cfg.train
-    if m.text_strategy == "frozen_alignment" and m.alignment_layers < 1:
-        raise ConfigError("model.alignment_layers: frozen_alignment needs at least 1 alignment layer")
+    if m.alignment_layers < 0:  # 0 with frozen_alignment is [Paraphrase] Table 1(c)'s m = 0: the frozen LM alone
+        raise ConfigError(f"model.alignment_layers: must be ≥ 0, got {m.alignment_layers}")
     if m.adapter_reduction < 1:
         raise ConfigError(f"model.adapter_reduction: must be ≥ 1, got {m.adapter_reduction}")
     if m.embed_dim < 1:
@@ -458,6 +480,11 @@ def validate(cfg: RayvlConfig) -> None:
     _validate_tonics(cfg.tonics, cfg)
     if cfg.eval.every_steps < 0:
         raise ConfigError(f"eval.every_steps: must be ≥ 0, got {cfg.eval.every_steps}")
+    if cfg.tune.driver_cpus < 0 or any(v <= 0 for v in cfg.tune.driver_resources.values()):
+        raise ConfigError("tune.driver_cpus / tune.driver_resources: amounts must be ≥ 0 (resources > 0)")
+    if cfg.tune.driver_cpus == 0 and not cfg.tune.driver_resources:
+        raise ConfigError("tune.driver_cpus: a trial driver needs some resource (Ray schedules no empty bundle): "
+                          "> 0, or name tune.driver_resources")
 
 
 def _validate_train(t: TrainConfig) -> None:

@@ -49,3 +49,15 @@ def check_resources(cfg: RayvlConfig, fixed_size: bool) -> None:
     if t.use_gpu and ray.cluster_resources().get("GPU", 0) < t.num_workers:
         print(f"rayvl: waiting for {t.num_workers} GPUs (cluster has "
               f"{ray.cluster_resources().get('GPU', 0):g}; the autoscaler may add them)")
+
+
+def check_storage(cfg: RayvlConfig, nodes: int | None = None) -> None:
+    """Every node writes its workers' checkpoint shards to ``train.storage_path`` and the driver reads them back:
+    on a cluster of several nodes a plain local path would scatter a run over the nodes' own disks."""
+    if nodes is None:
+        nodes = sum(1 for n in ray.nodes() if n["Alive"])
+    for key, path in (("train.storage_path", cfg.train.storage_path), ("tune.storage_path", cfg.tune.storage_path)):
+        if nodes > 1 and "://" not in path and not cfg.train.shared_storage:
+            raise ConfigError(f"{key}: {path!r} is a local path, but the cluster has {nodes} nodes: use object "
+                              f"storage (s3://..., gs://...) or set train.shared_storage=true if it is a mount "
+                              f"every node shares")

@@ -5,6 +5,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import ray
 import ray.train
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,8 @@ def train_loop_per_worker(config: dict) -> None:
     next_batch, curriculum, tonics = _batches(cfg, config.get("tonics_sizes"), rank)
     state = TrainState(Progress(), curriculum=curriculum, memory_bank=bank)
     checkpoint.restore(engine, state)
+    if config.get("placement_registry") and rank == 0:  # a sweep removes what a stopped trial leaves behind
+        _register_placement_group(config["placement_registry"], cfg.train.run_name)
     eval_data = load_eval_data(ray.train.get_dataset_shard("eval"), config, cfg) if cfg.eval.tasks else None
     evaluating = dict(cfg=cfg, tokenizer_path=config["tokenizer_path"], rank=rank, world=world)
     window = Window()
@@ -90,6 +93,14 @@ def _batches(cfg: RayvlConfig, tonics_sizes: list[int] | None, rank: int):
     else:
         stream = batch_stream(shard, cfg)
     return (lambda step, micro: next(stream)), None, None
+
+
+def _register_placement_group(registry: str, run_name: str) -> None:
+    """Tell the sweep's registry which placement group this run's workers hold (Train V2 creates it without a name,
+    in its controller, so nothing else can tell one trial's group from another's)."""
+    group = ray.util.get_current_placement_group()
+    if group is not None:
+        ray.get(ray.get_actor(registry, namespace="rayvl").register.remote(run_name, group.id.hex()))
 
 
 def _refresh(curriculum: Curriculum, step: int, accuracy: float, cfg: RayvlConfig, rank: int) -> None:

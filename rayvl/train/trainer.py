@@ -17,8 +17,10 @@ from rayvl.train.loop import train_loop_per_worker
 from rayvl.train.run_dir import RunResult, finish, run_paths
 
 
-def train(cfg: RayvlConfig) -> RunResult:
-    """Run one training job end to end and return where everything is."""
+def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "") -> RunResult:
+    """Run one training job end to end and return where everything is. ``callbacks``: Ray Train UserCallbacks
+    (a Tune trial passes its report callback); ``placement_registry``: the named actor a sweep collects the runs'
+    placement groups in."""
     data = datasets.plan(cfg)
     storage, name = run_paths(cfg)
     if data.prompts is not None and cfg.model.text_tower == "class_embedding":
@@ -26,6 +28,7 @@ def train(cfg: RayvlConfig) -> RunResult:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_classes=len(data.prompts.classes)))
     started_here = session.connect(cfg.ray_address, cfg.local_num_cpus)
     session.check_resources(cfg, fixed_size=started_here)
+    session.check_storage(cfg)
     report_name = f"rayvl-data-report-{name}-{uuid.uuid4().hex[:8]}"
     reports = {"train": report_name, "eval": f"{report_name}-eval", "image_label": f"{report_name}-labels"}
     for r in reports.values():
@@ -40,9 +43,10 @@ def train(cfg: RayvlConfig) -> RunResult:
         labeled = datasets.labeled_dataset(cfg, data.prompts, reports["image_label"])
         sets["labeled" if cfg.image_label.weight < 1.0 else "train"] = labeled
     expected = expected_samples(data.train)
-    result = _trainer(cfg, storage, name, sets, {
+    result = _trainer(cfg, storage, name, sets, list(callbacks), {
         "rayvl": cfg.to_dict(), "report_name": report_name, **data.files,
-        "tokenizer_path": str(assets.text_model_path(cfg.model.text)), "tonics_sizes": sizes}).fit()
+        "tokenizer_path": str(assets.text_model_path(cfg.model.text)), "tonics_sizes": sizes,
+        "placement_registry": placement_registry}).fit()
     report = {**snapshot(reports["train"]), "img2dataset_successes_per_pass": expected,
               "eval": snapshot(reports["eval"])}
     report["captions"] = caption_stats(report["counts"])
@@ -51,14 +55,15 @@ def train(cfg: RayvlConfig) -> RunResult:
     return finish(Path(storage) / name if "://" not in storage else Path(name), result, report)
 
 
-def _trainer(cfg: RayvlConfig, storage: str, name: str, sets: dict, loop_config: dict) -> TorchTrainer:
+def _trainer(cfg: RayvlConfig, storage: str, name: str, sets: dict, callbacks: list,
+             loop_config: dict) -> TorchTrainer:
     t = cfg.train
     return TorchTrainer(
         train_loop_per_worker, train_loop_config=loop_config,
         scaling_config=ScalingConfig(
             num_workers=t.num_workers, use_gpu=t.use_gpu,
             resources_per_worker={"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {})}),
-        run_config=RunConfig(name=name, storage_path=storage,
+        run_config=RunConfig(name=name, storage_path=storage, callbacks=callbacks,
                              checkpoint_config=CheckpointConfig(num_to_keep=t.checkpoints_to_keep),
                              failure_config=FailureConfig(max_failures=t.max_failures)),
         datasets=sets,

@@ -1,0 +1,479 @@
+"""Hyperparameter sweeps: Ray Tune over the trainer, search spaces as YAML (``tune_spaces/*.yaml``).
+
+Train V2's pattern: each Tune trial runs a small driver function that builds and fits the same TorchTrainer
+``rayvl train`` builds (``rayvl.train.trainer.train``), with a Train run named after the trial id (so a restored
+sweep finds the trial's checkpoints and resumes it) and a report callback that hands rank 0's reports carrying the
+sweep metric to Tune. Everything in a space file is checked against the config tree before Ray starts.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from rayvl.config import ConfigError, RayvlConfig, load_config
+
+DOMAINS = ("grid", "choice", "uniform", "loguniform", "randint")
+SCHEDULERS = ("asha", "fifo")
+FILE_KEYS = {"recipe", "metric", "mode", "num_samples", "scheduler", "set", "space", "max_concurrent_trials",
+             "name"}
+SCHEDULER_KEYS = {"kind", "grace_period", "reduction_factor", "max_t"}
+MAX_GRID_CHECKED = 1000  # grid combinations validated one by one before Ray starts
+
+
+class SweepError(ConfigError):
+    """A search-space file is wrong; the message names the file and the key."""
+
+
+@dataclass
+class Sweep:
+    """A search space as read from its YAML file, validated."""
+
+    path: str
+    recipe: str  # the recipe YAML the sweep applies to
+    metric: str
+    mode: str  # "max" or "min"
+    space: dict[str, dict]  # dotted config key → {domain: arguments}
+    fixed: list[str] = field(default_factory=list)  # "key=value" overrides every trial gets
+    num_samples: int = 1
+    scheduler: dict = field(default_factory=lambda: {"kind": "fifo"})
+    max_concurrent_trials: int = 0  # 0 = as many as the cluster's resources hold
+    name: str = ""
+
+    def base_config(self, overrides: list[str] = ()) -> RayvlConfig:
+        return load_config(self.recipe, self.fixed + list(overrides))
+
+
+def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:
+    """Read and validate a space file; ``overrides`` ("key=value", e.g. from --set) join its ``set`` section."""
+    path = str(path)
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise SweepError(f"{path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise SweepError(f"{path}: a search space is a mapping (recipe, metric, mode, space, ...)")
+    unknown = sorted(set(raw) - FILE_KEYS)
+    if unknown:
+        raise SweepError(f"{path}: unknown key {unknown[0]!r} (known: {', '.join(sorted(FILE_KEYS))})")
+    for key in ("recipe", "metric", "space"):
+        if key not in raw:
+            raise SweepError(f"{path}: {key}: missing")
+    sweep = Sweep(path, _recipe_path(path, raw["recipe"]), str(raw["metric"]), str(raw.get("mode", "max")),
+                  raw["space"], [f"{k}={_yaml(v)}" for k, v in (raw.get("set") or {}).items()] + list(overrides),
+                  int(raw.get("num_samples", 1)), dict(raw.get("scheduler") or {"kind": "fifo"}),
+                  int(raw.get("max_concurrent_trials", 0)), str(raw.get("name", "")))
+    _validate(sweep)
+    return sweep
+
+
+def _recipe_path(space_file: str, recipe: str) -> str:
+    """A recipe path as written: absolute, relative to the working directory, or to the repository root."""
+    for candidate in (Path(recipe).expanduser(), Path(space_file).resolve().parent.parent / recipe):
+        if candidate.is_file():
+            return str(candidate.resolve())  # trials run with their trial directory as working directory
+    raise SweepError(f"{space_file}: recipe: {recipe!r} not found")
+
+
+def _yaml(value) -> str:
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def _validate(s: Sweep) -> None:
+    where = s.path
+    if s.mode not in ("max", "min"):
+        raise SweepError(f"{where}: mode: {s.mode!r} is not max or min")
+    if s.num_samples < 1:
+        raise SweepError(f"{where}: num_samples: must be ≥ 1, got {s.num_samples}")
+    try:
+        base = s.base_config()
+    except ConfigError as e:
+        raise SweepError(f"{where}: set: {e}") from None
+    reported = reported_metrics(base)
+    if s.metric not in reported:
+        raise SweepError(f"{where}: metric: {s.metric!r} is not reported by this recipe's training (eval.tasks "
+                         f"{base.eval.tasks}); one of: {', '.join(sorted(reported))}")
+    _validate_scheduler(s, base)
+    if not isinstance(s.space, dict) or not s.space:
+        raise SweepError(f"{where}: space: a mapping of config keys to domains, e.g. "
+                         f"model.alignment_layers: {{grid: [0, 2, 4]}}")
+    values = {key: _domain_values(where, key, domain) for key, domain in s.space.items()}
+    for key, candidates in values.items():
+        for value in candidates:  # each value on its own, on top of the recipe and the fixed overrides
+            _check(s, {key: value}, f"space.{key}")
+    grid = {k: v for k, v in values.items() if "grid" in s.space[k]}
+    combos = math.prod(len(v) for v in grid.values())
+    if 1 < len(grid) and combos <= MAX_GRID_CHECKED:
+        for combo in itertools.product(*grid.values()):
+            _check(s, dict(zip(grid, combo)), "space (" + ", ".join(grid) + ")")
+
+
+def reported_metrics(cfg: RayvlConfig) -> set[str]:
+    """Metric names a training run of this config reports that a sweep can optimise."""
+    k = cfg.eval.paraphrase_k
+    by_task = {"zeroshot": ["zeroshot_top1", "zeroshot_top5", "zeroshot_mean_per_class_recall"],
+               "retrieval": [f"{d}_R@{n}" for d in ("t2i", "i2t") for n in (1, 5, 10)],
+               "paraphrase": [f"paraphrase_AO@{k}", f"paraphrase_JS@{k}"], "sts": ["sts_spearman", "sts_pearson"]}
+    return {"loss", "lr", "logit_scale", *(m for task in cfg.eval.tasks for m in by_task[task])}
+
+
+def _domain_values(where: str, key: str, domain) -> list:
+    """The values a domain can take that are worth checking: every listed value, or both ends of a range."""
+    if not isinstance(domain, dict) or len(domain) != 1 or next(iter(domain)) not in DOMAINS:
+        raise SweepError(f"{where}: space.{key}: expected one of {{{', '.join(DOMAINS)}: ...}}, got {domain!r}")
+    kind, args = next(iter(domain.items()))
+    if kind in ("grid", "choice"):
+        if not isinstance(args, list) or not args:
+            raise SweepError(f"{where}: space.{key}: {kind} takes a non-empty list, got {args!r}")
+        return args
+    if not (isinstance(args, list) and len(args) == 2 and all(isinstance(a, (int, float)) and not isinstance(a, bool)
+                                                               for a in args) and args[0] < args[1]):
+        raise SweepError(f"{where}: space.{key}: {kind} takes [low, high] with low < high, got {args!r}")
+    if kind == "loguniform" and args[0] <= 0:
+        raise SweepError(f"{where}: space.{key}: loguniform needs low > 0, got {args!r}")
+    if kind == "randint":
+        if not all(isinstance(a, int) for a in args):
+            raise SweepError(f"{where}: space.{key}: randint takes whole numbers [low, high), got {args!r}")
+        return [args[0], args[1] - 1]
+    return list(args)
+
+
+def _check(s: Sweep, values: dict, label: str) -> None:
+    try:
+        s.base_config([f"{k}={_yaml(v)}" for k, v in values.items()])
+    except ConfigError as e:
+        shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
+        raise SweepError(f"{s.path}: {label}: {shown}: {e}") from None
+
+
+def _validate_scheduler(s: Sweep, base: RayvlConfig) -> None:
+    sch = s.scheduler
+    unknown = sorted(set(sch) - SCHEDULER_KEYS)
+    if unknown:
+        raise SweepError(f"{s.path}: scheduler.{unknown[0]}: unknown key (known: {', '.join(sorted(SCHEDULER_KEYS))})")
+    if sch.get("kind", "fifo") not in SCHEDULERS:
+        raise SweepError(f"{s.path}: scheduler.kind: {sch.get('kind')!r} is not one of {', '.join(SCHEDULERS)}")
+    if sch.get("kind") == "asha":
+        max_t = int(sch.get("max_t", base.train.max_steps))
+        grace = int(sch.get("grace_period", 1))
+        if not 1 <= grace <= max_t:
+            raise SweepError(f"{s.path}: scheduler.grace_period: must be in [1, max_t={max_t}], got {grace}")
+        if float(sch.get("reduction_factor", 2)) <= 1:
+            raise SweepError(f"{s.path}: scheduler.reduction_factor: must be > 1")
+        if not base.eval.every_steps and s.metric not in ("loss",):
+            raise SweepError(f"{s.path}: scheduler.kind: ASHA stops trials on {s.metric!r}, which training reports "
+                             f"only when it evaluates: set eval.every_steps in the space's `set`")
+
+
+# ----------------------------------------------------------------------------- running a sweep
+
+def concurrent_trials(cfg: RayvlConfig, resources: dict) -> int:
+    """How many trials the cluster holds at once: each needs its driver, its Train workers and Ray Data's share.
+    Train V2 workers get their own placement group outside Tune's accounting, so Tune cannot see this itself."""
+    t = cfg.train
+    # Ray Data needs a whole CPU per trial whatever data.read_cpus says: its Project operator (select_columns)
+    # asks for num_cpus=1, and a pipeline left less never produces a batch (seen: the stall detector fired)
+    need = {"CPU": cfg.tune.driver_cpus + t.num_workers * t.cpus_per_worker + max(1.0, cfg.data.read_cpus),
+            **({"GPU": float(t.num_workers)} if t.use_gpu else {})}
+    for name, amount in cfg.tune.driver_resources.items():
+        need[name] = need.get(name, 0.0) + amount
+    return min(int(resources.get(name, 0.0) // amount) for name, amount in need.items() if amount > 0)
+
+
+def _tune_domain(domain: dict):
+    from ray import tune
+
+    kind, args = next(iter(domain.items()))
+    return {"grid": lambda: tune.grid_search(args), "choice": lambda: tune.choice(args),
+            "uniform": lambda: tune.uniform(*args), "loguniform": lambda: tune.loguniform(*args),
+            "randint": lambda: tune.randint(*args)}[kind]()
+
+
+def _scheduler(sweep: Sweep, base: RayvlConfig):
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    s = sweep.scheduler
+    if s.get("kind", "fifo") == "fifo":
+        return FIFOScheduler()
+    # time is the optimizer step every report carries, so rungs are in steps whatever eval.every_steps is
+    return ASHAScheduler(time_attr="step", max_t=int(s.get("max_t", base.train.max_steps)),
+                         grace_period=int(s.get("grace_period", 1)),
+                         reduction_factor=float(s.get("reduction_factor", 2)))
+
+
+def trial(config: dict) -> None:
+    """One Tune trial: the sweep's recipe with this trial's values, trained by the trainer `rayvl train` runs.
+    Its Train run is named after the trial id, so a restored sweep resumes the trial from its checkpoints."""
+    import dataclasses
+
+    from ray import tune
+
+    from rayvl.checkpoints import latest_checkpoint_dir
+    from rayvl.train.trainer import train
+
+    cfg = load_config(config["recipe"], config["fixed"] + [f"{k}={_yaml(v)}" for k, v in config["set"].items()])
+    name = f"trial-{tune.get_context().get_trial_id()}"
+    resume = latest_checkpoint_dir(Path(config["storage"]) / name) is not None
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_name=name, resume=resume,
+                                                             storage_path=config["storage"]))
+    train(cfg, callbacks=[_metric_report(config["metric"])], placement_registry=config["registry"])
+
+
+class PlacementRegistry:
+    """Which placement group each trial's Train run holds (rank 0 registers it, by run name)."""
+
+    def __init__(self):
+        self.groups: dict[str, str] = {}
+
+    def register(self, run_name: str, group_id: str) -> None:
+        self.groups[run_name] = group_id
+
+    def group(self, run_name: str) -> str | None:
+        return self.groups.get(run_name)
+
+
+def _release_callback(registry):
+    """A Tune callback that removes a finished, stopped or failed trial's worker placement group if Train left it.
+    Train V2 creates the group in its controller actor, so it outlives the trial (a placement group lives as long
+    as its job); Train's own cleaner asks the State API whether the controller is alive, and here it timed out
+    every time ("Timed out while waiting for GCS"), so without this every early-stopped trial kept its CPUs and the
+    next trials' Ray Data starved (Ray issue #54305 is the same leak)."""
+    import ray
+    from ray.tune import Callback
+    from ray.util import placement_group_table, remove_placement_group
+    from ray.util.placement_group import PlacementGroup
+
+    class ReleaseTrialResources(Callback):
+        def _release(self, trial) -> None:
+            group = ray.get(registry.group.remote(f"trial-{trial.trial_id}"))
+            if group and placement_group_table().get(group, {}).get("state") not in (None, "REMOVED"):
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group))))
+
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            self._release(trial)
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            self._release(trial)
+
+    return ReleaseTrialResources()
+
+
+def _metric_report(metric: str):
+    """Tune's TuneReportCallback for the reports that carry the sweep metric (Tune checks every result for it;
+    eval metrics come only every eval.every_steps)."""
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    class MetricReport(TuneReportCallback):
+        def after_report(self, run_context, metrics, checkpoint):
+            if metrics and metric in metrics[0]:
+                super().after_report(run_context, metrics, checkpoint)
+
+    return MetricReport()
+
+
+def run_sweep(sweep: Sweep, overrides: list[str] = (), name: str = "", resume: bool = False):
+    """Start (or with ``resume`` continue) the sweep; returns (sweep directory, Tune's ResultGrid)."""
+    import ray
+    from ray import tune
+
+    from rayvl import session
+
+    base = sweep.base_config(overrides)
+    storage = str(Path(base.tune.storage_path).expanduser().resolve())
+    name = name or sweep.name or Path(sweep.path).stem
+    sweep_dir = Path(storage) / name
+    if resume != sweep_dir.is_dir():
+        raise SweepError(f"{sweep.path}: sweep {str(sweep_dir)!r} {'has no state to resume' if resume else 'exists'}"
+                         f": {'drop --resume' if resume else 'pass --resume to continue it, or --name another'}")
+    if not resume:
+        save_settings(sweep, sweep_dir, overrides)
+    fixed_size = session.connect(base.ray_address, base.local_num_cpus)
+    session.check_storage(base)
+    trainable = tune.with_resources(trial, {"CPU": base.tune.driver_cpus, **base.tune.driver_resources})
+    registry_name = f"rayvl-placement-{name}-{os.getpid()}"
+    registry = ray.remote(num_cpus=0)(PlacementRegistry).options(name=registry_name, namespace="rayvl").remote()
+    release = _release_callback(registry)
+    if resume:
+        tuner = tune.Tuner.restore(str(sweep_dir), trainable, resume_unfinished=True, resume_errored=False,
+                                   param_space=_param_space(sweep, overrides, sweep_dir, registry_name))
+        tuner._local_tuner._run_config.callbacks = [release]  # a restored Tuner keeps its own RunConfig
+        return sweep_dir, tuner.fit()
+    limit = sweep.max_concurrent_trials or _auto_concurrency(base, fixed_size)
+    tuner = tune.Tuner(trainable, param_space=_param_space(sweep, overrides, sweep_dir, registry_name),
+                       tune_config=tune.TuneConfig(metric=sweep.metric, mode=sweep.mode, num_samples=sweep.num_samples,
+                                                   scheduler=_scheduler(sweep, base), max_concurrent_trials=limit),
+                       run_config=tune.RunConfig(name=name, storage_path=storage, verbose=1, callbacks=[release]))
+    return sweep_dir, tuner.fit()
+
+
+def _param_space(sweep: Sweep, overrides: list[str], sweep_dir: Path, registry: str) -> dict:
+    return {"set": {k: _tune_domain(d) for k, d in sweep.space.items()}, "recipe": sweep.recipe,
+            "fixed": sweep.fixed + list(overrides), "metric": sweep.metric, "storage": str(sweep_dir / "runs"),
+            "registry": registry}
+
+
+def _auto_concurrency(cfg: RayvlConfig, fixed_size: bool) -> int:
+    import ray
+
+    n = concurrent_trials(cfg, ray.cluster_resources())
+    if n >= 1:
+        return n
+    message = (f"one trial needs train.num_workers × train.cpus_per_worker + data.read_cpus + tune.driver_cpus CPUs "
+               f"(and its GPUs / tune.driver_resources), more than the cluster has: {ray.cluster_resources()}")
+    if fixed_size:
+        raise SweepError(message)
+    print(f"rayvl tune: warning: {message}; running one trial at a time while the autoscaler adds nodes")
+    return 1
+
+
+# ----------------------------------------------------------------------------- what a finished sweep leaves
+
+SWEEP_FILE = "rayvl_sweep.json"  # the sweep's settings, so `rayvl tune --report DIR` needs nothing else
+
+
+def save_settings(sweep: Sweep, sweep_dir: Path, overrides: list[str] = ()) -> None:
+    import json
+
+    base = sweep.base_config(overrides)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    (sweep_dir / SWEEP_FILE).write_text(json.dumps({
+        "space_file": sweep.path, "recipe": sweep.recipe, "fixed": sweep.fixed + list(overrides),
+        "metric": sweep.metric, "mode": sweep.mode, "keys": list(sweep.space), "max_steps": base.train.max_steps},
+        indent=2))
+
+
+def trial_rows(sweep_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
+    """(the sweep's settings, one row per trial: its values, final and best metric, steps, status, error),
+    best first. Works on a finished or an interrupted sweep (Tune's experiment state on disk)."""
+    import json
+
+    from ray.tune import ExperimentAnalysis
+
+    settings = json.loads((Path(sweep_dir) / SWEEP_FILE).read_text())
+    metric, sign = settings["metric"], 1 if settings["mode"] == "max" else -1
+    analysis = ExperimentAnalysis(str(sweep_dir))
+    frames = analysis.trial_dataframes
+    rows = []
+    for t in analysis.trials:
+        frame = frames.get(t.trial_id)
+        series = frame[metric].dropna() if frame is not None and metric in frame else None
+        last = t.last_result or {}
+        steps = int(last.get("step", 0) or 0)
+        status = t.status
+        if status == "TERMINATED" and steps < settings["max_steps"]:
+            status = "STOPPED EARLY"  # a scheduler's decision, not a failure
+        rows.append({"trial": t.trial_id, **{k: t.config["set"].get(k) for k in settings["keys"]},
+                     "final": last.get(metric), "best": None if series is None or series.empty
+                     else float(series.max() if sign > 0 else series.min()), "steps": steps, "status": status,
+                     "error": _first_line(t.error_file), "curve": [] if series is None else
+                     list(zip(frame.loc[series.index, "step"].tolist(), series.tolist()))})
+    rows.sort(key=lambda r: (r["final"] is None, -sign * (r["final"] or 0.0)))
+    return settings, rows
+
+
+def _first_line(path) -> str:
+    if not path or not Path(path).is_file():
+        return ""
+    lines = [x for x in Path(path).read_text().splitlines() if x.strip()]
+    return lines[-1][:200] if lines else ""
+
+
+def format_trials(settings: dict, rows: list[dict]) -> str:
+    keys, metric = settings["keys"], settings["metric"]
+    head = ["#", "trial", *keys, f"final {metric}", f"best {metric}", "steps", "status"]
+    shown = [[str(i + 1), r["trial"], *(str(r[k]) for k in keys), _num(r["final"]), _num(r["best"]),
+              str(r["steps"]), r["status"] + (f": {r['error']}" if r["error"] else "")] for i, r in enumerate(rows)]
+    widths = [max(len(x) for x in col) for col in zip(head, *shown)]
+    return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [head, *shown])
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def write_report(sweep_dir: str | os.PathLike) -> str:
+    """trials.csv, one PNG of the metric against each swept key, learning_curves.png, best_config.yaml; returns
+    the printed table."""
+    import csv
+
+    sweep_dir = Path(sweep_dir)
+    settings, rows = trial_rows(sweep_dir)
+    fields = ["trial", *settings["keys"], "final", "best", "steps", "status", "error"]
+    with open(sweep_dir / "trials.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    _plots(sweep_dir, settings, rows)
+    best = next((r for r in rows if r["final"] is not None), None)
+    if best is not None:
+        _best_recipe(sweep_dir / "best_config.yaml", settings, best)
+    return format_trials(settings, rows)
+
+
+def _plots(sweep_dir: Path, settings: dict, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    metric = settings["metric"]
+    scored = [r for r in rows if r["final"] is not None]
+    for key in settings["keys"]:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        labels = sorted({str(r[key]) for r in scored}, key=lambda v: (_as_float(v) is None, _as_float(v) or 0, v))
+        ax.scatter([labels.index(str(r[key])) for r in scored], [r["final"] for r in scored])
+        ax.set_xticks(range(len(labels)), labels)
+        ax.set(xlabel=key, ylabel=f"final {metric}", title=f"{metric} against {key}")
+        fig.tight_layout()
+        fig.savefig(sweep_dir / f"{metric.replace('@', 'at')}_vs_{key}.png", dpi=120)
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        if r["curve"]:
+            steps, values = zip(*r["curve"])
+            ax.plot(steps, values, marker="o", label=", ".join(f"{k.split('.')[-1]}={r[k]}" for k in settings["keys"]))
+    ax.set(xlabel="step", ylabel=metric, title="learning curves (each trial)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(sweep_dir / "learning_curves.png", dpi=120)
+    plt.close(fig)
+
+
+def _as_float(v: str):
+    try:
+        return float(v)
+    except ValueError:
+        return None
+
+
+def _best_recipe(path: Path, settings: dict, best: dict) -> None:
+    """The best trial's full config as a recipe YAML (`jobs/laion_adapt.py --config` takes it)."""
+    cfg = load_config(settings["recipe"], settings["fixed"] + [f"{k}={_yaml(best[k])}" for k in settings["keys"]])
+    values = _plain(cfg.to_dict())
+    values["train"].update(run_name="", resume=False)
+    header = (f"# best trial {best['trial']} of the sweep {settings['space_file']}: final {settings['metric']} "
+              f"{best['final']:.4g}\n")
+    path.write_text(header + yaml.safe_dump(values, sort_keys=False))
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def sweep_and_report(sweep: Sweep, overrides: list[str] = (), name: str = "", resume: bool = False) -> Path:
+    """Run the sweep, then print the trial table and write the CSV, the plots and the best recipe next to it."""
+    sweep_dir, results = run_sweep(sweep, overrides, name, resume)
+    print(f"\n== sweep {sweep_dir.name}: {len(results)} trials, {results.num_errors} failed ==")
+    print(write_report(sweep_dir))
+    print(f"\nsweep directory: {sweep_dir}\n  table:  {sweep_dir / 'trials.csv'}\n  plots:  "
+          + ", ".join(p.name for p in sorted(sweep_dir.glob("*.png")))
+          + f"\n  best:   {sweep_dir / 'best_config.yaml'} (python jobs/laion_adapt.py --config ...)")
+    return sweep_dir
