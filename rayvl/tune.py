@@ -48,6 +48,11 @@ class Sweep:
         return load_config(self.recipe, self.fixed + list(overrides))
 
 
+def trial_config(recipe: str, fixed: list[str], values: dict) -> RayvlConfig:
+    """The full config of one trial: the recipe, the sweep's fixed overrides, then the trial's values."""
+    return load_config(recipe, list(fixed) + [f"{k}={_yaml(v)}" for k, v in values.items()])
+
+
 def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:
     """Read and validate a space file; ``overrides`` ("key=value", e.g. from --set) join its ``set`` section."""
     path = str(path)
@@ -144,7 +149,7 @@ def _domain_values(where: str, key: str, domain) -> list:
 
 def _check(s: Sweep, values: dict, label: str) -> None:
     try:
-        s.base_config([f"{k}={_yaml(v)}" for k, v in values.items()])
+        trial_config(s.recipe, s.fixed, values)
     except ConfigError as e:
         shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
         raise SweepError(f"{s.path}: {label}: {shown}: {e}") from None
@@ -215,7 +220,7 @@ def trial(config: dict) -> None:
     from rayvl.checkpoints import latest_checkpoint_dir
     from rayvl.train.trainer import train
 
-    cfg = load_config(config["recipe"], config["fixed"] + [f"{k}={_yaml(v)}" for k, v in config["set"].items()])
+    cfg = trial_config(config["recipe"], config["fixed"], config["set"])
     name = f"trial-{tune.get_context().get_trial_id()}"
     resume = latest_checkpoint_dir(Path(config["storage"]) / name) is not None
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_name=name, resume=resume,
@@ -452,7 +457,7 @@ def _as_float(v: str):
 
 def _best_recipe(path: Path, settings: dict, best: dict) -> None:
     """The best trial's full config as a recipe YAML (`jobs/laion_adapt.py --config` takes it)."""
-    cfg = load_config(settings["recipe"], settings["fixed"] + [f"{k}={_yaml(best[k])}" for k in settings["keys"]])
+    cfg = trial_config(settings["recipe"], settings["fixed"], {k: best[k] for k in settings["keys"]})
     values = _plain(cfg.to_dict())
     values["train"].update(run_name="", resume=False)
     header = (f"# best trial {best['trial']} of the sweep {settings['space_file']}: final {settings['metric']} "
