@@ -109,6 +109,9 @@ def tune_main(args) -> int:
     from rayvl import tune
 
     if args.report:
+        from rayvl import session
+
+        session.connect("", 1, include_dashboard=False)  # Tune's ExperimentAnalysis reads trials through a session
         print(tune.write_report(args.report))
         return 0
     if not args.space:

@@ -115,13 +115,15 @@ def test_asha_sweep_stops_trials_early_and_gives_resources_back(ray_local, demo_
         time.sleep(1)
     assert not left, f"placement groups left behind: {left}"
 
-    # the report again from the directory alone, as `rayvl tune --report DIR` does
-    from rayvl.cli import main
+    # the report again from the directory alone, in a process of its own: `rayvl tune --report DIR`
+    import subprocess
+    import sys
 
     (sweep_dir / "trials.csv").unlink()
-    assert main(["tune", "--report", str(sweep_dir)]) == 0
-    table = capsys.readouterr().out
-    assert all(r["trial"] in table for r in rows) and (sweep_dir / "trials.csv").is_file()
+    r = subprocess.run([sys.executable, "-m", "rayvl.cli", "tune", "--report", str(sweep_dir)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert all(row["trial"] in r.stdout for row in rows) and (sweep_dir / "trials.csv").is_file()
 
 
 def test_cluster_yaml_passes_rays_schema_and_keeps_the_dashboard_private():
