@@ -46,10 +46,11 @@ def main() -> int:
     def heldout_retrieval(result) -> dict:
         if not heldout:
             return {}
+        from rayvl import storage
         from rayvl.eval.runner import Sources, run_eval
 
         out = run_eval(result.checkpoint_dir, ["retrieval"], Sources(heldout, "shards"),
-                       out=result.run_dir / "eval-heldout")
+                       out=storage.join(result.uri, "eval-heldout"))
         return {f"heldout_{k}": v for k, v in out["retrieval"].items()}
 
     return run_comparison(str(REPO / "configs" / "tonics.yaml"),

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from rayvl import storage
 from rayvl.config import from_dict
 from rayvl.models.dual_encoder import DualEncoder
 
@@ -27,10 +28,12 @@ MODEL_FILE = "model.pt"
 META_FILE = "rayvl.json"
 STATE_FILE = "train_state.pt"
 METRICS_FILE = "metrics.jsonl"
+RAY_TRAIN_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of the run's committed checkpoints
 
 
 def read_meta(checkpoint: str | os.PathLike) -> dict:
-    return json.loads((Path(checkpoint) / META_FILE).read_text())
+    """A checkpoint's ``rayvl.json``; the checkpoint may be a local folder or a URL."""
+    return json.loads(storage.read_text(storage.join(str(checkpoint), META_FILE)))
 
 
 def read_train_state(checkpoint: str | os.PathLike) -> dict:
@@ -38,26 +41,41 @@ def read_train_state(checkpoint: str | os.PathLike) -> dict:
     return torch.load(Path(checkpoint) / STATE_FILE, map_location="cpu", weights_only=False)
 
 
-def latest_checkpoint_dir(run_dir: str | os.PathLike) -> Path | None:
-    """The newest ``checkpoint_*`` folder of a local run directory (the one holding the highest step)."""
+def latest_checkpoint_dir(run_dir: str | os.PathLike) -> str | None:
+    """The newest checkpoint of a run directory (local or a URL): of the checkpoints Ray Train has committed (its
+    ``checkpoint_manager_snapshot.json``), the one holding the highest step. A folder that a failure interrupted
+    (some ranks' files uploaded, never reported to the controller) is not one of them, and neither is Ray Train
+    going to resume from it. A checkpoint folder itself can always be given to ``checkpoint_uri``."""
+    run_dir = str(run_dir)
+    snapshot = storage.join(run_dir, RAY_TRAIN_SNAPSHOT)
+    if not storage.is_file(snapshot):  # no checkpoint committed yet (or not a run directory)
+        return None
+    names = [c["checkpoint_dir_name"] for c in json.loads(storage.read_text(snapshot))["checkpoint_results"]]
+    folders = [storage.join(run_dir, n) for n in names]
     best, best_step = None, -1
-    for d in Path(run_dir).glob("checkpoint_*"):
-        if (d / META_FILE).exists():
+    for d in folders:
+        if storage.is_file(storage.join(d, META_FILE)):
             step = read_meta(d)["step"]
             if step > best_step:
                 best, best_step = d, step
     return best
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A checkpoint directory, or a run directory (its newest checkpoint)."""
-    path = Path(path).expanduser()
-    if (path / META_FILE).exists():
+def checkpoint_uri(path: str | os.PathLike) -> str:
+    """The checkpoint a path names: a checkpoint, or a run directory (its newest checkpoint); local or a URL."""
+    path = storage.normalize(path)
+    if storage.is_file(storage.join(path, META_FILE)):
         return path
     latest = latest_checkpoint_dir(path)
     if latest is None:
         raise FileNotFoundError(f"{path}: neither a rayvl checkpoint nor a run directory with one")
     return latest
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A local checkpoint folder for ``checkpoint_uri(path)``; a remote checkpoint is downloaded (once) to the
+    local cache."""
+    return storage.download(checkpoint_uri(path))
 
 
 def load_weights(checkpoint: str | os.PathLike, zero_stage: int) -> dict:

@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def eval_main(args) -> int:
-    from rayvl import session
-    from rayvl.checkpoints import read_meta, resolve_checkpoint
+    from rayvl import session, storage
+    from rayvl.checkpoints import checkpoint_uri, read_meta
     from rayvl.eval.runner import default_sources, run_eval
     from rayvl.eval.tables import format_tables
     from rayvl.eval.tasks import TASKS
@@ -78,18 +78,18 @@ def eval_main(args) -> int:
         print(f"--tasks: unknown {bad} (known: {', '.join(TASKS)})", file=sys.stderr)
         return 2
     try:
-        ckpt = resolve_checkpoint(args.checkpoint)
+        ckpt = checkpoint_uri(args.checkpoint)  # a local path or a URL (s3://, gs://, file://, ...)
         sources = default_sources(read_meta(ckpt)["config"], args.data, args.kind, args.classes, args.paraphrases,
                                   args.sts)
     except (FileNotFoundError, ValueError) as e:
         print(f"rayvl eval: {e}", file=sys.stderr)
         return 2
     session.connect(include_dashboard=False)
-    results = run_eval(str(ckpt), tasks, sources, args.out or None, actors=args.actors,
+    results = run_eval(ckpt, tasks, sources, args.out or None, actors=args.actors,
                        cpus_per_actor=args.cpus_per_actor, k=args.k, limit=args.limit)
     print(f"checkpoint {ckpt}\ndata {sources.data} ({sources.kind})")
     print(format_tables(results))
-    print(f"\nresults: {args.out or ckpt.parent / 'eval'}")
+    print(f"\nresults: {args.out or storage.join(storage.parent(ckpt), 'eval')}")
     return 0
 
 
@@ -112,7 +112,7 @@ def tune_main(args) -> int:
         from rayvl import session
 
         session.connect("", 1, include_dashboard=False)  # Tune's ExperimentAnalysis reads trials through a session
-        print(tune.write_report(args.report))
+        print(tune.write_report(args.report)[0])
         return 0
     if not args.space:
         print("rayvl tune: give a search-space file (tune_spaces/*.yaml) or --report DIR", file=sys.stderr)

@@ -244,6 +244,9 @@ class TrainConfig:
     """one GPU per worker, NCCL backend; CPU workers use gloo."""
     cpus_per_worker: float = 0.5
     """CPUs reserved per worker; leave CPUs for Ray Data (DESIGN: starvation hangs silently)."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """how the workers' placement group spreads them over nodes (Ray's ScalingConfig.placement_strategy);
+    STRICT_SPREAD = one worker per node."""
     micro_batch_size: int = 32
     """samples per worker per step."""
     grad_accumulation: int = 1
@@ -275,7 +278,7 @@ class TrainConfig:
     max_failures: int = 1
     """worker-group restarts Ray Train may do from the latest checkpoint."""
     storage_path: str = "~/rayvl-runs"
-    """where runs are stored (local path or fsspec URL)."""
+    """where runs are stored: a local path, or a URL (s3://, gs://, file://, any fsspec scheme)."""
     shared_storage: bool = False
     """a local ``storage_path`` is a mount every node shares (NFS, Lustre); otherwise a cluster of several nodes
     needs an fsspec URL (s3://, gs://) there, since every worker writes its checkpoint shards to it."""

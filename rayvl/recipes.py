@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from rayvl import storage
 from rayvl.config import ConfigError, RayvlConfig, load_config
 from rayvl.data.report import caption_stats, format_data_report
 from rayvl.eval.tables import format_eval_table, format_side_by_side
@@ -55,10 +56,10 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> int:
     print(format_eval_table(result.metrics))
     print("\n== data ==")
     print(format_data_report(result.data_report))
-    print(f"\nrun directory: {result.run_dir}")
+    print(f"\nrun directory: {result.uri}")
     print(f"  checkpoint:  {result.checkpoint_dir}")
-    print(f"  metrics:     {result.run_dir / 'metrics.jsonl'}")
-    print(f"  evaluation:  {result.run_dir / 'eval.json'}")
+    print(f"  metrics:     {storage.join(result.uri, 'metrics.jsonl')}")
+    print(f"  evaluation:  {storage.join(result.uri, 'eval.json')}")
     return 0
 
 
@@ -95,4 +96,4 @@ def _variant(name: str, cfg: RayvlConfig, after) -> dict:
     result = _train(cfg)
     print(format_data_report(result.data_report))
     return {**result.metrics, **caption_stats(result.data_report["counts"]), **(after(result) if after else {}),
-            "run_dir": str(result.run_dir)}
+            "run_dir": result.uri}

@@ -6,6 +6,7 @@ import os
 
 import ray
 
+from rayvl import storage
 from rayvl.config import ConfigError, RayvlConfig
 
 # no hub at run time, quiet tokenizers and Ray Data (per-operator progress bars flood job logs)
@@ -57,7 +58,7 @@ def check_storage(cfg: RayvlConfig, nodes: int | None = None) -> None:
     if nodes is None:
         nodes = sum(1 for n in ray.nodes() if n["Alive"])
     for key, path in (("train.storage_path", cfg.train.storage_path), ("tune.storage_path", cfg.tune.storage_path)):
-        if nodes > 1 and "://" not in path and not cfg.train.shared_storage:
-            raise ConfigError(f"{key}: {path!r} is a local path, but the cluster has {nodes} nodes: use object "
+        if nodes > 1 and storage.local_path(path) is not None and not cfg.train.shared_storage:
+            raise ConfigError(f"{key}: {path!r} is on this machine's disk, but the cluster has {nodes} nodes: use object "
                               f"storage (s3://..., gs://...) or set train.shared_storage=true if it is a mount "
                               f"every node shares")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from rayvl import storage
 from rayvl.config import ConfigError, RayvlConfig, load_config
 
 DOMAINS = ("grid", "choice", "uniform", "loguniform", "randint")
@@ -222,7 +223,7 @@ def trial(config: dict) -> None:
 
     cfg = trial_config(config["recipe"], config["fixed"], config["set"])
     name = f"trial-{tune.get_context().get_trial_id()}"
-    resume = latest_checkpoint_dir(Path(config["storage"]) / name) is not None
+    resume = latest_checkpoint_dir(storage.join(config["storage"], name)) is not None
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_name=name, resume=resume,
                                                              storage_path=config["storage"]))
     train(cfg, callbacks=[_metric_report(config["metric"])], placement_registry=config["registry"])
@@ -284,40 +285,45 @@ def run_sweep(sweep: Sweep, overrides: list[str] = (), name: str = "", resume: b
     """Start (or with ``resume`` continue) the sweep; returns (sweep directory, Tune's ResultGrid)."""
     import ray
     from ray import tune
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from rayvl import session
 
     base = sweep.base_config(overrides)
-    storage = str(Path(base.tune.storage_path).expanduser().resolve())
+    store = storage.normalize(base.tune.storage_path)  # a local path or a URL, as train.storage_path
     name = name or sweep.name or Path(sweep.path).stem
-    sweep_dir = Path(storage) / name
-    if resume != sweep_dir.is_dir():
-        raise SweepError(f"{sweep.path}: sweep {str(sweep_dir)!r} {'has no state to resume' if resume else 'exists'}"
+    sweep_dir = storage.join(store, name)
+    if resume != storage.exists(sweep_dir):
+        raise SweepError(f"{sweep.path}: sweep {sweep_dir!r} {'has no state to resume' if resume else 'exists'}"
                          f": {'drop --resume' if resume else 'pass --resume to continue it, or --name another'}")
     if not resume:
         save_settings(sweep, sweep_dir, overrides)
+    fs, inner = storage.filesystem(store)
     fixed_size = session.connect(base.ray_address, base.local_num_cpus)
     session.check_storage(base)
     trainable = tune.with_resources(trial, {"CPU": base.tune.driver_cpus, **base.tune.driver_resources})
     registry_name = f"rayvl-placement-{name}-{os.getpid()}"
-    registry = ray.remote(num_cpus=0)(PlacementRegistry).options(name=registry_name, namespace="rayvl").remote()
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)  # not a worker node
+    registry = ray.remote(num_cpus=0)(PlacementRegistry).options(name=registry_name, namespace="rayvl",
+                                                                 scheduling_strategy=here).remote()
     release = _release_callback(registry)
     if resume:
-        tuner = tune.Tuner.restore(str(sweep_dir), trainable, resume_unfinished=True, resume_errored=False,
-                                   param_space=_param_space(sweep, overrides, sweep_dir, registry_name))
+        tuner = tune.Tuner.restore(sweep_dir, trainable, resume_unfinished=True, resume_errored=False,
+                                   storage_filesystem=fs if storage.is_url(store) else None, param_space=_param_space(sweep, overrides, sweep_dir, registry_name))
         tuner._local_tuner._run_config.callbacks = [release]  # a restored Tuner keeps its own RunConfig
         return sweep_dir, tuner.fit()
     limit = sweep.max_concurrent_trials or _auto_concurrency(base, fixed_size)
     tuner = tune.Tuner(trainable, param_space=_param_space(sweep, overrides, sweep_dir, registry_name),
                        tune_config=tune.TuneConfig(metric=sweep.metric, mode=sweep.mode, num_samples=sweep.num_samples,
                                                    scheduler=_scheduler(sweep, base), max_concurrent_trials=limit),
-                       run_config=tune.RunConfig(name=name, storage_path=storage, verbose=1, callbacks=[release]))
+                       run_config=tune.RunConfig(name=name, storage_path=inner, storage_filesystem=fs, verbose=1,
+                                                 callbacks=[release]))
     return sweep_dir, tuner.fit()
 
 
-def _param_space(sweep: Sweep, overrides: list[str], sweep_dir: Path, registry: str) -> dict:
+def _param_space(sweep: Sweep, overrides: list[str], sweep_dir: str, registry: str) -> dict:
     return {"set": {k: _tune_domain(d) for k, d in sweep.space.items()}, "recipe": sweep.recipe,
-            "fixed": sweep.fixed + list(overrides), "metric": sweep.metric, "storage": str(sweep_dir / "runs"),
+            "fixed": sweep.fixed + list(overrides), "metric": sweep.metric, "storage": storage.join(sweep_dir, "runs"),
             "registry": registry}
 
 
@@ -340,12 +346,11 @@ def _auto_concurrency(cfg: RayvlConfig, fixed_size: bool) -> int:
 SWEEP_FILE = "rayvl_sweep.json"  # the sweep's settings, so `rayvl tune --report DIR` needs nothing else
 
 
-def save_settings(sweep: Sweep, sweep_dir: Path, overrides: list[str] = ()) -> None:
+def save_settings(sweep: Sweep, sweep_dir: str, overrides: list[str] = ()) -> None:
     import json
 
     base = sweep.base_config(overrides)
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    (sweep_dir / SWEEP_FILE).write_text(json.dumps({
+    storage.write_text(storage.join(sweep_dir, SWEEP_FILE), json.dumps({
         "space_file": sweep.path, "recipe": sweep.recipe, "fixed": sweep.fixed + list(overrides),
         "metric": sweep.metric, "mode": sweep.mode, "keys": list(sweep.space), "max_steps": base.train.max_steps},
         indent=2))
@@ -358,9 +363,11 @@ def trial_rows(sweep_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
 
     from ray.tune import ExperimentAnalysis
 
-    settings = json.loads((Path(sweep_dir) / SWEEP_FILE).read_text())
+    sweep_dir = storage.normalize(sweep_dir)
+    settings = json.loads(storage.read_text(storage.join(sweep_dir, SWEEP_FILE)))
     metric, sign = settings["metric"], 1 if settings["mode"] == "max" else -1
-    analysis = ExperimentAnalysis(str(sweep_dir))
+    fs, inner = storage.filesystem(sweep_dir)
+    analysis = ExperimentAnalysis(inner, storage_filesystem=fs)
     frames = analysis.trial_dataframes
     rows = []
     for t in analysis.trials:
@@ -400,13 +407,27 @@ def _num(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def write_report(sweep_dir: str | os.PathLike) -> str:
-    """trials.csv, one PNG of the metric against each swept key, learning_curves.png, best_config.yaml; returns
-    the printed table."""
+def write_report(sweep_dir: str | os.PathLike) -> tuple[str, list[str]]:
+    """trials.csv, one PNG of the metric against each swept key, learning_curves.png, best_config.yaml in the
+    sweep directory (local or a URL); returns the printed table and the files' names."""
+    import tempfile
+
+    sweep_dir = storage.normalize(sweep_dir)
+    settings, rows = trial_rows(sweep_dir)
+    local = storage.local_path(sweep_dir)
+    with tempfile.TemporaryDirectory(prefix="rayvl-sweep-report-") as staging:
+        out = local or Path(staging)  # object storage: written here, then uploaded
+        _report_files(out, settings, rows)
+        names = sorted(p.name for p in out.iterdir() if p.suffix in (".csv", ".png", ".yaml"))
+        if local is None:
+            for n in names:
+                storage.write_bytes(storage.join(sweep_dir, n), (out / n).read_bytes())
+    return format_trials(settings, rows), names
+
+
+def _report_files(sweep_dir: Path, settings: dict, rows: list[dict]) -> None:
     import csv
 
-    sweep_dir = Path(sweep_dir)
-    settings, rows = trial_rows(sweep_dir)
     fields = ["trial", *settings["keys"], "final", "best", "steps", "status", "error"]
     with open(sweep_dir / "trials.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
@@ -416,7 +437,6 @@ def write_report(sweep_dir: str | os.PathLike) -> str:
     best = next((r for r in rows if r["final"] is not None), None)
     if best is not None:
         _best_recipe(sweep_dir / "best_config.yaml", settings, best)
-    return format_trials(settings, rows)
 
 
 def _plots(sweep_dir: Path, settings: dict, rows: list[dict]) -> None:
@@ -473,12 +493,14 @@ def _plain(value):
     return value
 
 
-def sweep_and_report(sweep: Sweep, overrides: list[str] = (), name: str = "", resume: bool = False) -> Path:
+def sweep_and_report(sweep: Sweep, overrides: list[str] = (), name: str = "", resume: bool = False) -> str:
     """Run the sweep, then print the trial table and write the CSV, the plots and the best recipe next to it."""
     sweep_dir, results = run_sweep(sweep, overrides, name, resume)
-    print(f"\n== sweep {sweep_dir.name}: {len(results)} trials, {results.num_errors} failed ==")
-    print(write_report(sweep_dir))
-    print(f"\nsweep directory: {sweep_dir}\n  table:  {sweep_dir / 'trials.csv'}\n  plots:  "
-          + ", ".join(p.name for p in sorted(sweep_dir.glob("*.png")))
-          + f"\n  best:   {sweep_dir / 'best_config.yaml'} (python jobs/laion_adapt.py --config ...)")
+    print(f"\n== sweep {sweep_dir.rstrip('/').rsplit('/', 1)[-1]}: {len(results)} trials, "
+          f"{results.num_errors} failed ==")
+    table, files = write_report(sweep_dir)
+    print(table)
+    print(f"\nsweep directory: {sweep_dir}\n  table:  {storage.join(sweep_dir, 'trials.csv')}\n  plots:  "
+          + ", ".join(n for n in files if n.endswith(".png"))
+          + f"\n  best:   {storage.join(sweep_dir, 'best_config.yaml')} (python jobs/laion_adapt.py --config ...)")
     return sweep_dir

@@ -13,20 +13,44 @@ import pytest  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 
 
+def worker_env() -> dict:
+    """Every worker's environment: rayvl's, and this folder on PYTHONPATH (workers unpickle train functions
+    defined in test modules, so they must be able to import them)."""
+    from rayvl.session import WORKER_ENV
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    return {**WORKER_ENV, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+
+
+def start_session_ray():
+    import ray
+
+    # 4 logical CPUs on 2 cores: 2 train workers × 0.5 CPU leave room for Ray Data tasks (DESIGN: starvation)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={"env_vars": worker_env()})
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    return ray
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     import ray
 
-    from rayvl.session import WORKER_ENV
-
-    # 4 logical CPUs on 2 cores: 2 train workers × 0.5 CPU leave room for Ray Data tasks (DESIGN: starvation)
-    # workers unpickle train functions defined in test modules: they must be able to import them
-    tests = os.path.dirname(os.path.abspath(__file__))
-    env = {**WORKER_ENV, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
-    ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={"env_vars": env})
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    yield ray
+    yield ray if ray.is_initialized() else start_session_ray()
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def no_session_ray():
+    """For a module that runs clusters of its own: the session's Ray is shut down before and started again after
+    (a driver connects to one Ray at a time)."""
+    import ray
+
+    was_running = ray.is_initialized()
+    ray.shutdown()
+    yield
+    ray.shutdown()
+    if was_running:
+        start_session_ray()
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Callable
+
+import pyarrow.fs as pafs
+
+from rayvl import storage
 
 
 class ArtifactMismatch(RuntimeError):
@@ -13,46 +16,15 @@ class ArtifactMismatch(RuntimeError):
 
 
 def shard_sizes(paths: list[str]) -> dict[str, int]:
-    import pyarrow.fs as pafs
-
     sizes: dict[str, int] = {}
     for p in paths:
-        fs, inner = pafs.FileSystem.from_uri(p) if "://" in p else (pafs.LocalFileSystem(), os.path.abspath(p))
+        fs, inner = storage.filesystem(p)
         info = fs.get_file_info(inner)
         infos = (fs.get_file_info(pafs.FileSelector(inner)) if info.type == pafs.FileType.Directory else [info])
         for i in infos:
             if i.path.endswith(".tar"):
                 sizes[os.path.basename(i.path)] = int(i.size or 0)
     return dict(sorted(sizes.items()))
-
-
-def exists(path: str) -> bool:
-    import pyarrow.fs as pafs
-
-    fs, inner = pafs.FileSystem.from_uri(path) if "://" in path else (pafs.LocalFileSystem(), os.path.abspath(path))
-    return fs.get_file_info(inner).type == pafs.FileType.File
-
-
-def write_text(path: str, text: str) -> None:
-    if "://" not in path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(text)
-        return
-    import pyarrow.fs as pafs
-
-    fs, inner = pafs.FileSystem.from_uri(path)
-    with fs.open_output_stream(inner) as f:
-        f.write(text.encode())
-
-
-def read_text(path: str) -> str:
-    if "://" not in path:
-        return Path(path).read_text()
-    import pyarrow.fs as pafs
-
-    fs, inner = pafs.FileSystem.from_uri(path)
-    with fs.open_input_stream(inner) as f:
-        return f.read().decode()
 
 
 def diff(saved: dict, now: dict) -> str:
@@ -73,13 +45,13 @@ def load_or_make(path: str, expected: dict, key: str, make: Callable[[], dict]) 
     """(content, reused): the JSON artifact at ``path`` when its fingerprint equals ``expected``; otherwise
     ``make()``'s content, saved there with that fingerprint. A saved artifact with another fingerprint is refused,
     naming the config key that points at it and what changed — never silently mixed into another run."""
-    if exists(path):
-        saved = json.loads(read_text(path))
+    if storage.is_file(path):
+        saved = json.loads(storage.read_text(path))
         if saved["fingerprint"] != expected:
             raise ArtifactMismatch(f"{key}: {path} was made from other data or other settings "
                                    f"({diff(saved['fingerprint'], expected)}); delete it or point {key} "
                                    f"elsewhere to make it again")
         return saved, True
     content = {"fingerprint": expected, **make()}
-    write_text(path, json.dumps(content))
+    storage.write_text(path, json.dumps(content))
     return content, False

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 
 class DataPlaneError(RuntimeError):
@@ -36,7 +37,11 @@ def report_actor(name: str):
     """The run's DataReport actor. The driver calls this first, so the actor is owned by (and dies with) the
     driver; Ray Data tasks then find the existing one (get_if_exists makes that race-free)."""
     if name not in _handles:
-        _handles[name] = DataReport.options(name=name, namespace="rayvl", get_if_exists=True).remote()
+        # on the driver's node: a worker node the autoscaler (or a spot market) takes away must not take the
+        # run's counts with it
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        _handles[name] = DataReport.options(name=name, namespace="rayvl", get_if_exists=True,
+                                            scheduling_strategy=here).remote()
     return _handles[name]
 
 

@@ -4,6 +4,7 @@ Each task writes ``<out>/<task>.json``; embeddings are saved as ``.npy`` next to
 """
 from __future__ import annotations
 
+import io
 import json
 import uuid
 from dataclasses import dataclass
@@ -11,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rayvl import assets
-from rayvl.checkpoints import read_meta, resolve_checkpoint
+from rayvl import assets, storage
+from rayvl.checkpoints import checkpoint_uri, read_meta
 from rayvl.config import from_dict
 from rayvl.data.report import report_actor, snapshot
 from rayvl.eval import data as eval_data
@@ -70,21 +71,22 @@ def load(sources: Sources, config: dict, read_cpus: float, limit: int = 0) -> tu
 def run_eval(checkpoint: str, tasks=TASKS, sources: Sources | None = None, out: str | Path | None = None,
              actors: int = 1, cpus_per_actor: float = 0.5, batch_size: int = 128, k: int = 10,
              limit: int = 0) -> dict:
-    ckpt = resolve_checkpoint(checkpoint)
-    config = read_meta(ckpt)["config"]
+    uri = checkpoint_uri(checkpoint)  # local or a URL; every embedding actor loads it on its own node
+    config = read_meta(uri)["config"]
     sources = sources or default_sources(config)
-    out = Path(out) if out else ckpt.parent / "eval"
-    out.mkdir(parents=True, exist_ok=True)
+    out = storage.normalize(out) if out else storage.join(storage.parent(uri), "eval")
     data, counts = load(sources, config, cpus_per_actor, limit)
-    embedder = RayDataEmbedder(ckpt, actors, cpus_per_actor, batch_size)
+    embedder = RayDataEmbedder(uri, actors, cpus_per_actor, batch_size)
     metrics, embeddings = evaluate(tasks, data, embedder, k)
     for name, array in embeddings.items():
-        np.save(out / f"{name}_embeddings.npy", array)
+        buffer = io.BytesIO()
+        np.save(buffer, array)
+        storage.write_bytes(storage.join(out, f"{name}_embeddings.npy"), buffer.getvalue())
     for task, values in metrics.items():
-        (out / f"{task}.json").write_text(json.dumps(values, indent=2))
+        storage.write_text(storage.join(out, f"{task}.json"), json.dumps(values, indent=2))
     results = {**({"data": counts} if counts else {}), **metrics}
     skipped = [t for t in tasks if t not in metrics]
     if skipped:
         results["skipped"] = {t: SKIP_REASONS[t] for t in skipped}
-    (out / "eval.json").write_text(json.dumps(results, indent=2))
+    storage.write_text(storage.join(out, "eval.json"), json.dumps(results, indent=2))
     return results

@@ -36,7 +36,8 @@ def train_loop_per_worker(config: dict) -> None:
         bank.to(engine.device)
     next_batch, curriculum, tonics = _batches(cfg, config.get("tonics_sizes"), rank)
     state = TrainState(Progress(), curriculum=curriculum, memory_bank=bank)
-    checkpoint.restore(engine, state)
+    if checkpoint.restore(engine, state):
+        state.progress.resumed_at.append(state.progress.step)
     if config.get("placement_registry") and rank == 0:  # a sweep removes what a stopped trial leaves behind
         _register_placement_group(config["placement_registry"], cfg.train.run_name)
     eval_data = load_eval_data(ray.train.get_dataset_shard("eval"), config, cfg) if cfg.eval.tasks else None

@@ -17,16 +17,19 @@ class Stateful(Protocol):
 
 @dataclass
 class Progress:
-    """Optimizer steps done and every metrics report so far."""
+    """Optimizer steps done, every metrics report so far, and the steps the run was resumed at (after a failure
+    or a restart), so a finished run shows whether it ever restarted from scratch."""
 
     step: int = 0
     history: list[dict] = field(default_factory=list)
+    resumed_at: list[int] = field(default_factory=list)
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "history": list(self.history)}
+        return {"step": self.step, "history": list(self.history), "resumed_at": list(self.resumed_at)}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.history = int(state["step"]), list(state["history"])
+        self.resumed_at = list(state.get("resumed_at", []))  # absent in checkpoints written before it existed
 
 
 class TrainState:

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from pathlib import Path
 
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from rayvl import assets, session
+from rayvl import storage as store
 from rayvl.config import RayvlConfig
 from rayvl.data.report import caption_stats, report_actor, snapshot
 from rayvl.data.shards import expected_samples
@@ -33,7 +33,7 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "") 
     reports = {"train": report_name, "eval": f"{report_name}-eval", "image_label": f"{report_name}-labels"}
     for r in reports.values():
         report_actor(r)  # created by the driver, so they live as long as it does
-    run_dir = f"{storage.rstrip('/')}/{name}"
+    run_dir = store.join(storage, name)
     ontology, sizes = data.ontology, None
     if ontology is not None:
         ontology, sizes = datasets.tonics_counts(cfg, ontology, data.train, run_dir)
@@ -52,18 +52,20 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "") 
     report["captions"] = caption_stats(report["counts"])
     if data.prompts is not None:
         report["image_label"] = snapshot(reports["image_label"])
-    return finish(Path(storage) / name if "://" not in storage else Path(name), result, report)
+    return finish(run_dir, result, report)
 
 
 def _trainer(cfg: RayvlConfig, storage: str, name: str, sets: dict, callbacks: list,
              loop_config: dict) -> TorchTrainer:
     t = cfg.train
+    fs, inner = store.filesystem(storage)
     return TorchTrainer(
         train_loop_per_worker, train_loop_config=loop_config,
         scaling_config=ScalingConfig(
-            num_workers=t.num_workers, use_gpu=t.use_gpu,
+            num_workers=t.num_workers, use_gpu=t.use_gpu, placement_strategy=t.placement_strategy,
             resources_per_worker={"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {})}),
-        run_config=RunConfig(name=name, storage_path=storage, callbacks=callbacks,
+        # the filesystem resolved once, as rayvl reads it back (an fsspec-only scheme works too)
+        run_config=RunConfig(name=name, storage_path=inner, storage_filesystem=fs, callbacks=callbacks,
                              checkpoint_config=CheckpointConfig(num_to_keep=t.checkpoints_to_keep),
                              failure_config=FailureConfig(max_failures=t.max_failures)),
         datasets=sets,

@@ -1,0 +1,106 @@
+"""Where runs, sweeps and artifacts live: a local path, a ``file://`` URL, object storage (``s3://``, ``gs://``,
+anything ``pyarrow.fs`` opens, as Ray Train does) or any other fsspec URL (wrapped for pyarrow, and handed to Ray
+Train as its ``storage_filesystem``). One set of helpers, so the driver, the workers and ``rayvl eval`` read the
+same files Ray Train wrote.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import posixpath
+from pathlib import Path
+
+import pyarrow.fs as pafs
+
+
+def is_url(path: str) -> bool:
+    return "://" in str(path)
+
+
+def local_path(path: str | os.PathLike) -> Path | None:
+    """The local directory a path or ``file://`` URL names; None for remote storage."""
+    path = str(path)
+    if path.startswith("file://"):
+        return Path(path.removeprefix("file://")).expanduser().resolve()
+    return None if is_url(path) else Path(path).expanduser().resolve()
+
+
+def normalize(path: str | os.PathLike) -> str:
+    """Local paths absolute (trials and workers run in other working directories); URLs as given."""
+    local = local_path(path)
+    return str(local) if local is not None and not is_url(str(path)) else str(path).rstrip("/")
+
+
+def parent(path: str) -> str:
+    return posixpath.dirname(str(path).rstrip("/")) if is_url(path) else str(Path(path).parent)
+
+
+def join(base: str, *names: str) -> str:
+    return posixpath.join(str(base).rstrip("/"), *names) if is_url(base) else str(Path(base, *names))
+
+
+def filesystem(path: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
+    """(pyarrow filesystem, path inside it), resolved as Ray Train resolves a storage path; a scheme pyarrow does
+    not know goes through fsspec (e.g. ``memory://``, or a scheme an installed fsspec plugin adds)."""
+    path = str(path)
+    if not is_url(path):
+        return pafs.LocalFileSystem(), str(Path(path).expanduser().resolve())
+    try:
+        return pafs.FileSystem.from_uri(path)
+    except ValueError:  # pyarrow's ArrowInvalid: a scheme it has no filesystem for
+        import fsspec
+
+        fs, inner = fsspec.core.url_to_fs(path)
+        return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), inner
+
+
+def exists(path: str) -> bool:
+    fs, inner = filesystem(path)
+    return fs.get_file_info(inner).type != pafs.FileType.NotFound
+
+
+def is_file(path: str) -> bool:
+    fs, inner = filesystem(path)
+    return fs.get_file_info(inner).type == pafs.FileType.File
+
+
+def read_text(path: str) -> str:
+    fs, inner = filesystem(path)
+    with fs.open_input_stream(inner) as f:
+        return f.read().decode()
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    fs, inner = filesystem(path)
+    fs.create_dir(posixpath.dirname(inner), recursive=True)
+    with fs.open_output_stream(inner) as f:
+        f.write(data)
+
+
+def write_text(path: str, text: str) -> None:
+    write_bytes(path, text.encode())
+
+
+def subdirs(path: str, prefix: str = "") -> list[str]:
+    """The folders directly under ``path`` whose name starts with ``prefix``, as paths/URLs like ``path``."""
+    fs, inner = filesystem(path)
+    infos = fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True))
+    names = sorted(posixpath.basename(i.path.rstrip("/")) for i in infos if i.type == pafs.FileType.Directory)
+    return [join(path, n) for n in names if n.startswith(prefix)]
+
+
+def download(path: str) -> Path:
+    """A local copy of a remote folder (a checkpoint), cached under ~/.cache/rayvl by URL; local paths as they
+    are. A checkpoint folder never changes once Ray Train has written it, so a complete copy is reused."""
+    local = local_path(path)
+    if local is not None:
+        return local
+    cache = Path(os.environ.get("RAYVL_CACHE", "~/.cache/rayvl")).expanduser() / "downloads"
+    target = cache / hashlib.sha1(path.encode()).hexdigest()[:16] / posixpath.basename(path.rstrip("/"))
+    done = target.parent / ".complete"
+    if not done.exists():
+        fs, inner = filesystem(path)
+        target.mkdir(parents=True, exist_ok=True)
+        pafs.copy_files(inner, str(target), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+        done.touch()
+    return target

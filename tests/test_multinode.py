@@ -1,0 +1,161 @@
+"""Runs that span nodes, on simulated multi-node clusters on this machine (Ray's own way of testing them): a head
+with no CPUs that trains nothing plus worker raylets, fit() driven from a CPU-less task on the head as Ray's elastic
+tests do. Storage is a ``file://`` URL, so run directories, ``rayvl eval`` and resume go through the URL code path.
+
+One cluster for the module's training and sweep tests (the autoscaling test, in test_autoscaling.py, starts one
+of its own)."""
+import json
+import time
+
+import pytest
+import yaml
+
+from conftest import REPO, small_config, worker_env
+
+NODE = {"num_cpus": 2, "object_store_memory": 200 * 1024**2}  # a train worker (0.5 CPU) + Ray Data on each node
+
+
+@pytest.fixture(scope="module")
+def cluster(no_session_ray):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": 200 * 1024**2})
+    for _ in range(2):
+        c.add_node(**NODE)
+    ray.init(address=c.address, runtime_env={"env_vars": worker_env()})
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def fit_on_head(config: dict):
+    """fit() in a CPU-less task pinned to the head (this driver's node), as `ray job submit` places a driver."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    head = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.remote(num_cpus=0, max_retries=0, scheduling_strategy=head)(_fit).remote(config)
+
+
+def _fit(config: dict):
+    from rayvl.config import from_dict
+    from rayvl.train.trainer import train
+
+    return train(from_dict(config))
+
+
+def train_workers() -> list:
+    from ray.util.state import list_actors
+
+    return list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+
+
+def test_a_lost_node_is_replaced_and_the_run_resumes_from_its_checkpoint(cluster, demo_dir, tmp_path):
+    """One worker per node (STRICT_SPREAD). After the first checkpoint the node of one worker is removed; the run
+    cannot go on until a new node joins, then Ray Train restarts the group from the latest checkpoint, in storage
+    given as a URL. The run finishes every step, resumed (not restarted from step 0), and `rayvl eval` of the
+    file:// run directory reproduces the in-training evaluation."""
+    import ray
+
+    from rayvl.checkpoints import latest_checkpoint_dir, read_meta, read_train_state
+    from rayvl.eval.runner import run_eval
+
+    storage = f"file://{tmp_path}/runs"
+    cfg = small_config(demo_dir, tmp_path, f"train.storage_path={storage}", "train.shared_storage=true",
+                       "train.placement_strategy=STRICT_SPREAD", "train.max_steps=10", "train.checkpoint_every=2",
+                       "train.log_every=2", "train.max_failures=1", "eval.tasks=[retrieval]")
+    run = fit_on_head(cfg.to_dict())
+
+    deadline = time.time() + 300
+    while latest_checkpoint_dir(f"{storage}/run") is None:
+        assert time.time() < deadline, "no checkpoint within 5 minutes"
+        ready, _ = ray.wait([run], timeout=0.5)
+        assert not ready, f"the run ended before its first checkpoint: {ray.get(run)}"
+    workers = train_workers()
+    assert len({w.node_id for w in workers}) == 2  # one worker on each worker node
+    lost = next(n for n in cluster.worker_nodes if n.node_id == workers[-1].node_id)
+    cluster.remove_node(lost)
+    time.sleep(2)  # the group fails and cannot be placed again on one node (STRICT_SPREAD) ...
+    cluster.add_node(**NODE)  # ... until a new node joins
+    result = ray.get(run, timeout=600)
+
+    assert result.uri == storage + "/run" and result.run_dir == tmp_path / "runs" / "run"
+    final = result.checkpoint_dir
+    assert final.startswith(storage) and read_meta(final)["step"] == 10
+    progress = read_train_state(result.run_dir / final.rsplit("/", 1)[-1])["progress"]
+    assert len(progress["resumed_at"]) == 1 and 2 <= progress["resumed_at"][0] < 10  # resumed, not restarted
+    history = [json.loads(x)["step"] for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert history == list(range(2, 11, 2))  # no step lost or repeated in the record
+    assert {w.node_id for w in train_workers()} == set()  # the run's workers are gone
+
+    evaluated = run_eval(result.uri, ["retrieval"], batch_size=16)  # a run directory given as a URL
+    for key, value in evaluated["retrieval"].items():
+        assert value == pytest.approx(result.metrics[key], abs=1e-6), key
+    assert json.loads((result.run_dir / "eval" / "retrieval.json").read_text()) == evaluated["retrieval"]
+
+
+def test_asha_sweep_on_the_cluster_stops_trials_early_and_gives_resources_back(cluster, demo_dir, tmp_path, capsys):
+    """4 trials of the real trainer (2 workers each; one at a time: a trial needs 2.1 of the cluster's 4 CPUs).
+    ASHA judges them at steps 2 and 4 on the reported learning rate, which makes its decisions deterministic: the
+    grid runs from the largest lr down, so every later trial is below the rung's median and is stopped at step 2.
+    Every trial's placement group is removed afterwards (Ray issue #54305: an early-stopped Train V2 trial once
+    leaked its placement group). The sweep lives in storage given as a URL."""
+    import csv
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ray.util import placement_group_table
+
+    from rayvl.checkpoints import latest_checkpoint_dir, read_meta
+    from rayvl.tune import load_sweep, sweep_and_report
+
+    space = tmp_path / "lr.yaml"
+    space.write_text(yaml.safe_dump({
+        "recipe": str(REPO / "configs" / "laion_adapt.yaml"), "metric": "lr", "mode": "max",
+        "space": {"train.lr": {"grid": [3e-3, 1e-3, 3e-4, 1e-4]}},
+        "scheduler": {"kind": "asha", "grace_period": 2, "reduction_factor": 2, "max_t": 6},
+        "set": {"train.max_steps": 6, "eval.every_steps": 2, "eval.tasks": ["retrieval"],
+                "train.checkpoint_every": 2, "train.shared_storage": True}}))
+    overrides = [f"data.train={demo_dir / 'train'}", f"data.eval={demo_dir / 'eval'}", "data.image_size=32",
+                 "data.max_text_tokens=16", "train.micro_batch_size=8", "train.warmup_steps=1",
+                 "model.alignment_layers=1", "model.embed_dim=64", "eval.batch_size=32",
+                 f"tune.storage_path=file://{tmp_path}/sweeps"]
+    before = {pg_id for pg_id, pg in placement_group_table().items() if pg["state"] != "REMOVED"}
+    uri = sweep_and_report(load_sweep(space, overrides))
+    printed = capsys.readouterr().out
+    sweep_dir = tmp_path / "sweeps" / "lr"
+    assert uri == f"file://{sweep_dir}"
+
+    with open(sweep_dir / "trials.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 and {float(r["train.lr"]) for r in rows} == {1e-4, 3e-4, 1e-3, 3e-3}
+    by_lr = {float(r["train.lr"]): r for r in rows}
+    assert by_lr[3e-3]["status"] == "TERMINATED" and int(by_lr[3e-3]["steps"]) == 6
+    assert all(by_lr[lr]["status"] == "STOPPED EARLY" and int(by_lr[lr]["steps"]) == 2 for lr in (1e-3, 3e-4, 1e-4))
+    finals = [float(r["final"]) for r in rows]
+    assert finals == sorted(finals, reverse=True)  # best final value first (mode max)
+    assert "final lr" in printed and "STOPPED EARLY" in printed
+    assert {p.name for p in sweep_dir.glob("*.png")} == {"lr_vs_train.lr.png", "learning_curves.png"}
+    best = yaml.safe_load((sweep_dir / "best_config.yaml").read_text())
+    assert best["train"]["lr"] == float(rows[0]["train.lr"]) and best["train"]["max_steps"] == 6
+    stopped = next(r for r in rows if r["status"] == "STOPPED EARLY")
+    newest = latest_checkpoint_dir(f"{uri}/runs/trial-{stopped['trial']}")
+    assert newest is None or read_meta(newest)["step"] < 6  # its Train run did not go on after Tune stopped it
+
+    deadline = time.time() + 60
+    while True:  # placement groups are removed asynchronously once the trials' actors are gone
+        left = {pg_id for pg_id, pg in placement_group_table().items() if pg["state"] != "REMOVED"} - before
+        if not left or time.time() > deadline:
+            break
+        time.sleep(1)
+    assert not left, f"placement groups left behind: {left}"
+
+    # the report again from the sweep's URL alone, in a process of its own: `rayvl tune --report DIR`
+    (sweep_dir / "trials.csv").unlink()
+    r = subprocess.run([sys.executable, "-m", "rayvl.cli", "tune", "--report", uri], capture_output=True,
+                       text=True, timeout=300, cwd=Path(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert all(row["trial"] in r.stdout for row in rows) and (sweep_dir / "trials.csv").is_file()
