@@ -7,6 +7,7 @@ sweep metric to Tune. Everything in a space file is checked against the config t
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import os
@@ -242,12 +243,13 @@ class PlacementRegistry:
         return self.groups.get(run_name)
 
 
-def _release_callback(registry):
+def _release_callback(registry: str):
     """A Tune callback that removes a finished, stopped or failed trial's worker placement group if Train left it.
     Train V2 creates the group in its controller actor, so it outlives the trial (a placement group lives as long
     as its job); Train's own cleaner asks the State API whether the controller is alive, and here it timed out
     every time ("Timed out while waiting for GCS"), so without this every early-stopped trial kept its CPUs and the
-    next trials' Ray Data starved (Ray issue #54305 is the same leak)."""
+    next trials' Ray Data starved (Ray issue #54305 is the same leak). It holds the registry's name, not a handle:
+    Tune saves its callbacks with the sweep's state, and a resumed sweep runs in another Ray session."""
     import ray
     from ray.tune import Callback
     from ray.util import placement_group_table, remove_placement_group
@@ -255,7 +257,8 @@ def _release_callback(registry):
 
     class ReleaseTrialResources(Callback):
         def _release(self, trial) -> None:
-            group = ray.get(registry.group.remote(f"trial-{trial.trial_id}"))
+            actor = ray.get_actor(registry, namespace="rayvl")
+            group = ray.get(actor.group.remote(f"trial-{trial.trial_id}"))
             if group and placement_group_table().get(group, {}).get("state") not in (None, "REMOVED"):
                 remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group))))
 
@@ -302,23 +305,30 @@ def run_sweep(sweep: Sweep, overrides: list[str] = (), name: str = "", resume: b
     fixed_size = session.connect(base.ray_address, base.local_num_cpus)
     session.check_storage(base)
     trainable = tune.with_resources(trial, {"CPU": base.tune.driver_cpus, **base.tune.driver_resources})
-    registry_name = f"rayvl-placement-{name}-{os.getpid()}"
+    # named after the sweep directory, so the trial configs and the callback a resumed sweep restores still find it
+    registry_name = f"rayvl-placement-{hashlib.sha1(sweep_dir.encode()).hexdigest()[:12]}"
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)  # not a worker node
-    registry = ray.remote(num_cpus=0)(PlacementRegistry).options(name=registry_name, namespace="rayvl",
-                                                                 scheduling_strategy=here).remote()
-    release = _release_callback(registry)
-    if resume:
-        tuner = tune.Tuner.restore(sweep_dir, trainable, resume_unfinished=True, resume_errored=False,
-                                   storage_filesystem=fs if storage.is_url(store) else None, param_space=_param_space(sweep, overrides, sweep_dir, registry_name))
-        tuner._local_tuner._run_config.callbacks = [release]  # a restored Tuner keeps its own RunConfig
-        return sweep_dir, tuner.fit()
+    registry = ray.remote(num_cpus=0)(PlacementRegistry).options(  # lives while this handle does: the sweep
+        name=registry_name, namespace="rayvl", get_if_exists=True, scheduling_strategy=here).remote()
+    release = _release_callback(registry_name)
+    if resume:  # Tune's saved state brings back the trials, the scheduler and the RunConfig with its callbacks
+        tuner = tune.Tuner.restore(storage.filesystem(sweep_dir)[1], trainable, resume_unfinished=True,
+                                   resume_errored=False, storage_filesystem=fs, param_space=_param_space(sweep, overrides, sweep_dir, registry_name))
+        return sweep_dir, _fit(tuner, registry)
     limit = sweep.max_concurrent_trials or _auto_concurrency(base, fixed_size)
     tuner = tune.Tuner(trainable, param_space=_param_space(sweep, overrides, sweep_dir, registry_name),
                        tune_config=tune.TuneConfig(metric=sweep.metric, mode=sweep.mode, num_samples=sweep.num_samples,
                                                    scheduler=_scheduler(sweep, base), max_concurrent_trials=limit),
                        run_config=tune.RunConfig(name=name, storage_path=inner, storage_filesystem=fs, verbose=1,
                                                  callbacks=[release]))
-    return sweep_dir, tuner.fit()
+    return sweep_dir, _fit(tuner, registry)
+
+
+def _fit(tuner, registry):
+    """Tuner.fit() while the placement registry's handle is held (a named actor dies with its last handle)."""
+    results = tuner.fit()
+    del registry
+    return results
 
 
 def _param_space(sweep: Sweep, overrides: list[str], sweep_dir: str, registry: str) -> dict:

@@ -1,6 +1,6 @@
 """Sweeps: search spaces checked against the config tree before Ray starts; `cluster.yaml` against Ray's schema and
 rayvl's security rule. (The real ASHA sweep runs on a simulated multi-node cluster, in test_multinode.py.)"""
-import csv
+
 import time
 
 import pytest
@@ -94,3 +94,53 @@ def test_local_storage_on_several_nodes_is_refused_naming_the_key():
         check_storage(load_config(None, ["train.storage_path=file:///tmp/runs"]), nodes=3)
     check_storage(load_config(None, ["train.storage_path=s3://bucket/runs", "tune.storage_path=gs://b/s"]), nodes=3)
     check_storage(load_config(None, ["train.shared_storage=true"]), nodes=3)  # a mount every node shares
+
+
+def test_an_interrupted_sweep_resumes_and_a_failing_trial_is_recorded(demo_dir, tmp_path):
+    """`rayvl tune` stopped with Ctrl-C (SIGINT) after the first trial's first checkpoint; `rayvl tune --resume`
+    continues it: the first trial resumes from its checkpoint (its train state records the step), the second
+    trial — whose batches cannot be filled from 384 samples — fails with the data plane's error, which the report
+    shows, and the sweep still finishes with a best config. Each command runs in its own process and Ray, as a
+    user runs them."""
+    import csv
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from rayvl.checkpoints import latest_checkpoint_dir, read_train_state
+
+    space = tmp_path / "resume.yaml"
+    space.write_text(yaml.safe_dump({
+        "recipe": str(REPO / "configs" / "laion_adapt.yaml"), "metric": "loss", "mode": "min", "name": "resume",
+        "space": {"train.micro_batch_size": {"grid": [8, 256]}}, "max_concurrent_trials": 1,
+        "set": {"train.max_steps": 6, "train.checkpoint_every": 2, "train.log_every": 2, "eval.tasks": [],
+                "train.max_failures": 0}}))
+    sets = [f"data.train={demo_dir / 'train'}", f"data.eval={demo_dir / 'eval'}", "data.image_size=32",
+            "data.max_text_tokens=16", "train.warmup_steps=1", "model.alignment_layers=1", "model.embed_dim=64",
+            f"tune.storage_path={tmp_path / 'sweeps'}", "local_num_cpus=4"]
+    command = [sys.executable, "-m", "rayvl.cli", "tune", str(space), *(x for s in sets for x in ("--set", s))]
+    runs = tmp_path / "sweeps" / "resume" / "runs"
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    deadline = time.time() + 300
+    while not any(latest_checkpoint_dir(d) for d in runs.glob("trial-*")):
+        assert first.poll() is None, f"the sweep ended before its first checkpoint:\n{first.stdout.read()[-3000:]}"
+        assert time.time() < deadline, "the sweep never checkpointed"
+        time.sleep(0.5)
+    first.send_signal(signal.SIGINT)
+    out, _ = first.communicate(timeout=180)
+    interrupted = next(d for d in runs.glob("trial-*") if latest_checkpoint_dir(d))
+
+    second = subprocess.run(command + ["--resume"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert second.returncode == 0, (out + second.stdout + second.stderr)[-3000:]
+    with open(tmp_path / "sweeps" / "resume" / "trials.csv") as f:
+        rows = {int(r["train.micro_batch_size"]): r for r in csv.DictReader(f)}
+    assert rows[8]["status"] == "TERMINATED" and int(rows[8]["steps"]) == 6
+    progress = read_train_state(latest_checkpoint_dir(interrupted))["progress"]
+    assert progress["step"] == 6 and len(progress["resumed_at"]) == 1 and 2 <= progress["resumed_at"][0] < 6
+    history = [json.loads(x)["step"] for x in (interrupted / "metrics.jsonl").read_text().splitlines()]
+    assert history == [2, 4, 6]
+    assert rows[256]["status"] == "ERROR" and "no full batch" in rows[256]["error"]
+    assert "no full batch" in second.stdout  # in the printed table too
+    best = yaml.safe_load((tmp_path / "sweeps" / "resume" / "best_config.yaml").read_text())
+    assert best["train"]["micro_batch_size"] == 8
