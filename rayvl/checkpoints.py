@@ -45,13 +45,14 @@ def latest_checkpoint_dir(run_dir: str | os.PathLike) -> str | None:
     """The newest checkpoint of a run directory (local or a URL): of the checkpoints Ray Train has committed (its
     ``checkpoint_manager_snapshot.json``), the one holding the highest step. A folder that a failure interrupted
     (some ranks' files uploaded, never reported to the controller) is not one of them, and neither is Ray Train
-    going to resume from it. A checkpoint folder itself can always be given to ``checkpoint_uri``."""
+    going to resume from it. Without that record (folders copied by hand), every folder with its ``rayvl.json``."""
     run_dir = str(run_dir)
     snapshot = storage.join(run_dir, RAY_TRAIN_SNAPSHOT)
-    if not storage.is_file(snapshot):  # no checkpoint committed yet (or not a run directory)
-        return None
-    names = [c["checkpoint_dir_name"] for c in json.loads(storage.read_text(snapshot))["checkpoint_results"]]
-    folders = [storage.join(run_dir, n) for n in names]
+    if storage.is_file(snapshot):
+        names = [c["checkpoint_dir_name"] for c in json.loads(storage.read_text(snapshot))["checkpoint_results"]]
+        folders = [storage.join(run_dir, n) for n in names]
+    else:  # checkpoints copied into a folder by hand (no Ray Train record): every one with its rayvl.json
+        folders = storage.subdirs(run_dir, "checkpoint_")
     best, best_step = None, -1
     for d in folders:
         if storage.is_file(storage.join(d, META_FILE)):

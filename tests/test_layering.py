@@ -10,7 +10,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rayvl"
 FORBIDDEN = [("rayvl.data", "rayvl.models"), ("rayvl.data", "rayvl.train"), ("rayvl.data", "rayvl.eval"),
              ("rayvl.data", "rayvl.losses"), ("rayvl.eval", "rayvl.train"), ("rayvl.config", "rayvl.data"),
              ("rayvl.models", "rayvl.train"), ("rayvl.models", "rayvl.eval"), ("rayvl.checkpoints", "rayvl.train"),
-             ("rayvl.checkpoints", "rayvl.eval"), ("rayvl.losses", "rayvl.data")]
+             ("rayvl.checkpoints", "rayvl.eval"), ("rayvl.losses", "rayvl.data"),
+             *(("rayvl.storage", f"rayvl.{m}") for m in ("config", "data", "models", "train", "eval", "checkpoints"))]
 MAX_FUNCTION_LINES = 60
 
 

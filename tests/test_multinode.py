@@ -59,7 +59,7 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_from_its_checkpoint(cluster
     file:// run directory reproduces the in-training evaluation."""
     import ray
 
-    from rayvl.checkpoints import latest_checkpoint_dir, read_meta, read_train_state
+    from rayvl.checkpoints import RAY_TRAIN_SNAPSHOT, read_meta, read_train_state
     from rayvl.eval.runner import run_eval
 
     storage = f"file://{tmp_path}/runs"
@@ -69,7 +69,8 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_from_its_checkpoint(cluster
     run = fit_on_head(cfg.to_dict())
 
     deadline = time.time() + 300
-    while latest_checkpoint_dir(f"{storage}/run") is None:
+    committed = tmp_path / "runs" / "run" / RAY_TRAIN_SNAPSHOT  # Ray Train resumes only from committed ones
+    while not committed.is_file():
         assert time.time() < deadline, "no checkpoint within 5 minutes"
         ready, _ = ray.wait([run], timeout=0.5)
         assert not ready, f"the run ended before its first checkpoint: {ray.get(run)}"

@@ -101,14 +101,15 @@ def test_an_interrupted_sweep_resumes_and_a_failing_trial_is_recorded(demo_dir, 
     continues it: the first trial resumes from its checkpoint (its train state records the step), the second
     trial — whose batches cannot be filled from 384 samples — fails with the data plane's error, which the report
     shows, and the sweep still finishes with a best config. Each command runs in its own process and Ray, as a
-    user runs them."""
+    user runs them; the sweep (and every trial's Train run) lives at a file:// URL, so the trial's resume finds its
+    checkpoint through the URL code path."""
     import csv
     import json
     import signal
     import subprocess
     import sys
 
-    from rayvl.checkpoints import latest_checkpoint_dir, read_train_state
+    from rayvl.checkpoints import RAY_TRAIN_SNAPSHOT, latest_checkpoint_dir, read_train_state
 
     space = tmp_path / "resume.yaml"
     space.write_text(yaml.safe_dump({
@@ -118,18 +119,18 @@ def test_an_interrupted_sweep_resumes_and_a_failing_trial_is_recorded(demo_dir, 
                 "train.max_failures": 0}}))
     sets = [f"data.train={demo_dir / 'train'}", f"data.eval={demo_dir / 'eval'}", "data.image_size=32",
             "data.max_text_tokens=16", "train.warmup_steps=1", "model.alignment_layers=1", "model.embed_dim=64",
-            f"tune.storage_path={tmp_path / 'sweeps'}", "local_num_cpus=4"]
+            f"tune.storage_path=file://{tmp_path / 'sweeps'}", "local_num_cpus=4"]  # a URL: resume reads it
     command = [sys.executable, "-m", "rayvl.cli", "tune", str(space), *(x for s in sets for x in ("--set", s))]
     runs = tmp_path / "sweeps" / "resume" / "runs"
     first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
     deadline = time.time() + 300
-    while not any(latest_checkpoint_dir(d) for d in runs.glob("trial-*")):
+    while not any((d / RAY_TRAIN_SNAPSHOT).is_file() for d in runs.glob("trial-*")):  # a committed checkpoint
         assert first.poll() is None, f"the sweep ended before its first checkpoint:\n{first.stdout.read()[-3000:]}"
         assert time.time() < deadline, "the sweep never checkpointed"
         time.sleep(0.5)
     first.send_signal(signal.SIGINT)
     out, _ = first.communicate(timeout=180)
-    interrupted = next(d for d in runs.glob("trial-*") if latest_checkpoint_dir(d))
+    interrupted = next(d for d in runs.glob("trial-*") if (d / RAY_TRAIN_SNAPSHOT).is_file())
 
     second = subprocess.run(command + ["--resume"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert second.returncode == 0, (out + second.stdout + second.stderr)[-3000:]
