@@ -59,6 +59,6 @@ def check_storage(cfg: RayvlConfig, nodes: int | None = None) -> None:
         nodes = sum(1 for n in ray.nodes() if n["Alive"])
     for key, path in (("train.storage_path", cfg.train.storage_path), ("tune.storage_path", cfg.tune.storage_path)):
         if nodes > 1 and storage.local_path(path) is not None and not cfg.train.shared_storage:
-            raise ConfigError(f"{key}: {path!r} is on this machine's disk, but the cluster has {nodes} nodes: use object "
-                              f"storage (s3://..., gs://...) or set train.shared_storage=true if it is a mount "
+            raise ConfigError(f"{key}: {path!r} is on this machine's disk, but the cluster has {nodes} nodes: use "
+                              f"object storage (s3://..., gs://...) or set train.shared_storage=true if it is a mount "
                               f"every node shares")

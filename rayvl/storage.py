@@ -27,8 +27,7 @@ def local_path(path: str | os.PathLike) -> Path | None:
 
 def normalize(path: str | os.PathLike) -> str:
     """Local paths absolute (trials and workers run in other working directories); URLs as given."""
-    local = local_path(path)
-    return str(local) if local is not None and not is_url(str(path)) else str(path).rstrip("/")
+    return str(path).rstrip("/") if is_url(path) else str(local_path(path))
 
 
 def parent(path: str) -> str:
@@ -44,7 +43,7 @@ def filesystem(path: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
     not know goes through fsspec (e.g. ``memory://``, or a scheme an installed fsspec plugin adds)."""
     path = str(path)
     if not is_url(path):
-        return pafs.LocalFileSystem(), str(Path(path).expanduser().resolve())
+        return pafs.LocalFileSystem(), str(local_path(path))
     try:
         return pafs.FileSystem.from_uri(path)
     except ValueError:  # pyarrow's ArrowInvalid: a scheme it has no filesystem for
@@ -91,16 +90,21 @@ def subdirs(path: str, prefix: str = "") -> list[str]:
 
 def download(path: str) -> Path:
     """A local copy of a remote folder (a checkpoint), cached under ~/.cache/rayvl by URL; local paths as they
-    are. A checkpoint folder never changes once Ray Train has written it, so a complete copy is reused."""
+    are. A checkpoint folder never changes once Ray Train has written it, so a complete copy is reused. The
+    lock keeps evaluation actors on one node from copying over a folder another one is already loading."""
+    from filelock import FileLock
+
     local = local_path(path)
     if local is not None:
         return local
     cache = Path(os.environ.get("RAYVL_CACHE", "~/.cache/rayvl")).expanduser() / "downloads"
     target = cache / hashlib.sha1(path.encode()).hexdigest()[:16] / posixpath.basename(path.rstrip("/"))
     done = target.parent / ".complete"
-    if not done.exists():
-        fs, inner = filesystem(path)
-        target.mkdir(parents=True, exist_ok=True)
-        pafs.copy_files(inner, str(target), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
-        done.touch()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.parent / ".lock")):
+        if not done.exists():
+            fs, inner = filesystem(path)
+            target.mkdir(exist_ok=True)
+            pafs.copy_files(inner, str(target), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+            done.touch()
     return target

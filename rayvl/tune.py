@@ -11,6 +11,7 @@ import hashlib
 import itertools
 import math
 import os
+import posixpath
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -308,27 +309,23 @@ def run_sweep(sweep: Sweep, overrides: list[str] = (), name: str = "", resume: b
     # named after the sweep directory, so the trial configs and the callback a resumed sweep restores still find it
     registry_name = f"rayvl-placement-{hashlib.sha1(sweep_dir.encode()).hexdigest()[:12]}"
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)  # not a worker node
-    registry = ray.remote(num_cpus=0)(PlacementRegistry).options(  # lives while this handle does: the sweep
+    registry = ray.remote(num_cpus=0)(PlacementRegistry).options(
         name=registry_name, namespace="rayvl", get_if_exists=True, scheduling_strategy=here).remote()
     release = _release_callback(registry_name)
+    space = _param_space(sweep, overrides, sweep_dir, registry_name)
     if resume:  # Tune's saved state brings back the trials, the scheduler and the RunConfig with its callbacks
-        tuner = tune.Tuner.restore(storage.filesystem(sweep_dir)[1], trainable, resume_unfinished=True,
-                                   resume_errored=False, storage_filesystem=fs, param_space=_param_space(sweep, overrides, sweep_dir, registry_name))
-        return sweep_dir, _fit(tuner, registry)
-    limit = sweep.max_concurrent_trials or _auto_concurrency(base, fixed_size)
-    tuner = tune.Tuner(trainable, param_space=_param_space(sweep, overrides, sweep_dir, registry_name),
-                       tune_config=tune.TuneConfig(metric=sweep.metric, mode=sweep.mode, num_samples=sweep.num_samples,
-                                                   scheduler=_scheduler(sweep, base), max_concurrent_trials=limit),
-                       run_config=tune.RunConfig(name=name, storage_path=inner, storage_filesystem=fs, verbose=1,
-                                                 callbacks=[release]))
-    return sweep_dir, _fit(tuner, registry)
-
-
-def _fit(tuner, registry):
-    """Tuner.fit() while the placement registry's handle is held (a named actor dies with its last handle)."""
-    results = tuner.fit()
-    del registry
-    return results
+        tuner = tune.Tuner.restore(posixpath.join(inner, name), trainable, resume_unfinished=True,
+                                   resume_errored=False, storage_filesystem=fs, param_space=space)
+    else:
+        limit = sweep.max_concurrent_trials or _auto_concurrency(base, fixed_size)
+        tuner = tune.Tuner(trainable, param_space=space, tune_config=tune.TuneConfig(
+            metric=sweep.metric, mode=sweep.mode, num_samples=sweep.num_samples, scheduler=_scheduler(sweep, base),
+            max_concurrent_trials=limit), run_config=tune.RunConfig(
+            name=name, storage_path=inner, storage_filesystem=fs, verbose=1, callbacks=[release]))
+    try:
+        return sweep_dir, tuner.fit()
+    finally:
+        ray.kill(registry)  # every trial has ended and been released
 
 
 def _param_space(sweep: Sweep, overrides: list[str], sweep_dir: str, registry: str) -> dict:

@@ -43,8 +43,8 @@ def run_paths(cfg: RayvlConfig) -> tuple[str, str]:
 
 def finish(run_dir: str, result, data_report: dict) -> RunResult:
     """Copy what a user looks for into the run directory: metrics.jsonl, eval.json, data_report.json."""
-    checkpoint_dir = storage.join(storage.normalize(run_dir), Path(result.checkpoint.path).name) \
-        if result.checkpoint else ""
+    run_dir = storage.normalize(run_dir)
+    checkpoint_dir = storage.join(run_dir, Path(result.checkpoint.path).name) if result.checkpoint else ""
     metrics = dict(result.metrics or {})
     if checkpoint_dir and storage.is_file(storage.join(checkpoint_dir, METRICS_FILE)):
         storage.write_text(storage.join(run_dir, METRICS_FILE),
@@ -52,4 +52,4 @@ def finish(run_dir: str, result, data_report: dict) -> RunResult:
     evals = {k: v for k, v in metrics.items() if k.startswith(METRIC_PREFIXES)}
     storage.write_text(storage.join(run_dir, "eval.json"), json.dumps(evals, indent=2))
     storage.write_text(storage.join(run_dir, "data_report.json"), json.dumps(data_report, indent=2))
-    return RunResult(storage.normalize(run_dir), checkpoint_dir, metrics, data_report)
+    return RunResult(run_dir, checkpoint_dir, metrics, data_report)
