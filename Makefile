@@ -34,7 +34,9 @@ test: install
 	$(PY) -m pytest -q -ra --durations=15 tests || { rc=$$?; [ $$rc -eq 5 ] && echo "make test: no tests ran" >&2; exit $$rc; }
 
 benchmark: install
-	$(PY) benchmarks/data_pipeline.py
+	$(PY) -m pip install -q -e ".[bench]" 2>&1 | $(QUIET)
+	$(PY) benchmarks/data_pipeline.py --photo
+	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/bow.py
 	$(PY) benchmarks/sampler.py
 

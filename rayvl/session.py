@@ -35,21 +35,68 @@ def _quiet_data() -> None:
     ray.data.DataContext.get_current().enable_progress_bars = False
 
 
-def check_resources(cfg: RayvlConfig, fixed_size: bool) -> None:
-    """Ray Train workers must leave CPUs for Ray Data, else the pipeline starves silently. On a Ray we started
-    ourselves the size is final, so too few CPUs is an error; a cluster may still autoscale, so a warning."""
+def check_resources(cfg: RayvlConfig, fixed_size: bool, node_cpus: list[float] | None = None) -> None:
+    """Ray Train workers must leave CPUs for Ray Data on some node, else the pipeline starves silently: the
+    workers are placed on the nodes as ``train.placement_strategy`` places them, and every concurrent pipeline
+    (training stream, image-label stream) needs one read task of ``data.read_cpus`` in what is left. On a Ray we
+    started ourselves the size is final, so a pipeline that cannot run is an error before anything starts; a
+    cluster may still autoscale, so there it is a warning."""
     t, d = cfg.train, cfg.data
-    total = ray.cluster_resources().get("CPU", 0)
-    need = t.num_workers * t.cpus_per_worker + d.read_cpus
-    if need > total:
-        message = (f"train.num_workers × train.cpus_per_worker + data.read_cpus = {need:g} CPUs, but the cluster "
-                   f"has {total:g}: Ray Data would starve. Lower train.cpus_per_worker or data.read_cpus.")
+    if node_cpus is None:
+        node_cpus = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]]
+    free = place_workers(node_cpus, t.num_workers, t.cpus_per_worker, t.placement_strategy)
+    pipelines = 2 if cfg.image_label.data and cfg.image_label.weight < 1.0 else 1
+    problem = ""
+    if free is None:
+        problem = (f"train.num_workers={t.num_workers} workers of train.cpus_per_worker={t.cpus_per_worker:g} CPUs "
+                   f"do not fit train.placement_strategy={t.placement_strategy} on nodes with {_cpus(node_cpus)} CPUs")
+    elif not _fits([d.read_cpus] * pipelines, free):
+        problem = (f"after train.num_workers={t.num_workers} × train.cpus_per_worker={t.cpus_per_worker:g} CPUs "
+                   f"(train.placement_strategy={t.placement_strategy}) the nodes have {_cpus(free)} CPUs free, but {pipelines} Ray Data "
+                   f"pipeline(s) need a read task of data.read_cpus={d.read_cpus:g} each: Ray Data would starve. "
+                   f"Lower train.cpus_per_worker or data.read_cpus, or add nodes.")
+    if problem:
         if fixed_size:
-            raise ConfigError(message)
-        print(f"rayvl: warning: {message} (waiting for the autoscaler)")
+            raise ConfigError(problem)
+        print(f"rayvl: warning: {problem} (waiting for the autoscaler)")
     if t.use_gpu and ray.cluster_resources().get("GPU", 0) < t.num_workers:
         print(f"rayvl: waiting for {t.num_workers} GPUs (cluster has "
               f"{ray.cluster_resources().get('GPU', 0):g}; the autoscaler may add them)")
+
+
+def place_workers(node_cpus: list[float], workers: int, cpus: float, strategy: str) -> list[float] | None:
+    """CPUs left per node after placing the workers' bundles as Ray would (PACK fills the fullest node first,
+    SPREAD deals them out), or None when they do not fit."""
+    free = sorted(node_cpus, reverse=True)
+    spread = strategy.endswith("SPREAD")
+    if strategy == "STRICT_SPREAD" and workers > len(free):
+        return None
+    if strategy == "STRICT_PACK" and workers * cpus > (free[0] if free else 0) + 1e-9:
+        return None
+    used = [0] * len(free)
+    for _ in range(workers):
+        order = sorted(range(len(free)), key=lambda i: (used[i] if spread else -used[i], -free[i]))
+        node = next((i for i in order if free[i] >= cpus - 1e-9
+                     and not (strategy == "STRICT_SPREAD" and used[i])), None)
+        if node is None:
+            return None
+        free[node] -= cpus
+        used[node] += 1
+    return free
+
+
+def _fits(tasks: list[float], free: list[float]) -> bool:
+    free = sorted(free, reverse=True)
+    for need in sorted(tasks, reverse=True):
+        i = next((i for i, f in enumerate(free) if f >= need - 1e-9), None)
+        if i is None:
+            return False
+        free[i] -= need
+    return True
+
+
+def _cpus(values: list[float]) -> str:
+    return "/".join(f"{v:g}" for v in values)
 
 
 def check_storage(cfg: RayvlConfig, nodes: int | None = None) -> None:

@@ -5,6 +5,7 @@ same files Ray Train wrote.
 """
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import os
 import posixpath
@@ -78,6 +79,21 @@ def write_bytes(path: str, data: bytes) -> None:
 
 def write_text(path: str, text: str) -> None:
     write_bytes(path, text.encode())
+
+
+def list_files(spec: str, suffix: str) -> list[str]:
+    """Files a URL names: the file itself, the files ending in ``suffix`` directly under a folder, or the files
+    matching a glob in the last path component (``s3://bucket/laion/{0..9}*.tar`` style globs: ``*``, ``?``,
+    ``[...]``), sorted, as URLs like ``spec``."""
+    name = posixpath.basename(spec.rstrip("/"))
+    pattern = name if any(c in name for c in "*?[") else ""
+    if not pattern and spec.endswith(suffix):
+        return [spec]
+    base = parent(spec) if pattern else spec
+    fs, inner = filesystem(base)
+    infos = fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True))
+    names = sorted(posixpath.basename(i.path) for i in infos if i.type == pafs.FileType.File)
+    return [join(base, n) for n in names if (fnmatch.fnmatch(n, pattern) if pattern else n.endswith(suffix))]
 
 
 def subdirs(path: str, prefix: str = "") -> list[str]:

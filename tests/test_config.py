@@ -73,3 +73,30 @@ def test_job_refuses_to_starve_ray_data_on_a_local_ray(demo_dir, tmp_path):
                                                                           "HOME": str(tmp_path)})
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert "train.cpus_per_worker" in r.stderr and "data.read_cpus" in r.stderr
+
+
+@pytest.mark.parametrize("nodes, strategy, worker_cpus, read_cpus, label, ok", [
+    ([2.0], "PACK", 0.45, 0.5, False, True),            # the 2-core default: 0.9 for workers, 1.1 left
+    ([2.0], "PACK", 0.45, 0.5, True, True),             # + the image-label stream: two read tasks of 0.5
+    ([2.0], "PACK", 0.8, 0.5, True, False),             # 0.4 left: the second pipeline could never run
+    ([0.0, 2.0, 2.0], "STRICT_SPREAD", 1.5, 0.5, False, True),   # 0.5 free on each worker node
+    ([0.0, 2.0, 2.0], "STRICT_SPREAD", 1.5, 1.0, False, False),  # a 1-CPU read task fits no node
+    ([0.0, 2.0], "STRICT_SPREAD", 1.0, 0.5, False, False),       # two workers, one node
+    ([0.0, 4.0, 1.0], "PACK", 1.0, 1.0, False, True),   # both workers on the 4-CPU node, 2 left there
+])
+def test_preflight_places_workers_then_ray_data_per_node(nodes, strategy, worker_cpus, read_cpus, label, ok):
+    """The resource check places the workers on the nodes as the strategy does and then asks for one read task of
+    data.read_cpus per concurrent pipeline in what is left, per node (a cluster-wide sum would pass the 4th and
+    5th cases alike); an impossible plan is an error naming the keys, before Ray starts anything."""
+    from rayvl.session import check_resources
+    overrides = [f"train.placement_strategy={strategy}", f"train.cpus_per_worker={worker_cpus}",
+                 f"data.read_cpus={read_cpus}"]
+    if label:
+        overrides += ["image_label.data=fashion_mnist", "image_label.weight=0.5"]
+    cfg = load_config(RECIPE, overrides)
+    if ok:
+        check_resources(cfg, fixed_size=True, node_cpus=nodes)
+        return
+    with pytest.raises(ConfigError) as err:
+        check_resources(cfg, fixed_size=True, node_cpus=nodes)
+    assert "train.cpus_per_worker" in str(err.value) and "train.num_workers" in str(err.value)

@@ -92,3 +92,51 @@ def test_eval_rows_carry_class_and_center_crop(ray_local, demo_dir):
 def test_missing_shards_is_a_clear_error(tmp_path):
     with pytest.raises(DataPlaneError, match="no .tar shards"):
         resolve_shards(str(tmp_path / "nothing-here"))
+
+
+def test_passes_stream_in_one_fused_operator(ray_local, demo_dir):
+    """A training dataset lists every pass in one Ray Data execution: each pass reads every sample exactly once,
+    in its own shard order drawn from (seed, pass), and the whole plan is one read operator — no separate
+    map/Project operators and no SplitBlocks (each would copy every row through the object store again)."""
+    spec = str(demo_dir / "train")
+    paths = resolve_shards(spec)
+    ds = shards.read_shards(spec, image_size=16, crop_scale_min=0.5, train=True,
+                            tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=8, read_cpus=0.5,
+                            transform_batch_size=32, shuffle_files=True, report_name=None,
+                            columns=["image", "key"], passes=3, seed=5)
+    rows = ds.take_all()
+    assert set(rows[0]) == {"image", "key"}
+    keys = [r["key"] for r in rows]
+    assert len(keys) == 3 * len(set(keys)) and all(keys.count(k) == 3 for k in set(keys))
+    stats = ds.stats()
+    assert "ReadShardStream:" in stats and "SplitBlocks" not in stats and "Project" not in stats
+    assert f"{3 * len(paths)} tasks executed" in stats
+    source = shards.ShardStream(paths, shuffle=True, seed=5)
+    orders = [source.order(p) for p in range(3)]
+    assert all(sorted(o) == sorted(paths) for o in orders) and len({tuple(o) for o in orders}) > 1
+    assert source.order(1) == shards.ShardStream(paths, shuffle=True, seed=5).order(1)
+
+
+def test_passes_needed_covers_the_steps_with_a_margin():
+    assert shards.passes_needed(12_800, 4_000, 4) == 4  # ⌈1.05 × 12,800 / 4,000⌉ (the demo)
+    assert shards.passes_needed(12_000, 4_000, 4) == 4  # 3 passes would leave no room for a dropped sample
+    assert shards.passes_needed(100, 4_000, 4) == 1
+    assert shards.passes_needed(100, None, 4) == 500  # unknown pass size: ≈2,000 read tasks listed
+
+
+def test_shard_urls_list_folders_and_globs(demo_dir, tmp_path):
+    """A URL names a shard, a folder of shards or a glob, listed through pyarrow/fsspec as the read tasks open them
+    (file:// here; s3:// and gs:// go the same way)."""
+    from rayvl.data.tar import iter_tar_samples, open_shard
+    for i in range(3):
+        (tmp_path / f"{i:05d}.tar").write_bytes((demo_dir / "train" / f"{i:05d}.tar").read_bytes())
+    (tmp_path / "00000.parquet").write_bytes(b"not a shard")
+    url = f"file://{tmp_path}"
+    assert resolve_shards(url) == [f"{url}/{i:05d}.tar" for i in range(3)]
+    assert resolve_shards(f"{url}/0000[12].tar") == [f"{url}/00001.tar", f"{url}/00002.tar"]
+    assert resolve_shards(f"{url}/00002.tar,{tmp_path}/00000.tar") == [f"{url}/00002.tar", f"{tmp_path}/00000.tar"]
+    with open_shard(f"{url}/00001.tar") as f:
+        keys = [s["key"] for s in iter_tar_samples(f, ("key",))]
+    assert keys[0] == "000010000" and len(keys) == len(set(keys)) > 0
+    with pytest.raises(DataPlaneError, match="no .tar shards"):
+        resolve_shards(f"{url}/nothing*.tar")

@@ -2,6 +2,7 @@
 rayvl's security rule. (The real ASHA sweep runs on a simulated multi-node cluster, in test_multinode.py.)"""
 
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -99,7 +100,7 @@ def test_local_storage_on_several_nodes_is_refused_naming_the_key():
 def test_an_interrupted_sweep_resumes_and_a_failing_trial_is_recorded(demo_dir, tmp_path):
     """`rayvl tune` stopped with Ctrl-C (SIGINT) after the first trial's first checkpoint; `rayvl tune --resume`
     continues it: the first trial resumes from its checkpoint (its train state records the step), the second
-    trial — whose batches cannot be filled from 384 samples — fails with the data plane's error, which the report
+    trial — whose shards hold only undecodable images — fails with the data plane's error, which the report
     shows, and the sweep still finishes with a best config. Each command runs in its own process and Ray, as a
     user runs them; the sweep (and every trial's Train run) lives at a file:// URL, so the trial's resume finds its
     checkpoint through the URL code path."""
@@ -110,14 +111,19 @@ def test_an_interrupted_sweep_resumes_and_a_failing_trial_is_recorded(demo_dir, 
     import sys
 
     from rayvl.checkpoints import RAY_TRAIN_SNAPSHOT, latest_checkpoint_dir, read_train_state
+    from rayvl.data.demo import write_shard
 
+    broken = tmp_path / "broken"  # 8 samples img2dataset calls successes, none of them a decodable image
+    broken.mkdir()
+    write_shard(broken, 0, [{"key": f"0000000{i}", "caption": f"a picture number {i}", "status": "success",
+                             "jpg": b"\xff\xd8 not a jpeg"} for i in range(8)], time.time())
     space = tmp_path / "resume.yaml"
     space.write_text(yaml.safe_dump({
         "recipe": str(REPO / "configs" / "laion_adapt.yaml"), "metric": "loss", "mode": "min", "name": "resume",
-        "space": {"train.micro_batch_size": {"grid": [8, 256]}}, "max_concurrent_trials": 1,
+        "space": {"data.train": {"grid": [str(demo_dir / "train"), str(broken)]}}, "max_concurrent_trials": 1,
         "set": {"train.max_steps": 6, "train.checkpoint_every": 2, "train.log_every": 2, "eval.tasks": [],
-                "train.max_failures": 0}}))
-    sets = [f"data.train={demo_dir / 'train'}", f"data.eval={demo_dir / 'eval'}", "data.image_size=32",
+                "train.max_failures": 0, "train.micro_batch_size": 8}}))
+    sets = [f"data.eval={demo_dir / 'eval'}", "data.image_size=32",
             "data.max_text_tokens=16", "train.warmup_steps=1", "model.alignment_layers=1", "model.embed_dim=64",
             f"tune.storage_path=file://{tmp_path / 'sweeps'}", "local_num_cpus=4"]  # a URL: resume reads it
     command = [sys.executable, "-m", "rayvl.cli", "tune", str(space), *(x for s in sets for x in ("--set", s))]
@@ -135,13 +141,13 @@ def test_an_interrupted_sweep_resumes_and_a_failing_trial_is_recorded(demo_dir, 
     second = subprocess.run(command + ["--resume"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert second.returncode == 0, (out + second.stdout + second.stderr)[-3000:]
     with open(tmp_path / "sweeps" / "resume" / "trials.csv") as f:
-        rows = {int(r["train.micro_batch_size"]): r for r in csv.DictReader(f)}
-    assert rows[8]["status"] == "TERMINATED" and int(rows[8]["steps"]) == 6
+        rows = {Path(r["data.train"]).name: r for r in csv.DictReader(f)}
+    assert rows["train"]["status"] == "TERMINATED" and int(rows["train"]["steps"]) == 6
     progress = read_train_state(latest_checkpoint_dir(interrupted))["progress"]
     assert progress["step"] == 6 and len(progress["resumed_at"]) == 1 and 2 <= progress["resumed_at"][0] < 6
     history = [json.loads(x)["step"] for x in (interrupted / "metrics.jsonl").read_text().splitlines()]
     assert history == [2, 4, 6]
-    assert rows[256]["status"] == "ERROR" and "no full batch" in rows[256]["error"]
+    assert rows["broken"]["status"] == "ERROR" and "no full batch" in rows["broken"]["error"]
     assert "no full batch" in second.stdout  # in the printed table too
     best = yaml.safe_load((tmp_path / "sweeps" / "resume" / "best_config.yaml").read_text())
-    assert best["train"]["micro_batch_size"] == 8
+    assert best["data"]["train"] == str(demo_dir / "train")

@@ -152,7 +152,7 @@ def sample_scene(rng: np.random.Generator, n_objects: int) -> list[Obj]:
                 list(SIZES)[int(rng.integers(len(SIZES)))], p) for p in positions]
 
 
-def _write_shard(out: Path, shard_id: int, rows: list[dict], started: float) -> None:
+def write_shard(out: Path, shard_id: int, rows: list[dict], started: float) -> None:
     tar_path = out / f"{shard_id:05d}.tar"
     with tarfile.open(tar_path, "w") as tar:
         for row in rows:
@@ -193,7 +193,7 @@ def write_split(out: Path, n: int, seed: int, single_object: bool, shard_size: i
                                 "expansions": [paraphrase(text, rng) for _ in range(3)],
                                 "objects": rows[-1]["objects"]})
         if len(rows) == shard_size or i == n - 1:
-            _write_shard(out, shard_id, rows, started)
+            write_shard(out, shard_id, rows, started)
             rows, shard_id, started = [], shard_id + 1, time.time()
 
 

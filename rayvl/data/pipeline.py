@@ -1,7 +1,8 @@
 """The per-sample pipeline: raw rows → model inputs, inside Ray Data's ``map_batches``.
 
-Bad samples are dropped here and counted by reason in the run's data report (``report.record``), before the batch
-they came from is emitted. Two row kinds: img2dataset shard rows (``preprocess``; optionally BoW-deformed, expanded
+Bad samples are dropped here and counted by reason: shard rows into the read task's counts, which
+``shards.ShardStream`` records in the run's data report once per shard; Fashion-MNIST rows in the report directly
+(``report.record``), before the batch they came from is emitted. Two row kinds: img2dataset shard rows (``preprocess``; optionally BoW-deformed, expanded
 to one row per aligned noun for TOnICS, or turned into class prompts for image-label shards) and Fashion-MNIST rows
 (``prompt_batch``).
 """
@@ -24,15 +25,15 @@ if TYPE_CHECKING:
     from rayvl.data.prompts import Prompts
 
 
-def preprocess(batch: dict, *, image_size: int, crop_scale_min: float, train: bool, tokenizer_path: str,
-               max_tokens: int, report_name: str | None, bow: Deformer | None = None,
-               ontology: Ontology | None = None, prompts: Prompts | None = None) -> dict:
-    """Shard rows → model inputs, with caption statistics (words of kept captions, BoW counts) in the report.
+def preprocess(batch: dict, *, counts: Counter, image_size: int, crop_scale_min: float, train: bool,
+               tokenizer_path: str, max_tokens: int, bow: Deformer | None = None, ontology: Ontology | None = None,
+               prompts: Prompts | None = None) -> dict:
+    """Shard rows → model inputs; samples seen, kept and dropped (by reason) and caption statistics (words of kept
+    captions, BoW counts) are added to ``counts``.
     With ``bow`` the caption is deformed ([BoW] §2.2) before the image is decoded and before tokenisation;
     a caption the cascade empties drops its sample (counted as dropped_bow_empty, as the paper removes them).
     With ``prompts`` the shards are image-label data ([UniCL]): the JSON ``cls`` is the label and the caption is
     a prompt drawn for that class; classes outside ``prompts.train_classes`` are excluded and counted."""
-    counts: Counter = Counter()
     rows: list[tuple] = []
     rng = np.random.default_rng() if prompts is not None else None
     for key, jpg, txt, meta in zip(batch["key"], batch["jpg"], batch["txt"], batch["json"]):
@@ -57,7 +58,7 @@ def preprocess(batch: dict, *, image_size: int, crop_scale_min: float, train: bo
     if ontology is not None:
         counts["tonics_rows"] += len(keys)
     kept = len(set(keys)) if ontology is not None else len(keys)
-    record(report_name, {"samples_seen": len(batch["key"]), "samples_kept": kept, **counts})
+    counts.update({"samples_seen": len(batch["key"]), "samples_kept": kept})
     # [UniCL] Algorithm 1: the label of an image-label row is its class id, −1 for an image-text pair (the
     # training loop gives each of those a unique label)
     labels = classes if prompts is not None else [-1] * len(classes)

@@ -46,9 +46,9 @@ def report_actor(name: str):
 
 
 def record(report_name: str | None, counts: dict, bad_shard: tuple[str, str] | None = None) -> None:
-    """Add counts to the named report. Waited for (one round trip per batch): the counts are recorded before the
-    batch they describe is emitted, so whoever has consumed the data also sees its counts — a fire-and-forget
-    call could still be in flight."""
+    """Add counts to the named report. Waited for: the counts are recorded before the (last) batch they describe
+    is emitted, so whoever has consumed the data also sees its counts — a fire-and-forget call could still be in
+    flight. Callers batch their counts (a read task once per shard), so the round trip is not per batch."""
     if report_name:
         ray.get(report_actor(report_name).add.remote(counts, bad_shard))
 

@@ -1,66 +1,137 @@
-"""Streaming read of img2dataset shards with Ray Data.
+"""Streaming read of img2dataset shards with Ray Data: one read task per group of shards parses the tars and turns
+the samples into model inputs, every pass of a run in one Ray Data execution.
 
 Why not ``ray.data.read_webdataset``: with its decoder it fails the whole dataset on one undecodable JPEG, and a
-shard truncated mid-member fails the read (both seen on these machines; LAION shards contain both). This
-datasource keeps Ray's file listing, fsspec filesystems, file shuffling and parallel read tasks, and replaces only
-the per-file parse: it streams raw member bytes and stops a truncated shard at its last complete sample, naming it
-in the run's data report. Decoding and validation happen in ``pipeline.preprocess``, where bad samples are dropped
-and counted.
+shard truncated mid-member fails the read (both seen on these machines; LAION shards contain both). Here a damaged
+shard stops at its last complete sample and is named in the run's data report; bad samples are dropped and counted
+in ``pipeline.preprocess``.
+
+Why one operator: as separate Ray Data operators, read → map_batches(preprocess) → select_columns ran as three
+task pools (Ray does not fuse a read, scheduled SPREAD, with a map, nor a map of 0.5 CPU with the 1-CPU ``Project``
+that select_columns adds). Every row then crossed the object store three times, and on a node with less than one
+free CPU the Project operator was never scheduled. ``benchmarks/data_pipeline.py`` measures the difference.
+
+Why several passes in one execution: Ray Train splits a dataset per epoch, and each new epoch started a new
+execution — its first batches came seconds later, a stall at every epoch boundary. A run's dataset lists the read
+tasks of every pass it will need (each pass its own shard order, drawn from the seed and the pass number), so the
+next pass's shards are read while the current one ends.
 """
 from __future__ import annotations
 
 import os
 import tarfile
+import time
 import zlib
-from typing import TYPE_CHECKING, Iterator
+from collections import Counter
+from functools import partial
+from typing import TYPE_CHECKING, Callable, Iterator
 
+import numpy as np
 import pyarrow as pa
 import ray
-from ray.data.datasource import FileBasedDatasource
+from ray.data.block import BlockAccessor, BlockMetadata
+from ray.data.datasource import Datasource, ReadTask
 
 from rayvl.data.pipeline import preprocess
 from rayvl.data.report import record
-from rayvl.data.tar import COLUMNS, iter_tar_samples, resolve_shards
+from rayvl.data.tar import COLUMNS, iter_tar_samples, open_shard, resolve_shards
 
 if TYPE_CHECKING:
     from rayvl.data.bow import Deformer
     from rayvl.data.ontology import Ontology
     from rayvl.data.prompts import Prompts
 
-ROWS_PER_BLOCK = 256
+RAW_ROWS_PER_BLOCK = 256
+MAX_TASKS_PER_PASS = 200  # Ray Data's default read parallelism; LAION's 41k shards → ≈200 shards a task
+REPORT_EVERY_S = 10.0  # counts reach the report at the end of each shard and at least this often within one
 
 
-class Img2DatasetShards(FileBasedDatasource):
-    """Raw samples (key, jpg, txt, json bytes) of img2dataset / webdataset tar shards."""
+class ShardStream(Datasource):
+    """Samples of img2dataset / webdataset tar shards over ``passes`` passes, as raw ``columns`` (bytes) or, with
+    ``transform``, as its output: ``transform(raw batch, counts) -> dict of arrays`` on batches of ``batch_size``."""
 
-    _FILE_EXTENSIONS = ["tar"]
+    def __init__(self, paths: list[str], *, columns: tuple[str, ...] = COLUMNS, transform: Callable | None = None,
+                 batch_size: int = RAW_ROWS_PER_BLOCK, report_name: str | None = None, passes: int = 1,
+                 shuffle: bool = False, seed: int = 0):
+        super().__init__()
+        self.paths, self.columns, self.transform = list(paths), tuple(columns), transform
+        self.batch_size, self.report_name = batch_size, report_name
+        self.passes, self.shuffle, self.seed = passes, shuffle, seed
 
-    def __init__(self, paths, report_name: str | None = None, columns: tuple[str, ...] = COLUMNS, **kwargs):
-        super().__init__(paths, **kwargs)
-        self.report_name = report_name
-        self.columns = tuple(columns)  # e.g. ("key", "txt") for a caption-only pass: image bytes are not kept
+    def order(self, epoch: int) -> list[str]:
+        """The shards of pass ``epoch`` in reading order: a permutation drawn from (seed, epoch) when shuffled."""
+        if not self.shuffle:
+            return list(self.paths)
+        return [self.paths[i] for i in np.random.default_rng([self.seed, epoch]).permutation(len(self.paths))]
 
-    def _read_stream(self, f, path: str) -> Iterator[pa.Table]:
+    def estimate_inmemory_data_size(self) -> int | None:
+        return None
+
+    @property
+    def num_tasks(self) -> int:
+        """Read tasks of all passes: each pass in at most MAX_TASKS_PER_PASS groups of consecutive shards."""
+        return self.passes * min(len(self.paths), MAX_TASKS_PER_PASS)
+
+    def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
+                       data_context=None) -> list[ReadTask]:
+        # ``parallelism`` is num_tasks (read() asks for it): fewer tasks than Ray's default of 200 would make Ray
+        # split every block into tiny ones (SplitBlocks(50) on 4 shards: 10-row blocks, 1.5× slower)
+        groups = min(len(self.paths), MAX_TASKS_PER_PASS)
+        tasks = []
+        for epoch in range(self.passes):
+            order = self.order(epoch)
+            for g in range(groups):
+                part = order[g * len(order) // groups:(g + 1) * len(order) // groups]
+                meta = BlockMetadata(num_rows=None, size_bytes=None, input_files=part, exec_stats=None)
+                tasks.append(ReadTask(partial(self._read, part), meta, per_task_row_limit=per_task_row_limit))
+        return tasks
+
+    def _read(self, paths: list[str]) -> Iterator[pa.Table]:
+        for path in paths:
+            yield from self._read_shard(path)
+
+    def _read_shard(self, path: str) -> Iterator[pa.Table]:
+        counts: Counter = Counter()
+        bad: list[tuple[str, str]] = []
+        flushed, pending = time.monotonic(), None
+        for rows in self._raw_batches(path, bad):
+            if pending is not None:
+                yield pending
+            pending = self._block(rows, counts)
+            if self.report_name and time.monotonic() - flushed > REPORT_EVERY_S:
+                record(self.report_name, counts)
+                counts, flushed = Counter(), time.monotonic()
+        counts["truncated_shards"] += len(bad)
+        # the shard's counts are recorded before its last block is emitted (one round trip per shard, not per
+        # batch): whoever has consumed a whole pass also sees all of its counts
+        if self.report_name and (+counts or bad):
+            record(self.report_name, +counts, bad[0] if bad else None)
+        if pending is not None:
+            yield pending
+
+    def _raw_batches(self, path: str, bad: list) -> Iterator[list[dict]]:
         rows: list[dict] = []
         read = 0
         try:
-            for sample in iter_tar_samples(f, self.columns):
-                rows.append(sample)
-                if len(rows) >= ROWS_PER_BLOCK:
-                    read += len(rows)
-                    yield _table(rows, self.columns)
-                    rows = []
+            with open_shard(path) as f:
+                for sample in iter_tar_samples(f, self.columns):
+                    rows.append(sample)
+                    if len(rows) == self.batch_size:
+                        read += len(rows)
+                        yield rows
+                        rows = []
         except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
             # A damaged shard costs only its own bad tail (at most the one sample being read when it broke).
-            record(self.report_name, {"truncated_shards": 1},
-                   (path, f"{type(e).__name__}: {e} after {read + len(rows)} samples"))
+            bad.append((path, f"{type(e).__name__}: {e} after {read + len(rows)} samples"))
         if rows:
-            yield _table(rows, self.columns)
+            yield rows
 
-
-def _table(rows: list[dict], columns: tuple[str, ...] = COLUMNS) -> pa.Table:
-    return pa.table({c: pa.array([r.get(c) for r in rows], pa.string() if c == "key" else pa.binary())
-                     for c in columns})
+    def _block(self, rows: list[dict], counts: Counter):
+        batch = {c: [r.get(c) for r in rows] for c in self.columns}
+        if self.transform is None:
+            return pa.table({c: pa.array(v, pa.string() if c == "key" else pa.binary()) for c, v in batch.items()})
+        out = self.transform(batch, counts)
+        return BlockAccessor.batch_to_block(out) if len(next(iter(out.values()))) else None
 
 
 def group_over_shards(spec: str, columns: tuple[str, ...], fn, fn_kwargs: dict, key: str, read_cpus: float):
@@ -68,7 +139,7 @@ def group_over_shards(spec: str, columns: tuple[str, ...], fn, fn_kwargs: dict, 
     batch into rows with a ``key`` column, and the rows are grouped by it for a sum or count — never collected on
     the driver."""
     paths = resolve_shards(spec)
-    rows = ray.data.read_datasource(Img2DatasetShards(paths, columns=columns), num_cpus=read_cpus).map_batches(
+    rows = read(ShardStream(paths, columns=columns), read_cpus).map_batches(
         fn, batch_format="numpy", num_cpus=read_cpus, fn_kwargs=fn_kwargs)
     # hash partitions of the keys: Ray's default (200) costs ~15 s of task overhead on a few demo shards; one per
     # 8 shards keeps LAION's 41k shards at the default cap
@@ -79,18 +150,41 @@ def group_over_shards(spec: str, columns: tuple[str, ...], fn, fn_kwargs: dict, 
 
 def read_shards(spec: str, *, image_size: int, crop_scale_min: float, train: bool, tokenizer_path: str,
                 max_tokens: int, read_cpus: float, transform_batch_size: int, shuffle_files: bool,
-                report_name: str | None, bow: Deformer | None = None,
-                ontology: Ontology | None = None, prompts: Prompts | None = None) -> ray.data.Dataset:
-    """The streaming Ray Dataset of model inputs for a shard spec."""
-    source = Img2DatasetShards(resolve_shards(spec), report_name=report_name,
-                               shuffle="files" if shuffle_files else None)
-    ds = ray.data.read_datasource(source, num_cpus=read_cpus)
-    return ds.map_batches(
-        preprocess, batch_size=transform_batch_size, batch_format="numpy", num_cpus=read_cpus,
-        fn_kwargs=dict(image_size=image_size, crop_scale_min=crop_scale_min, train=train,
-                       tokenizer_path=tokenizer_path, max_tokens=max_tokens, report_name=report_name, bow=bow,
-                       ontology=ontology, prompts=prompts),
-    )
+                report_name: str | None, bow: Deformer | None = None, ontology: Ontology | None = None,
+                prompts: Prompts | None = None, columns: list[str] | None = None, passes: int = 1,
+                seed: int = 0) -> ray.data.Dataset:
+    """The streaming Ray Dataset of model inputs for a shard spec: ``passes`` passes over the shards, only
+    ``columns`` of the model inputs kept (all of them when None)."""
+    transform = partial(_transform, columns=columns, kw=dict(
+        image_size=image_size, crop_scale_min=crop_scale_min, train=train, tokenizer_path=tokenizer_path,
+        max_tokens=max_tokens, bow=bow, ontology=ontology, prompts=prompts))
+    source = ShardStream(resolve_shards(spec), transform=transform, batch_size=transform_batch_size,
+                         report_name=report_name, passes=passes, shuffle=shuffle_files, seed=seed)
+    ds = read(source, read_cpus)
+    # Ray merges a task's output into blocks of up to 128 MiB: a 1,000-sample shard at 64 px became one block, so the
+    # first batch waited for a whole shard (41% of the demo's first window waiting for data). One transform batch
+    # of uint8 images + tokens per block reaches the trainer as soon as it is made.
+    ds.context.target_max_block_size = transform_batch_size * (3 * image_size ** 2 + 16 * max_tokens)
+    return ds
+
+
+def read(source: ShardStream, read_cpus: float) -> ray.data.Dataset:
+    return ray.data.read_datasource(source, num_cpus=read_cpus, override_num_blocks=source.num_tasks)
+
+
+def _transform(batch: dict, counts: Counter, columns: list[str] | None, kw: dict) -> dict:
+    out = preprocess(batch, counts=counts, **kw)
+    return {c: out[c] for c in columns} if columns else out
+
+
+def passes_needed(samples_needed: int, samples_per_pass: int | None, n_shards: int) -> int:
+    """Passes a run's dataset lists: enough for its steps plus 5% for dropped samples when img2dataset's files give
+    the pass size, else as many as ≈2,000 read tasks hold. A listed pass that is never read costs nothing, but Ray
+    Data reads ahead as far as its object-store budget allows, so a generous margin is paid for in decoding; a run
+    that needs more than the listed passes starts a new execution (train/batches.py), one stall."""
+    if samples_per_pass:
+        return max(1, -(-samples_needed * 21 // (20 * samples_per_pass)))
+    return max(2, 2000 // max(1, n_shards))
 
 
 def expected_samples(spec: str) -> int | None:

@@ -11,19 +11,20 @@ import tarfile
 from pathlib import Path
 from typing import Iterator
 
+from rayvl import storage
 from rayvl.data.report import DataPlaneError
 
 COLUMNS = ("key", "jpg", "txt", "json")
 
 
 def resolve_shards(spec: str) -> list[str]:
-    """A directory, a glob, a comma list, a ``.txt`` list file, or fsspec URLs → tar paths (local ones checked)."""
+    """A directory, a glob, a comma list, a ``.txt`` list file, or URLs of files, folders or globs → tar paths."""
     if not spec:
         raise DataPlaneError("data.train: no shards given")
     out: list[str] = []
     for part in [p.strip() for p in spec.split(",") if p.strip()]:
-        if "://" in part:
-            out.append(part)  # Ray lists remote directories itself
+        if "://" in part:  # a file, a folder or a glob on object storage / any fsspec scheme
+            out += storage.list_files(part, ".tar")
             continue
         part = os.path.expanduser(part)
         if os.path.isdir(part):
@@ -41,9 +42,7 @@ def open_shard(path: str):
     """A binary file object for a local path or an fsspec/pyarrow URL."""
     if "://" not in path:
         return open(path, "rb")
-    import pyarrow.fs as pafs
-
-    fs, inner = pafs.FileSystem.from_uri(path)
+    fs, inner = storage.filesystem(path)
     return fs.open_input_stream(inner)
 
 

@@ -15,6 +15,7 @@ from rayvl.data.demo import ensure_demo
 from rayvl.data.ontology import Ontology, keep_frequent, load_or_count
 from rayvl.data.pipeline import prompt_batch
 from rayvl.data.prompts import Prompts, load_prompts
+from rayvl.data.tar import resolve_shards
 from rayvl.train.batches import TRAIN_COLUMNS
 
 EVAL_FILES = {"classes_file": "classes", "paraphrases_file": "paraphrases", "sts_file": "sts"}
@@ -128,22 +129,33 @@ def labeled_dataset(cfg: RayvlConfig, prompts: Prompts, report_name: str) -> ray
         ds = fashion_mnist.rows(*fashion_mnist.read(il.data, limit=il.limit)).map_batches(
             prompt_batch, batch_size=d.transform_batch_size, batch_format="numpy", num_cpus=d.read_cpus,
             fn_kwargs=dict(prompts=prompts, **_common(cfg, report_name)))
-    else:
-        ds = shards.read_shards(il.data, train=True, read_cpus=d.read_cpus,
-                                transform_batch_size=d.transform_batch_size, shuffle_files=d.shuffle_files,
-                                prompts=prompts, **_common(cfg, report_name))
-    return ds.select_columns(TRAIN_COLUMNS)
+        # given the map's CPUs, the column selection fuses into its tasks (alone it would ask for a whole CPU)
+        return ds.select_columns(TRAIN_COLUMNS, num_cpus=d.read_cpus)
+    return shards.read_shards(il.data, train=True, read_cpus=d.read_cpus, transform_batch_size=d.transform_batch_size,
+                              shuffle_files=d.shuffle_files, prompts=prompts, columns=TRAIN_COLUMNS,
+                              seed=cfg.train.seed, **_common(cfg, report_name))
+
+
+def train_passes(cfg: RayvlConfig, train: str, samples_per_pass: int | None) -> int:
+    """Passes over the training shards one Ray Data execution lists (shards.passes_needed)."""
+    t = cfg.train
+    per_batch = t.micro_batch_size - (round(t.micro_batch_size * cfg.image_label.weight) if cfg.image_label.data
+                                      else 0)
+    needed = t.max_steps * t.grad_accumulation * t.num_workers * per_batch
+    return shards.passes_needed(needed, samples_per_pass, len(resolve_shards(train)))
 
 
 def build_datasets(cfg: RayvlConfig, train: str, evalset: str, report_name: str,
-                   deformer: bow.Deformer | None = None, ontology: Ontology | None = None) -> dict:
-    """{"train": …, "eval": … (held-out, counted in its own report "<report_name>-eval")}."""
+                   deformer: bow.Deformer | None = None, ontology: Ontology | None = None, passes: int = 1) -> dict:
+    """{"train": ``passes`` passes over the training shards, "eval": … (held-out, counted in its own report
+    "<report_name>-eval")}."""
     d = cfg.data
     common = dict(read_cpus=d.read_cpus, transform_batch_size=d.transform_batch_size, **_common(cfg, report_name))
     # only tensor columns go to the training iterator (keys and captions are strings)
     columns = TRAIN_COLUMNS + (["object"] if ontology is not None else [])
     datasets = {"train": shards.read_shards(train, train=True, shuffle_files=d.shuffle_files, bow=deformer,
-                                            ontology=ontology, **common).select_columns(columns)}
+                                            ontology=ontology, columns=columns, passes=passes, seed=cfg.train.seed,
+                                            **common)}
     if cfg.eval.tasks and evalset:
         # held-out samples are counted in their own report, so training counts stay per pass over training data
         datasets["eval"] = shards.read_shards(evalset, train=False, shuffle_files=False,

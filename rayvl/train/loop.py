@@ -28,13 +28,14 @@ def train_loop_per_worker(config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    # the data streams start first: Ray Data warms up while the model and the engine are built
+    next_batch, curriculum, tonics = _batches(cfg, config.get("tonics_sizes"), rank)
     model = build_model(cfg.model, cfg.train.seed)
     bank = MemoryBank(model, cfg.memory_bank.size, cfg.model.embed_dim, cfg.memory_bank.momentum) \
         if cfg.memory_bank.size else None
     engine = build_engine(model, cfg, world)
     if bank is not None:
         bank.to(engine.device)
-    next_batch, curriculum, tonics = _batches(cfg, config.get("tonics_sizes"), rank)
     state = TrainState(Progress(), curriculum=curriculum, memory_bank=bank)
     if checkpoint.restore(engine, state):
         state.progress.resumed_at.append(state.progress.step)

@@ -37,12 +37,13 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "") 
     ontology, sizes = data.ontology, None
     if ontology is not None:
         ontology, sizes = datasets.tonics_counts(cfg, ontology, data.train, run_dir)
+    expected = expected_samples(data.train)
     sets = datasets.build_datasets(cfg, data.train, data.eval, report_name,
-                                   datasets.bow_deformer(cfg, data.train, run_dir), ontology)
+                                   datasets.bow_deformer(cfg, data.train, run_dir), ontology,
+                                   passes=datasets.train_passes(cfg, data.train, expected))
     if data.prompts is not None:  # [UniCL] App. B.2: image-label data next to (or instead of) image-text data
         labeled = datasets.labeled_dataset(cfg, data.prompts, reports["image_label"])
         sets["labeled" if cfg.image_label.weight < 1.0 else "train"] = labeled
-    expected = expected_samples(data.train)
     result = _trainer(cfg, storage, name, sets, list(callbacks), {
         "rayvl": cfg.to_dict(), "report_name": report_name, **data.files,
         "tokenizer_path": str(assets.text_model_path(cfg.model.text)), "tonics_sizes": sizes,
