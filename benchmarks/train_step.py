@@ -75,10 +75,12 @@ def rayvl_run(config: str, overrides: list[str], steps: int, storage: str) -> di
     t = cfg.train
     per_step = t.num_workers * t.micro_batch_size * t.grad_accumulation
     samples, seconds, waited, last = 0, 0.0, 0.0, 0
-    for w in windows:
+    for w in windows:  # a window's seconds = its samples / its samples/s
         n = (w["step"] - last) * per_step
-        samples, seconds, waited, last = samples + n, seconds + n / w["samples_per_s"], \
-            waited + n / w["samples_per_s"] * w["data_wait_share"], w["step"]
+        samples += n
+        seconds += n / w["samples_per_s"]
+        waited += n / w["samples_per_s"] * w["data_wait_share"]
+        last = w["step"]
     return {"samples_per_s": samples / seconds, "wait_share": waited / seconds, "windows": windows,
             "worst_window_wait": max(w["data_wait_share"] for w in windows)}
 

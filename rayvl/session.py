@@ -50,11 +50,11 @@ def check_resources(cfg: RayvlConfig, fixed_size: bool, node_cpus: list[float] |
     if free is None:
         problem = (f"train.num_workers={t.num_workers} workers of train.cpus_per_worker={t.cpus_per_worker:g} CPUs "
                    f"do not fit train.placement_strategy={t.placement_strategy} on nodes with {_cpus(node_cpus)} CPUs")
-    elif not _fits([d.read_cpus] * pipelines, free):
+    elif place_workers(free, pipelines, d.read_cpus, "PACK") is None:  # read tasks are bundles of one size too
         problem = (f"after train.num_workers={t.num_workers} × train.cpus_per_worker={t.cpus_per_worker:g} CPUs "
-                   f"(train.placement_strategy={t.placement_strategy}) the nodes have {_cpus(free)} CPUs free, but {pipelines} Ray Data "
-                   f"pipeline(s) need a read task of data.read_cpus={d.read_cpus:g} each: Ray Data would starve. "
-                   f"Lower train.cpus_per_worker or data.read_cpus, or add nodes.")
+                   f"(train.placement_strategy={t.placement_strategy}) the nodes have {_cpus(free)} CPUs free, but "
+                   f"{pipelines} Ray Data pipeline(s) need a read task of data.read_cpus={d.read_cpus:g} each: Ray "
+                   f"Data would starve. Lower train.cpus_per_worker or data.read_cpus, or add nodes.")
     if problem:
         if fixed_size:
             raise ConfigError(problem)
@@ -83,16 +83,6 @@ def place_workers(node_cpus: list[float], workers: int, cpus: float, strategy: s
         free[node] -= cpus
         used[node] += 1
     return free
-
-
-def _fits(tasks: list[float], free: list[float]) -> bool:
-    free = sorted(free, reverse=True)
-    for need in sorted(tasks, reverse=True):
-        i = next((i for i, f in enumerate(free) if f >= need - 1e-9), None)
-        if i is None:
-            return False
-        free[i] -= need
-    return True
 
 
 def _cpus(values: list[float]) -> str:

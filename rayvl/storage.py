@@ -90,18 +90,20 @@ def list_files(spec: str, suffix: str) -> list[str]:
     if not pattern and spec.endswith(suffix):
         return [spec]
     base = parent(spec) if pattern else spec
-    fs, inner = filesystem(base)
-    infos = fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True))
-    names = sorted(posixpath.basename(i.path) for i in infos if i.type == pafs.FileType.File)
-    return [join(base, n) for n in names if (fnmatch.fnmatch(n, pattern) if pattern else n.endswith(suffix))]
+    return [join(base, n) for n in _names(base, pafs.FileType.File)
+            if (fnmatch.fnmatch(n, pattern) if pattern else n.endswith(suffix))]
 
 
 def subdirs(path: str, prefix: str = "") -> list[str]:
     """The folders directly under ``path`` whose name starts with ``prefix``, as paths/URLs like ``path``."""
+    return [join(path, n) for n in _names(path, pafs.FileType.Directory) if n.startswith(prefix)]
+
+
+def _names(path: str, kind: pafs.FileType) -> list[str]:
+    """Sorted names of the entries of one kind directly under ``path`` (none when it does not exist)."""
     fs, inner = filesystem(path)
     infos = fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True))
-    names = sorted(posixpath.basename(i.path.rstrip("/")) for i in infos if i.type == pafs.FileType.Directory)
-    return [join(path, n) for n in names if n.startswith(prefix)]
+    return sorted(posixpath.basename(i.path.rstrip("/")) for i in infos if i.type == kind)
 
 
 def download(path: str) -> Path:

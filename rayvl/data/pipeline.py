@@ -1,10 +1,11 @@
-"""The per-sample pipeline: raw rows → model inputs, inside Ray Data's ``map_batches``.
+"""The per-sample pipeline: raw rows → model inputs, inside Ray Data's read tasks (shards) or ``map_batches``
+(Fashion-MNIST).
 
 Bad samples are dropped here and counted by reason: shard rows into the read task's counts, which
 ``shards.ShardStream`` records in the run's data report once per shard; Fashion-MNIST rows in the report directly
-(``report.record``), before the batch they came from is emitted. Two row kinds: img2dataset shard rows (``preprocess``; optionally BoW-deformed, expanded
-to one row per aligned noun for TOnICS, or turned into class prompts for image-label shards) and Fashion-MNIST rows
-(``prompt_batch``).
+(``report.record``), before the batch they came from is emitted. Two row kinds: img2dataset shard rows
+(``preprocess``; optionally BoW-deformed, expanded to one row per aligned noun for TOnICS, or turned into class
+prompts for image-label shards) and Fashion-MNIST rows (``prompt_batch``).
 """
 from __future__ import annotations
 

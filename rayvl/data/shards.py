@@ -32,6 +32,7 @@ import ray
 from ray.data.block import BlockAccessor, BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
+from rayvl import storage
 from rayvl.data.pipeline import preprocess
 from rayvl.data.report import record
 from rayvl.data.tar import COLUMNS, iter_tar_samples, open_shard, resolve_shards
@@ -189,7 +190,7 @@ def passes_needed(samples_needed: int, samples_per_pass: int | None, n_shards: i
 
 def expected_samples(spec: str) -> int | None:
     """Successful samples according to img2dataset's parquet files (a Ray Data aggregation), or None if absent."""
-    parquets = [p[:-4] + ".parquet" for p in resolve_shards(spec) if "://" not in p]
+    parquets = [p[:-4] + ".parquet" for p in resolve_shards(spec) if not storage.is_url(p)]
     parquets = [p for p in parquets if os.path.exists(p)]
     if not parquets:
         return None

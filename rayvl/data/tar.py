@@ -23,7 +23,7 @@ def resolve_shards(spec: str) -> list[str]:
         raise DataPlaneError("data.train: no shards given")
     out: list[str] = []
     for part in [p.strip() for p in spec.split(",") if p.strip()]:
-        if "://" in part:  # a file, a folder or a glob on object storage / any fsspec scheme
+        if storage.is_url(part):  # a file, a folder or a glob on object storage / any fsspec scheme
             out += storage.list_files(part, ".tar")
             continue
         part = os.path.expanduser(part)
@@ -40,7 +40,7 @@ def resolve_shards(spec: str) -> list[str]:
 
 def open_shard(path: str):
     """A binary file object for a local path or an fsspec/pyarrow URL."""
-    if "://" not in path:
+    if not storage.is_url(path):
         return open(path, "rb")
     fs, inner = storage.filesystem(path)
     return fs.open_input_stream(inner)

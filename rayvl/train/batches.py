@@ -39,10 +39,15 @@ def mixed_stream(text_shard, label_shard, cfg: RayvlConfig) -> Iterator[tuple[di
     """UniCL's balanced sampling ([UniCL] App. B.2): every micro-batch takes round(weight × size) rows from
     the image-label stream and the rest from the image-text stream — an exact ratio per batch; each stream is its
     own Ray Data pipeline and runs through its epochs at its own pace (the smaller set repeats more often)."""
-    n_label = round(cfg.train.micro_batch_size * cfg.image_label.weight)
+    n_label = label_rows(cfg)
     labels = batch_stream(label_shard, cfg, n_label)  # both start producing now
     texts = batch_stream(text_shard, cfg, cfg.train.micro_batch_size - n_label)
     return _mixed(labels, texts)
+
+
+def label_rows(cfg: RayvlConfig) -> int:
+    """Image-label rows in each micro-batch of a mixed run ([UniCL] App. B.2); 0 without image-label data."""
+    return round(cfg.train.micro_batch_size * cfg.image_label.weight) if cfg.image_label.data else 0
 
 
 def _mixed(labels, texts) -> Iterator[tuple[dict, float]]:

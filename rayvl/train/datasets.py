@@ -16,7 +16,7 @@ from rayvl.data.ontology import Ontology, keep_frequent, load_or_count
 from rayvl.data.pipeline import prompt_batch
 from rayvl.data.prompts import Prompts, load_prompts
 from rayvl.data.tar import resolve_shards
-from rayvl.train.batches import TRAIN_COLUMNS
+from rayvl.train.batches import TRAIN_COLUMNS, label_rows
 
 EVAL_FILES = {"classes_file": "classes", "paraphrases_file": "paraphrases", "sts_file": "sts"}
 
@@ -139,9 +139,7 @@ def labeled_dataset(cfg: RayvlConfig, prompts: Prompts, report_name: str) -> ray
 def train_passes(cfg: RayvlConfig, train: str, samples_per_pass: int | None) -> int:
     """Passes over the training shards one Ray Data execution lists (shards.passes_needed)."""
     t = cfg.train
-    per_batch = t.micro_batch_size - (round(t.micro_batch_size * cfg.image_label.weight) if cfg.image_label.data
-                                      else 0)
-    needed = t.max_steps * t.grad_accumulation * t.num_workers * per_batch
+    needed = t.max_steps * t.grad_accumulation * t.num_workers * (t.micro_batch_size - label_rows(cfg))
     return shards.passes_needed(needed, samples_per_pass, len(resolve_shards(train)))
 
 
