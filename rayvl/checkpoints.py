@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -36,9 +38,50 @@ def read_meta(checkpoint: str | os.PathLike) -> dict:
     return json.loads(storage.read_text(storage.join(str(checkpoint), META_FILE)))
 
 
+class UnsafeCheckpointError(RuntimeError):
+    """A checkpoint file pickles something other than tensors, plain containers and DeepSpeed's own records."""
+
+
+def _deepspeed_records() -> list:
+    """The classes DeepSpeed pickles into its checkpoint files besides tensors and containers — the whole list
+    ``torch.serialization.get_unsafe_globals_in_checkpoint`` finds over ZeRO 0-3 checkpoints in fp32 and bf16."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+@contextmanager
+def weights_only_loads(checkpoint: str | os.PathLike):
+    """Every ``torch.load`` inside — DeepSpeed's own too, which ask for ``weights_only=False`` — unpickles only
+    tensors, plain containers and DeepSpeed's records (``TORCH_FORCE_WEIGHTS_ONLY_LOAD``): a file from the storage
+    bucket holding any other pickled object is refused instead of run."""
+    previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(_deepspeed_records()):
+            yield
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError(
+            f"{checkpoint}: refused to load a checkpoint file that pickles more than tensors and plain containers "
+            f"(torch.load weights_only=True): {str(e).splitlines()[0]}") from None
+    finally:
+        if previous is None:
+            del os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"]
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = previous
+
+
+def load_file(checkpoint: str | os.PathLike, name: str):
+    """One file of a local checkpoint, loaded weights-only."""
+    with weights_only_loads(checkpoint):
+        return torch.load(Path(checkpoint) / name, map_location="cpu", weights_only=True)
+
+
 def read_train_state(checkpoint: str | os.PathLike) -> dict:
     """The train state's components by name (rayvl.train.state), e.g. ``["memory_bank"]["ptr"]``."""
-    return torch.load(Path(checkpoint) / STATE_FILE, map_location="cpu", weights_only=False)
+    return load_file(checkpoint, STATE_FILE)
 
 
 def latest_checkpoint_dir(run_dir: str | os.PathLike) -> str | None:
@@ -84,12 +127,13 @@ def load_weights(checkpoint: str | os.PathLike, zero_stage: int) -> dict:
     files (stage 0: rank 0's module state; ZeRO 1-3: DeepSpeed's own zero_to_fp32)."""
     ckpt = Path(checkpoint)
     if (ckpt / MODEL_FILE).exists():
-        return torch.load(ckpt / MODEL_FILE, map_location="cpu")
+        return load_file(ckpt, MODEL_FILE)
     if zero_stage == 0:
-        return torch.load(ckpt / TAG / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+        return load_file(ckpt, f"{TAG}/mp_rank_00_model_states.pt")["module"]
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    return get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=TAG)
+    with weights_only_loads(ckpt):
+        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=TAG)
 
 
 def load_model(checkpoint: str | os.PathLike) -> tuple[DualEncoder, dict]:

@@ -254,7 +254,8 @@ class TrainConfig:
     zero_stage: int = 0
     """DeepSpeed ZeRO stage 0-3."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """fp32 on CPU; bf16 on GPUs; fp16 only on GPUs."""
+    """fp32 or bf16 (GPUs, and CPUs through DeepSpeed's CPU accelerator; fp32 master weights either way);
+    fp16 only on GPUs."""
     lr: float = 1e-3
     """peak learning rate ([Paraphrase] Table B.1)."""
     weight_decay: float = 0.1
@@ -267,6 +268,10 @@ class TrainConfig:
     """linear warm-up steps before cosine decay."""
     max_steps: int = 200
     """optimizer steps in total."""
+    stop_at_step: int = 0
+    """end this invocation after this step, with an evaluation and a checkpoint holding the weights, and leave the
+    run to be continued with ``train.resume`` (a time-limited allocation, a planned preemption); 0 = run to
+    ``max_steps``."""
     grad_clip: float = 1.0
     """global gradient-norm clip (0 = off)."""
     log_every: int = 10
@@ -493,14 +498,14 @@ def validate(cfg: RayvlConfig) -> None:
 def _validate_train(t: TrainConfig) -> None:
     if t.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"train.zero_stage: {t.zero_stage} is not a DeepSpeed ZeRO stage (0, 1, 2 or 3)")
-    if not t.use_gpu and t.precision != "fp32":
-        raise ConfigError(
-            f"train.precision: {t.precision} needs GPUs (train.use_gpu=true); CPU workers train in fp32"
-        )
+    if not t.use_gpu and t.precision == "fp16":
+        raise ConfigError("train.precision: fp16 needs GPUs (train.use_gpu=true); CPU workers train in fp32 or bf16")
     for name in ("num_workers", "micro_batch_size", "grad_accumulation", "max_steps", "log_every",
                  "checkpoint_every", "checkpoints_to_keep"):
         if getattr(t, name) < 1:
             raise ConfigError(f"train.{name}: must be ≥ 1, got {getattr(t, name)}")
+    if not 0 <= t.stop_at_step <= t.max_steps:
+        raise ConfigError(f"train.stop_at_step: must be in [0, train.max_steps={t.max_steps}], got {t.stop_at_step}")
     if t.warmup_steps < 0 or t.warmup_steps >= t.max_steps:
         raise ConfigError(f"train.warmup_steps: must be in [0, train.max_steps={t.max_steps}), got {t.warmup_steps}")
     if t.lr <= 0:

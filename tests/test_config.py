@@ -17,7 +17,7 @@ RECIPE = REPO / "configs" / "laion_adapt.yaml"
     ("train.zero_stage=4", "train.zero_stage"),
     ("train.zero_stage=two", "train.zero_stage"),
     ("train.precision=fp16", "train.precision"),
-    ("train.precision=bf16", "train.precision"),
+    ("train.precision=fp8", "train.precision"),
     ("model.text_strategy=adapter", "model.text_strategy"),
     ("train.lr=-1", "train.lr"),
     ("train.betas=[0.9]", "train.betas"),
@@ -25,6 +25,7 @@ RECIPE = REPO / "configs" / "laion_adapt.yaml"
     ("eval.tasks=[zeroshot, nope]", "eval.tasks[1]"),
     ("train.warmup_steps=500", "train.warmup_steps"),
     ("data.read_cpus=0", "data.read_cpus"),
+    ("train.stop_at_step=500", "train.stop_at_step"),
 ])
 def test_bad_config_names_the_key(override, key):
     with pytest.raises(ConfigError) as err:
@@ -40,9 +41,9 @@ def test_recipe_and_overrides_compose():
     assert isinstance(cfg.train.lr, float)
 
 
-def test_fp16_allowed_on_gpu():
-    cfg = load_config(RECIPE, ["train.use_gpu=true", "train.precision=bf16"])
-    assert cfg.train.precision == "bf16"
+def test_half_precisions_by_device():
+    assert load_config(RECIPE, ["train.use_gpu=true", "train.precision=fp16"]).train.precision == "fp16"
+    assert load_config(RECIPE, ["train.precision=bf16"]).train.precision == "bf16"  # DeepSpeed's CPU accelerator
 
 
 def test_parse_override_types():

@@ -22,8 +22,10 @@ def _ds_files(ckpt: Path) -> list[str]:
 def test_zero_stage_trains_two_workers(ray_local, demo_dir, tmp_path, stage):
     # stage 1 also trains on BoW captions ([BoW] §2.2): statistics pass + deformation inside the real pipeline
     bow = ["bow.enabled=true", "bow.ops=[shuffle, rm_stop_nalpha, limit_to_base_vocab, {rm_top_freq: 3}, {keep: 3}]"]
-    # stage 2 trains UniCL against an EMA memory bank of 40 keys ([BoW] §2.1): 3 steps × 16 keys wrap around
-    bank = ["memory_bank.size=40", "loss.kind=unicl", "memory_bank.momentum=0.9"]
+    # stage 2 trains UniCL against an EMA memory bank of 40 keys ([BoW] §2.1): 3 steps × 16 keys wrap around; in
+    # bf16 (DeepSpeed's CPU accelerator), the precision every GPU user takes
+    bank = ["memory_bank.size=40", "loss.kind=unicl", "memory_bank.momentum=0.9", "train.precision=bf16",
+            "train.max_steps=4", "train.stop_at_step=3"]  # stops at 3 of 4: _check_memory_bank resumes it
     extra = {1: bow, 2: bank}.get(stage, [])
     cfg = small_config(demo_dir, tmp_path, f"train.zero_stage={stage}", *extra)
     result = train(cfg)
@@ -45,14 +47,29 @@ def test_zero_stage_trains_two_workers(ray_local, demo_dir, tmp_path, stage):
         assert key in result.metrics
     files = _ds_files(Path(result.checkpoint_dir))
     if stage >= 1:  # every rank's optimizer partition is in the one checkpoint (Ray merged both ranks' files)
-        assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= set(files)
+        bf16 = "bf16_" if stage == 2 else ""  # DeepSpeed's name for the partitions of fp32 master weights under bf16
+        assert {f"{bf16}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= set(files)
     state = torch.load(Path(result.checkpoint_dir) / "model.pt")
     assert "text.alignment.0.attention.self.query.weight" in state and state["logit_scale"].shape == (1,)
     assert json.loads((result.run_dir / "eval.json").read_text())["eval_images"] == 64
     if stage == 0:
         _check_same_numbers_as_rayvl_eval(result, tmp_path)
     if stage == 2:
+        _check_bf16_weights_and_embeddings(result, state)
         _check_memory_bank(cfg, result, state, demo_dir, tmp_path)
+
+
+def _check_bf16_weights_and_embeddings(result, state):
+    """A bf16 run's consolidated weights are the optimizer's fp32 masters (not bf16-rounded), and the exported
+    model embeds in fp32."""
+    from rayvl.checkpoints import load_model
+
+    assert {v.dtype for v in state.values()} <= {torch.float32, torch.int64}
+    trained = state["vision_proj.weight"]
+    assert not torch.equal(trained, trained.bfloat16().float())
+    model, _ = load_model(result.checkpoint_dir)
+    images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
+    assert model.encode_image(images).dtype == torch.float32
 
 
 def _check_same_numbers_as_rayvl_eval(result, tmp_path):
@@ -85,8 +102,15 @@ def _check_memory_bank(cfg, result, state, demo_dir, tmp_path):
     ema = bank.ema.state_dict()
     moved = [k for k in state if k.startswith("vision_proj") and not torch.equal(ema[k], state[k])]
     assert moved  # EMA lags the trained weights (momentum 0.9)
-    resumed = train(small_config(demo_dir, tmp_path, "train.zero_stage=2", "memory_bank.size=40", "loss.kind=unicl",
-                                 "memory_bank.momentum=0.9", "train.max_steps=4", "train.resume=true"))
+    from rayvl.config import ConfigError
+
+    same = ["train.zero_stage=2", "memory_bank.size=40", "loss.kind=unicl", "memory_bank.momentum=0.9",
+            "train.precision=bf16", "train.resume=true"]
+    assert json.loads((Path(result.checkpoint_dir) / "rayvl.json").read_text())["final"] is False  # stopped at 3
+    for changed in ("train.max_steps=5", "train.warmup_steps=2", "train.lr=0.01"):  # refused before Ray starts
+        with pytest.raises(ConfigError, match=rf"^{changed.split('=')[0]}: .* the value the run started with"):
+            train(small_config(demo_dir, tmp_path, *same, changed))
+    resumed = train(small_config(demo_dir, tmp_path, *same, "train.max_steps=4"))
     after = read_train_state(resumed.checkpoint_dir)["memory_bank"]
     assert (after["ptr"], after["filled"]) == (64 % 40, 40)  # restored queue + one step (a fresh one: 16, 16)
     assert torch.equal(after["labels"][24:40], saved["labels"][24:40])  # entries not yet overwritten survive
@@ -127,7 +151,8 @@ def test_checkpoint_round_trip_and_resume(ray_local, demo_dir, tmp_path):
     # with TOnICS refreshing at every step (threshold 0): P_S(root) = 0.8^step only if the curriculum resumes too
     tonics = ["tonics.enabled=true", f"tonics.classes={json.dumps(SHAPES)}", "tonics.min_instances=20",
               "tonics.refresh_every=1", "tonics.threshold=0", "tonics.alpha=0.8", "tonics.buffer_rows=64"]
-    cfg = small_config(demo_dir, tmp_path, "train.zero_stage=3", "train.max_steps=2", *tonics)
+    cfg = small_config(demo_dir, tmp_path, "train.zero_stage=3", "train.max_steps=4", "train.stop_at_step=2",
+                       *tonics)
     first = train(cfg)
     assert json.loads((Path(first.checkpoint_dir) / "rayvl.json").read_text())["step"] == 2
     files = set(_ds_files(Path(first.checkpoint_dir)))  # ZeRO-3: both ranks' parameter and optimizer partitions
@@ -167,3 +192,37 @@ def test_checkpoint_round_trip_and_resume(ray_local, demo_dir, tmp_path):
     saved = torch.load(Path(resumed.checkpoint_dir) / "model.pt")
     rebuilt = model.state_dict()
     assert rebuilt.keys() == saved.keys() and all(torch.equal(rebuilt[k], saved[k]) for k in saved)
+
+
+class _Payload:
+    """What a tampered checkpoint file could carry: unpickling it runs code (here: touches a marker file)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_tampered_checkpoint_files_are_refused_not_run(tmp_path):
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from rayvl.checkpoints import STATE_FILE, UnsafeCheckpointError, read_train_state, weights_only_loads
+
+    marker = tmp_path / "code-ran"
+    torch.save({"progress": {"step": 1, "history": [], "extra": _Payload(str(marker))}}, tmp_path / STATE_FILE)
+    with pytest.raises(UnsafeCheckpointError, match=f"{tmp_path}: refused"):
+        read_train_state(tmp_path)
+    # DeepSpeed's own loads ask for weights_only=False: inside the guard they are weights-only all the same
+    optim = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": {"zero_stage": ZeroStageEnum.gradients, "loss_scaler": LossScaler(1.0),
+                                         "payload": _Payload(str(marker))}}, optim)
+    with pytest.raises(UnsafeCheckpointError, match="weights_only"), weights_only_loads(tmp_path):
+        torch.load(optim, weights_only=False)
+    assert not marker.exists()
+    torch.save({"zero_stage": ZeroStageEnum.gradients, "loss_scaler": LossScaler(1.0)}, optim)  # DeepSpeed's records
+    with weights_only_loads(tmp_path):
+        assert torch.load(optim, weights_only=False)["zero_stage"] == ZeroStageEnum.gradients
+    torch.load(tmp_path / STATE_FILE, weights_only=False)  # the same file without the guard runs its payload
+    assert marker.exists()

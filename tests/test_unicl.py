@@ -88,7 +88,9 @@ def test_unicl_mix_and_ce_baseline_train_two_workers(ray_local, demo_dir, tmp_pa
 
     common = ["image_label.data=fashion-mnist", "image_label.train_classes=[0, 2, 4, 6]", "train.max_steps=2",
               "image_label.limit=1000"]
-    extra = {"unicl_mixed": ["loss.kind=unicl", "image_label.weight=0.5", "memory_bank.size=32"],
+    # UniCL with image-label mixing and a memory bank in bf16; the CE baseline in fp32
+    extra = {"unicl_mixed": ["loss.kind=unicl", "image_label.weight=0.5", "memory_bank.size=32",
+                             "train.precision=bf16"],
              "ce": ["loss.kind=ce", "model.text_tower=class_embedding", "image_label.weight=1.0", "eval.tasks=[]"]}
     result = train(small_config(demo_dir, tmp_path, *common, *extra[variant]))
     history = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]

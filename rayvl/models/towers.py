@@ -29,8 +29,10 @@ class VisionTower(nn.Module):
         self.out_dim = self.backbone.num_features
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = (images.to(self.mean.dtype) - self.mean) / self.std
-        return self.backbone(x)
+        # normalised in fp32, then in the backbone's own dtype: under bf16 DeepSpeed holds bf16 weights, while
+        # the mean/std buffers may stay fp32
+        x = (images.float() - self.mean.float()) / self.std.float()
+        return self.backbone(x.to(next(self.backbone.parameters()).dtype))
 
 
 class BottleneckAdapter(nn.Module):

@@ -15,32 +15,45 @@ from pathlib import Path
 import ray.train
 import torch
 
-from rayvl.checkpoints import META_FILE, METRICS_FILE, MODEL_FILE, STATE_FILE, TAG, read_train_state
+from rayvl.checkpoints import META_FILE, METRICS_FILE, MODEL_FILE, STATE_FILE, TAG, read_train_state, \
+    weights_only_loads
 from rayvl.train.state import TrainState
 
 
 def consolidated_state_dict(engine) -> dict | None:
-    """Full model weights on rank 0 (gathered from ZeRO-3 partitions when needed), None elsewhere."""
+    """Full fp32 model weights on rank 0 (gathered from ZeRO-3 partitions when needed), None elsewhere. Under bf16
+    the trained parameters are the optimizer's fp32 master copies, not their bf16 rounding."""
     import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
 
     module = engine.module
     rank = torch.distributed.get_rank()
     if engine.zero_optimization_stage() == 3:
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
             state = {k: v.detach().clone() for k, v in module.state_dict().items()} if rank == 0 else None
-        return state
-    return {k: v.detach().clone() for k, v in module.state_dict().items()} if rank == 0 else None
+    else:
+        state = {k: v.detach().clone() for k, v in module.state_dict().items()} if rank == 0 else None
+    masters = {}
+    if engine.bfloat16_enabled():  # a collective: every rank asks for every parameter, in the same order
+        masters = {name: safe_get_full_fp32_param(p) for name, p in module.named_parameters()}
+    if state is None:
+        return None
+    return {k: (masters[k] if masters.get(k) is not None else v).float().cpu() if v.is_floating_point() else v
+            for k, v in state.items()}
 
 
 @contextmanager
 def saved(engine, state: TrainState, config: dict, final: bool):
-    """Write this rank's part of the checkpoint into a temporary directory and yield it as a Checkpoint."""
+    """Write this rank's part of the checkpoint into a temporary directory and yield it as a Checkpoint; ``final``
+    (the last step of this invocation) adds the consolidated weights, and the run is finished (``rayvl.json``)
+    when that step is ``train.max_steps``."""
     with tempfile.TemporaryDirectory(prefix="rayvl-ckpt-") as tmp:
         engine.save_checkpoint(tmp, tag=TAG)
         weights = consolidated_state_dict(engine) if final else None  # every rank joins the ZeRO-3 gather
         if torch.distributed.get_rank() == 0:
             torch.save(state.state_dict(), Path(tmp) / STATE_FILE)
-            meta = {"step": state.progress.step, "config": config, "final": final}
+            meta = {"step": state.progress.step, "config": config,
+                    "final": state.progress.step == config["train"]["max_steps"]}
             (Path(tmp) / META_FILE).write_text(json.dumps(meta))
             with open(Path(tmp) / METRICS_FILE, "w") as f:
                 f.writelines(json.dumps(row) + "\n" for row in state.progress.history)
@@ -54,7 +67,7 @@ def restore(engine, state: TrainState) -> bool:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return False
-    with checkpoint.as_directory() as d:
+    with checkpoint.as_directory() as d, weights_only_loads(checkpoint.path):
         engine.load_checkpoint(d, tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
         state.load_state_dict(read_train_state(d))
     return True

@@ -1,7 +1,7 @@
 """DeepSpeed engine around the dual encoder: ZeRO 0-3, AdamW, warm-up + cosine, gradient clipping.
 
 DeepSpeed joins the process group Ray Train already created (gloo on CPU, NCCL on GPU); on CPU it runs on its
-"cpu" accelerator in fp32 (DESIGN: fp16 is refused there, bf16 is for GPUs).
+"cpu" accelerator in fp32 or bf16 (fp16 is refused there).
 """
 from __future__ import annotations
 
@@ -24,6 +24,10 @@ def deepspeed_config(cfg: RayvlConfig, world_size: int) -> dict:
         "zero_optimization": {"stage": t.zero_stage},
         "bf16": {"enabled": t.precision == "bf16"},
         "fp16": {"enabled": t.precision == "fp16"},
+        # DeepSpeed casts parameters only; BatchNorm's running statistics must follow its weights (CPU and CUDA
+        # batch_norm refuse bf16 weights with fp32 statistics), the image normalisation constants stay fp32
+        **({"data_types": {"buffer_dtype": "bf16" if t.precision == "bf16" else "fp16",
+                           "keep_in_fp32_modules": [r"^vision\.(mean|std)$"]}} if t.precision != "fp32" else {}),
         # a plain torch AdamW: DeepSpeed's fused CPU Adam would JIT-compile for ~70 s on every new machine
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,

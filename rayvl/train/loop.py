@@ -45,7 +45,8 @@ def train_loop_per_worker(config: dict) -> None:
     evaluating = dict(cfg=cfg, tokenizer_path=config["tokenizer_path"], rank=rank, world=world)
     window = Window()
 
-    while state.progress.step < cfg.train.max_steps:
+    end = cfg.train.stop_at_step or cfg.train.max_steps  # a stop ends this invocation as the last step would
+    while state.progress.step < end:
         for micro in range(cfg.train.grad_accumulation):
             batch, waited = next_batch(state.progress.step + 1, micro)
             loss = _loss(engine, batch, cfg, bank, (state.progress.step * cfg.train.grad_accumulation + micro)
@@ -59,7 +60,7 @@ def train_loop_per_worker(config: dict) -> None:
         state.progress.step = step = state.progress.step + 1
         window.steps += 1
 
-        last = step == cfg.train.max_steps
+        last = step == end
         do_refresh = curriculum is not None and step % cfg.tonics.refresh_every == 0
         if do_refresh:
             _refresh(curriculum, step, held_out_retrieval(engine.module, eval_data, cfg.tonics.refresh_instances,
@@ -115,7 +116,10 @@ def _refresh(curriculum: Curriculum, step: int, accuracy: float, cfg: RayvlConfi
 
 def _loss(engine, batch: dict, cfg, bank: MemoryBank | None, batch_index: int) -> torch.Tensor:
     """InfoNCE or UniCL over the gathered batch, or against the EMA keys + queue when a memory bank is on."""
-    image_features, text_features, scale = engine(batch["image"], batch["input_ids"], batch["attention_mask"])
+    # the loss in fp32 whatever the towers' precision: bf16 logits lose the ranking between near keys, and the
+    # memory bank's EMA keys and queue are fp32
+    image_features, text_features, scale = (t.float() for t in engine(batch["image"], batch["input_ids"],
+                                                                      batch["attention_mask"]))
     if cfg.loss.kind == "ce":  # [UniCL] eq. (4): the text side is the class-embedding matrix
         return F.cross_entropy(scale * image_features @ text_features.T, batch["label"])
     if bank is None and cfg.loss.kind == "clip":

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rayvl import storage
-from rayvl.checkpoints import METRICS_FILE, latest_checkpoint_dir
+from rayvl.checkpoints import METRICS_FILE, latest_checkpoint_dir, read_meta
 from rayvl.config import ConfigError, RayvlConfig
 from rayvl.eval.tasks import METRIC_PREFIXES
 
@@ -32,13 +32,37 @@ def run_paths(cfg: RayvlConfig) -> tuple[str, str]:
     store = storage.normalize(cfg.train.storage_path)
     name = cfg.train.run_name or f"{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = storage.join(store, name)
-    exists = latest_checkpoint_dir(run_dir) is not None
-    if exists and not cfg.train.resume:
+    latest = latest_checkpoint_dir(run_dir)
+    if latest is not None and not cfg.train.resume:
         raise ConfigError(f"train.run_name: run {run_dir!r} already has checkpoints; "
                           f"set train.resume=true (--resume) to continue it, or choose another name")
-    if cfg.train.resume and not exists:
+    if cfg.train.resume and latest is None:
         raise ConfigError(f"train.resume: run {run_dir!r} has no checkpoint to resume from")
+    if latest is not None:
+        check_resumable(cfg, read_meta(latest))
     return store, name
+
+
+# The optimizer and its schedule as the run started them: DeepSpeed restores AdamW's hyperparameters and the
+# LR scheduler's position from the checkpoint, and the warm-up + cosine curve is drawn over max_steps — a changed
+# value would be ignored (AdamW's) or bend the curve mid-run (an LR jump), so a resume keeps them all.
+SCHEDULE_KEYS = ("lr", "warmup_steps", "max_steps", "weight_decay", "betas", "eps")
+
+
+def check_resumable(cfg: RayvlConfig, meta: dict) -> None:
+    """A resume continues the run's own schedule: any schedule key changed since it started is refused, naming
+    the key; so is a ``stop_at_step`` the run has already passed."""
+    started = meta["config"]["train"]
+    for key in SCHEDULE_KEYS:
+        now, then = getattr(cfg.train, key), started[key]
+        if (list(now) if isinstance(now, tuple) else now) != then:
+            raise ConfigError(
+                f"train.{key}: {now} differs from {then}, the value the run started with (checkpoint at step "
+                f"{meta['step']}); a resume continues the run's optimizer and learning-rate schedule — resume with "
+                f"train.{key}={then}, or start a new run")
+    if 0 < cfg.train.stop_at_step <= meta["step"]:
+        raise ConfigError(f"train.stop_at_step: {cfg.train.stop_at_step} is not after the checkpoint's step "
+                          f"{meta['step']}")
 
 
 def finish(run_dir: str, result, data_report: dict) -> RunResult:
