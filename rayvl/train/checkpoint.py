@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import ray.train
@@ -28,10 +28,9 @@ def consolidated_state_dict(engine) -> dict | None:
 
     module = engine.module
     rank = torch.distributed.get_rank()
-    if engine.zero_optimization_stage() == 3:
-        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            state = {k: v.detach().clone() for k, v in module.state_dict().items()} if rank == 0 else None
-    else:
+    gathered = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None) \
+        if engine.zero_optimization_stage() == 3 else nullcontext()
+    with gathered:
         state = {k: v.detach().clone() for k, v in module.state_dict().items()} if rank == 0 else None
     masters = {}
     if engine.bfloat16_enabled():  # a collective: every rank asks for every parameter, in the same order

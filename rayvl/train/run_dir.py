@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rayvl import storage
 from rayvl.checkpoints import METRICS_FILE, latest_checkpoint_dir, read_meta
-from rayvl.config import ConfigError, RayvlConfig
+from rayvl.config import ConfigError, RayvlConfig, from_dict
 from rayvl.eval.tasks import METRIC_PREFIXES
 
 
@@ -52,10 +52,10 @@ SCHEDULE_KEYS = ("lr", "warmup_steps", "max_steps", "weight_decay", "betas", "ep
 def check_resumable(cfg: RayvlConfig, meta: dict) -> None:
     """A resume continues the run's own schedule: any schedule key changed since it started is refused, naming
     the key; so is a ``stop_at_step`` the run has already passed."""
-    started = meta["config"]["train"]
+    started = from_dict(meta["config"]).train  # typed as the config is (JSON has lists where it has tuples)
     for key in SCHEDULE_KEYS:
-        now, then = getattr(cfg.train, key), started[key]
-        if (list(now) if isinstance(now, tuple) else now) != then:
+        now, then = getattr(cfg.train, key), getattr(started, key)
+        if now != then:
             raise ConfigError(
                 f"train.{key}: {now} differs from {then}, the value the run started with (checkpoint at step "
                 f"{meta['step']}); a resume continues the run's optimizer and learning-rate schedule — resume with "
