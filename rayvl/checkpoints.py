@@ -4,7 +4,7 @@ A checkpoint is one folder (Ray Train's ``checkpoint_*``, every rank's files mer
 
     deepspeed/        every rank's DeepSpeed files: model, optimizer and ZeRO partitions, LR scheduler
     train_state.pt    the train state beside DeepSpeed's (rayvl.train.state.TrainState: step, metric history,
-                      TOnICS curriculum, memory bank) — one state_dict per component
+                      TOnICS curriculum, memory bank, data position) — one state_dict per component
     rayvl.json        {"step", "config", "final"}: what run wrote it and how far it got
     metrics.jsonl     the metric history, readable (an export of the train state, never read back)
     model.pt          consolidated fp32 weights (final checkpoints only)

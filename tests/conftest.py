@@ -73,3 +73,19 @@ def small_config(demo_dir, tmp_path, *overrides):
         "model.alignment_layers=1", "model.embed_dim=64", "eval.batch_size=32",
     ]
     return load_config(REPO / "configs" / "laion_adapt.yaml", base + list(overrides))
+
+
+def fit_in_task(config: dict, env: dict | None = None, **options):
+    """fit() in a CPU-less task, as `ray job submit` runs a driver; ``env`` is added to the environment of the
+    task and so of the run's controller and workers (e.g. RAYVL_FAIL_AT)."""
+    import ray
+
+    runtime_env = {"env_vars": {**worker_env(), **(env or {})}}
+    return ray.remote(num_cpus=0, max_retries=0, runtime_env=runtime_env, **options)(_fit).remote(config)
+
+
+def _fit(config: dict):
+    from rayvl.config import from_dict
+    from rayvl.train.trainer import train
+
+    return train(from_dict(config))

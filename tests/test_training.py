@@ -145,16 +145,30 @@ def _check_restore(config):
 
 
 def test_checkpoint_round_trip_and_resume(ray_local, demo_dir, tmp_path):
+    """ZeRO-3 with TOnICS: (1) a worker killed while the step-3 checkpoint is written — the run resumes from step 2
+    and writes step 3 again; (2) the checkpoint restores the engine bit for bit; (3) a new driver resumes the run,
+    and across both resumes no TOnICS row is trained on twice."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
+
+    from conftest import fit_in_task
+    from rayvl.checkpoints import RAY_TRAIN_SNAPSHOT, latest_checkpoint_dir, read_train_state
 
     # with TOnICS refreshing at every step (threshold 0): P_S(root) = 0.8^step only if the curriculum resumes too
     tonics = ["tonics.enabled=true", f"tonics.classes={json.dumps(SHAPES)}", "tonics.min_instances=20",
               "tonics.refresh_every=1", "tonics.threshold=0", "tonics.alpha=0.8", "tonics.buffer_rows=64"]
-    cfg = small_config(demo_dir, tmp_path, "train.zero_stage=3", "train.max_steps=4", "train.stop_at_step=2",
+    cfg = small_config(demo_dir, tmp_path, "train.zero_stage=3", "train.max_steps=4", "train.stop_at_step=3",
                        *tonics)
-    first = train(cfg)
-    assert json.loads((Path(first.checkpoint_dir) / "rayvl.json").read_text())["step"] == 2
+    # rank 1 is killed (SIGKILL) after writing its DeepSpeed files of step 3, before reporting them
+    first = ray_local.get(fit_in_task(cfg.to_dict(), {"RAYVL_FAIL_AT": "checkpoint_write:3:1"}))
+    assert json.loads((Path(first.checkpoint_dir) / "rayvl.json").read_text())["step"] == 3
+    state = read_train_state(first.checkpoint_dir)
+    assert state["progress"]["resumed_at"] == [2]  # the step-2 checkpoint was the one restored
+    committed = json.loads((first.run_dir / RAY_TRAIN_SNAPSHOT).read_text())["checkpoint_results"]
+    assert len(committed) == 2 and latest_checkpoint_dir(first.run_dir) == first.checkpoint_dir
+    history = [json.loads(x) for x in (first.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == [1, 2, 3]
+    assert history[-1]["resumed_from"] == 2 and history[-1]["first_step"] == 3  # the restart record
     files = set(_ds_files(Path(first.checkpoint_dir)))  # ZeRO-3: both ranks' parameter and optimizer partitions
     assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
             "zero_pp_rank_1_mp_rank_00_model_states.pt"} <= files
@@ -165,18 +179,23 @@ def test_checkpoint_round_trip_and_resume(ray_local, demo_dir, tmp_path):
                  scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
                  run_config=RunConfig(name="run", storage_path=str(tmp_path))).fit()
     restored = json.loads(out.read_text())
-    assert restored == {"step": 2, "history_steps": [1, 2], "identical": True, "scheduler_steps": 2}
+    assert restored == {"step": 3, "history_steps": [1, 2, 3], "identical": True, "scheduler_steps": 3}
 
     with pytest.raises(Exception, match="already has checkpoints"):
         train(small_config(demo_dir, tmp_path, "train.zero_stage=3", "train.max_steps=4", *tonics))
     resumed = train(small_config(demo_dir, tmp_path, "train.zero_stage=3", "train.max_steps=4", "train.resume=true",
                                  *tonics))
     history = [json.loads(x) for x in (resumed.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [h["step"] for h in history] == [1, 2, 3, 4]  # continued at step 3, nothing repeated
+    assert [h["step"] for h in history] == [1, 2, 3, 4]  # continued at step 4, nothing repeated
     assert [h["tonics_p_root"] for h in history] == pytest.approx([0.8, 0.64, 0.512, 0.4096])
     assert [h["tonics_refreshes"] for h in history] == [1, 2, 3, 4]
-    last = history[-1]  # the sampler counts micro-batches since the resumed workers started: 2 steps × 2 ranks
-    assert last["tonics_node_root_batches"] + last["tonics_node_object_batches"] == 2 * 2
+    last = history[-1]  # the sampler counts micro-batches since the resumed workers started: 1 step × 2 ranks
+    assert last["tonics_node_root_batches"] + last["tonics_node_object_batches"] == 1 * 2
+    # the data position: 4 steps × 2 ranks × 8 rows, every (sample, noun) row of pass 0 trained on once, the
+    # rows trained on before both resumes never read again
+    position = read_train_state(resumed.checkpoint_dir)["data_position"]
+    assert position["rows_per_pass"] == {0: 64} and position["duplicates"] == 0
+    assert last["data_rows_trained"] == 64 and last["data_duplicate_rows"] == 0
     assert (resumed.run_dir / "tonics_counts.json").is_file()
     assert "TOnICS:" in format_data_report(resumed.data_report)
     assert json.loads((Path(resumed.checkpoint_dir) / "rayvl.json").read_text())["step"] == 4

@@ -37,7 +37,8 @@ def preprocess(batch: dict, *, counts: Counter, image_size: int, crop_scale_min:
     a prompt drawn for that class; classes outside ``prompts.train_classes`` are excluded and counted."""
     rows: list[tuple] = []
     rng = np.random.default_rng() if prompts is not None else None
-    for key, jpg, txt, meta in zip(batch["key"], batch["jpg"], batch["txt"], batch["json"]):
+    ids = batch.get("row", np.full(len(batch["key"]), -1))  # data/position.py
+    for key, jpg, txt, meta, row in zip(batch["key"], batch["jpg"], batch["txt"], batch["json"], ids):
         cls = _cls(meta)
         text, reason = _prompt_for(cls, prompts, rng) if prompts is not None else validate_caption(txt)
         if not reason and bow is not None:
@@ -54,8 +55,8 @@ def preprocess(batch: dict, *, counts: Counter, image_size: int, crop_scale_min:
         row_objects = ontology.row_objects(text, meta) if ontology is not None else [-1]
         if ontology is not None and row_objects == [-1]:
             counts["tonics_unaligned_pairs"] += 1
-        rows += [(image, text, key, cls, obj) for obj in row_objects]
-    images, captions, keys, classes, objects = (list(c) for c in zip(*rows)) if rows else ([], [], [], [], [])
+        rows += [(image, text, key, cls, obj, row) for obj in row_objects]
+    images, captions, keys, classes, objects, ids = (list(c) for c in zip(*rows)) if rows else ([],) * 6
     if ontology is not None:
         counts["tonics_rows"] += len(keys)
     kept = len(set(keys)) if ontology is not None else len(keys)
@@ -64,7 +65,8 @@ def preprocess(batch: dict, *, counts: Counter, image_size: int, crop_scale_min:
     # training loop gives each of those a unique label)
     labels = classes if prompts is not None else [-1] * len(classes)
     return {**_model_inputs(images, captions, labels, keys, image_size, tokenizer_path, max_tokens),
-            "cls": np.array(classes, dtype=np.int64), "object": np.array(objects, dtype=np.int64)}
+            "cls": np.array(classes, dtype=np.int64), "object": np.array(objects, dtype=np.int64),
+            "row": np.array(ids, dtype=np.int64)}
 
 
 def prompt_batch(batch: dict, *, prompts: Prompts, image_size: int, crop_scale_min: float, tokenizer_path: str,

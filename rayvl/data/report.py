@@ -8,6 +8,8 @@ from collections import Counter
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from rayvl.data.position import DataPosition
+
 
 class DataPlaneError(RuntimeError):
     """The data path cannot produce training data (no shards, every sample dropped, a starved pipeline)."""
@@ -15,19 +17,81 @@ class DataPlaneError(RuntimeError):
 
 @ray.remote(num_cpus=0)
 class DataReport:
-    """Counts every sample seen and every sample dropped (by reason) across all Ray Data tasks of one run."""
+    """Counts every sample seen and every sample dropped (by reason) across all Ray Data tasks of one run, per
+    (pass, shard) for a training stream, and holds the data position read tasks resume from (data/position.py).
+
+    ``settled``: counts of shards that will not be read again (finished, or restored from a checkpoint);
+    ``units``: the current counts of each shard being read, replaced when the shard is read again (a retried read
+    task, a resumed run). A restore (one per worker group, ``token``) drops what the lost group's reads counted."""
 
     def __init__(self):
-        self.counts: Counter = Counter()
+        self.settled: Counter = Counter()
         self.bad_shards: dict[str, str] = {}
+        self.units: dict[tuple[int, int], tuple[str, Counter]] = {}
+        self.running: Counter = Counter()  # the sum of self.units' counts
+        self.rows: dict[tuple[int, int], int] = {}  # rows a shard produced, once its read reached the end
+        self.token: str | None = None
+        self.position: DataPosition | None = None
+        self.execution = 0
 
-    def add(self, counts: dict, bad_shard: tuple[str, str] | None = None) -> None:
-        self.counts.update(counts)
+    def add(self, counts: dict, bad_shard: tuple[str, str] | None = None, unit: tuple | None = None) -> None:
+        """``unit`` = (token, attempt, pass, shard, rows produced or None before the shard's end)."""
         if bad_shard:
             self.bad_shards[bad_shard[0]] = bad_shard[1]
+        if unit is None:
+            self.settled.update(counts)
+            return
+        token, attempt, p, s, rows = unit
+        if token != self.token:  # a read of a worker group that was replaced since
+            return
+        held = self.units.get((p, s))
+        if held is None or held[0] != attempt:  # read again: its earlier counts are replaced
+            if held is not None:
+                self.running.subtract(held[1])
+            held = self.units[(p, s)] = (attempt, Counter())
+        held[1].update(counts)
+        self.running.update(counts)
+        if rows is not None:
+            self.rows[(p, s)] = rows
+
+    def restore(self, token: str, position: dict | None, n_shards: int) -> None:
+        """A worker group starts (from ``position``, or from the beginning when None); the same token twice is a
+        no-op, so every rank of a group may call it."""
+        if token == self.token:
+            return
+        self.token, self.units, self.running, self.rows = token, {}, Counter(), {}
+        self.position = DataPosition(n_shards)
+        if position is not None:
+            self.position.load_state_dict(position)
+        self.settled = Counter(self.position.report["counts"])
+        self.bad_shards = dict(self.position.report["bad_shards"])
+        self.execution = self.position.execution
+
+    def plan(self, listed_pass: int, passes: int, shards: list[int]) -> tuple:
+        """(token, pass, shards to skip, shard → rows trained on) for a read task of pass ``listed_pass`` of a
+        dataset that lists ``passes`` passes (its later executions read the passes after them)."""
+        pass_ = listed_pass + self.execution * passes
+        skip, trained = self.position.plan(pass_, shards) if self.position else (set(), {})
+        return self.token, pass_, skip, trained
+
+    def begin_execution(self, execution: int) -> None:
+        self.execution = max(self.execution, execution)
+
+    def unit_rows(self, units: list[tuple[int, int]]) -> dict:
+        """Rows produced by each of ``units`` whose read has reached the shard's end."""
+        return {u: self.rows[u] for u in units if u in self.rows}
+
+    def settle(self, units: list[tuple[int, int]]) -> tuple[dict, int]:
+        """Fold finished shards' counts into the settled ones; returns (the settled report, executions)."""
+        for u in units:
+            held = self.units.pop(u, None)
+            if held is not None:
+                self.running.subtract(held[1])
+                self.settled.update(held[1])
+        return {"counts": dict(+self.settled), "bad_shards": dict(self.bad_shards)}, self.execution
 
     def snapshot(self) -> dict:
-        return {"counts": dict(self.counts), "bad_shards": dict(self.bad_shards)}
+        return {"counts": dict(+(self.settled + self.running)), "bad_shards": dict(self.bad_shards)}
 
 
 _handles: dict = {}
@@ -45,12 +109,13 @@ def report_actor(name: str):
     return _handles[name]
 
 
-def record(report_name: str | None, counts: dict, bad_shard: tuple[str, str] | None = None) -> None:
+def record(report_name: str | None, counts: dict, bad_shard: tuple[str, str] | None = None,
+           unit: tuple | None = None) -> None:
     """Add counts to the named report. Waited for: the counts are recorded before the (last) batch they describe
     is emitted, so whoever has consumed the data also sees its counts — a fire-and-forget call could still be in
     flight. Callers batch their counts (a read task once per shard), so the round trip is not per batch."""
     if report_name:
-        ray.get(report_actor(report_name).add.remote(counts, bad_shard))
+        ray.get(report_actor(report_name).add.remote(counts, bad_shard, unit))
 
 
 def snapshot(report_name: str) -> dict:
@@ -70,6 +135,20 @@ def caption_stats(counts: dict) -> dict:
                     "bow_dataset_change_pct": -100.0 * counts.get("dropped_bow_empty", 0) / n + 0.0,
                     "bow_base_share_pct": 100.0 * counts.get("bow_base_captions", 0) / n})
     return out
+
+
+def position_report(position: dict, resumed_at: list[int]) -> dict:
+    """A final checkpoint's data position (data/position.py) as the data report shows it."""
+    return {"rows_per_pass": {int(p): int(n) for p, n in sorted(position["rows_per_pass"].items())},
+            "complete_passes": sorted(position["complete"]), "duplicates": int(position["duplicates"]),
+            "resumed_at": list(resumed_at)}
+
+
+def _position_line(pos: dict) -> str:
+    passes = ", ".join(f"pass {p} {n} rows{' (complete)' if int(p) in pos['complete_passes'] else ''}"
+                       for p, n in pos["rows_per_pass"].items())
+    resumed = f"resumed at step {', '.join(map(str, pos['resumed_at']))}" if pos["resumed_at"] else "never resumed"
+    return f"  trained on: {passes}; {pos['duplicates']} rows trained twice; {resumed}"
 
 
 def _drop_lines(report: dict) -> list[str]:
@@ -92,6 +171,8 @@ def format_data_report(report: dict) -> str:
     lines = [f"training: seen {counts.get('samples_seen', 0)}, kept {counts.get('samples_kept', 0)} "
              f"(all passes over the data; img2dataset lists {report.get('img2dataset_successes_per_pass')} "
              f"successful samples per pass)", _caption_line(counts), *_drop_lines(report)]
+    if "position" in report:
+        lines.insert(1, _position_line(report["position"]))
     if "tonics_rows" in counts:  # [TOnICS] App. A.1: one row per (pair, aligned noun)
         lines.insert(2, f"  TOnICS: {counts['tonics_rows']} rows from {counts.get('samples_kept', 0)} pairs; "
                         f"{counts.get('tonics_unaligned_pairs', 0)} pairs without an aligned noun (root-only rows)")

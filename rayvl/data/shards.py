@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import tarfile
 import time
+import uuid
 import zlib
 from collections import Counter
 from functools import partial
@@ -34,7 +35,8 @@ from ray.data.datasource import Datasource, ReadTask
 
 from rayvl import storage
 from rayvl.data.pipeline import preprocess
-from rayvl.data.report import record
+from rayvl.data.position import row_ids
+from rayvl.data.report import record, report_actor
 from rayvl.data.tar import COLUMNS, iter_tar_samples, open_shard, resolve_shards
 
 if TYPE_CHECKING:
@@ -49,21 +51,25 @@ REPORT_EVERY_S = 10.0  # counts reach the report at the end of each shard and at
 
 class ShardStream(Datasource):
     """Samples of img2dataset / webdataset tar shards over ``passes`` passes, as raw ``columns`` (bytes) or, with
-    ``transform``, as its output: ``transform(raw batch, counts) -> dict of arrays`` on batches of ``batch_size``."""
+    ``transform``, as its output: ``transform(raw batch, counts) -> dict of arrays`` on batches of ``batch_size``.
+    ``positioned``: the run's training stream — counted per shard in its report and resumed from the data position
+    the report holds (data/position.py); other streams (held-out, image-label) are counted as a whole."""
 
     def __init__(self, paths: list[str], *, columns: tuple[str, ...] = COLUMNS, transform: Callable | None = None,
                  batch_size: int = RAW_ROWS_PER_BLOCK, report_name: str | None = None, passes: int = 1,
-                 shuffle: bool = False, seed: int = 0):
+                 shuffle: bool = False, seed: int = 0, positioned: bool = False):
         super().__init__()
+        self.positioned = positioned and report_name is not None
         self.paths, self.columns, self.transform = list(paths), tuple(columns), transform
         self.batch_size, self.report_name = batch_size, report_name
         self.passes, self.shuffle, self.seed = passes, shuffle, seed
 
-    def order(self, epoch: int) -> list[str]:
-        """The shards of pass ``epoch`` in reading order: a permutation drawn from (seed, epoch) when shuffled."""
+    def order(self, epoch: int) -> list[int]:
+        """Indices of the shards of pass ``epoch`` in reading order: a permutation drawn from (seed, epoch) when
+        shuffled."""
         if not self.shuffle:
-            return list(self.paths)
-        return [self.paths[i] for i in np.random.default_rng([self.seed, epoch]).permutation(len(self.paths))]
+            return list(range(len(self.paths)))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.paths)).tolist()
 
     def estimate_inmemory_data_size(self) -> int | None:
         return None
@@ -83,34 +89,44 @@ class ShardStream(Datasource):
             order = self.order(epoch)
             for g in range(groups):
                 part = order[g * len(order) // groups:(g + 1) * len(order) // groups]
-                meta = BlockMetadata(num_rows=None, size_bytes=None, input_files=part, exec_stats=None)
-                tasks.append(ReadTask(partial(self._read, part), meta, per_task_row_limit=per_task_row_limit))
+                meta = BlockMetadata(num_rows=None, size_bytes=None, input_files=[self.paths[i] for i in part],
+                                     exec_stats=None)
+                tasks.append(ReadTask(partial(self._read, epoch, part), meta, per_task_row_limit=per_task_row_limit))
         return tasks
 
-    def _read(self, paths: list[str]) -> Iterator[pa.Table]:
-        for path in paths:
-            yield from self._read_shard(path)
+    def _read(self, listed_pass: int, shards: list[int]) -> Iterator[pa.Table]:
+        # the run's data position (data/position.py): finished shards are skipped unopened, rows of a shard
+        # trained on before a restore are dropped after decoding
+        token, pass_, skip, trained = ray.get(report_actor(self.report_name).plan.remote(
+            listed_pass, self.passes, shards)) if self.positioned else (None, listed_pass, set(), {})
+        for shard in shards:
+            if shard not in skip:
+                yield from self._read_shard(shard, (token, uuid.uuid4().hex, pass_, shard), trained.get(shard))
 
-    def _read_shard(self, path: str) -> Iterator[pa.Table]:
+    def _read_shard(self, shard: int, unit: tuple, trained: set | None) -> Iterator[pa.Table]:
         counts: Counter = Counter()
         bad: list[tuple[str, str]] = []
-        flushed, pending = time.monotonic(), None
-        for rows in self._raw_batches(path, bad):
+        flushed, pending, produced = time.monotonic(), None, 0
+        for first, rows in self._raw_batches(self.paths[shard], bad):
             if pending is not None:
                 yield pending
-            pending = self._block(rows, counts)
+            out = self._transformed(rows, row_ids(unit[2], shard, first, len(rows)), counts)
+            produced += _length(out)
+            pending = _block(_untrained(out, trained) if trained else out)
             if self.report_name and time.monotonic() - flushed > REPORT_EVERY_S:
-                record(self.report_name, counts)
+                record(self.report_name, counts, unit=(*unit, None) if self.positioned else None)
                 counts, flushed = Counter(), time.monotonic()
         counts["truncated_shards"] += len(bad)
-        # the shard's counts are recorded before its last block is emitted (one round trip per shard, not per
-        # batch): whoever has consumed a whole pass also sees all of its counts
-        if self.report_name and (+counts or bad):
-            record(self.report_name, +counts, bad[0] if bad else None)
+        # the shard's counts (and the rows it produced) are recorded before its last block is emitted (one round
+        # trip per shard, not per batch): whoever has consumed a whole pass also sees all of its counts
+        if self.report_name:
+            record(self.report_name, +counts, bad[0] if bad else None,
+                   unit=(*unit, produced) if self.positioned else None)
         if pending is not None:
             yield pending
 
-    def _raw_batches(self, path: str, bad: list) -> Iterator[list[dict]]:
+    def _raw_batches(self, path: str, bad: list) -> Iterator[tuple[int, list[dict]]]:
+        """(index of the first row in the shard, rows) batches of ``batch_size``."""
         rows: list[dict] = []
         read = 0
         try:
@@ -118,21 +134,37 @@ class ShardStream(Datasource):
                 for sample in iter_tar_samples(f, self.columns):
                     rows.append(sample)
                     if len(rows) == self.batch_size:
+                        yield read, rows
                         read += len(rows)
-                        yield rows
                         rows = []
         except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
             # A damaged shard costs only its own bad tail (at most the one sample being read when it broke).
             bad.append((path, f"{type(e).__name__}: {e} after {read + len(rows)} samples"))
         if rows:
-            yield rows
+            yield read, rows
 
-    def _block(self, rows: list[dict], counts: Counter):
+    def _transformed(self, rows: list[dict], ids: np.ndarray, counts: Counter) -> dict | pa.Table:
         batch = {c: [r.get(c) for r in rows] for c in self.columns}
         if self.transform is None:
             return pa.table({c: pa.array(v, pa.string() if c == "key" else pa.binary()) for c, v in batch.items()})
-        out = self.transform(batch, counts)
-        return BlockAccessor.batch_to_block(out) if len(next(iter(out.values()))) else None
+        return self.transform({**batch, "row": ids}, counts)
+
+
+def _length(out: dict | pa.Table) -> int:
+    return out.num_rows if isinstance(out, pa.Table) else len(next(iter(out.values())))
+
+
+def _untrained(out: dict, trained: set[tuple[int, int]]) -> dict:
+    """The rows of a transform batch not trained on before the restore (TOnICS: (sample, object) rows)."""
+    objects = out["object"] if "object" in out else np.full(len(out["row"]), -1)
+    keep = np.array([(r, o) not in trained for r, o in zip(out["row"].tolist(), objects.tolist())], dtype=bool)
+    return {k: v[keep] for k, v in out.items()}
+
+
+def _block(out: dict | pa.Table):
+    if isinstance(out, pa.Table):
+        return out
+    return BlockAccessor.batch_to_block(out) if _length(out) else None
 
 
 def group_over_shards(spec: str, columns: tuple[str, ...], fn, fn_kwargs: dict, key: str, read_cpus: float):
@@ -153,14 +185,15 @@ def read_shards(spec: str, *, image_size: int, crop_scale_min: float, train: boo
                 max_tokens: int, read_cpus: float, transform_batch_size: int, shuffle_files: bool,
                 report_name: str | None, bow: Deformer | None = None, ontology: Ontology | None = None,
                 prompts: Prompts | None = None, columns: list[str] | None = None, passes: int = 1,
-                seed: int = 0) -> ray.data.Dataset:
+                seed: int = 0, positioned: bool = False) -> ray.data.Dataset:
     """The streaming Ray Dataset of model inputs for a shard spec: ``passes`` passes over the shards, only
     ``columns`` of the model inputs kept (all of them when None)."""
     transform = partial(_transform, columns=columns, kw=dict(
         image_size=image_size, crop_scale_min=crop_scale_min, train=train, tokenizer_path=tokenizer_path,
         max_tokens=max_tokens, bow=bow, ontology=ontology, prompts=prompts))
     source = ShardStream(resolve_shards(spec), transform=transform, batch_size=transform_batch_size,
-                         report_name=report_name, passes=passes, shuffle=shuffle_files, seed=seed)
+                         report_name=report_name, passes=passes, shuffle=shuffle_files, seed=seed,
+                         positioned=positioned)
     ds = read(source, read_cpus)
     # Ray merges a task's output into blocks of up to 128 MiB: a 1,000-sample shard at 64 px became one block, so the
     # first batch waited for a whole shard (41% of the demo's first window waiting for data). One transform batch

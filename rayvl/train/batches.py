@@ -6,6 +6,7 @@ batch and then fails with an error that says what to change, instead of hanging.
 """
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -18,30 +19,32 @@ from rayvl.data.report import DataPlaneError
 from rayvl.data.tonics import BucketSampler
 
 TRAIN_COLUMNS = ["image", "input_ids", "attention_mask", "label"]
+ROW = "row"  # the row id of the data position (data/position.py); training shards carry it, image-label data not
 _END = object()
 
 
-def batch_stream(shard, cfg: RayvlConfig, size: int | None = None) -> Iterator[tuple[dict, float]]:
-    """(micro-batch of torch tensors, seconds waited for it), endlessly."""
+def batch_stream(shard, cfg: RayvlConfig, size: int | None = None, begin=None) -> Iterator[tuple[dict, float]]:
+    """(micro-batch of torch tensors, seconds waited for it), endlessly. ``begin(n)`` is called before the n-th
+    further execution of the dataset (``_epochs``)."""
     t = cfg.train
 
     def batches():
         for batch in _epochs(lambda: shard.iter_torch_batches(
                 batch_size=size or t.micro_batch_size, drop_last=True, prefetch_batches=cfg.data.prefetch_batches,
                 local_shuffle_buffer_size=cfg.data.local_shuffle_buffer or None,
-                device="cuda" if t.use_gpu else "cpu")):
-            yield {k: batch[k] for k in TRAIN_COLUMNS}
+                device="cuda" if t.use_gpu else "cpu"), begin):
+            yield {k: batch[k] for k in TRAIN_COLUMNS + [ROW] if k in batch}
 
     return _prefetched(batches, cfg)
 
 
-def mixed_stream(text_shard, label_shard, cfg: RayvlConfig) -> Iterator[tuple[dict, float]]:
+def mixed_stream(text_shard, label_shard, cfg: RayvlConfig, begin=None) -> Iterator[tuple[dict, float]]:
     """UniCL's balanced sampling ([UniCL] App. B.2): every micro-batch takes round(weight × size) rows from
     the image-label stream and the rest from the image-text stream — an exact ratio per batch; each stream is its
     own Ray Data pipeline and runs through its epochs at its own pace (the smaller set repeats more often)."""
     n_label = label_rows(cfg)
     labels = batch_stream(label_shard, cfg, n_label)  # both start producing now
-    texts = batch_stream(text_shard, cfg, cfg.train.micro_batch_size - n_label)
+    texts = batch_stream(text_shard, cfg, cfg.train.micro_batch_size - n_label, begin)
     return _mixed(labels, texts)
 
 
@@ -53,21 +56,24 @@ def label_rows(cfg: RayvlConfig) -> int:
 def _mixed(labels, texts) -> Iterator[tuple[dict, float]]:
     while True:
         (a, wait_a), (b, wait_b) = next(labels), next(texts)
-        yield {k: torch.cat([a[k], b[k]]) for k in TRAIN_COLUMNS}, wait_a + wait_b
+        batch = {k: torch.cat([a[k], b[k]]) for k in TRAIN_COLUMNS}
+        if ROW in b:  # image-label rows are not position-tracked (row −1)
+            batch[ROW] = torch.cat([torch.full_like(a["label"], -1), b[ROW]])
+        yield batch, wait_a + wait_b
 
 
 class TonicsBatches:
     """TOnICS micro-batches (rayvl.data.tonics.BucketSampler) over this rank's stream of rows with an "object"
     column, as torch tensors, with the time spent waiting for the stream."""
 
-    def __init__(self, shard, cfg: RayvlConfig, rank: int):
+    def __init__(self, shard, cfg: RayvlConfig, rank: int, begin=None):
         t, x = cfg.train, cfg.tonics
         self.device = "cuda" if t.use_gpu else "cpu"
         self.waited = 0.0
         rows = _prefetched(lambda: _epochs(lambda: shard.iter_batches(
             batch_size=t.micro_batch_size, batch_format="numpy", prefetch_batches=cfg.data.prefetch_batches,
-            local_shuffle_buffer_size=cfg.data.local_shuffle_buffer or None)), cfg)
-        self.sampler = BucketSampler(self._timed(rows), TRAIN_COLUMNS + ["object"], t.micro_batch_size,
+            local_shuffle_buffer_size=cfg.data.local_shuffle_buffer or None), begin), cfg)
+        self.sampler = BucketSampler(self._timed(rows), TRAIN_COLUMNS + ["object", ROW], t.micro_batch_size,
                                      x.buffer_rows, x.max_wait_rows, t.seed, rank)
 
     def _timed(self, rows):
@@ -81,11 +87,14 @@ class TonicsBatches:
         return {k: torch.from_numpy(v).to(self.device) for k, v in batch.items()}, self.waited - before
 
 
-def _epochs(iterate) -> Iterator:
+def _epochs(iterate, begin=None) -> Iterator:
     """Execution after execution of a Ray Data iterator (streaming_split(equal=True) gives every rank the same
     count). A training dataset lists every pass its run needs (shards.passes_needed), so a second execution — and
-    its start-up stall — happens only when dropped samples made the listed passes too few."""
-    while True:
+    its start-up stall — happens only when dropped samples made the listed passes too few; ``begin(k)`` tells the
+    read tasks of the k-th further execution to number their passes after the listed ones."""
+    for execution in itertools.count():
+        if execution and begin is not None:
+            begin(execution)
         n = 0
         for batch in iterate():
             yield batch

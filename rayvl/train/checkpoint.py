@@ -7,6 +7,7 @@ needed between nodes.
 """
 from __future__ import annotations
 
+import io
 import json
 import tempfile
 from contextlib import contextmanager, nullcontext
@@ -17,6 +18,7 @@ import torch
 
 from rayvl.checkpoints import META_FILE, METRICS_FILE, MODEL_FILE, STATE_FILE, TAG, read_train_state, \
     weights_only_loads
+from rayvl.train.faults import fail_here
 from rayvl.train.state import TrainState
 
 
@@ -48,6 +50,7 @@ def saved(engine, state: TrainState, config: dict, final: bool):
     when that step is ``train.max_steps``."""
     with tempfile.TemporaryDirectory(prefix="rayvl-ckpt-") as tmp:
         engine.save_checkpoint(tmp, tag=TAG)
+        fail_here("checkpoint_write", state.progress)
         weights = consolidated_state_dict(engine) if final else None  # every rank joins the ZeRO-3 gather
         if torch.distributed.get_rank() == 0:
             torch.save(state.state_dict(), Path(tmp) / STATE_FILE)
@@ -59,6 +62,14 @@ def saved(engine, state: TrainState, config: dict, final: bool):
             if weights is not None:
                 torch.save(weights, Path(tmp) / MODEL_FILE)
         yield ray.train.Checkpoint.from_directory(tmp)
+
+
+def restored_state(checkpoint: ray.train.Checkpoint) -> dict:
+    """The train state of a checkpoint, read alone (not its DeepSpeed files) from wherever it is stored."""
+    with checkpoint.filesystem.open_input_file(f"{checkpoint.path}/{STATE_FILE}") as f:
+        data = f.read()
+    with weights_only_loads(checkpoint.path):
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def restore(engine, state: TrainState) -> bool:

@@ -16,7 +16,7 @@ from rayvl.data.ontology import Ontology, keep_frequent, load_or_count
 from rayvl.data.pipeline import prompt_batch
 from rayvl.data.prompts import Prompts, load_prompts
 from rayvl.data.tar import resolve_shards
-from rayvl.train.batches import TRAIN_COLUMNS, label_rows
+from rayvl.train.batches import ROW, TRAIN_COLUMNS, label_rows
 
 EVAL_FILES = {"classes_file": "classes", "paraphrases_file": "paraphrases", "sts_file": "sts"}
 
@@ -150,10 +150,10 @@ def build_datasets(cfg: RayvlConfig, train: str, evalset: str, report_name: str,
     d = cfg.data
     common = dict(read_cpus=d.read_cpus, transform_batch_size=d.transform_batch_size, **_common(cfg, report_name))
     # only tensor columns go to the training iterator (keys and captions are strings)
-    columns = TRAIN_COLUMNS + (["object"] if ontology is not None else [])
+    columns = TRAIN_COLUMNS + [ROW] + (["object"] if ontology is not None else [])
     datasets = {"train": shards.read_shards(train, train=True, shuffle_files=d.shuffle_files, bow=deformer,
                                             ontology=ontology, columns=columns, passes=passes, seed=cfg.train.seed,
-                                            **common)}
+                                            positioned=True, **common)}
     if cfg.eval.tasks and evalset:
         # held-out samples are counted in their own report, so training counts stay per pass over training data
         datasets["eval"] = shards.read_shards(evalset, train=False, shuffle_files=False,

@@ -3,22 +3,26 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import ray
+import numpy as np
 import ray.train
 import torch
 import torch.nn.functional as F
 
 from rayvl.config import RayvlConfig, from_dict
-from rayvl.data.report import snapshot
+from rayvl.data.position import DataPosition
+from rayvl.data.report import report_actor, snapshot
 from rayvl.data.tonics import Curriculum
 from rayvl.losses import clip_loss, gather_features, unicl_loss
 from rayvl.models.dual_encoder import build_model
 from rayvl.models.memory_bank import MemoryBank
 from rayvl.train import checkpoint
-from rayvl.train.batches import TonicsBatches, batch_stream, mixed_stream
+from rayvl.train.batches import ROW, TonicsBatches, batch_stream, mixed_stream
 from rayvl.train.engine import broadcast_buffers, build_engine
+from rayvl.train.faults import fail_here
 from rayvl.train.evaluation import evaluate, held_out_retrieval, load_eval_data
 from rayvl.train.state import Progress, TrainState
 
@@ -28,27 +32,29 @@ def train_loop_per_worker(config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    # the data streams start first: Ray Data warms up while the model and the engine are built
-    next_batch, curriculum, tonics = _batches(cfg, config.get("tonics_sizes"), rank)
-    model = build_model(cfg.model, cfg.train.seed)
-    bank = MemoryBank(model, cfg.memory_bank.size, cfg.model.embed_dim, cfg.memory_bank.momentum) \
-        if cfg.memory_bank.size else None
-    engine = build_engine(model, cfg, world)
-    if bank is not None:
-        bank.to(engine.device)
-    state = TrainState(Progress(), curriculum=curriculum, memory_bank=bank)
+    # the data position first (read tasks plan from it), then the data streams: Ray Data warms up while the
+    # model and the engine are built
+    position = DataPosition(config.get("train_shards", 0))
+    begin = _restore_position(position, config.get("report_name"), rank)
+    next_batch, curriculum, tonics = _batches(cfg, config.get("tonics_sizes"), rank, begin)
+    engine, bank = _engine(cfg, world)
+    state = TrainState(Progress(), curriculum=curriculum, memory_bank=bank, data_position=position)
     if checkpoint.restore(engine, state):
         state.progress.resumed_at.append(state.progress.step)
     if config.get("placement_registry") and rank == 0:  # a sweep removes what a stopped trial leaves behind
         _register_placement_group(config["placement_registry"], cfg.train.run_name)
     eval_data = load_eval_data(ray.train.get_dataset_shard("eval"), config, cfg) if cfg.eval.tasks else None
     evaluating = dict(cfg=cfg, tokenizer_path=config["tokenizer_path"], rank=rank, world=world)
-    window = Window()
+    # a restart record: the first window after a resume says which checkpoint step the group continued from
+    window = Window(first_step=state.progress.step + 1,
+                    resumed_from=state.progress.resumed_at[-1] if state.progress.resumed_at else None)
 
     end = cfg.train.stop_at_step or cfg.train.max_steps  # a stop ends this invocation as the last step would
     while state.progress.step < end:
         for micro in range(cfg.train.grad_accumulation):
             batch, waited = next_batch(state.progress.step + 1, micro)
+            if ROW in batch:
+                position.trained(*(batch[k].cpu().numpy() for k in (ROW, "object") if k in batch))
             loss = _loss(engine, batch, cfg, bank, (state.progress.step * cfg.train.grad_accumulation + micro)
                          * world + rank)
             engine.backward(loss)
@@ -59,6 +65,7 @@ def train_loop_per_worker(config: dict) -> None:
             bank.update(engine.module)
         state.progress.step = step = state.progress.step + 1
         window.steps += 1
+        fail_here("step", state.progress)
 
         last = step == end
         do_refresh = curriculum is not None and step % cfg.tonics.refresh_every == 0
@@ -76,25 +83,84 @@ def train_loop_per_worker(config: dict) -> None:
             metrics.update(evaluate(engine.module, eval_data, **evaluating))
         state.progress.history.append(metrics)
         if do_ckpt:
-            with checkpoint.saved(engine, state, config["rayvl"], final=last) as ckpt:
-                ray.train.report(metrics, checkpoint=ckpt)
+            _checkpoint(engine, state, metrics, config, final=last)
         else:
             ray.train.report(metrics)
-        window = Window()
+        window = Window(first_step=step + 1)
 
 
-def _batches(cfg: RayvlConfig, tonics_sizes: list[int] | None, rank: int):
+def _engine(cfg: RayvlConfig, world: int):
+    """The DeepSpeed engine over the dual encoder, and the memory bank (None without one) on its device."""
+    model = build_model(cfg.model, cfg.train.seed)
+    bank = MemoryBank(model, cfg.memory_bank.size, cfg.model.embed_dim, cfg.memory_bank.momentum) \
+        if cfg.memory_bank.size else None
+    engine = build_engine(model, cfg, world)
+    if bank is not None:
+        bank.to(engine.device)
+    return engine, bank
+
+
+def _checkpoint(engine, state: TrainState, metrics: dict, config: dict, final: bool) -> None:
+    """Settle the data position (every rank's rows since the last checkpoint), then save and report."""
+    ctx = ray.train.get_context()
+    position = state.components["data_position"]
+    _gather_position(position, config.get("report_name"), ctx.get_world_rank(), ctx.get_world_size())
+    metrics.update(position.summary())
+    with checkpoint.saved(engine, state, config["rayvl"], final=final) as ckpt:
+        ray.train.report(metrics, checkpoint=ckpt)
+
+
+def _restore_position(position: DataPosition, report_name: str | None, rank: int):
+    """Before any stream starts: the data position of the checkpoint Ray Train restores (or none) goes to the
+    run's data report, where read tasks plan from it (data/position.py); returns the callback that numbers the
+    passes of a further Ray Data execution (batches._epochs)."""
+    import torch.distributed as dist
+
+    ckpt = ray.train.get_checkpoint()
+    restored = checkpoint.restored_state(ckpt).get("data_position") if ckpt is not None else None
+    if restored is not None:
+        position.load_state_dict(restored)
+    if not report_name:
+        return None
+    actor = report_actor(report_name)
+    if rank == 0:  # a new token per worker group: what the lost group's reads counted is dropped
+        ray.get(actor.restore.remote(uuid.uuid4().hex, restored, position.n_shards))
+    if dist.is_initialized():
+        dist.barrier()
+    first = position.execution  # rank 0's position.execution moves on at checkpoints; the count starts here
+    return lambda n: ray.get(actor.begin_execution.remote(first + n))
+
+
+def _gather_position(position: DataPosition, report_name: str | None, rank: int, world: int) -> None:
+    """Every rank's rows trained on since the last checkpoint go to rank 0, which settles the shards now finished
+    and their counts (data/position.py)."""
+    import torch.distributed as dist
+
+    mine = position.take_pending()
+    parts = [mine]
+    if dist.is_initialized():
+        parts = [None] * world
+        dist.all_gather_object(parts, mine)
+    if rank != 0 or not report_name:
+        return
+    actor = report_actor(report_name)
+    position.merge(np.concatenate(parts))
+    done = position.settle(ray.get(actor.unit_rows.remote(list(position.partial))))
+    position.report, position.execution = ray.get(actor.settle.remote(done))
+
+
+def _batches(cfg: RayvlConfig, tonics_sizes: list[int] | None, rank: int, begin=None):
     """(next_batch(step, micro) → (batch, seconds waited), TOnICS curriculum or None, TOnICS source or None)."""
     shard = ray.train.get_dataset_shard("train")
     if cfg.tonics.enabled:  # [TOnICS] §3: the node of step s is drawn from (seed, s), the same on every rank
         x = cfg.tonics
         curriculum = Curriculum(tonics_sizes, x.alpha, x.beta, x.threshold, cfg.train.seed)
-        source = TonicsBatches(shard, cfg, rank)
+        source = TonicsBatches(shard, cfg, rank, begin)
         return (lambda step, micro: source.next(curriculum.node(step), step, micro)), curriculum, source
     if cfg.image_label.data and cfg.image_label.weight < 1.0:  # [UniCL] App. B.2: balanced batches
-        stream = mixed_stream(shard, ray.train.get_dataset_shard("labeled"), cfg)
+        stream = mixed_stream(shard, ray.train.get_dataset_shard("labeled"), cfg, begin)
     else:
-        stream = batch_stream(shard, cfg)
+        stream = batch_stream(shard, cfg, begin=begin)
     return (lambda step, micro: next(stream)), None, None
 
 
@@ -168,6 +234,8 @@ class Window:
     samples: int = 0
     label_rows: int = 0
     steps: int = 0
+    first_step: int = 1
+    resumed_from: int | None = None
     start: float = field(default_factory=time.perf_counter)
 
     def add(self, loss: float, waited: float, batch: dict, world: int) -> None:
@@ -180,6 +248,7 @@ class Window:
         elapsed = time.perf_counter() - self.start
         metrics = {
             "step": step,
+            "first_step": self.first_step,
             "loss": self.loss / max(1, self.steps),
             "lr": engine.get_lr()[0],
             "logit_scale": engine.module.scale().item(),
@@ -187,6 +256,8 @@ class Window:
             "data_wait_share": self.wait / elapsed,
             "image_label_share": self.label_rows / max(1, self.samples),
         }
+        if self.resumed_from is not None:
+            metrics["resumed_from"] = self.resumed_from
         if report_name:  # the data report's counts so far (dropped samples by reason, truncated shards)
             metrics.update(snapshot(report_name)["counts"])
         return metrics

@@ -1,7 +1,8 @@
 """One train state: everything a resumed run needs beside DeepSpeed's own files (model, optimizer, ZeRO
 partitions, LR scheduler), as one ``state_dict()`` / ``load_state_dict()`` object per component (torchtitan's
-``Stateful``). Components: the progress (step, metric history), the TOnICS curriculum, the memory bank. Each is
-identical on every rank, so rank 0 saves it (``rayvl.checkpoints.STATE_FILE``) and every rank loads it.
+``Stateful``). Components: the progress (step, metric history), the TOnICS curriculum, the memory bank, the data
+position (rayvl.data.position; every rank's rows are merged on rank 0 before a checkpoint). Each is identical on
+every rank or complete on rank 0, so rank 0 saves it (``rayvl.checkpoints.STATE_FILE``) and every rank loads it.
 """
 from __future__ import annotations
 

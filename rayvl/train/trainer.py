@@ -10,9 +10,11 @@ from ray.train.torch import TorchTrainer
 from rayvl import assets, session
 from rayvl import storage as store
 from rayvl.config import RayvlConfig
-from rayvl.data.report import caption_stats, report_actor, snapshot
+from rayvl.data.report import caption_stats, position_report, report_actor, snapshot
 from rayvl.data.shards import expected_samples
+from rayvl.data.tar import resolve_shards
 from rayvl.train import datasets
+from rayvl.train.checkpoint import restored_state
 from rayvl.train.loop import train_loop_per_worker
 from rayvl.train.run_dir import RunResult, finish, run_paths
 
@@ -47,10 +49,13 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "") 
     result = _trainer(cfg, storage, name, sets, list(callbacks), {
         "rayvl": cfg.to_dict(), "report_name": report_name, **data.files,
         "tokenizer_path": str(assets.text_model_path(cfg.model.text)), "tonics_sizes": sizes,
-        "placement_registry": placement_registry}).fit()
+        "placement_registry": placement_registry, "train_shards": len(resolve_shards(data.train))}).fit()
     report = {**snapshot(reports["train"]), "img2dataset_successes_per_pass": expected,
               "eval": snapshot(reports["eval"])}
     report["captions"] = caption_stats(report["counts"])
+    if result.checkpoint is not None:  # what the run trained on, per pass, across its resumes
+        state = restored_state(result.checkpoint)
+        report["position"] = position_report(state["data_position"], state["progress"]["resumed_at"])
     if data.prompts is not None:
         report["image_label"] = snapshot(reports["image_label"])
     return finish(run_dir, result, report)
