@@ -49,10 +49,11 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_from_its_checkpoint(cluster
     """One worker per node (STRICT_SPREAD). After the first checkpoint the node of one worker is removed; the run
     cannot go on until a new node joins, then Ray Train restarts the group from the latest checkpoint, in storage
     given as a URL. The run finishes every step, resumed (not restarted from step 0), and `rayvl eval` of the
-    file:// run directory reproduces the in-training evaluation. The data stream resumes too: the interrupted pass
-    (48 rows a step, 8 steps a pass) is trained on exactly once — every kept sample, no row twice — and the data
-    report's counts of it are exact. (No local shuffle buffer and one read task per node: pass 0 is read before
-    pass 1, so it is complete at the end; with them, passes overlap at their boundaries.)"""
+    file:// run directory reproduces the in-training evaluation. The data stream resumes too: no row trained before
+    the checkpoint is trained again (a stream restarted at the pass start would repeat them), every shard finished
+    holds each of its rows once, and the data report's settled counts are exactly those shards'. (Whether pass 0 is
+    complete by the last step depends on the order concurrent read tasks deliver in; a stream resumed and read to
+    its end is checked in test_position.py.)"""
     import ray
 
     from rayvl.checkpoints import RAY_TRAIN_SNAPSHOT, read_meta, read_train_state
@@ -91,10 +92,12 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_from_its_checkpoint(cluster
     assert after["resumed_from"] == resumed_at[0] and after["first_step"] == resumed_at[0] + 1
     position = state["data_position"]
     settled = position["report"]["counts"]  # the counts of the shards finished, each read (counted) once
-    assert 0 in position["complete"] and position["duplicates"] == 0
+    assert position["duplicates"] == 0 and position["rows_per_pass"][0] >= 2 * 48
     finished = 3 * len(position["complete"]) + sum(map(len, position["finished"].values()))
-    assert settled["samples_seen"] == 128 * finished  # 128 samples a shard
-    assert settled["samples_kept"] == settled["samples_seen"] and position["rows_per_pass"][0] == 384  # no drops
+    assert finished >= 1 and settled["samples_seen"] == 128 * finished  # 128 samples a shard
+    partial = {tuple(u): len(rows) for u, rows in position["partial"].items()}
+    trained = 128 * finished + sum(partial.values())  # the demo split drops no sample
+    assert settled["samples_kept"] == settled["samples_seen"] and trained == 16 * 48
     assert sum(position["rows_per_pass"].values()) == 16 * 48 and history[-1]["data_rows_trained"] == 16 * 48
     assert result.data_report["counts"]["samples_seen"] >= 16 * 48
     assert {w.node_id for w in train_workers()} == set()  # the run's workers are gone

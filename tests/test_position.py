@@ -90,3 +90,50 @@ def test_a_resumed_read_skips_finished_shards_and_trained_rows_and_continues_the
     again = read(second_name)
     assert {int(unit_of(np.int64(i))[0]) for i in again} == {1} and sorted(again.values()) == sorted(
         everything.values())
+
+
+def test_a_stream_resumed_on_two_ranks_and_read_to_its_end_trains_every_row_of_every_pass_once(ray_local, demo_dir):
+    """What the training loop does, without the model: two ranks read a two-pass stream through Ray's
+    streaming_split(equal=True) with a local shuffle buffer, stop after 96 rows each (the "checkpoint"), and a new
+    stream resumed from the merged position is read to its end — the interrupted pass and the next each have their
+    384 rows exactly once."""
+    import threading
+
+    import ray
+
+    from rayvl import assets
+    from rayvl.data import shards
+    from rayvl.data.report import report_actor
+
+    def consume(name, token, position, limit):
+        ray.get(report_actor(name).restore.remote(token, position, 3))
+        ds = shards.read_shards(str(demo_dir / "train"), image_size=16, crop_scale_min=0.5, train=True,
+                                tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=8,
+                                read_cpus=0.5, transform_batch_size=32, shuffle_files=True, report_name=name,
+                                columns=["row", "image"], passes=2, seed=3, positioned=True)
+        splits, got = ds.streaming_split(2, equal=True), [[], []]
+
+        def rank(i):
+            for batch in splits[i].iter_torch_batches(batch_size=16, drop_last=True, local_shuffle_buffer_size=64):
+                got[i].append(batch["row"].numpy())
+                if limit and 16 * len(got[i]) >= limit:
+                    break
+
+        threads = [threading.Thread(target=rank, args=(i,)) for i in range(2)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        return np.concatenate(got[0] + got[1])
+
+    first_name, second_name = (f"position-test-{uuid.uuid4().hex[:6]}" for _ in range(2))
+    pos = DataPosition(n_shards=3)
+    pos.trained(consume(first_name, "t1", None, 96))
+    pos.merge(pos.take_pending())
+    actor = report_actor(first_name)
+    pos.report, pos.execution = ray.get(actor.settle.remote(pos.settle(ray.get(actor.unit_rows.remote(
+        list(pos.partial))))))
+    assert sum(pos.rows_per_pass.values()) == 192
+    pos.trained(consume(second_name, "t2", pos.state_dict(), 0))
+    pos.merge(pos.take_pending())
+    assert pos.duplicates == 0 and dict(pos.rows_per_pass) == {0: 384, 1: 384}
+    pos.settle(ray.get(report_actor(second_name).unit_rows.remote(list(pos.partial))))
+    assert pos.complete == [0, 1]
