@@ -101,27 +101,28 @@ class ShardStream(Datasource):
             listed_pass, self.passes, shards)) if self.positioned else (None, listed_pass, set(), {})
         for shard in shards:
             if shard not in skip:
-                yield from self._read_shard(shard, (token, uuid.uuid4().hex, pass_, shard), trained.get(shard))
+                # a positioned stream counts per (pass, shard) read attempt (DataReport.add)
+                unit = (token, uuid.uuid4().hex, pass_, shard) if self.positioned else None
+                yield from self._read_shard(shard, pass_, unit, trained.get(shard))
 
-    def _read_shard(self, shard: int, unit: tuple, trained: set | None) -> Iterator[pa.Table]:
+    def _read_shard(self, shard: int, pass_: int, unit: tuple | None, trained: set | None) -> Iterator[pa.Table]:
         counts: Counter = Counter()
         bad: list[tuple[str, str]] = []
         flushed, pending, produced = time.monotonic(), None, 0
         for first, rows in self._raw_batches(self.paths[shard], bad):
             if pending is not None:
                 yield pending
-            out = self._transformed(rows, row_ids(unit[2], shard, first, len(rows)), counts)
+            out = self._transformed(rows, row_ids(pass_, shard, first, len(rows)), counts)
             produced += _length(out)
             pending = _block(_untrained(out, trained) if trained else out)
             if self.report_name and time.monotonic() - flushed > REPORT_EVERY_S:
-                record(self.report_name, counts, unit=(*unit, None) if self.positioned else None)
+                record(self.report_name, counts, unit=unit and (*unit, None))
                 counts, flushed = Counter(), time.monotonic()
         counts["truncated_shards"] += len(bad)
         # the shard's counts (and the rows it produced) are recorded before its last block is emitted (one round
         # trip per shard, not per batch): whoever has consumed a whole pass also sees all of its counts
         if self.report_name:
-            record(self.report_name, +counts, bad[0] if bad else None,
-                   unit=(*unit, produced) if self.positioned else None)
+            record(self.report_name, +counts, bad[0] if bad else None, unit=unit and (*unit, produced))
         if pending is not None:
             yield pending
 

@@ -72,12 +72,13 @@ def restored_state(checkpoint: ray.train.Checkpoint) -> dict:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
-def restore(engine, state: TrainState) -> bool:
-    """Load Ray Train's latest checkpoint (if any) into the engine and the train state; True if one was loaded."""
+def restore(engine, state: TrainState, train_state: dict | None = None) -> bool:
+    """Load Ray Train's latest checkpoint (if any) into the engine and the train state (``train_state``: that
+    checkpoint's, when the caller has read it already); True if one was loaded."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return False
     with checkpoint.as_directory() as d, weights_only_loads(checkpoint.path):
         engine.load_checkpoint(d, tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
-        state.load_state_dict(read_train_state(d))
+        state.load_state_dict(train_state if train_state is not None else read_train_state(d))
     return True

@@ -6,8 +6,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import ray
 import numpy as np
+import ray
 import ray.train
 import torch
 import torch.nn.functional as F
@@ -35,11 +35,11 @@ def train_loop_per_worker(config: dict) -> None:
     # the data position first (read tasks plan from it), then the data streams: Ray Data warms up while the
     # model and the engine are built
     position = DataPosition(config.get("train_shards", 0))
-    begin = _restore_position(position, config.get("report_name"), rank)
+    saved, begin = _restore_position(position, config.get("report_name"), rank)
     next_batch, curriculum, tonics = _batches(cfg, config.get("tonics_sizes"), rank, begin)
     engine, bank = _engine(cfg, world)
     state = TrainState(Progress(), curriculum=curriculum, memory_bank=bank, data_position=position)
-    if checkpoint.restore(engine, state):
+    if checkpoint.restore(engine, state, saved):
         state.progress.resumed_at.append(state.progress.step)
     if config.get("placement_registry") and rank == 0:  # a sweep removes what a stopped trial leaves behind
         _register_placement_group(config["placement_registry"], cfg.train.run_name)
@@ -112,23 +112,25 @@ def _checkpoint(engine, state: TrainState, metrics: dict, config: dict, final: b
 
 def _restore_position(position: DataPosition, report_name: str | None, rank: int):
     """Before any stream starts: the data position of the checkpoint Ray Train restores (or none) goes to the
-    run's data report, where read tasks plan from it (data/position.py); returns the callback that numbers the
-    passes of a further Ray Data execution (batches._epochs)."""
+    run's data report, where read tasks plan from it (data/position.py). Returns (that checkpoint's train state,
+    read once here for checkpoint.restore, or None; the callback that numbers the passes of a further Ray Data
+    execution, batches._epochs)."""
     import torch.distributed as dist
 
     ckpt = ray.train.get_checkpoint()
-    restored = checkpoint.restored_state(ckpt).get("data_position") if ckpt is not None else None
+    saved = checkpoint.restored_state(ckpt) if ckpt is not None else None
+    restored = saved.get("data_position") if saved is not None else None
     if restored is not None:
         position.load_state_dict(restored)
     if not report_name:
-        return None
+        return saved, None
     actor = report_actor(report_name)
     if rank == 0:  # a new token per worker group: what the lost group's reads counted is dropped
         ray.get(actor.restore.remote(uuid.uuid4().hex, restored, position.n_shards))
     if dist.is_initialized():
         dist.barrier()
     first = position.execution  # rank 0's position.execution moves on at checkpoints; the count starts here
-    return lambda n: ray.get(actor.begin_execution.remote(first + n))
+    return saved, lambda n: ray.get(actor.begin_execution.remote(first + n))
 
 
 def _gather_position(position: DataPosition, report_name: str | None, rank: int, world: int) -> None:
