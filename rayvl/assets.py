@@ -72,6 +72,21 @@ def vision_timm_name(name: str) -> str:
     return VISION_ASSETS[name].timm_name if name in VISION_ASSETS else name
 
 
+def check_vision_name(name: str) -> None:
+    """A rayvl asset or a model timm can build (``timm.list_models``), else MissingAssetError naming the key."""
+    if name in VISION_ASSETS:
+        return
+    from rayvl.compat import ensure_torchvision_importable  # imports torch: only when a timm name is checked
+
+    ensure_torchvision_importable()
+    import timm
+
+    if not timm.is_model(name):
+        close = timm.list_models(f"*{name.split('.')[0][:12]}*")[:5]
+        raise MissingAssetError(f"model.vision: {name!r} is neither a rayvl asset ({', '.join(VISION_ASSETS)}) nor "
+                                f"a timm model name{f' (similar: {close})' if close else ''}")
+
+
 def vision_state_dict(name: str, checkpoint: str = "") -> dict | None:
     """timm-keyed weights for the vision tower, or None for random init."""
     import torch

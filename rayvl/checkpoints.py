@@ -141,6 +141,6 @@ def load_model(checkpoint: str | os.PathLike) -> tuple[DualEncoder, dict]:
     ckpt = resolve_checkpoint(checkpoint)
     config = read_meta(ckpt)["config"]
     cfg = from_dict(config)
-    model = DualEncoder(cfg.model)
+    model = DualEncoder(cfg.model, pretrained=False)  # every weight comes from the checkpoint
     model.load_state_dict(load_weights(ckpt, cfg.train.zero_stage), strict=True)
     return model.eval(), config

@@ -50,6 +50,13 @@ def _parser() -> argparse.ArgumentParser:
     tu.add_argument("--resume", action="store_true", help="continue an interrupted sweep of that name")
     tu.add_argument("--report", default="", metavar="DIR", help="only print and write the report of a sweep "
                                                                  "directory (finished or interrupted)")
+    pl = sub.add_parser("plot", help="PNG plots of a run's metrics (also of a run still going); several runs: "
+                                      "one figure per metric with a line per run")
+    pl.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
+    pl.add_argument("--out", default="", help="output folder (default: <run>/plots; required for several runs)")
+    ex = sub.add_parser("export", help="write a run's model as safetensors + config + tokenizer + model card")
+    ex.add_argument("run", metavar="RUN", help="a run directory (its newest checkpoint) or a checkpoint")
+    ex.add_argument("--out", required=True, help="the export folder (rayvl.load reads it)")
     a = sub.add_parser("assets", help="offline assets").add_subparsers(dest="assets_command", required=True)
     a.add_parser("fetch", help="unpack Debian data packages (Fashion-MNIST) into the environment")
     a.add_parser("check", help="verify that the pretrained towers load offline")
@@ -61,8 +68,18 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "train":
         return run_recipe(args.config, argv[1:])
-    commands = {"eval": eval_main, "bow": bow_main, "data": data_main, "assets": assets_main, "tune": tune_main}
-    return commands[args.command](args)
+    from rayvl.session import setup_logging
+
+    setup_logging(verbose=args.command == "tune")  # a sweep shows Tune's own status table
+    commands = {"eval": eval_main, "bow": bow_main, "data": data_main, "assets": assets_main, "tune": tune_main,
+                "plot": plot_main, "export": export_main}
+    if args.command not in ("plot", "export"):
+        return commands[args.command](args)
+    try:
+        return commands[args.command](args)
+    except (FileNotFoundError, ValueError) as e:  # a path or a flag the user can fix: one line, status 2
+        print(f"rayvl {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 def eval_main(args) -> int:
@@ -123,6 +140,29 @@ def tune_main(args) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def plot_main(args) -> int:
+    from pathlib import Path
+
+    from rayvl.plots import history, plot_run, plot_runs
+
+    if len(args.runs) == 1:
+        written = plot_run(args.runs[0], args.out or None)
+    elif not args.out:
+        raise ValueError("several runs need --out (the folder for the comparison figures)")
+    else:
+        written = plot_runs({Path(r.rstrip("/")).name: history(r) for r in args.runs}, args.out)
+    print(f"wrote {len(written)} plots to {written[0].parent if written else args.out}")
+    return 0
+
+
+def export_main(args) -> int:
+    from rayvl.export import export
+
+    out = export(args.run, args.out)
+    print(f"exported {args.run} → {out} (load it with rayvl.load({str(out)!r}))")
     return 0
 
 

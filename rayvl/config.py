@@ -16,6 +16,9 @@ from typing import Any, Literal
 import yaml
 
 
+REPORT_TO = ("tensorboard", "mlflow")
+
+
 class ConfigError(ValueError):
     """A config key is unknown, mistyped or conflicts with another key."""
 
@@ -290,7 +293,16 @@ class TrainConfig:
     run_name: str = ""
     """run directory name ('' = <recipe>-<timestamp>)."""
     resume: bool = False
-    """continue from the latest checkpoint of ``run_name``."""
+    """continue from the latest checkpoint of ``run_name`` (``--resume [RUN|latest]`` sets both)."""
+    init_from: str = ""
+    """start a new run from the weights of another run: a run directory (its newest checkpoint), a checkpoint or a
+    ``rayvl export`` directory; its model settings must match this run's ('' = pretrained towers)."""
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """experiment loggers beside metrics.jsonl: ``tensorboard`` (event files in the run directory) and/or
+    ``mlflow`` (``train.mlflow_uri``)."""
+    mlflow_uri: str = ""
+    """MLflow tracking URI ('' = a SQLite store ``mlruns/mlflow.db`` under a local ``storage_path``, else under
+    ~/rayvl-runs); experiment = the recipe name, run = the run name."""
     seed: int = 0
     """seed for model init and data augmentation."""
 
@@ -514,6 +526,9 @@ def _validate_train(t: TrainConfig) -> None:
         raise ConfigError(f"train.cpus_per_worker: must be > 0, got {t.cpus_per_worker}")
     if t.max_failures < 0:
         raise ConfigError(f"train.max_failures: must be ≥ 0, got {t.max_failures}")
+    for i, logger in enumerate(t.report_to):
+        if logger not in REPORT_TO:
+            raise ConfigError(f"train.report_to[{i}]: unknown logger {logger!r} (known: {', '.join(REPORT_TO)})")
 
 
 def _validate_data(d: DataConfig, t: TrainConfig) -> None:

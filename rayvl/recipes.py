@@ -3,17 +3,20 @@ with the evaluations side by side (``run_comparison``). Config errors exit with 
 from __future__ import annotations
 
 import argparse
+import importlib.resources
 import dataclasses
 import sys
 import time
 from pathlib import Path
 
-from rayvl import storage
+from rayvl import session, storage
+from rayvl.assets import MissingAssetError
 from rayvl.config import ConfigError, RayvlConfig, load_config
-from rayvl.data.report import caption_stats, format_data_report
+from rayvl.data.report import DataPlaneError, caption_stats, format_data_report
+from rayvl.plots import PLOTS_DIR, history, plot_runs
 from rayvl.eval.tables import format_eval_table, format_side_by_side
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"  # the recipes of a source checkout
+CONFIGS = Path(str(importlib.resources.files("rayvl.configs")))  # configs/ of the checkout or the installed copy
 
 
 def add_train_args(p: argparse.ArgumentParser, default_config: str | None) -> None:
@@ -22,7 +25,12 @@ def add_train_args(p: argparse.ArgumentParser, default_config: str | None) -> No
     p.add_argument("--eval-data", help="held-out shards; sets data.eval")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set train.zero_stage=3 (repeatable)")
-    p.add_argument("--resume", action="store_true", help="continue train.run_name from its latest checkpoint")
+    p.add_argument("--resume", nargs="?", const="latest", default="", metavar="RUN",
+                   help="continue a run from its latest checkpoint: RUN (a run name), or with no value (or "
+                        "'latest') train.run_name if set, else the newest run of this recipe")
+    p.add_argument("--init-from", default="", metavar="RUN",
+                   help="start a new run from the weights of RUN (a run directory, checkpoint or export)")
+    p.add_argument("--verbose", action="store_true", help="show Ray's and the workers' own output")
 
 
 def config_from_args(args, extra: list[str] = ()) -> RayvlConfig:
@@ -33,13 +41,21 @@ def config_from_args(args, extra: list[str] = ()) -> RayvlConfig:
         overrides.append(f"data.eval={args.eval_data}")
     if args.resume:
         overrides.append("train.resume=true")
+        if args.resume != "latest":
+            overrides.append(f"train.run_name={args.resume}")
+    if args.init_from:
+        overrides.append(f"train.init_from={args.init_from}")
     return load_config(args.config, overrides)
 
 
-def _train(cfg: RayvlConfig):
+# what a user can fix in one line, before Ray starts: exit 2 with the key and the value, no traceback
+USER_ERRORS = (ConfigError, MissingAssetError, DataPlaneError)
+
+
+def _train(cfg: RayvlConfig, verbose: bool):
     from rayvl.train.trainer import train  # Ray Train and DeepSpeed load only once the config is valid
 
-    return train(cfg)
+    return train(cfg, progress=True, verbose=verbose)
 
 
 def run_recipe(default_config: str, argv: list[str] | None = None) -> int:
@@ -47,10 +63,11 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=f"rayvl recipe {Path(default_config).stem}")
     add_train_args(p, default_config)
     args = p.parse_args(argv)
+    session.setup_logging(args.verbose)
     try:
-        result = _train(config_from_args(args))
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        result = _train(config_from_args(args), args.verbose)
+    except USER_ERRORS as e:
+        print(f"config error: {_one_line(e)}", file=sys.stderr)
         return 2
     print("\n== evaluation (held-out split) ==")
     print(format_eval_table(result.metrics))
@@ -60,7 +77,13 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> int:
     print(f"  checkpoint:  {result.checkpoint_dir}")
     print(f"  metrics:     {storage.join(result.uri, 'metrics.jsonl')}")
     print(f"  evaluation:  {storage.join(result.uri, 'eval.json')}")
+    print(f"  plots:       {storage.join(result.uri, PLOTS_DIR)}/*.png   (tensorboard --logdir {result.uri})")
+    print(f"  export:      rayvl export {result.uri} --out {Path(str(result.uri)).name}-export")
     return 0
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
 
 
 def run_comparison(default_config: str, variants: dict[str, list[str]], rows: list[tuple[str, str, str]],
@@ -72,28 +95,35 @@ def run_comparison(default_config: str, variants: dict[str, list[str]], rows: li
     p = argparse.ArgumentParser(description=f"rayvl comparison {Path(default_config).stem}: {', '.join(variants)}")
     add_train_args(p, default_config)
     args = p.parse_args(argv)
+    session.setup_logging(args.verbose)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     try:
         base = defaults(args) if defaults else []
         configs = {}
         for name, overrides in variants.items():
             cfg = config_from_args(argparse.Namespace(**{**vars(args), "set": base + list(args.set)}), overrides)
-            run = f"{cfg.train.run_name or cfg.recipe + '-' + stamp}-{name}"
+            base_name = cfg.train.run_name or f"{cfg.recipe}-{stamp}"
+            run = f"{base_name}-{name}"
             configs[name] = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_name=run))
-        results = {name: _variant(name, cfg, after) for name, cfg in configs.items()}
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        results = {name: _variant(name, cfg, after, args.verbose) for name, cfg in configs.items()}
+    except USER_ERRORS as e:
+        print(f"config error: {_one_line(e)}", file=sys.stderr)
         return 2
     print(f"\n== {Path(default_config).stem}: held-out evaluation side by side ==")
     print(format_side_by_side(results, rows))
     for name, r in results.items():
         print(f"{name}: {r['run_dir']}")
+    first = next(iter(configs.values()))
+    out = storage.local_path(storage.normalize(first.train.storage_path)) or Path(".")
+    out = out / f"{base_name}-comparison"
+    plot_runs({name: history(r["run_dir"]) for name, r in results.items()}, out)
+    print(f"plots of the variants on one figure per metric: {out}/*.png")
     return 0
 
 
-def _variant(name: str, cfg: RayvlConfig, after) -> dict:
+def _variant(name: str, cfg: RayvlConfig, after, verbose: bool) -> dict:
     print(f"\n== {name}: training {cfg.train.run_name} ==", flush=True)
-    result = _train(cfg)
+    result = _train(cfg, verbose)
     print(format_data_report(result.data_report))
     return {**result.metrics, **caption_stats(result.data_report["counts"]), **(after(result) if after else {}),
             "run_dir": result.uri}

@@ -2,6 +2,7 @@
 check that the CPUs asked for leave room for Ray Data."""
 from __future__ import annotations
 
+import logging
 import os
 
 import ray
@@ -14,9 +15,13 @@ WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PA
               "TRANSFORMERS_VERBOSITY": "error", "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
 
 
-def connect(address: str = "", num_cpus: int = 0, **init_kwargs) -> bool:
+def connect(address: str = "", num_cpus: int = 0, verbose: bool = True, **init_kwargs) -> bool:
     """Join a cluster (``address``, RAY_ADDRESS, or a `ray job submit` driver's) or start a local Ray; True if this
-    call started a local Ray (whose size is then final). Does nothing when Ray is already initialised."""
+    call started a local Ray (whose size is then final). Does nothing when Ray is already initialised.
+    ``verbose=False``: the workers' and Ray's own output stay in Ray's log files (``/tmp/ray/session_latest/logs``)
+    — a training job's terminal shows rayvl's progress lines, warnings and errors."""
+    if not verbose:
+        init_kwargs = {"log_to_driver": False, "logging_level": logging.ERROR, **init_kwargs}
     if not ray.is_initialized():
         address = address or os.environ.get("RAY_ADDRESS", "")
         if address:
@@ -33,6 +38,25 @@ def connect(address: str = "", num_cpus: int = 0, **init_kwargs) -> bool:
 
 def _quiet_data() -> None:
     ray.data.DataContext.get_current().enable_progress_bars = False
+
+
+def setup_logging(verbose: bool) -> None:
+    """rayvl's own lines (logger ``rayvl``) on the terminal; unless ``verbose``, the driver's known-harmless chatter
+    off: Ray's start-up notices, Ray Data's per-execution INFO lines, faiss's loader, transformers' and DeepSpeed's
+    notices, the libraries' deprecation warnings."""
+    import warnings
+
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.WARNING)
+    logging.getLogger("rayvl").setLevel(logging.INFO)
+    if verbose:
+        return
+    for name in ("ray", "ray.data", "ray.train", "ray.tune", "faiss", "faiss.loader", "transformers", "mlflow",
+                 "alembic"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    # DeepSpeed sets its logger's level when imported (later): a filter outlives that ("Setting accelerator to CPU")
+    logging.getLogger("DeepSpeed").addFilter(lambda record: record.levelno >= logging.ERROR)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
 
 
 def check_resources(cfg: RayvlConfig, fixed_size: bool, node_cpus: list[float] | None = None) -> None:

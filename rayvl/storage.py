@@ -126,3 +126,10 @@ def download(path: str) -> Path:
             pafs.copy_files(inner, str(target), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
             done.touch()
     return target
+
+
+def upload(local: Path, path: str) -> None:
+    """Copy a local folder's files into a folder of the storage (a URL), keeping their relative paths."""
+    fs, inner = filesystem(path)
+    fs.create_dir(inner, recursive=True)
+    pafs.copy_files(str(local), inner, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)

@@ -70,7 +70,7 @@ def small_config(demo_dir, tmp_path, *overrides):
         f"data.sts={demo_dir / 'sts.tsv'}", "data.image_size=32", "data.max_text_tokens=16",
         "train.micro_batch_size=8", "train.max_steps=3", "train.warmup_steps=1", "train.log_every=1",
         "train.checkpoint_every=2", f"train.storage_path={tmp_path}", "train.run_name=run",
-        "model.alignment_layers=1", "model.embed_dim=64", "eval.batch_size=32",
+        "model.alignment_layers=1", "model.embed_dim=64", "eval.batch_size=32", "train.report_to=[tensorboard]",
     ]
     return load_config(REPO / "configs" / "laion_adapt.yaml", base + list(overrides))
 

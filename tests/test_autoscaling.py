@@ -54,7 +54,8 @@ def test_ray_job_submit_to_an_autoscaling_cluster_gets_its_nodes(no_session_ray,
         job = ["python", "jobs/laion_adapt.py", "--data", str(demo_dir / "train"),
                "--eval-data", str(demo_dir / "eval"), "--set", f"data.classes={demo_dir / 'classes.json'}",
                "--set", "data.image_size=32", "--set", "data.max_text_tokens=16", "--set", "train.micro_batch_size=8",
-               "--set", "train.max_steps=2", "--set", "train.warmup_steps=1", "--set", "model.embed_dim=64",
+               "--set", "train.max_steps=2", "--set", "train.warmup_steps=1", "--set", "train.log_every=1",
+               "--set", "model.embed_dim=64",
                "--set", "model.alignment_layers=1", "--set", f"train.storage_path=file://{tmp_path}/runs",
                "--set", "train.shared_storage=true", "--set", "train.placement_strategy=STRICT_SPREAD",
                "--set", "train.run_name=submitted"]
@@ -73,6 +74,11 @@ def test_ray_job_submit_to_an_autoscaling_cluster_gets_its_nodes(no_session_ray,
         run = tmp_path / "runs" / "submitted"
         assert json.loads((run / "eval.json").read_text())["eval_images"] == 64
         assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()][-1] == 2
+        # the job's terminal: rayvl's progress lines, not Ray's echo of every report or the workers' output
+        assert "step 1/2 (50%)" in out and "step 2/2 (100%)" in out and "ETA" in out, out[-4000:]
+        assert "Reporting training result" not in out and "(RayTrainWorker" not in out, out[-4000:]
+        assert (run / "plots" / "loss.png").is_file() and list((run / "tensorboard").glob("events.out.tfevents.*"))
+        assert (tmp_path / "runs" / "mlruns" / "mlflow.db").is_file()  # the recipe's report_to: [tensorboard, mlflow]
 
         ray.init(address="auto")
         workers = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]

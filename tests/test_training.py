@@ -4,10 +4,13 @@ import math
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import small_config
+from rayvl.checkpoints import META_FILE, MODEL_FILE
+from rayvl.models.dual_encoder import build_model
 from rayvl.train.engine import lr_lambda
 from rayvl.data.demo import SHAPES
 from rayvl.data.report import format_data_report
@@ -26,7 +29,9 @@ def test_zero_stage_trains_two_workers(ray_local, demo_dir, tmp_path, stage):
     # bf16 (DeepSpeed's CPU accelerator), the precision every GPU user takes
     bank = ["memory_bank.size=40", "loss.kind=unicl", "memory_bank.momentum=0.9", "train.precision=bf16",
             "train.max_steps=4", "train.stop_at_step=3"]  # stops at 3 of 4: _check_memory_bank resumes it
-    extra = {1: bow, 2: bank}.get(stage, [])
+    # stage 0 logs to TensorBoard and MLflow (read back below); stage 1 starts from another run's weights
+    logs = ["train.report_to=[tensorboard, mlflow]", f"train.mlflow_uri=sqlite:///{tmp_path}/mlflow.db"]
+    extra = {0: logs, 1: bow + [f"train.init_from={_seeded_checkpoint(demo_dir, tmp_path)}"], 2: bank}.get(stage, [])
     cfg = small_config(demo_dir, tmp_path, f"train.zero_stage={stage}", *extra)
     result = train(cfg)
     captions = result.data_report["captions"]
@@ -54,9 +59,81 @@ def test_zero_stage_trains_two_workers(ray_local, demo_dir, tmp_path, stage):
     assert json.loads((result.run_dir / "eval.json").read_text())["eval_images"] == 64
     if stage == 0:
         _check_same_numbers_as_rayvl_eval(result, tmp_path)
+        _check_tensorboard_mlflow_and_plots(result, history, tmp_path)
+        _check_export_round_trip(result, tmp_path)
+    if stage == 1:  # 3 small steps from the seeded weights stay near them, far from the run's own seed-0 init
+        seeded = torch.load(tmp_path / "seeded" / "checkpoint_000000" / "model.pt")
+        own = build_model(cfg.model, seed=cfg.train.seed).state_dict()
+        key = "vision_proj.weight"
+        assert (state[key] - seeded[key]).norm() < (own[key] - seeded[key]).norm() / 5
     if stage == 2:
         _check_bf16_weights_and_embeddings(result, state)
         _check_memory_bank(cfg, result, state, demo_dir, tmp_path)
+
+
+def _seeded_checkpoint(demo_dir, tmp_path) -> Path:
+    """A checkpoint (consolidated weights + config) of an untrained model of another seed, to init a run from."""
+    d = tmp_path / "seeded" / "checkpoint_000000"
+    d.mkdir(parents=True)
+    cfg = small_config(demo_dir, tmp_path)
+    torch.save(build_model(cfg.model, seed=5).state_dict(), d / MODEL_FILE)
+    (d / META_FILE).write_text(json.dumps({"step": 0, "config": cfg.to_dict(), "final": True}))
+    return d.parent
+
+
+def _check_tensorboard_mlflow_and_plots(result, history, tmp_path):
+    """The run's loggers, read back with their own libraries, hold what metrics.jsonl holds; the run directory
+    has its plots and its record (config + git commit)."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(result.run_dir / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [h["step"] for h in history]
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([h["loss"] for h in history])
+    assert events.Scalars("eval/zeroshot_top1")[-1].value == pytest.approx(result.metrics["zeroshot_top1"])
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("laion_adapt").experiment_id])
+    assert run.info.run_name == "run" and run.info.status == "FINISHED"
+    assert run.data.params["train.zero_stage"] == "0" and run.data.params["model.embed_dim"] == "64"
+    assert [m.value for m in sorted(client.get_metric_history(run.info.run_id, "train/loss"),
+                                    key=lambda m: m.step)] == pytest.approx([h["loss"] for h in history])
+    assert client.get_metric_history(run.info.run_id, "eval/t2i_R_at_1")[-1].value == pytest.approx(
+        result.metrics["t2i_R@1"])
+    record = json.loads((result.run_dir / "run.json").read_text())
+    assert record["config"]["train"]["zero_stage"] == 0 and len(record["invocations"]) == 1
+    assert record["git_commit"] == run.data.tags["mlflow.source.git.commit"] and len(record["git_commit"]) >= 40
+    assert {"loss.png", "lr.png", "samples_per_s.png", "zeroshot_top1.png", "t2i_R_at_1.png"} <= {
+        p.name for p in (result.run_dir / "plots").iterdir()}
+    assert all(h["grad_norm"] > 0 for h in history)
+
+
+def _check_export_round_trip(result, tmp_path):
+    """`rayvl export` → `rayvl.load` embeds as the checkpoint's model does (rayvl's evaluation path); an
+    intermediate checkpoint (DeepSpeed files, no model.pt) loads too, without Ray or DeepSpeed running."""
+    import rayvl
+    from rayvl import assets
+    from rayvl.checkpoints import load_model
+    from rayvl.cli import main
+    from rayvl.eval.embed import ModelEmbedder
+
+    assert main(["export", str(result.run_dir), "--out", str(tmp_path / "export")]) == 0
+    assert {"model.safetensors", "rayvl_model.json", "README.md", "text"} <= {
+        p.name for p in (tmp_path / "export").iterdir()}
+    exported = rayvl.load(tmp_path / "export")
+    reference = ModelEmbedder(load_model(result.checkpoint_dir)[0], str(assets.text_model_path("minilm-l6")), 16)
+    captions = ["a large blue ring to the left of a small red star", "two green squares"]
+    np.testing.assert_allclose(exported.encode_text(captions).numpy(), reference.texts(captions), atol=1e-6)
+    images = np.random.default_rng(0).integers(0, 256, (3, 3, 32, 32), dtype=np.uint8)
+    np.testing.assert_allclose(exported.encode_image(images).numpy(), reference.images(images), atol=1e-6)
+    from PIL import Image
+
+    photo = Image.fromarray(images[0].transpose(1, 2, 0)).resize((48, 40))
+    assert exported.preprocess(photo).shape == (3, 32, 32) and exported.encode_image([photo]).shape == (1, 64)
+    assert "| zeroshot_top1 |" in (tmp_path / "export" / "README.md").read_text()
+    (intermediate,) = [c for c in result.run_dir.glob("checkpoint_*")
+                       if c.is_dir() and not (c / "model.pt").exists()]
+    assert rayvl.load(intermediate).encode_text(captions).shape == (2, 64)
 
 
 def _check_bf16_weights_and_embeddings(result, state):

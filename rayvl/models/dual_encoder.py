@@ -12,10 +12,12 @@ from rayvl.models.towers import TextTower, VisionTower, projection
 
 
 class DualEncoder(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, pretrained: bool = True):
+        """``pretrained=False``: the towers' architectures without their pretrained weights (a model whose
+        weights are loaded next, from a checkpoint or an export)."""
         super().__init__()
         self.cfg = cfg
-        self.vision = VisionTower(cfg.vision, cfg.vision_checkpoint)
+        self.vision = VisionTower(cfg.vision, cfg.vision_checkpoint, pretrained)
         self.vision_proj = projection(cfg.vision_projection, self.vision.out_dim, cfg.embed_dim)
         if cfg.text_tower == "class_embedding":
             # [UniCL] eq. (4): CE is the special case whose "text encoder" is a linear embedding per class
@@ -24,7 +26,7 @@ class DualEncoder(nn.Module):
             self.class_embed = nn.Parameter(torch.randn(cfg.num_classes, cfg.embed_dim) * 0.02)
         else:
             self.text = TextTower(cfg.text, cfg.text_strategy, cfg.alignment_layers, cfg.pooling,
-                                  cfg.adapter_reduction)
+                                  cfg.adapter_reduction, pretrained)
             self.text_proj = projection(cfg.text_projection, self.text.out_dim, cfg.embed_dim)
         # CLIP keeps log(1/τ) as the parameter and clamps exp() at 100; shape [1], not a 0-dim tensor, because
         # DeepSpeed broadcasts parameters as byte views, which 0-dim tensors do not allow

@@ -13,13 +13,13 @@ from rayvl.compat import ensure_torchvision_importable
 class VisionTower(nn.Module):
     """A timm backbone without its classifier; takes uint8 images and normalises them on the device."""
 
-    def __init__(self, name: str, checkpoint: str = ""):
+    def __init__(self, name: str, checkpoint: str = "", pretrained: bool = True):
         super().__init__()
         ensure_torchvision_importable()
         import timm
 
         self.backbone = timm.create_model(assets.vision_timm_name(name), pretrained=False)
-        state = assets.vision_state_dict(name, checkpoint)
+        state = assets.vision_state_dict(name, checkpoint) if pretrained else None
         if state is not None:
             self.backbone.load_state_dict(state, strict=True)
         self.backbone.reset_classifier(0)
@@ -72,11 +72,16 @@ class TextTower(nn.Module):
       randomly initialised, are appended on top ("alignment layers", [Paraphrase] Fig. 3e).
     """
 
-    def __init__(self, name: str, strategy: str, alignment_layers: int, pooling: str, adapter_reduction: int = 2):
+    def __init__(self, name: str, strategy: str, alignment_layers: int, pooling: str, adapter_reduction: int = 2,
+                 pretrained: bool = True):
         super().__init__()
-        from transformers import AutoModel
+        from transformers import AutoConfig, AutoModel
 
-        self.lm = AutoModel.from_pretrained(str(assets.text_model_path(name)), local_files_only=True,
+        path = str(assets.text_model_path(name))
+        if pretrained:
+            self.lm = AutoModel.from_pretrained(path, local_files_only=True, add_pooling_layer=False)
+        else:  # the architecture only: the weights come from a rayvl checkpoint or export
+            self.lm = AutoModel.from_config(AutoConfig.from_pretrained(path, local_files_only=True),
                                             add_pooling_layer=False)
         self.strategy, self.pooling = strategy, pooling
         self.lm_frozen = strategy != "finetune"

@@ -14,6 +14,7 @@ from rayvl.data.artifacts import ArtifactMismatch
 from rayvl.data.demo import ensure_demo
 from rayvl.data.ontology import Ontology, keep_frequent, load_or_count
 from rayvl.data.pipeline import prompt_batch
+from rayvl.data.report import DataPlaneError
 from rayvl.data.prompts import Prompts, load_prompts
 from rayvl.data.tar import resolve_shards
 from rayvl.train.batches import ROW, TRAIN_COLUMNS, label_rows
@@ -34,7 +35,26 @@ class DataPlan:
 
 def plan(cfg: RayvlConfig) -> DataPlan:
     train, evalset, files = resolve_data(cfg)
+    check_inputs(cfg, train, evalset)
     return DataPlan(train, evalset, files, tonics_ontology(cfg), image_label_prompts(cfg))
+
+
+def check_inputs(cfg: RayvlConfig, train: str, evalset: str) -> None:
+    """What a typo makes wrong, as a config error naming the key before Ray starts: shards that match nothing,
+    a text tower that is neither an asset nor a local HF folder, a vision tower timm does not know."""
+    for key, spec in (("data.train", train), ("data.eval", evalset)):
+        if spec:
+            try:
+                resolve_shards(spec)
+            except DataPlaneError:
+                raise ConfigError(f"{key}: {spec!r} matches no .tar shard (give a folder of img2dataset shards, a "
+                                  f"glob, a comma list, a .txt list file or a URL)") from None
+    try:
+        if cfg.model.text_tower == "lm":
+            assets.text_model_path(cfg.model.text)
+        assets.check_vision_name(cfg.model.vision)
+    except assets.MissingAssetError as e:
+        raise ConfigError(str(e)) from None
 
 
 def resolve_data(cfg: RayvlConfig) -> tuple[str, str, dict]:

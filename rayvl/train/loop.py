@@ -16,6 +16,7 @@ from rayvl.config import RayvlConfig, from_dict
 from rayvl.data.position import DataPosition
 from rayvl.data.report import report_actor, snapshot
 from rayvl.data.tonics import Curriculum
+from rayvl.export import weights
 from rayvl.losses import clip_loss, gather_features, unicl_loss
 from rayvl.models.dual_encoder import build_model
 from rayvl.models.memory_bank import MemoryBank
@@ -37,7 +38,7 @@ def train_loop_per_worker(config: dict) -> None:
     position = DataPosition(config.get("train_shards", 0))
     saved, begin = _restore_position(position, config.get("report_name"), rank)
     next_batch, curriculum, tonics = _batches(cfg, config.get("tonics_sizes"), rank, begin)
-    engine, bank = _engine(cfg, world)
+    engine, bank = _engine(cfg, world, config.get("init_from", "") if saved is None else "")
     state = TrainState(Progress(), curriculum=curriculum, memory_bank=bank, data_position=position)
     if checkpoint.restore(engine, state, saved):
         state.progress.resumed_at.append(state.progress.step)
@@ -58,7 +59,7 @@ def train_loop_per_worker(config: dict) -> None:
             loss = _loss(engine, batch, cfg, bank, (state.progress.step * cfg.train.grad_accumulation + micro)
                          * world + rank)
             engine.backward(loss)
-            engine.step()
+            window.grad_norm = _step(engine) or window.grad_norm
             window.add(loss.item() / cfg.train.grad_accumulation, waited, batch, world)
         broadcast_buffers(engine.module)  # one set of BatchNorm statistics, as DDP keeps it
         if bank is not None:  # MoCo: the key encoders follow the trained ones once per optimizer step
@@ -89,9 +90,12 @@ def train_loop_per_worker(config: dict) -> None:
         window = Window(first_step=step + 1)
 
 
-def _engine(cfg: RayvlConfig, world: int):
-    """The DeepSpeed engine over the dual encoder, and the memory bank (None without one) on its device."""
+def _engine(cfg: RayvlConfig, world: int, init_from: str = ""):
+    """The DeepSpeed engine over the dual encoder, and the memory bank (None without one) on its device.
+    ``init_from``: a new run starts from those weights (train.init_from; a resumed run restores its own)."""
     model = build_model(cfg.model, cfg.train.seed)
+    if init_from:
+        model.load_state_dict(weights(init_from)[0], strict=True)
     bank = MemoryBank(model, cfg.memory_bank.size, cfg.model.embed_dim, cfg.memory_bank.momentum) \
         if cfg.memory_bank.size else None
     engine = build_engine(model, cfg, world)
@@ -238,6 +242,7 @@ class Window:
     steps: int = 0
     first_step: int = 1
     resumed_from: int | None = None
+    grad_norm: float | None = None
     start: float = field(default_factory=time.perf_counter)
 
     def add(self, loss: float, waited: float, batch: dict, world: int) -> None:
@@ -256,6 +261,7 @@ class Window:
             "logit_scale": engine.module.scale().item(),
             "samples_per_s": self.samples / elapsed,
             "data_wait_share": self.wait / elapsed,
+            "grad_norm": self.grad_norm,
             "image_label_share": self.label_rows / max(1, self.samples),
         }
         if self.resumed_from is not None:
@@ -263,3 +269,19 @@ class Window:
         if report_name:  # the data report's counts so far (dropped samples by reason, truncated shards)
             metrics.update(snapshot(report_name)["counts"])
         return metrics
+
+
+def _step(engine) -> float | None:
+    """``engine.step()``; at an optimizer step, the global gradient norm before clipping. DeepSpeed keeps it for
+    ZeRO ≥ 1 and bf16; ZeRO-0 fp32 clips without keeping it, so there it is taken from the gradients, which are
+    all-reduced (identical on every rank) by then."""
+    norm = None
+    if engine.is_gradient_accumulation_boundary() and engine.zero_optimization_stage() == 0 \
+            and not engine.bfloat16_enabled():
+        grads = [p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None]
+        norm = float(torch.linalg.vector_norm(torch.stack(grads))) if grads else None
+    boundary = engine.is_gradient_accumulation_boundary()
+    engine.step()
+    if norm is None and boundary and engine.get_global_grad_norm() is not None:
+        norm = float(engine.get_global_grad_norm())
+    return norm

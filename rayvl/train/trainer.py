@@ -2,33 +2,40 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import uuid
+from pathlib import Path
 
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from rayvl import assets, session
 from rayvl import storage as store
-from rayvl.config import RayvlConfig
+from rayvl.config import ConfigError, RayvlConfig
 from rayvl.data.report import caption_stats, position_report, report_actor, snapshot
 from rayvl.data.shards import expected_samples
 from rayvl.data.tar import resolve_shards
 from rayvl.train import datasets
 from rayvl.train.checkpoint import restored_state
 from rayvl.train.loop import train_loop_per_worker
-from rayvl.train.run_dir import RunResult, finish, run_paths
+from rayvl.train.progress import Progress, log
+from rayvl.train.run_dir import RunResult, finish, log_dir, mlflow_uri, run_paths, run_record
+from rayvl.train.run_log import RunLog
 
 
-def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "") -> RunResult:
+def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", progress: bool = False,
+          verbose: bool = True) -> RunResult:
     """Run one training job end to end and return where everything is. ``callbacks``: Ray Train UserCallbacks
     (a Tune trial passes its report callback); ``placement_registry``: the named actor a sweep collects the runs'
-    placement groups in."""
+    placement groups in; ``progress``: log a progress line per report (rayvl.train.progress); ``verbose=False``:
+    the workers' and Ray's own output stay in Ray's log files."""
     data = datasets.plan(cfg)
     storage, name = run_paths(cfg)
+    init_weights = check_init_from(cfg)
     if data.prompts is not None and cfg.model.text_tower == "class_embedding":
         # [UniCL] eq. (4): one learned class embedding per class of the image-label source
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_classes=len(data.prompts.classes)))
-    started_here = session.connect(cfg.ray_address, cfg.local_num_cpus)
+    started_here = session.connect(cfg.ray_address, cfg.local_num_cpus, verbose=verbose)
     session.check_resources(cfg, fixed_size=started_here)
     session.check_storage(cfg)
     report_name = f"rayvl-data-report-{name}-{uuid.uuid4().hex[:8]}"
@@ -46,10 +53,15 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "") 
     if data.prompts is not None:  # [UniCL] App. B.2: image-label data next to (or instead of) image-text data
         labeled = datasets.labeled_dataset(cfg, data.prompts, reports["image_label"])
         sets["labeled" if cfg.image_label.weight < 1.0 else "train"] = labeled
-    result = _trainer(cfg, storage, name, sets, list(callbacks), {
+    logs = log_dir(storage, name)
+    run_log = RunLog(str(logs), run_record(cfg, run_dir, name), cfg.train.report_to,
+                     mlflow_uri(cfg) if "mlflow" in cfg.train.report_to else "")
+    trainer = _trainer(cfg, storage, name, sets, [run_log, *callbacks], {
         "rayvl": cfg.to_dict(), "report_name": report_name, **data.files,
         "tokenizer_path": str(assets.text_model_path(cfg.model.text)), "tonics_sizes": sizes,
-        "placement_registry": placement_registry, "train_shards": len(resolve_shards(data.train))}).fit()
+        "placement_registry": placement_registry, "train_shards": len(resolve_shards(data.train)),
+        "init_from": init_weights})
+    result = _fit(trainer, logs, cfg) if progress else trainer.fit()
     report = {**snapshot(reports["train"]), "img2dataset_successes_per_pass": expected,
               "eval": snapshot(reports["eval"])}
     report["captions"] = caption_stats(report["counts"])
@@ -58,7 +70,48 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "") 
         report["position"] = position_report(state["data_position"], state["progress"]["resumed_at"])
     if data.prompts is not None:
         report["image_label"] = snapshot(reports["image_label"])
-    return finish(run_dir, result, report)
+    return finish(run_dir, logs, result, report)
+
+
+def _fit(trainer: TorchTrainer, logs, cfg: RayvlConfig):
+    """fit() with a progress line per report on this driver's terminal."""
+    from rayvl.checkpoints import METRICS_FILE
+
+    printer = Progress(logs / METRICS_FILE, cfg.train.stop_at_step or cfg.train.max_steps, cfg.train.num_workers)
+    log.info(f"training {cfg.recipe} → {logs} ({cfg.train.num_workers} workers, {cfg.train.max_steps} steps)")
+    printer.start()
+    try:
+        return trainer.fit()
+    finally:
+        printer.stop()
+
+
+def check_init_from(cfg: RayvlConfig) -> str:
+    """``train.init_from`` resolved to a checkpoint or export whose model settings match this run's, before Ray
+    starts ('' when unset)."""
+    from rayvl.checkpoints import checkpoint_uri, read_meta
+    from rayvl.export import EXPORT_META, is_export
+
+    source = cfg.train.init_from
+    if not source:
+        return ""
+    try:
+        path = str(Path(source).expanduser().resolve()) if is_export(Path(source).expanduser()) else \
+            checkpoint_uri(source)
+    except FileNotFoundError:
+        raise ConfigError(f"train.init_from: {source!r} is not a rayvl run, checkpoint or export") from None
+    meta = read_meta(path) if not is_export(path) else json.loads((Path(path) / EXPORT_META).read_text())
+    theirs, ours = meta["config"]["model"], cfg.to_dict()["model"]
+    differ = [k for k in ours if k not in ARCHITECTURE_FREE and theirs.get(k) != ours[k]]
+    if differ:
+        raise ConfigError(f"model.{differ[0]}: {ours[differ[0]]!r} differs from {theirs.get(differ[0])!r} in "
+                          f"train.init_from={source!r} — the weights would not fit (differing: "
+                          f"{', '.join('model.' + k for k in differ)})")
+    return path
+
+
+# model settings that do not change the weights' shapes or meaning
+ARCHITECTURE_FREE = ("vision_checkpoint", "init_logit_scale", "learn_logit_scale", "max_logit_scale")
 
 
 def _trainer(cfg: RayvlConfig, storage: str, name: str, sets: dict, callbacks: list,

@@ -1,0 +1,1 @@
+"""The recipes, installed with rayvl as the package ``rayvl.configs`` (pyproject.toml)."""

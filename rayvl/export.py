@@ -1,0 +1,187 @@
+"""A trained model outside rayvl's training and evaluation code: ``rayvl.load`` and ``rayvl export``.
+
+``load(path)`` takes a run directory (its newest checkpoint), any checkpoint (final or intermediate, any ZeRO
+stage: rayvl.checkpoints.load_weights) or an export, and needs neither Ray nor DeepSpeed running. An export is a
+folder anyone can copy:
+
+    model.safetensors   every weight of the dual encoder, fp32
+    rayvl_model.json    {"config": the run's rayvl config, "source", "step", "metrics"}
+    text/               the text tower's HF config and tokenizer files (the weights are in model.safetensors)
+    README.md           a model card: recipe, data, steps, evaluation, how to load it
+
+Not a ``transformers`` ``VisionTextDualEncoderModel``: that class embeds text as ``text_projection(pooler_output)``
+— the LM's tanh pooler over the CLS token, one bias-free linear map — while rayvl's text tower pools (mean or raw
+CLS) the output of alignment layers or adapters and projects with a 2-layer MLP ([Paraphrase] §5), and its image
+tower is a timm backbone that normalises uint8 pixels itself. No weight mapping reproduces rayvl's embeddings, so
+rayvl does not write one that would silently embed differently.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rayvl import assets, storage
+from rayvl.checkpoints import METRICS_FILE, checkpoint_uri, load_weights, read_meta, resolve_checkpoint
+from rayvl.config import RayvlConfig, from_dict
+from rayvl.data.images import crop
+from rayvl.data.text import load_tokenizer, tokenize
+from rayvl.eval.tasks import METRIC_PREFIXES
+from rayvl.models.dual_encoder import DualEncoder
+
+WEIGHTS_FILE = "model.safetensors"
+EXPORT_META = "rayvl_model.json"
+TEXT_DIR = "text"
+
+
+class Model:
+    """A dual encoder ready to embed: ``encode_image`` / ``encode_text`` return L2-normalised float32 embeddings;
+    ``preprocess`` is the evaluation's image transform (centre crop, resize to ``image_size``, uint8 CHW) and
+    ``tokenizer`` the text tower's HF tokenizer (captions padded/truncated to ``max_tokens``)."""
+
+    def __init__(self, model: DualEncoder, config: RayvlConfig, tokenizer_path: str, device: str):
+        self.module = model.to(device).eval()
+        self.config, self.device = config, torch.device(device)
+        self.tokenizer_path, self.tokenizer = tokenizer_path, load_tokenizer(tokenizer_path)
+        self.image_size, self.max_tokens = config.data.image_size, config.data.max_text_tokens
+
+    def preprocess(self, image) -> torch.Tensor:
+        """A PIL image or an image file → uint8 tensor (3, image_size, image_size)."""
+        from PIL import Image
+
+        if not isinstance(image, Image.Image):
+            with Image.open(image) as f:
+                image = f.convert("RGB")
+        return torch.from_numpy(crop(image.convert("RGB"), self.image_size, None))
+
+    def tokenize(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input ids, attention mask), fixed length — the tokenisation training used."""
+        ids, mask = tokenize(list(texts), self.tokenizer_path, self.max_tokens)
+        return torch.from_numpy(ids), torch.from_numpy(mask)
+
+    @torch.no_grad()
+    def encode_image(self, images) -> torch.Tensor:
+        """Images: a uint8 tensor/array (N, 3, H, W) as ``preprocess`` makes them, or a list of PIL images/files."""
+        if isinstance(images, (list, tuple)):
+            images = torch.stack([self.preprocess(i) for i in images])
+        images = torch.as_tensor(np.asarray(images) if not torch.is_tensor(images) else images)
+        return self.module.encode_image(images.to(self.device)).float()
+
+    @torch.no_grad()
+    def encode_text(self, texts: list[str]) -> torch.Tensor:
+        ids, mask = self.tokenize(texts)
+        return self.module.encode_text(ids.to(self.device), mask.to(self.device)).float()
+
+    def logit_scale(self) -> float:
+        return float(self.module.scale())
+
+
+def is_export(path: str | Path) -> bool:
+    return (Path(path) / EXPORT_META).is_file()
+
+
+def weights(path: str | Path) -> tuple[dict, RayvlConfig, str]:
+    """(fp32 state dict, the run's config, the text tower's folder) of an export, a checkpoint or a run directory
+    (its newest checkpoint)."""
+    if is_export(path):
+        meta = json.loads((Path(path) / EXPORT_META).read_text())
+        text_dir = str(Path(path).resolve() / TEXT_DIR)
+        cfg = from_dict(meta["config"])
+        cfg = replace(cfg, model=replace(cfg.model, text=text_dir, vision_checkpoint=""))
+        from safetensors.torch import load_file
+
+        return load_file(str(Path(path) / WEIGHTS_FILE)), cfg, text_dir
+    ckpt = resolve_checkpoint(path)
+    cfg = from_dict(read_meta(ckpt)["config"])
+    return load_weights(ckpt, cfg.train.zero_stage), cfg, str(assets.text_model_path(cfg.model.text))
+
+
+def load(path: str | Path, device: str = "cpu") -> Model:
+    """The model of an export, a checkpoint or a run directory (its newest checkpoint)."""
+    state, cfg, text_dir = weights(path)
+    model = DualEncoder(cfg.model, pretrained=False)
+    model.load_state_dict(state, strict=True)
+    return Model(model, cfg, text_dir, device)
+
+
+def export(source: str, out: str | Path) -> Path:
+    """Write the export of ``source`` (a run directory, a checkpoint; local or a URL) into ``out``."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    ckpt = checkpoint_uri(source)
+    meta = read_meta(ckpt)
+    model = load(ckpt)
+    out = Path(out).expanduser()
+    (out / TEXT_DIR).mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().float().contiguous().clone() if v.is_floating_point() else v.contiguous().clone()
+             for k, v in model.module.state_dict().items()}
+    save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt", "rayvl_step": str(meta["step"])})
+    text_path = str(assets.text_model_path(model.config.model.text))
+    AutoConfig.from_pretrained(text_path, local_files_only=True).save_pretrained(out / TEXT_DIR)
+    model.tokenizer.save_pretrained(out / TEXT_DIR)
+    metrics = _last_evaluation(ckpt)
+    record = {"config": meta["config"], "source": ckpt, "step": meta["step"], "final": meta.get("final", False),
+              "metrics": metrics}
+    (out / EXPORT_META).write_text(json.dumps(record, indent=2))
+    (out / "README.md").write_text(model_card({**record, "export_dir": str(out)}))
+    return out
+
+
+def _last_evaluation(ckpt: str) -> dict:
+    """The evaluation metrics of the checkpoint's last report that has them ({} when none ran)."""
+    path = storage.join(ckpt, METRICS_FILE)
+    if not storage.is_file(path):
+        return {}
+    rows = [json.loads(x) for x in storage.read_text(path).splitlines() if x.strip()]
+    evaluated = [r for r in rows if any(k.startswith(METRIC_PREFIXES) for k in r)]
+    if not evaluated:
+        return {}
+    return {"step": evaluated[-1]["step"],
+            **{k: v for k, v in evaluated[-1].items() if k.startswith(METRIC_PREFIXES) and "_chance_" not in k}}
+
+
+def model_card(record: dict) -> str:
+    c = record["config"]
+    m, t, d = c["model"], c["train"], c["data"]
+    rows = "\n".join(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |"
+                     for k, v in record["metrics"].items()) or "| (no evaluation ran) | |"
+    return f"""# rayvl dual encoder: {c["recipe"]}
+
+Exported by `rayvl export` from `{record["source"]}` (step {record["step"]} of {t["max_steps"]}{
+    ", final" if record["final"] else ", an intermediate checkpoint"}).
+
+- Image tower: `{m["vision"]}` (timm), {m["vision_projection"]} projection; input: uint8 RGB
+  {d["image_size"]}×{d["image_size"]}, centre-cropped (the tower normalises pixels itself).
+- Text tower: `{m["text"]}`, strategy `{m["text_strategy"]}`{
+    f" with {m['alignment_layers']} alignment layers" if m["text_strategy"] == "frozen_alignment" else ""},
+  {m["pooling"]} pooling, {m["text_projection"]} projection; {d["max_text_tokens"]} tokens.
+- Embedding dimension {m["embed_dim"]}; loss `{c["loss"]["kind"]}`{
+    f", EMA memory bank of {c['memory_bank']['size']}" if c["memory_bank"]["size"] else ""}.
+- Training data: `{d["train"] or "the embedded demo dataset"}`; {t["num_workers"]} workers × micro-batch
+  {t["micro_batch_size"]} × {t["grad_accumulation"]} accumulation, lr {t["lr"]}, {t["precision"]}, ZeRO-{
+    t["zero_stage"]}, seed {t["seed"]}.
+
+## Evaluation (held-out split, during training)
+
+| metric | value |
+|---|---|
+{rows}
+
+## Use
+
+```python
+import rayvl
+model = rayvl.load("{record.get("export_dir", ".")}")   # CPU by default; device="cuda" for a GPU
+images = model.encode_image(["cat.jpg", "dog.jpg"])     # (2, {m["embed_dim"]}) L2-normalised
+texts = model.encode_text(["a photo of a cat", "a photo of a dog"])
+similarity = model.logit_scale() * images @ texts.T
+```
+
+Files: `model.safetensors` (fp32 weights), `rayvl_model.json` (the full training config), `text/` (the text tower's
+config and tokenizer). Not a `transformers` `VisionTextDualEncoderModel`: that class embeds text through the LM's
+pooler and one linear map, which cannot express this text tower's pooling and projection.
+"""

@@ -1,0 +1,144 @@
+"""What a user sees and keeps, without a training run: progress lines, plots, the run log's scalars, `--resume`
+without a name, the recipes in a non-editable install, and bad input as one line + exit 2 before Ray starts.
+(The training-run side — metrics.jsonl growing, TensorBoard and MLflow read back, export round trip, init-from —
+rides on the runs of test_training.py and test_autoscaling.py.)"""
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, small_config
+from rayvl.config import ConfigError
+from rayvl.train.progress import Progress, duration, progress_line
+from rayvl.train.run_log import mlflow_name, scalars
+
+ROW = {"step": 150, "first_step": 101, "loss": 2.31412, "lr": 6.2e-4, "logit_scale": 15.31, "samples_per_s": 38.2,
+       "data_wait_share": 0.0031, "grad_norm": 1.8234, "samples_seen": 4800, "samples_kept": 4797, "time": 1252.0}
+
+
+def test_progress_line_format():
+    line = progress_line(ROW, total=200, started=1000.0, rate=1.68, workers=2)
+    assert line == ("step 150/200 (75%) | 4m12s, ETA 1m24s | loss 2.3141 | lr 6.20e-04 | scale 15.3 | "
+                    "38.2 samples/s (19.1/worker) | data wait 0.3% | grad norm 1.82 | dropped 3")
+    evaluated = progress_line({**ROW, "zeroshot_top1": 45.25, "t2i_R@1": 12.0, "zeroshot_chance_top1": 12.5},
+                              total=200, started=1000.0, rate=None, workers=2)
+    assert evaluated.startswith("step 150/200 (75%) | 4m12s | loss")  # no ETA before a rate is known
+    assert evaluated.endswith("| dropped 3 | eval zeroshot_top1 45.2, t2i_R@1 12.0")
+    assert duration(3725) == "1h02m05s" and duration(59.6) == "1m00s"
+
+
+def test_progress_follows_a_growing_metrics_file_and_restarts(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({**ROW, "step": 1}) + "\n")  # a resumed run's earlier rows are not shown again
+    printer = Progress(path, total=10, workers=2, poll_s=0.05)
+    printer.start()
+    t = time.time()
+    with caplog.at_level(logging.INFO, logger="rayvl"):
+        with open(path, "a") as f:
+            for step, when in ((4, t + 10), (5, t + 12), (6, t + 14)):
+                f.write(json.dumps({**ROW, "step": step, "time": when}) + "\n")
+            f.write(json.dumps({**ROW, "step": 5, "time": t + 30, "resumed_from": 4})[:20])  # half-written
+            f.flush()
+            time.sleep(0.3)
+            f.write(json.dumps({**ROW, "step": 5, "time": t + 30, "resumed_from": 4})[20:] + "\n")
+        printer.stop()
+    lines = [r.getMessage() for r in caplog.records if r.name == "rayvl"]
+    assert [x.split(" |")[0] for x in lines] == ["step 4/10 (40%)", "step 5/10 (50%)", "step 6/10 (60%)",
+                                                 "resumed from the checkpoint of step 4", "step 5/10 (50%)"]
+    assert "ETA 0m08s" in lines[2]  # 2 s a step since step 4, 4 steps left
+    assert "ETA" not in lines[0] and "ETA" not in lines[4]  # the first report, and the first after a restart
+
+
+def test_run_log_scalars_group_metrics_and_fit_mlflow_names():
+    out = scalars({**ROW, "t2i_R@1": 3.0, "samples_kept": 10, "resumed_from": 4, "grad_norm": None,
+                   "bad": float("nan")})
+    assert out["train/loss"] == 2.31412 and out["eval/t2i_R@1"] == 3.0 and out["data/samples_kept"] == 10
+    assert not {"train/step", "train/time", "train/resumed_from", "train/grad_norm", "train/bad"} & set(out)
+    assert mlflow_name("eval/t2i_R@1") == "eval/t2i_R_at_1"
+
+
+def test_plots_of_a_run_and_of_a_comparison(tmp_path):
+    from rayvl.cli import main
+    from rayvl.plots import history
+
+    for name, offset in (("a", 0.0), ("b", 0.5)):
+        run = tmp_path / name
+        run.mkdir()
+        rows = [{"step": s, "loss": 3 - s / 10 + offset, "lr": 1e-3, "samples_per_s": 30.0} for s in (1, 2, 3)]
+        rows[1]["t2i_R@1"] = 5.0 + offset
+        rows[1]["t2i_chance_R@1"] = 1.0
+        rows.append({**rows[2], "loss": 9.0})  # step 3 again after a restart: the later row counts
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [r["loss"] for r in history(str(tmp_path / "a"))] == [2.9, 2.8, 9.0]
+    assert main(["plot", str(tmp_path / "a")]) == 0
+    assert sorted(p.name for p in (tmp_path / "a" / "plots").iterdir()) == [
+        "loss.png", "lr.png", "samples_per_s.png", "t2i_R_at_1.png"]
+    assert (tmp_path / "a" / "plots" / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "cmp")]) == 0
+    assert len(list((tmp_path / "cmp").glob("*.png"))) == 4
+    assert main(["plot", str(tmp_path / "nothing")]) == 2
+
+
+def test_resume_without_a_name_continues_the_newest_run_of_the_recipe(demo_dir, tmp_path):
+    from rayvl.train.run_dir import run_paths
+
+    cfg = small_config(demo_dir, tmp_path, "train.run_name=", "train.resume=true")
+    with pytest.raises(ConfigError, match="train.resume: no run of recipe 'laion_adapt'"):
+        run_paths(cfg)
+    for name, checkpointed in (("laion_adapt-20261101-090000", True), ("laion_adapt-20261102-090000", True),
+                               ("laion_adapt-20261103-090000", False), ("tonics-20261201-090000", True),
+                               ("my-named-run", True)):
+        folder = tmp_path / name / "checkpoint_000001"
+        folder.mkdir(parents=True)
+        if checkpointed:
+            (folder / "rayvl.json").write_text(json.dumps({"step": 1, "config": cfg.to_dict(), "final": False}))
+    assert run_paths(cfg)[1] == "laion_adapt-20261102-090000"  # newest of the recipe that has a checkpoint
+
+
+def test_recipes_are_installed_with_the_package(tmp_path):
+    """A non-editable install (a wheel) carries configs/ as rayvl.configs, and the CLI finds them there."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(REPO),
+                    "-w", str(tmp_path / "wheel")], check=True, capture_output=True, cwd=tmp_path)
+    wheel = next((tmp_path / "wheel").glob("rayvl-*.whl"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp_path / "site"),
+                    str(wheel)], check=True, capture_output=True)
+    code = "import rayvl.recipes as r; print(r.CONFIGS); print(sorted(p.name for p in r.CONFIGS.glob('*.yaml')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path / "site")}).stdout.splitlines()
+    assert out[0].startswith(str(tmp_path / "site")), out
+    assert out[1] == "['bow_pretrain.yaml', 'laion_adapt.yaml', 'tonics.yaml', 'unicl.yaml']"
+
+
+@pytest.mark.parametrize("args, key", [
+    (["--data", "/nonexistent/shards-*.tar"], "data.train: '/nonexistent/shards-*.tar' matches no .tar shard"),
+    (["--set", "model.vision=resnet5O"], "model.vision: 'resnet5O' is neither a rayvl asset"),
+    (["--set", "model.text=/no/such/hf-model"], "model.text: '/no/such/hf-model' is neither a rayvl asset"),
+    (["--init-from", "/no/such/run"], "train.init_from: '/no/such/run' is not a rayvl run"),
+    (["--resume", "no-such-run"], "train.resume: run"),
+])
+def test_bad_input_is_one_line_and_exit_2_before_ray(demo_dir, tmp_path, capsys, args, key):
+    import ray
+
+    from rayvl.recipes import CONFIGS, run_recipe
+
+    was_running = ray.is_initialized()
+    base = ["--eval-data", str(demo_dir / "eval"), "--set", f"train.storage_path={tmp_path}"]
+    if "--data" not in args:
+        base += ["--data", str(demo_dir / "train")]
+    assert run_recipe(str(CONFIGS / "laion_adapt.yaml"), base + args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"config error: {key}") and "\n" not in err, err
+    assert ray.is_initialized() == was_running  # refused before Ray started
+
+
+def test_missing_checkpoint_is_one_line_and_exit_2_in_a_fresh_process(tmp_path):
+    for command in (["eval", "--checkpoint", str(tmp_path / "gone")], ["export", str(tmp_path / "gone"), "--out",
+                                                                         str(tmp_path / "x")]):
+        r = subprocess.run([sys.executable, "-m", "rayvl.cli", *command], capture_output=True, text=True, cwd=REPO)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"{tmp_path / 'gone'}: neither a rayvl checkpoint nor a run directory" in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
