@@ -157,7 +157,8 @@ Exported by `rayvl export` from `{record["source"]}` (step {record["step"]} of {
 - Image tower: `{m["vision"]}` (timm), {m["vision_projection"]} projection; input: uint8 RGB
   {d["image_size"]}×{d["image_size"]}, centre-cropped (the tower normalises pixels itself).
 - Text tower: `{m["text"]}`, strategy `{m["text_strategy"]}`{
-    f" with {m['alignment_layers']} alignment layers" if m["text_strategy"] == "frozen_alignment" else ""},
+    f" with {m['alignment_layers']} alignment layer{'s' if m['alignment_layers'] != 1 else ''}"
+    if m["text_strategy"] == "frozen_alignment" else ""},
   {m["pooling"]} pooling, {m["text_projection"]} projection; {d["max_text_tokens"]} tokens.
 - Embedding dimension {m["embed_dim"]}; loss `{c["loss"]["kind"]}`{
     f", EMA memory bank of {c['memory_bank']['size']}" if c["memory_bank"]["size"] else ""}.

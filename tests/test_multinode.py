@@ -134,7 +134,7 @@ def test_asha_sweep_on_the_cluster_stops_trials_early_and_gives_resources_back(c
     overrides = [f"data.train={demo_dir / 'train'}", f"data.eval={demo_dir / 'eval'}", "data.image_size=32",
                  "data.max_text_tokens=16", "train.micro_batch_size=8", "train.warmup_steps=1",
                  "model.alignment_layers=1", "model.embed_dim=64", "eval.batch_size=32",
-                 f"tune.storage_path=file://{tmp_path}/sweeps"]
+                 f"tune.storage_path=file://{tmp_path}/sweeps", "train.report_to=[]"]
     before = {pg_id for pg_id, pg in placement_group_table().items() if pg["state"] != "REMOVED"}
     uri = sweep_and_report(load_sweep(space, overrides))
     printed = capsys.readouterr().out

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from conftest import REPO, small_config
@@ -29,6 +30,7 @@ def test_progress_line_format():
     assert evaluated.startswith("step 150/200 (75%) | 4m12s | loss")  # no ETA before a rate is known
     assert evaluated.endswith("| dropped 3 | eval zeroshot_top1 45.2, t2i_R@1 12.0")
     assert duration(3725) == "1h02m05s" and duration(59.6) == "1m00s"
+    assert progress_line({**ROW, "tonics_p_root": 0.64}, 200, 1000.0, None, 2).endswith("| P_S(root) 0.640")
 
 
 def test_progress_follows_a_growing_metrics_file_and_restarts(tmp_path, caplog):
@@ -133,6 +135,22 @@ def test_bad_input_is_one_line_and_exit_2_before_ray(demo_dir, tmp_path, capsys,
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"config error: {key}") and "\n" not in err, err
     assert ray.is_initialized() == was_running  # refused before Ray started
+
+
+def test_evaluation_tasks_log_progress_lines(caplog):
+    from rayvl.eval.tasks import evaluate
+
+    class Embedder:
+        def images(self, images):
+            return images
+
+    class Data:
+        images, captions, classes, labels = np.eye(3, dtype="float32"), [], [], np.full(3, -1)
+
+    with caplog.at_level(logging.INFO, logger="rayvl"):
+        evaluate(["zeroshot", "retrieval"], Data(), Embedder())
+    lines = [r.getMessage().split(" (")[0] for r in caplog.records if r.name == "rayvl"]
+    assert lines == ["eval: 3 images embedded", "eval: task 1/2 zeroshot skipped", "eval: task 2/2 retrieval skipped"]
 
 
 def test_missing_checkpoint_is_one_line_and_exit_2_in_a_fresh_process(tmp_path):

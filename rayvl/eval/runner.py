@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,8 @@ from rayvl.data.report import report_actor, snapshot
 from rayvl.eval import data as eval_data
 from rayvl.eval.embed import RayDataEmbedder
 from rayvl.eval.tasks import SKIP_REASONS, TASKS, evaluate
+
+log = logging.getLogger("rayvl")
 
 
 @dataclass
@@ -75,6 +78,7 @@ def run_eval(checkpoint: str, tasks=TASKS, sources: Sources | None = None, out: 
     config = read_meta(uri)["config"]
     sources = sources or default_sources(config)
     out = storage.normalize(out) if out else storage.join(storage.parent(uri), "eval")
+    log.info(f"eval: reading {sources.data} ({sources.kind}) for {', '.join(tasks)}")
     data, counts = load(sources, config, cpus_per_actor, limit)
     embedder = RayDataEmbedder(uri, actors, cpus_per_actor, batch_size)
     metrics, embeddings = evaluate(tasks, data, embedder, k)

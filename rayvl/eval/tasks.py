@@ -3,6 +3,9 @@ same data and differ only in the embedder (``rayvl.eval.embed``): each task asks
 turns them into metrics with the functions of zeroshot / retrieval / paraphrase / sts / linear_probe."""
 from __future__ import annotations
 
+import logging
+import time
+
 from typing import Protocol
 
 import numpy as np
@@ -21,6 +24,7 @@ SKIP_REASONS = {"zeroshot": "no class names or labels", "retrieval": "the data h
                 "paraphrase": "no paraphrase file", "sts": "no STS file",
                 "linear_probe": "fewer than 10 labelled images"}
 # what the tasks' metric names start with (training reports mix them with the training metrics)
+log = logging.getLogger("rayvl")
 METRIC_PREFIXES = ("eval_", "zeroshot", "single_template", "t2i", "i2t", "retrieval", "paraphrase", "qe_", "sts")
 
 
@@ -32,12 +36,17 @@ class Embedder(Protocol):
 
 def evaluate(tasks, data: EvalData, embedder: Embedder, k: int = 10) -> tuple[dict, dict]:
     """({task: metrics} for every task the data allows, {name: embeddings} computed on the way)."""
+    start = time.perf_counter()
     embeddings = {"image": embedder.images(data.images)}
+    log.info(f"eval: {len(embeddings['image'])} images embedded ({time.perf_counter() - start:.1f} s)")
     results = {}
-    for task in tasks:
+    for i, task in enumerate(tasks):
+        start = time.perf_counter()
         metrics = _RUN[task](data, embeddings, embedder, k)
         if metrics is not None:
             results[task] = metrics
+        log.info(f"eval: task {i + 1}/{len(tasks)} {task} {'done' if metrics is not None else 'skipped'} "
+                 f"({time.perf_counter() - start:.1f} s)")
     return results, embeddings
 
 

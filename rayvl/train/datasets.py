@@ -2,6 +2,8 @@
 image-label prompts — all checked before Ray starts), and the Ray Datasets a run trains and evaluates on."""
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from rayvl.data.prompts import Prompts, load_prompts
 from rayvl.data.tar import resolve_shards
 from rayvl.train.batches import ROW, TRAIN_COLUMNS, label_rows
 
+log = logging.getLogger("rayvl")
 EVAL_FILES = {"classes_file": "classes", "paraphrases_file": "paraphrases", "sts_file": "sts"}
 
 
@@ -63,6 +66,8 @@ def resolve_data(cfg: RayvlConfig) -> tuple[str, str, dict]:
     train, evalset = d.train, d.eval
     files = {"classes_file": d.classes, "paraphrases_file": d.paraphrases, "sts_file": d.sts}
     if not train:
+        log.info(f"demo dataset: {d.demo_dir} (generated on first use: {d.demo_samples} + {d.demo_eval_samples} "
+                 f"scenes, ≈1 min)")
         root = ensure_demo(d.demo_dir, d.demo_samples, d.demo_eval_samples, seed=cfg.train.seed)
         train = str(root / "train")
         evalset = evalset or str(root / "eval")
@@ -107,13 +112,16 @@ def bow_deformer(cfg: RayvlConfig, train: str, run_dir: str) -> bow.Deformer | N
     stats = None
     if bow_needs_stats(ops):
         path = b.stats_path or f"{run_dir.rstrip('/')}/bow_stats.json"
+        log.info(f"BoW statistics of the base split: reading {path} or a Ray Data pass over {train}")
+        start = time.perf_counter()
         try:
             stats, reused = bow.load_or_compute(train, path, seed=b.seed, fraction=b.base_fraction,
                                                 read_cpus=cfg.data.read_cpus)
         except ArtifactMismatch as e:
             raise ConfigError(str(e)) from None
-        print(f"rayvl: BoW statistics {'reused from' if reused else 'computed with Ray Data →'} {path}: "
-              f"{stats.base_captions} base captions of {stats.captions}, base vocabulary {len(stats.df)} words")
+        log.info(f"BoW statistics {'reused from' if reused else 'computed with Ray Data →'} {path} "
+                 f"({time.perf_counter() - start:.0f} s): {stats.base_captions} base captions of {stats.captions}, "
+                 f"base vocabulary {len(stats.df)} words")
     return bow.Deformer(ops, b.seed, b.base_fraction, stats)
 
 
@@ -121,15 +129,18 @@ def tonics_counts(cfg: RayvlConfig, ontology: Ontology, train: str, run_dir: str
     """|X(η_o)| per class (Ray Data groupby, reused from the artifact when it matches); rare classes dropped."""
     x = cfg.tonics
     path = x.counts_path or f"{run_dir.rstrip('/')}/tonics_counts.json"
+    log.info(f"TOnICS rows per class: reading {path} or a Ray Data pass over {train}")
+    start = time.perf_counter()
     try:
         counts, reused = load_or_count(train, path, ontology, cfg.data.read_cpus)
     except ArtifactMismatch as e:
         raise ConfigError(str(e)) from None
     kept, sizes = keep_frequent(ontology, counts, x.min_instances)
-    print(f"rayvl: TOnICS rows per class {'reused from' if reused else 'counted with Ray Data →'} {path}: "
-          + ", ".join(f"{c} {counts.get(i, 0)}{'' if sizes[i] else ' (dropped)'}"
-                      for i, c in enumerate(ontology.classes))
-          + f"; {counts.get(-1, 0)} pairs without an aligned noun")
+    log.info(f"TOnICS rows per class {'reused from' if reused else 'counted with Ray Data →'} {path} "
+             f"({time.perf_counter() - start:.0f} s): "
+             + ", ".join(f"{c} {counts.get(i, 0)}{'' if sizes[i] else ' (dropped)'}"
+                         for i, c in enumerate(ontology.classes))
+             + f"; {counts.get(-1, 0)} pairs without an aligned noun")
     if not kept.kept:
         raise ConfigError(f"tonics.min_instances: no object class has {x.min_instances} rows")
     return kept, sizes
