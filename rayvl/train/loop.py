@@ -275,12 +275,10 @@ def _step(engine) -> float | None:
     """``engine.step()``; at an optimizer step, the global gradient norm before clipping. DeepSpeed keeps it for
     ZeRO ≥ 1 and bf16; ZeRO-0 fp32 clips without keeping it, so there it is taken from the gradients, which are
     all-reduced (identical on every rank) by then."""
-    norm = None
-    if engine.is_gradient_accumulation_boundary() and engine.zero_optimization_stage() == 0 \
-            and not engine.bfloat16_enabled():
+    norm, boundary = None, engine.is_gradient_accumulation_boundary()
+    if boundary and engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled():
         grads = [p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None]
         norm = float(torch.linalg.vector_norm(torch.stack(grads))) if grads else None
-    boundary = engine.is_gradient_accumulation_boundary()
     engine.step()
     if norm is None and boundary and engine.get_global_grad_norm() is not None:
         norm = float(engine.get_global_grad_norm())

@@ -95,12 +95,15 @@ def check_init_from(cfg: RayvlConfig) -> str:
     source = cfg.train.init_from
     if not source:
         return ""
+    local = Path(source).expanduser()
     try:
-        path = str(Path(source).expanduser().resolve()) if is_export(Path(source).expanduser()) else \
-            checkpoint_uri(source)
+        if is_export(local):
+            path, meta = str(local.resolve()), json.loads((local / EXPORT_META).read_text())
+        else:
+            path = checkpoint_uri(source)
+            meta = read_meta(path)
     except FileNotFoundError:
         raise ConfigError(f"train.init_from: {source!r} is not a rayvl run, checkpoint or export") from None
-    meta = read_meta(path) if not is_export(path) else json.loads((Path(path) / EXPORT_META).read_text())
     theirs, ours = meta["config"]["model"], cfg.to_dict()["model"]
     differ = [k for k in ours if k not in ARCHITECTURE_FREE and theirs.get(k) != ours[k]]
     if differ:
