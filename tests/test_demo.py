@@ -64,3 +64,24 @@ def test_cli_writes_demo(tmp_path):
                  "--shard-size", "16"]) == 0
     assert sorted(p.name for p in (tmp_path / "d" / "train").glob("*.tar")) == ["00000.tar", "00001.tar"]
     assert (tmp_path / "d" / "classes.json").exists() and (tmp_path / "d" / "paraphrases.jsonl").exists()
+
+
+def test_expected_samples_are_img2dataset_successes(demo_dir, tmp_path):
+    """The pass size a run plans with: rows whose img2dataset status is success, summed over the shards' parquets."""
+    import shutil
+
+    import pyarrow as pa
+
+    from rayvl.data.shards import expected_samples
+
+    assert expected_samples(str(demo_dir / "train")) == 384
+    for name in ("00000", "00001"):
+        shutil.copy(demo_dir / "train" / f"{name}.tar", tmp_path)
+        table = pq.read_table(demo_dir / "train" / f"{name}.parquet")
+        if name == "00001":  # 3 downloads failed
+            status = ["failed_to_download"] * 3 + table.column("status").to_pylist()[3:]
+            table = table.set_column(table.column_names.index("status"), "status", pa.array(status))
+        pq.write_table(table, tmp_path / f"{name}.parquet")
+    assert expected_samples(str(tmp_path)) == 128 + 125
+    (tmp_path / "00001.parquet").unlink()  # a shard without its parquet counts for nothing, the rest still counts
+    assert expected_samples(str(tmp_path)) == 128

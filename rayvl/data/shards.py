@@ -223,10 +223,14 @@ def passes_needed(samples_needed: int, samples_per_pass: int | None, n_shards: i
 
 
 def expected_samples(spec: str) -> int | None:
-    """Successful samples according to img2dataset's parquet files (a Ray Data aggregation), or None if absent."""
+    """Successful samples according to img2dataset's parquet files, or None if absent. pyarrow's threaded scan of
+    the one ``status`` column on the driver: as a Ray Data job the same count took 15 s on a busy 2-core machine
+    (task start-up, not reading), paid by every run."""
+    import pyarrow.compute as pc
+    import pyarrow.dataset as pads
+
     parquets = [p[:-4] + ".parquet" for p in resolve_shards(spec) if not storage.is_url(p)]
     parquets = [p for p in parquets if os.path.exists(p)]
     if not parquets:
         return None
-    ds = ray.data.read_parquet(parquets, columns=["status"], num_cpus=0.25)
-    return ds.filter(expr="status == 'success'").count()
+    return pads.dataset(parquets, format="parquet").count_rows(filter=pc.field("status") == "success")
