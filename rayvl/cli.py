@@ -57,10 +57,26 @@ def _parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="write a run's model as safetensors + config + tokenizer + model card")
     ex.add_argument("run", metavar="RUN", help="a run directory (its newest checkpoint) or a checkpoint")
     ex.add_argument("--out", required=True, help="the export folder (rayvl.load reads it)")
+    _pseudo_label_parser(sub)
     a = sub.add_parser("assets", help="offline assets").add_subparsers(dest="assets_command", required=True)
     a.add_parser("fetch", help="unpack Debian data packages (Fashion-MNIST) into the environment")
     a.add_parser("check", help="verify that the pretrained towers load offline")
     return p
+
+
+def _pseudo_label_parser(sub) -> None:
+    ps = sub.add_parser("pseudo-label", help="pseudo-BoW captions for images without captions ([BoW] §2.3): "
+                                              "new shards to train on beside the aligned ones")
+    ps.add_argument("--checkpoint", default=None, help="the labelling model: a run directory or a checkpoint")
+    ps.add_argument("--aligned", default=None, help="S_a: the aligned shards whose captions are retrieved")
+    ps.add_argument("--unaligned", default=None, help="the images to label: shards or a folder of image files")
+    ps.add_argument("--out", default=None, help="output folder: <out>/<rule>/ shards, <out>/index/")
+    ps.add_argument("--rules", default=None, help="comma list of max_count, rm_top_max_count, rm_top_rand, "
+                                                  "weighted_count (default: weighted_count)")
+    ps.add_argument("--config", default=None, help="a YAML with a pseudo_label section (optional)")
+    ps.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="any config field, e.g. --set pseudo_label.crops=10 --set pseudo_label.k=5")
+    ps.add_argument("--verbose", action="store_true", help="show Ray's and the actors' own output")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,9 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_recipe(args.config, argv[1:])
     from rayvl.session import setup_logging
 
-    setup_logging(verbose=args.command == "tune")  # a sweep shows Tune's own status table
+    setup_logging(verbose=args.command == "tune" or getattr(args, "verbose", False))  # a sweep shows Tune's table
     commands = {"eval": eval_main, "bow": bow_main, "data": data_main, "assets": assets_main, "tune": tune_main,
-                "plot": plot_main, "export": export_main}
+                "plot": plot_main, "export": export_main, "pseudo-label": pseudo_label_main}
     if args.command not in ("plot", "export"):
         return commands[args.command](args)
     try:
@@ -163,6 +179,29 @@ def export_main(args) -> int:
 
     out = export(args.run, args.out)
     print(f"exported {args.run} → {out} (load it with rayvl.load({str(out)!r}))")
+    return 0
+
+
+def pseudo_label_main(args) -> int:
+    from rayvl import pseudo_label, session
+    from rayvl.data.report import DataPlaneError
+
+    flags = {"checkpoint": args.checkpoint, "aligned": args.aligned, "unaligned": args.unaligned, "out": args.out}
+    overrides = list(args.set) + [f"pseudo_label.{k}={v}" for k, v in flags.items() if v is not None]
+    if args.rules:
+        overrides.append(f"pseudo_label.rules=[{args.rules}]")
+    try:
+        cfg = load_config(args.config, overrides)
+        pseudo_label.check(cfg)  # every path named by its key before Ray starts
+        started = session.connect(cfg.ray_address, cfg.local_num_cpus, verbose=args.verbose,
+                                  include_dashboard=False)
+        summary = pseudo_label.run(cfg, fixed_size=started)
+    except (ConfigError, DataPlaneError) as e:
+        print(f"config error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print(pseudo_label.format_summary(summary))
+    print(f"train on them beside the aligned shards: --data {cfg.pseudo_label.aligned},"
+          f"{summary['rules'][cfg.pseudo_label.rules[0]]['shards']}")
     return 0
 
 

@@ -334,6 +334,56 @@ class SweepConfig:
 
 
 @dataclass
+class PseudoLabelConfig:
+    """Pseudo-BoW captions for images without captions ([BoW] §2.3): `rayvl pseudo-label`, jobs/pseudo_label.py."""
+
+    checkpoint: str = ""
+    """the labelling model: a run directory, a checkpoint or an export (normally a BoW run)."""
+    aligned: str = ""
+    """S_a, the aligned shards whose intact captions are retrieved (normally the labelling model's training data)."""
+    unaligned: str = ""
+    """the images to label: img2dataset shards (their captions ignored) or a folder of image files (searched
+    recursively)."""
+    out: str = ""
+    """output folder: one img2dataset-layout shard set per rule, <out>/<rule>/, and the index cache <out>/index/."""
+    rules: list[str] = field(default_factory=lambda: ["weighted_count"])
+    """word ranking rules (max_count, rm_top_max_count, rm_top_rand, weighted_count; Table 7's best is the last);
+    several rules share one retrieval and each writes its own shard set."""
+    crops: int = 10
+    """c: random resized crops per image, each one query (the paper does not give c)."""
+    crop_scale_min: float = 0.5
+    """smallest crop area as a fraction of the image (Inception-style crops, aspect ratio 3/4–4/3)."""
+    k: int = 5
+    """top-k captions retrieved per crop: NN_i holds k·c captions."""
+    words: int = 4
+    """p: words kept in a pseudo caption (the default BoW keeps 4, Keep(4))."""
+    top_t: int = 1000
+    """t of rm_top_max_count / rm_top_rand: S_a's most frequent content words removed (1000 in the paper)."""
+    index: Literal["auto", "flat", "ivf", "hnsw"] = "auto"
+    """faiss index over the caption pool: exact (flat) up to index_exact_max captions under auto, IVF above."""
+    index_exact_max: int = 100_000
+    """largest pool searched exactly under index: auto."""
+    index_nlist: int = 0
+    """IVF cells (0 = 4·√pool size)."""
+    index_nprobe: int = 16
+    """IVF cells searched per query."""
+    recall_sample: int = 256
+    """unaligned images whose crops measure an approximate index's recall@k against exact search."""
+    shard_size: int = 1000
+    """images per output shard when the unaligned set is a folder of images (a shard input keeps its shards)."""
+    actors: int = 1
+    """labelling actors (each loads the model and the index once)."""
+    cpus_per_actor: float = 1.0
+    """CPUs each labelling / caption-embedding actor reserves."""
+    gpus_per_actor: float = 0.0
+    """GPUs each labelling actor reserves (the model and a faiss-gpu index then use CUDA)."""
+    batch_size: int = 256
+    """crops (or captions) per forward pass."""
+    seed: int = 0
+    """seed of the crops and of rm_top_rand's order (both also keyed by the image key)."""
+
+
+@dataclass
 class RayvlConfig:
     recipe: str = "laion_adapt"
     """name of the recipe, used in run names."""
@@ -351,6 +401,7 @@ class RayvlConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     tune: SweepConfig = field(default_factory=SweepConfig)
+    pseudo_label: PseudoLabelConfig = field(default_factory=PseudoLabelConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -498,6 +549,7 @@ def validate(cfg: RayvlConfig) -> None:
     if mb.size and mb.temperature <= 0:
         raise ConfigError(f"memory_bank.temperature: must be > 0, got {mb.temperature}")
     _validate_tonics(cfg.tonics, cfg)
+    _validate_pseudo_label(cfg.pseudo_label)
     if cfg.eval.every_steps < 0:
         raise ConfigError(f"eval.every_steps: must be ≥ 0, got {cfg.eval.every_steps}")
     if cfg.tune.driver_cpus < 0 or any(v <= 0 for v in cfg.tune.driver_resources.values()):
@@ -505,6 +557,27 @@ def validate(cfg: RayvlConfig) -> None:
     if cfg.tune.driver_cpus == 0 and not cfg.tune.driver_resources:
         raise ConfigError("tune.driver_cpus: a trial driver needs some resource (Ray schedules no empty bundle): "
                           "> 0, or name tune.driver_resources")
+
+
+PSEUDO_RULES = ("max_count", "rm_top_max_count", "rm_top_rand", "weighted_count")  # rayvl.data.word_rank.RULES
+
+
+def _validate_pseudo_label(x: PseudoLabelConfig) -> None:
+    for i, rule in enumerate(x.rules):
+        if rule not in PSEUDO_RULES:
+            raise ConfigError(f"pseudo_label.rules[{i}]: unknown rule {rule!r} (known: {', '.join(PSEUDO_RULES)})")
+    if len(set(x.rules)) != len(x.rules):
+        raise ConfigError(f"pseudo_label.rules: a rule is listed twice: {x.rules}")
+    for name in ("crops", "k", "words", "index_nprobe", "shard_size", "actors", "batch_size"):
+        if getattr(x, name) < 1:
+            raise ConfigError(f"pseudo_label.{name}: must be ≥ 1, got {getattr(x, name)}")
+    for name in ("top_t", "index_exact_max", "index_nlist", "recall_sample"):
+        if getattr(x, name) < 0:
+            raise ConfigError(f"pseudo_label.{name}: must be ≥ 0, got {getattr(x, name)}")
+    if not 0 < x.crop_scale_min <= 1:
+        raise ConfigError(f"pseudo_label.crop_scale_min: must be in (0, 1], got {x.crop_scale_min}")
+    if x.cpus_per_actor < 0 or x.gpus_per_actor < 0:
+        raise ConfigError("pseudo_label.cpus_per_actor / gpus_per_actor: must be ≥ 0")
 
 
 def _validate_train(t: TrainConfig) -> None:

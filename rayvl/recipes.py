@@ -105,11 +105,22 @@ def run_comparison(default_config: str, variants: dict[str, list[str]], rows: li
             base_name = cfg.train.run_name or f"{cfg.recipe}-{stamp}"
             run = f"{base_name}-{name}"
             configs[name] = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_name=run))
-        results = {name: _variant(name, cfg, after, args.verbose) for name, cfg in configs.items()}
+        results = train_variants(configs, after, args.verbose)
     except USER_ERRORS as e:
         print(f"config error: {_one_line(e)}", file=sys.stderr)
         return 2
-    print(f"\n== {Path(default_config).stem}: held-out evaluation side by side ==")
+    print_comparison(Path(default_config).stem, configs, results, rows, base_name)
+    return 0
+
+
+def train_variants(configs: dict[str, RayvlConfig], after=None, verbose: bool = False) -> dict[str, dict]:
+    return {name: _variant(name, cfg, after, verbose) for name, cfg in configs.items()}
+
+
+def print_comparison(title: str, configs: dict[str, RayvlConfig], results: dict[str, dict],
+                     rows: list[tuple[str, str, str]], base_name: str) -> Path:
+    """The side-by-side table, where each run is, and one figure per metric with a line per variant."""
+    print(f"\n== {title}: held-out evaluation side by side ==")
     print(format_side_by_side(results, rows))
     for name, r in results.items():
         print(f"{name}: {r['run_dir']}")
@@ -118,7 +129,7 @@ def run_comparison(default_config: str, variants: dict[str, list[str]], rows: li
     out = out / f"{base_name}-comparison"
     plot_runs({name: history(r["run_dir"]) for name, r in results.items()}, out)
     print(f"plots of the variants on one figure per metric: {out}/*.png")
-    return 0
+    return out
 
 
 def _variant(name: str, cfg: RayvlConfig, after, verbose: bool) -> dict:

@@ -75,6 +75,24 @@ def small_config(demo_dir, tmp_path, *overrides):
     return load_config(REPO / "configs" / "laion_adapt.yaml", base + list(overrides))
 
 
+def untrained_checkpoint(demo_dir, tmp_path, seed: int = 0, name: str = "model") -> Path:
+    """The run directory ``tmp_path/name`` holding one checkpoint (consolidated weights + config) of an untrained
+    small_config model of ``seed``: a model to load, label with or init a run from."""
+    import json
+
+    import torch
+
+    from rayvl.checkpoints import META_FILE, MODEL_FILE
+    from rayvl.models.dual_encoder import build_model
+
+    d = tmp_path / name / "checkpoint_000000"
+    d.mkdir(parents=True)
+    cfg = small_config(demo_dir, tmp_path)
+    torch.save(build_model(cfg.model, seed=seed).state_dict(), d / MODEL_FILE)
+    (d / META_FILE).write_text(json.dumps({"step": 0, "config": cfg.to_dict(), "final": True}))
+    return d.parent
+
+
 def fit_in_task(config: dict, env: dict | None = None, **options):
     """fit() in a CPU-less task, as `ray job submit` runs a driver; ``env`` is added to the environment of the
     task and so of the run's controller and workers (e.g. RAYVL_FAIL_AT)."""

@@ -78,7 +78,8 @@ def test_ray_job_submit_to_an_autoscaling_cluster_gets_its_nodes(no_session_ray,
         assert "step 1/2 (50%)" in out and "step 2/2 (100%)" in out and "ETA" in out, out[-4000:]
         assert "Reporting training result" not in out and "(RayTrainWorker" not in out, out[-4000:]
         assert (run / "plots" / "loss.png").is_file() and list((run / "tensorboard").glob("events.out.tfevents.*"))
-        assert (tmp_path / "runs" / "mlruns" / "mlflow.db").is_file()  # the recipe's report_to: [tensorboard, mlflow]
+        # the recipe's report_to: [tensorboard, mlflow]
+        assert (tmp_path / "runs" / "mlruns" / "mlflow.db").is_file() and "report_to" not in out, out[-4000:]
 
         ray.init(address="auto")
         workers = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]

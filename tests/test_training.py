@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import small_config
-from rayvl.checkpoints import META_FILE, MODEL_FILE
+from conftest import small_config, untrained_checkpoint
 from rayvl.models.dual_encoder import build_model
 from rayvl.train.engine import lr_lambda
 from rayvl.data.demo import SHAPES
@@ -31,7 +30,8 @@ def test_zero_stage_trains_two_workers(ray_local, demo_dir, tmp_path, stage):
             "train.max_steps=4", "train.stop_at_step=3"]  # stops at 3 of 4: _check_memory_bank resumes it
     # stage 0 logs to TensorBoard and MLflow (read back below); stage 1 starts from another run's weights
     logs = ["train.report_to=[tensorboard, mlflow]", f"train.mlflow_uri=sqlite:///{tmp_path}/mlflow.db"]
-    extra = {0: logs, 1: bow + [f"train.init_from={_seeded_checkpoint(demo_dir, tmp_path)}"], 2: bank}.get(stage, [])
+    seeded = [f"train.init_from={untrained_checkpoint(demo_dir, tmp_path, 5, 'seeded')}"] if stage == 1 else []
+    extra = {0: logs, 1: bow + seeded, 2: bank}.get(stage, [])
     cfg = small_config(demo_dir, tmp_path, f"train.zero_stage={stage}", *extra)
     result = train(cfg)
     captions = result.data_report["captions"]
@@ -69,16 +69,6 @@ def test_zero_stage_trains_two_workers(ray_local, demo_dir, tmp_path, stage):
     if stage == 2:
         _check_bf16_weights_and_embeddings(result, state)
         _check_memory_bank(cfg, result, state, demo_dir, tmp_path)
-
-
-def _seeded_checkpoint(demo_dir, tmp_path) -> Path:
-    """A checkpoint (consolidated weights + config) of an untrained model of another seed, to init a run from."""
-    d = tmp_path / "seeded" / "checkpoint_000000"
-    d.mkdir(parents=True)
-    cfg = small_config(demo_dir, tmp_path)
-    torch.save(build_model(cfg.model, seed=5).state_dict(), d / MODEL_FILE)
-    (d / META_FILE).write_text(json.dumps({"step": 0, "config": cfg.to_dict(), "final": True}))
-    return d.parent
 
 
 def _check_tensorboard_mlflow_and_plots(result, history, tmp_path):

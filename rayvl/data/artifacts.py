@@ -16,15 +16,18 @@ class ArtifactMismatch(RuntimeError):
 
 
 def shard_sizes(paths: list[str]) -> dict[str, int]:
-    sizes: dict[str, int] = {}
+    """{shard name: bytes}. Names are file names — the fingerprint survives moving the shards — unless two shards
+    share one (``--data aligned,pseudo``: both folders have 00000.tar); then every shard is named by its path."""
+    found: list[tuple[str, int]] = []
     for p in paths:
         fs, inner = storage.filesystem(p)
         info = fs.get_file_info(inner)
         infos = (fs.get_file_info(pafs.FileSelector(inner)) if info.type == pafs.FileType.Directory else [info])
-        for i in infos:
-            if i.path.endswith(".tar"):
-                sizes[os.path.basename(i.path)] = int(i.size or 0)
-    return dict(sorted(sizes.items()))
+        found += [(i.path, int(i.size or 0)) for i in infos if i.path.endswith(".tar")]
+    names = [os.path.basename(path) for path, _ in found]
+    if len(set(names)) < len(names):
+        names = [path for path, _ in found]
+    return dict(sorted(zip(names, (size for _, size in found))))
 
 
 def diff(saved: dict, now: dict) -> str:

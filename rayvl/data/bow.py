@@ -18,6 +18,7 @@ joined by spaces.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -27,7 +28,7 @@ from rayvl.config import BowOp, bow_needs_stats
 from rayvl.data import artifacts
 from rayvl.data.shards import group_over_shards
 from rayvl.data.tar import resolve_shards
-from rayvl.data.text import TOKEN_PATTERN, is_alphabetical, stopwords, validate_caption, words
+from rayvl.data.text import PSEUDO_FLAG, TOKEN_PATTERN, is_alphabetical, stopwords, validate_caption, words
 
 STATS_FORMAT = 1
 # reserved aggregation keys: the tokenizer never joins "<" to a word, so no caption word can collide with these
@@ -92,13 +93,23 @@ class BowStats:
         return frozenset(w for w, _ in sorted(self.df.items(), key=lambda kv: (-kv[1], kv[0]))[:t])
 
 
+def is_pseudo(meta) -> bool:
+    """A pseudo-BoW caption (rayvl.pseudo_label, [BoW] §2.3): already a BoW, trained as it is, and no part of the
+    aligned captions' statistics."""
+    try:
+        info = json.loads(meta) if meta else {}
+    except (ValueError, TypeError):
+        return False
+    return isinstance(info, dict) and info.get(PSEUDO_FLAG) is True
+
+
 def base_word_counts(batch: dict, *, seed: int, fraction: float) -> dict:
     """One Ray Data batch → partial document frequencies of its base captions (each word once per caption),
     plus the caption counts under the reserved keys. The groupby-sum after this adds the partials up."""
     df: Counter = Counter()
-    for key, txt in zip(batch["key"], batch["txt"]):
+    for key, txt, meta in zip(batch["key"], batch["txt"], batch["json"]):
         text, reason = validate_caption(txt)
-        if reason:
+        if reason or is_pseudo(meta):
             continue
         df[ALL_CAPTIONS] += 1
         if is_base(key, seed, fraction):
@@ -115,7 +126,7 @@ def fingerprint(spec: str, seed: int, fraction: float) -> dict:
 
 def _count(spec: str, seed: int, fraction: float, read_cpus: float) -> dict:
     """The statistics pass: shards streamed by Ray Data → per-batch partial counts → groupby("word").sum("df")."""
-    grouped = group_over_shards(spec, ("key", "txt"), base_word_counts, {"seed": seed, "fraction": fraction},
+    grouped = group_over_shards(spec, ("key", "txt", "json"), base_word_counts, {"seed": seed, "fraction": fraction},
                                 "word", read_cpus)
     df = {row["word"]: int(row["sum(df)"]) for row in grouped.sum("df").iter_rows()}
     captions, base = df.pop(ALL_CAPTIONS, 0), df.pop(BASE_CAPTIONS, 0)

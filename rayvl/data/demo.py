@@ -17,17 +17,15 @@ import io
 import json
 import math
 import shutil
-import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 from PIL import Image, ImageDraw
 
 from rayvl.data.prompts import templates
+from rayvl.data.tar import write_img2dataset_shard
 
 SHAPES = ["circle", "square", "triangle", "star", "cross", "diamond", "hexagon", "ring"]
 COLORS = {
@@ -153,21 +151,9 @@ def sample_scene(rng: np.random.Generator, n_objects: int) -> list[Obj]:
 
 
 def write_shard(out: Path, shard_id: int, rows: list[dict], started: float) -> None:
-    tar_path = out / f"{shard_id:05d}.tar"
-    with tarfile.open(tar_path, "w") as tar:
-        for row in rows:
-            meta = {k: v for k, v in row.items() if k not in ("jpg",)}
-            for ext, payload in (("jpg", row["jpg"]), ("txt", row["caption"].encode()),
-                                 ("json", json.dumps(meta).encode())):
-                info = tarfile.TarInfo(f"{row['key']}.{ext}")
-                info.size = len(payload)
-                info.mtime = 0
-                tar.addfile(info, io.BytesIO(payload))
-    table = pa.Table.from_pylist([{k: v for k, v in row.items() if k != "jpg"} for row in rows])
-    pq.write_table(table, out / f"{shard_id:05d}.parquet")
     stats = {"count": len(rows), "successes": len(rows), "failed_to_download": 0, "failed_to_resize": 0,
              "duration": time.time() - started, "status_dict": {"success": len(rows)}}
-    (out / f"{shard_id:05d}_stats.json").write_text(json.dumps(stats, indent=2))
+    write_img2dataset_shard(out, f"{shard_id:05d}", rows, stats)
 
 
 def write_split(out: Path, n: int, seed: int, single_object: bool, shard_size: int,

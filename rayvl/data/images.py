@@ -40,15 +40,19 @@ def decode_and_crop(jpg: bytes, size: int, scale_min: float | None,
 
     ``scale_min`` None → centre crop (evaluation); otherwise a random resized crop (training).
     """
+    img = decode(jpg)
+    return None if img is None else crop(img, size, scale_min, rng)
+
+
+def decode(jpg: bytes) -> Image.Image | None:
+    """The RGB image of encoded bytes, or None when they are not a decodable image (or one under 2 px a side)."""
     try:
         with Image.open(io.BytesIO(jpg)) as img:
             img = img.convert("RGB")
             img.load()
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError, SyntaxError):
         return None
-    if min(img.size) < 2:
-        return None
-    return crop(img, size, scale_min, rng)
+    return img if min(img.size) >= 2 else None
 
 
 def crop(img: Image.Image, size: int, scale_min: float | None, rng: np.random.Generator | None = None) -> np.ndarray:

@@ -18,7 +18,7 @@ import numpy as np
 from rayvl.data import fashion_mnist
 from rayvl.data.images import decode_and_crop
 from rayvl.data.report import record
-from rayvl.data.text import tokenize, validate_caption
+from rayvl.data.text import PSEUDO_FLAG, tokenize, validate_caption
 
 if TYPE_CHECKING:
     from rayvl.data.bow import Deformer
@@ -39,10 +39,14 @@ def preprocess(batch: dict, *, counts: Counter, image_size: int, crop_scale_min:
     rng = np.random.default_rng() if prompts is not None else None
     ids = batch.get("row", np.full(len(batch["key"]), -1))  # data/position.py
     for key, jpg, txt, meta, row in zip(batch["key"], batch["jpg"], batch["txt"], batch["json"], ids):
-        cls = _cls(meta)
+        info = _meta(meta)
+        cls = _cls(info)
         text, reason = _prompt_for(cls, prompts, rng) if prompts is not None else validate_caption(txt)
         if not reason and bow is not None:
-            text, reason = _deform(bow, key, text, counts)
+            if info.get(PSEUDO_FLAG) is True:  # already a BoW caption (rayvl.pseudo_label): trained as it is
+                counts["pseudo_bow_captions"] += 1
+            else:
+                text, reason = _deform(bow, key, text, counts)
         image = None
         if not reason:
             image, reason = _image(jpg, image_size, crop_scale_min if train else None)
@@ -110,10 +114,19 @@ def _image(jpg: bytes | None, size: int, scale_min: float | None) -> tuple[np.nd
     return image, None if image is not None else "dropped_corrupt_image"
 
 
-def _cls(meta) -> int:
+def _meta(meta) -> dict:
+    """A sample's JSON metadata ({} when absent or not a JSON object)."""
     try:
-        return int(json.loads(meta).get("cls", -1)) if meta else -1
-    except (ValueError, TypeError, AttributeError):
+        info = json.loads(meta) if meta else {}
+    except (ValueError, TypeError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _cls(info: dict) -> int:
+    try:
+        return int(info.get("cls", -1))
+    except (ValueError, TypeError):
         return -1
 
 

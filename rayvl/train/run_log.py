@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -33,6 +34,16 @@ def scalars(row: dict) -> dict[str, float]:
                 ("samples_", "caption_", "data_", "bow_", "tonics_rows")) else "train"
             out[f"{group}/{key}"] = float(value)
     return out
+
+
+def _existing_cwd(fallback: Path) -> None:
+    """Under `ray job submit` the controller's working directory (the job's unpacked --working-dir) can be gone
+    by the time it reports; importing mlflow then fails (pkgutil.extend_path resolves sys.path's '' against the
+    cwd: FileNotFoundError, seen in CI — no MLflow run was written). The run directory is a cwd that exists."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        os.chdir(fallback)
 
 
 def mlflow_name(tag: str) -> str:
@@ -73,6 +84,7 @@ class RunLog(UserCallback):
         self._tensorboard.flush()
 
     def _write_mlflow(self, values: dict, step: int, finished: bool) -> None:
+        _existing_cwd(self.log_dir)
         from mlflow.entities import Metric
 
         client, run_id = self._mlflow or self._open_mlflow()

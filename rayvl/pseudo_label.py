@@ -1,0 +1,403 @@
+"""Pseudo-BoW captions for images without captions ([BoW] §2.3, Table 7, Fig. 5), on Ray Data and faiss.
+
+1. Caption pool: every intact, valid caption of the aligned set S_a (sorted by sample key), embedded by the
+   labelling model's text tower through the evaluation's embedding path (``eval.embed.RayDataEmbedder``: Ray Data
+   ``map_batches`` over an actor pool), and S_a's word document frequencies — the BoW statistics pass
+   (``bow.load_or_compute``) with every caption in the "base" split, saved as its fingerprinted artifact.
+2. Index: faiss over the pool (``eval.knn``): exact up to ``index_exact_max`` captions, IVF above; an approximate
+   index's recall@k against exact search is measured on crops of real unaligned images. Pool, index and recall
+   are saved in ``<out>/index/`` with the fingerprint of the checkpoint, the shards and the index settings, and
+   reused while it matches.
+3. Labelling: one Ray Data actor call per unit — an input shard, or ``shard_size`` image files. The actor loads
+   the model and the index once; per image c random resized crops (seeded by the image key), the top-k captions
+   of each crop; NN_i keeps all k·c retrievals ordered by similarity (a caption found by several crops counts
+   once per crop); each rule of ``data.word_rank`` keeps p words.
+4. Output: per rule one img2dataset-layout shard per unit, ``<out>/<rule>/<unit>.tar|.parquet|_stats.json``,
+   caption in ``txt``, rule, words, neighbours' keys and scores in ``json`` (with ``"pseudo_bow": true``, so a
+   BoW run trains on the pseudo caption as it is). Written by the actor that labelled the unit, stats file last:
+   not a Ray Datasink, whose write tasks get blocks without regard to input shards — resuming at shard
+   granularity needs a shard to be one unit of work, written whole or not at all. A rerun skips units whose
+   every rule's stats file exists; ``<out>/pseudo_label.json`` holds the job's fingerprint, and a rerun with
+   another model, data or settings is refused instead of mixing two labellings.
+Undecodable images and images whose retrieved words were all filtered out are listed in the parquet with their
+status (as img2dataset lists failed downloads), counted, and not in the tar.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import tarfile
+import time
+import zlib
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+
+from rayvl.checkpoints import checkpoint_uri, read_meta
+from rayvl.config import ConfigError, PseudoLabelConfig, RayvlConfig
+from rayvl.data import artifacts, bow
+from rayvl.data.bow import rm_stop_nalpha
+from rayvl.data.images import crop, decode
+from rayvl.data.report import DataPlaneError
+from rayvl.data.shards import ShardStream, read
+from rayvl.data.tar import iter_tar_samples, open_shard, resolve_shards, write_img2dataset_shard
+from rayvl.data.text import PSEUDO_FLAG, validate_caption, words
+from rayvl.data.word_rank import WordRanker
+from rayvl.eval import knn
+from rayvl.eval.data import IMAGE_EXTENSIONS
+from rayvl.eval.embed import RayDataEmbedder
+
+log = logging.getLogger("rayvl")
+META, INDEX_DIR, FORMAT = "pseudo_label.json", "index", 1
+
+
+@dataclass
+class Unit:
+    """One unit of work: an input shard (kind "tar") or a run of image files ("files") → one output shard."""
+
+    id: int
+    kind: str
+    paths: list[str]
+
+
+def plan_units(spec: str, shard_size: int) -> list[Unit]:
+    local = os.path.expanduser(spec)
+    if os.path.isdir(local) and not glob.glob(os.path.join(local, "*.tar")):
+        files = sorted(str(p) for p in Path(local).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS)
+        if not files:
+            raise ConfigError(f"pseudo_label.unaligned: no .tar shards and no image files in {spec!r}")
+        return [Unit(i, "files", files[j:j + shard_size]) for i, j in enumerate(range(0, len(files), shard_size))]
+    try:
+        return [Unit(i, "tar", [p]) for i, p in enumerate(resolve_shards(spec))]
+    except DataPlaneError as e:
+        raise ConfigError(f"pseudo_label.unaligned: {e}") from None
+
+
+def check(cfg: RayvlConfig) -> tuple[str, list[Unit]]:
+    """(the checkpoint, the units) — every input named by its key before Ray starts."""
+    x = cfg.pseudo_label
+    for key in ("checkpoint", "aligned", "unaligned", "out"):
+        if not getattr(x, key):
+            raise ConfigError(f"pseudo_label.{key}: required")
+    try:
+        ckpt = checkpoint_uri(x.checkpoint)
+    except FileNotFoundError as e:
+        raise ConfigError(f"pseudo_label.checkpoint: {e}") from None
+    try:
+        resolve_shards(x.aligned)
+    except DataPlaneError as e:
+        raise ConfigError(f"pseudo_label.aligned: {e}") from None
+    return ckpt, plan_units(x.unaligned, x.shard_size)
+
+
+def fingerprints(x: PseudoLabelConfig, ckpt: str, units: list[Unit]) -> tuple[dict, dict]:
+    """(what the index depends on, what the labelling depends on)."""
+    meta = read_meta(ckpt)
+    index = {"checkpoint": ckpt, "step": meta["step"], "aligned": artifacts.shard_sizes(resolve_shards(x.aligned)),
+             "kind": x.index, "exact_max": x.index_exact_max, "nlist": x.index_nlist, "nprobe": x.index_nprobe,
+             "format": FORMAT}
+    labelling = {"index": index, "units": [asdict(u) for u in units], "crops": x.crops,
+                 "crop_scale_min": x.crop_scale_min, "k": x.k, "words": x.words, "top_t": x.top_t, "seed": x.seed}
+    return index, labelling
+
+
+def claim(out: Path, expected: dict) -> None:
+    """Record the job's fingerprint in ``out``; refuse an ``out`` that holds another labelling."""
+    path = out / META
+    if path.is_file():
+        saved = json.loads(path.read_text())["fingerprint"]
+        if saved != expected:
+            raise ConfigError(f"pseudo_label.out: {out} holds a labelling made with another checkpoint, data or "
+                              f"settings ({artifacts.diff(saved, expected)[:300]}); choose another folder or "
+                              f"delete it")
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"fingerprint": expected}, indent=1))
+
+
+# ----------------------------------------------------------------------------- caption pool and index
+
+def read_pool(spec: str, read_cpus: float) -> tuple[list[str], list[str]]:
+    """(keys, captions) of S_a's valid captions, sorted by key (a Ray Data read of the key and txt members)."""
+    pairs = []
+    for batch in read(ShardStream(resolve_shards(spec), columns=("key", "txt")), read_cpus).iter_batches(
+            batch_size=None, batch_format="numpy"):
+        for key, txt in zip(batch["key"], batch["txt"]):
+            text, reason = validate_caption(txt)
+            if not reason:
+                pairs.append((str(key), text))
+    if not pairs:
+        raise DataPlaneError(f"pseudo_label.aligned: no valid caption in {spec!r}")
+    pairs.sort()
+    return [k for k, _ in pairs], [c for _, c in pairs]
+
+
+def build_index(cfg: RayvlConfig, ckpt: str, folder: Path, expected: dict, units: list[Unit]) -> dict:
+    """The pool's index in ``folder`` (made, or reused when its fingerprint matches); its metadata."""
+    import faiss
+
+    x = cfg.pseudo_label
+    meta_path = folder / "index.json"
+    if meta_path.is_file() and json.loads(meta_path.read_text())["fingerprint"] == expected:
+        meta = json.loads(meta_path.read_text())
+        log.info("caption index reused from %s (%d captions, %s)", folder, meta["captions"], meta["kind"])
+        return meta
+    started = time.time()
+    keys, captions = read_pool(x.aligned, cfg.data.read_cpus)
+    log.info("caption pool: embedding %d captions of %s", len(captions), x.aligned)
+    vectors = RayDataEmbedder(ckpt, x.actors, x.cpus_per_actor, x.batch_size).texts(captions)
+    index = knn.build_index(vectors, x.index, exact_max=x.index_exact_max, nlist=x.index_nlist,
+                            nprobe=x.index_nprobe, seed=x.seed)
+    kind = type(index).__name__
+    recall = None
+    if not isinstance(index, faiss.IndexFlat) and x.recall_sample:
+        recall = knn.recall(index, vectors, _sample_queries(cfg, ckpt, units), x.k)
+    folder.mkdir(parents=True, exist_ok=True)
+    faiss.write_index(index, str(folder / "index.faiss"))
+    pq.write_table(pa.table({"key": keys, "caption": captions}), folder / "captions.parquet")
+    meta = {"fingerprint": expected, "captions": len(captions), "kind": kind, "dim": int(vectors.shape[1]),
+            f"recall_at_{x.k}": recall, "seconds": round(time.time() - started, 1)}
+    meta_path.write_text(json.dumps(meta, indent=1))
+    log.info("caption index: %s over %d captions%s (%.0f s)", kind, len(captions),
+             "" if recall is None else f", recall@{x.k} {recall:.3f} vs exact on real crops", meta["seconds"])
+    return meta
+
+
+def _sample_queries(cfg: RayvlConfig, ckpt: str, units: list[Unit]) -> np.ndarray:
+    """Crop embeddings of the first ``recall_sample`` decodable unaligned images (the labelling's own queries)."""
+    from rayvl.export import load
+
+    x = cfg.pseudo_label
+    model, images = load(ckpt), []
+    for unit in units:
+        images += decoded(unit_samples(unit)[0])
+        if len(images) >= x.recall_sample:
+            break
+    queries = [crops(img, key, x, model.image_size) for key, img, _ in images[:x.recall_sample]]
+    return np.concatenate([model.encode_image(q).numpy() for q in queries])
+
+
+# ----------------------------------------------------------------------------- one unit
+
+def unit_samples(unit: Unit) -> tuple[list[tuple[str, bytes | None, str]], str | None]:
+    """(key, image bytes, source) per sample, and what damaged the shard (the samples before the damage kept)."""
+    if unit.kind == "files":
+        return [(f"{unit.id:05d}{i:04d}", Path(p).read_bytes(), p) for i, p in enumerate(unit.paths)], None
+    out: list = []
+    try:
+        with open_shard(unit.paths[0]) as f:
+            out += [(s["key"], s.get("jpg"), s["key"]) for s in iter_tar_samples(f, ("key", "jpg"))]
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
+        return out, f"{unit.paths[0]}: {e}"
+    return out, None
+
+
+def decoded(samples: list) -> list[tuple[str, object, int]]:
+    """(key, RGB image, sample index) of the decodable samples."""
+    images = [(key, decode(jpg) if jpg is not None else None, i) for i, (key, jpg, _) in enumerate(samples)]
+    return [(key, img, i) for key, img, i in images if img is not None]
+
+
+def crops(img, key, x: PseudoLabelConfig, size: int) -> np.ndarray:
+    """The image's c random resized crops, uint8 (c, 3, size, size), drawn from (seed, image key)."""
+    rng = np.random.default_rng([x.seed, zlib.crc32(str(key).encode())])
+    return np.stack([crop(img, size, x.crop_scale_min, rng) for _ in range(x.crops)])
+
+
+class Labeler:
+    """Ray Data actor: units (JSON) → their output shards, written here; returns each unit's counts (JSON)."""
+
+    def __init__(self, checkpoint: str, index_dir: str, settings: dict, df: dict, out: str):
+        import faiss
+        import torch
+
+        from rayvl.export import load
+
+        self.x = PseudoLabelConfig(**settings)
+        self.model = load(checkpoint, "cuda" if torch.cuda.is_available() else "cpu")
+        self.index = knn.on_device(faiss.read_index(str(Path(index_dir) / "index.faiss")))
+        pool = pq.read_table(Path(index_dir) / "captions.parquet")
+        self.keys, self.captions = pool["key"].to_pylist(), pool["caption"].to_pylist()
+        self.ranker = WordRanker(df, self.x.words, self.x.top_t, self.x.seed)
+        self.out = Path(out)
+
+    def __call__(self, batch: dict) -> dict:
+        counts = [json.dumps(self.label(Unit(**json.loads(u)))) for u in batch["unit"]]
+        return {"counts": np.array(counts, dtype=object)}
+
+    def neighbours(self, images: list, size: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per image: (pool ids, scores) of its k·c retrievals, best first."""
+        x, per = self.x, max(1, self.x.batch_size // self.x.crops)
+        out = []
+        for j in range(0, len(images), per):
+            chunk = images[j:j + per]
+            queries = np.concatenate([crops(img, key, x, size) for key, img, _ in chunk])
+            scores, ids = knn.search(self.index, self.model.encode_image(queries).cpu().numpy(), x.k)
+            for b in range(len(chunk)):
+                s, i = scores[b * x.crops:(b + 1) * x.crops].ravel(), ids[b * x.crops:(b + 1) * x.crops].ravel()
+                order = np.argsort(-s, kind="stable")
+                keep = order[i[order] >= 0]  # faiss pads with −1 when fewer than k are found
+                out.append((i[keep], s[keep]))
+        return out
+
+    def label(self, unit: Unit) -> dict:
+        started = time.time()
+        samples, damaged = unit_samples(unit)
+        images = decoded(samples)
+        found = dict(zip([i for _, _, i in images], self.neighbours(images, self.model.image_size)))
+        counts = Counter(images=len(samples), decoded=len(images))
+        for rule in self.x.rules:
+            rows = [self._row(rule, samples[i], found.get(i), counts) for i in range(len(samples))]
+            written = sum(r["status"] == "success" for r in rows)
+            counts[f"{rule}_written"] = written
+            stats = {"count": len(rows), "successes": written, "status_dict": dict(Counter(r["status"] for r in rows)),
+                     "damaged_shard": damaged, "duration": time.time() - started, "rule": rule}
+            (self.out / rule).mkdir(parents=True, exist_ok=True)
+            write_img2dataset_shard(self.out / rule, f"{unit.id:05d}", rows, stats)
+        return {"unit": unit.id, **counts, "damaged_shard": damaged, "seconds": round(time.time() - started, 2)}
+
+    def _row(self, rule: str, sample: tuple, found, counts: Counter) -> dict:
+        key, jpg, source = sample
+        row = {"key": key, "caption": "", "status": "success", "error_message": None, "source": source,
+               "rule": rule, "words": [], "neighbours": [], "scores": [], PSEUDO_FLAG: True}
+        if found is None:
+            counts[f"{rule}_failed_to_decode"] += 1
+            return {**row, "status": "failed_to_decode", "error_message": "not a decodable image"}
+        ids, scores = found
+        ws = self.ranker.rank(rule, [self.captions[j] for j in ids], key)
+        row.update(words=ws, neighbours=[self.keys[j] for j in ids], scores=[round(float(s), 4) for s in scores])
+        if not ws:
+            counts[f"{rule}_empty"] += 1
+            return {**row, "status": "empty_pseudo_caption", "error_message": "every retrieved word filtered out"}
+        return {**row, "caption": " ".join(ws), "jpg": jpg}
+
+
+# ----------------------------------------------------------------------------- the job
+
+def finished(out: Path, unit: Unit, rules: list[str]) -> bool:
+    return all((out / rule / f"{unit.id:05d}_stats.json").is_file() for rule in rules)
+
+
+def check_cluster(cfg: RayvlConfig, fixed_size: bool, node_cpus: list[float] | None = None) -> None:
+    """The actor pool must leave a CPU on some node for Ray Data's other tasks (reads, repartition): with
+    pseudo_label.actors=2 × cpus_per_actor=1 on 2 CPUs the caption pool's embedding waited forever (measured). An
+    error on a Ray of fixed size, a warning on a cluster that may autoscale."""
+    from rayvl.session import place_workers
+
+    x = cfg.pseudo_label
+    if node_cpus is None:
+        node_cpus = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]]
+    free = place_workers(node_cpus, x.actors, x.cpus_per_actor, "PACK")
+    if free is not None and place_workers(free, 1, 1.0, "PACK") is not None:
+        return
+    problem = (f"pseudo_label.actors={x.actors} × pseudo_label.cpus_per_actor={x.cpus_per_actor:g} CPUs leave no "
+               f"free CPU for Ray Data's read and repartition tasks on nodes with "
+               f"{', '.join(f'{c:g}' for c in node_cpus)} CPUs: the job would wait forever. Lower pseudo_label.actors "
+               f"or pseudo_label.cpus_per_actor, or add nodes.")
+    if fixed_size:
+        raise ConfigError(problem)
+    log.warning("%s (waiting for the autoscaler)", problem)
+
+
+def run(cfg: RayvlConfig, fixed_size: bool = False) -> dict:
+    """Label ``pseudo_label.unaligned`` (Ray must be connected; ``fixed_size``: a Ray that cannot grow); the job's
+    summary, also in <out>/summary.json."""
+    x = cfg.pseudo_label
+    ckpt, units = check(cfg)
+    check_cluster(cfg, fixed_size)
+    out = Path(x.out).expanduser()
+    index_fp, labelling_fp = fingerprints(x, ckpt, units)
+    claim(out, labelling_fp)
+    stats, reused = bow.load_or_compute(x.aligned, str(out / INDEX_DIR / "aligned_word_stats.json"), seed=0,
+                                        fraction=1.0, read_cpus=cfg.data.read_cpus)
+    log.info("S_a word statistics %s: %d captions, %d words", "reused" if reused else "computed",
+             stats.captions, len(stats.df))
+    index = build_index(cfg, ckpt, out / INDEX_DIR, index_fp, units)
+    todo = [u for u in units if not finished(out, u, x.rules)]
+    log.info("labelling %d of %d shards (%d finished before) with %s", len(todo), len(units), len(units) - len(todo),
+             ", ".join(x.rules))
+    started, done = time.time(), Counter()
+    if todo:
+        labels = ray.data.from_items([{"unit": json.dumps(asdict(u))} for u in todo],
+                                     override_num_blocks=len(todo)).map_batches(
+            Labeler, batch_size=1, concurrency=x.actors, num_cpus=x.cpus_per_actor, num_gpus=x.gpus_per_actor,
+            fn_constructor_kwargs={"checkpoint": ckpt, "index_dir": str(out / INDEX_DIR), "settings": asdict(x),
+                                   "df": stats.df, "out": str(out)})
+        for row in labels.iter_rows():
+            c = json.loads(row["counts"])
+            done.update({k: v for k, v in c.items() if isinstance(v, int) and k != "unit"})
+            done["shards"] += 1
+            elapsed = time.time() - started
+            eta = elapsed / done["shards"] * (len(todo) - done["shards"])
+            log.info("pseudo-label: shard %d/%d | %d images (%d undecodable) | %.1f images/s | ETA %.0f s%s",
+                     done["shards"], len(todo), done["images"], done["images"] - done["decoded"],
+                     done["images"] / max(elapsed, 1e-9), eta,
+                     f" | damaged: {c['damaged_shard']}" if c.get("damaged_shard") else "")
+    return summarize(out, x.rules, units, index, len(units) - len(todo), time.time() - started)
+
+
+def summarize(out: Path, rules: list[str], units: list[Unit], index: dict, reused: int, seconds: float) -> dict:
+    """Counts over every unit's stats files (those written by earlier runs too) → <out>/summary.json."""
+    per_rule = {}
+    for rule in rules:
+        status: Counter = Counter()
+        for u in units:
+            status.update(json.loads((out / rule / f"{u.id:05d}_stats.json").read_text())["status_dict"])
+        per_rule[rule] = {"shards": str(out / rule), **dict(sorted(status.items()))}
+    summary = {"rules": per_rule, "units": len(units), "units_reused": reused, "seconds": round(seconds, 1),
+               "index": {k: v for k, v in index.items() if k != "fingerprint"}}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def format_summary(summary: dict) -> str:
+    lines = [f"{'rule':<18} {'written':>8} {'undecodable':>12} {'empty':>7}  shards"]
+    for rule, s in summary["rules"].items():
+        lines.append(f"{rule:<18} {s.get('success', 0):>8} {s.get('failed_to_decode', 0):>12} "
+                     f"{s.get('empty_pseudo_caption', 0):>7}  {s['shards']}")
+    index = summary["index"]
+    recall = next((v for k, v in index.items() if k.startswith("recall_at_")), None)
+    lines.append(f"caption index: {index['kind']} over {index['captions']} captions"
+                 + ("" if recall is None else f", recall vs exact {recall:.3f}")
+                 + f"; {summary['units']} shards, {summary['units_reused']} finished before this run")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- precision, where the truth is known
+
+def true_captions(spec: str) -> dict[str, str]:
+    """{key: caption} from the img2dataset parquets of unaligned shards that still carry their captions (the demo's
+    held-back half); {} for image folders or shards without them."""
+    try:
+        shards = resolve_shards(spec)
+    except DataPlaneError:
+        return {}
+    out: dict[str, str] = {}
+    for shard in shards:
+        parquet = Path(shard[:-4] + ".parquet")
+        if parquet.is_file():
+            t = pq.read_table(parquet, columns=["key", "caption"])
+            out.update(zip(t["key"].to_pylist(), t["caption"].to_pylist()))
+    return out
+
+
+def word_precision(rule_dir: Path, truth: dict[str, str]) -> dict:
+    """{"pseudo_word_precision": % of pseudo-caption words that are words of the image's true caption (after
+    RmStopNalpha)}, over the written samples whose true caption is known; {} when none is."""
+    hits = total = 0
+    for parquet in sorted(Path(rule_dir).glob("*.parquet")):
+        for row in pq.read_table(parquet, columns=["source", "status", "words"]).to_pylist():
+            true = truth.get(row["source"])
+            if row["status"] != "success" or true is None:
+                continue
+            true_words = set(rm_stop_nalpha(words(true)))
+            hits += sum(w in true_words for w in row["words"])
+            total += len(row["words"])
+    return {"pseudo_word_precision": 100.0 * hits / total} if total else {}

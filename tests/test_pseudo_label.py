@@ -1,0 +1,257 @@
+"""Pseudo-BoW labelling ([BoW] §2.3): the four word-ranking rules against hand-computed words, faiss against brute
+force, and the job on real shards — output read back with exact counts, a bad image counted, a killed job's rerun
+skipping its finished shards, a folder of image files, errors named before Ray starts."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO, untrained_checkpoint
+from rayvl.data.bow import shuffle
+from rayvl.data.word_rank import WordRanker, neighbour_counts
+
+# retrieved captions, best first, and S_a's document frequencies
+NN = ["a red circle left of a blue square", "the red circle", "a large red star", "two blue squares and a red circle"]
+DF = {"red": 100, "circle": 10, "blue": 50, "square": 5, "left": 20, "large": 30, "star": 2, "squares": 4,
+      "two": 40, "the": 500, "a": 900}
+
+
+def test_each_rule_keeps_the_hand_computed_words():
+    counts, first = neighbour_counts(NN)  # stop words gone; a word counts once per caption
+    assert counts == {"red": 4, "circle": 3, "blue": 2, "left": 1, "square": 1, "large": 1, "star": 1, "two": 1,
+                      "squares": 1}
+    ranker = WordRanker(DF, words=4, top_t=2, seed=0)
+    assert ranker.top == {"red", "blue"}  # top-t over content words: "a" and "the" are stop words
+    # MaxCount: by count, ties to the word seen first (in the caption closest to a crop)
+    assert ranker.rank("max_count", NN, "k") == ["red", "circle", "blue", "left"]
+    # RmTopMaxCount: the same after removing S_a's top-2 words
+    assert ranker.rank("rm_top_max_count", NN, "k") == ["circle", "left", "square", "large"]
+    # WeightedCount: count(w, NN) / count(w, S_a): star 1/2, circle 3/10, squares 1/4, square 1/5, ...
+    assert ranker.rank("weighted_count", NN, "k") == ["star", "circle", "squares", "square"]
+    # RmTopRand: the survivors in an order drawn from the image key — the same on every worker and rerun
+    survivors = ["circle", "left", "square", "large", "star", "two", "squares"]
+    drawn = {key: tuple(ranker.rank("rm_top_rand", NN, key)) for key in ("k1", "k2", "k3", "k4")}
+    assert all(list(d) == shuffle(survivors, key, 0)[:4] and set(d) <= set(survivors) for key, d in drawn.items())
+    assert len(set(drawn.values())) > 1
+    assert WordRanker(DF, 4, top_t=20).rank("rm_top_max_count", NN, "k") == []  # everything removed: no caption
+
+
+def test_exact_index_equals_brute_force_and_approximate_recall_is_measured():
+    from rayvl.eval import knn
+
+    rng = np.random.default_rng(0)
+    pool = rng.standard_normal((4000, 32)).astype(np.float32)
+    pool /= np.linalg.norm(pool, axis=1, keepdims=True)
+    queries = pool[:50] + 0.3 * rng.standard_normal((50, 32)).astype(np.float32)
+    scores, ids = knn.search(knn.build_index(pool, "auto", exact_max=10_000), queries, 5)
+    exact = np.argsort(-(queries.astype(np.float64) @ pool.T.astype(np.float64)), axis=1)[:, :5]  # float64 reference
+    np.testing.assert_array_equal(ids, exact)
+    np.testing.assert_allclose(scores, np.take_along_axis(queries @ pool.T, exact, 1), rtol=1e-5)
+    ivf = knn.build_index(pool, "auto", exact_max=1000, nprobe=4)  # above exact_max: IVF
+    # 4·√n cells (252), at most n/39 (102): faiss wants ≥ 39 training points per cell
+    assert type(ivf).__name__ == "IndexIVFFlat" and ivf.nlist == 4000 // 39 and ivf.nprobe == 4
+    low = knn.recall(ivf, pool, queries, 5)
+    ivf.nprobe = ivf.nlist  # every cell searched: exact again
+    assert 0 < low < 1.0 and knn.recall(ivf, pool, queries, 5) == 1.0
+    assert 0.5 < knn.recall(knn.build_index(pool, "hnsw"), pool, queries, 5) <= 1.0
+
+
+def _unaligned(demo_dir, tmp_path) -> Path:
+    """A shard with 2 undecodable images among 4 (labelled first) and shard 2 of the demo (its captions
+    ignored)."""
+    from rayvl.data.demo import write_shard
+    from rayvl.data.tar import iter_tar_samples
+
+    out = tmp_path / "unaligned"
+    out.mkdir()
+    shutil.copy(demo_dir / "train" / "00002.tar", out / "00001.tar")
+    with open(demo_dir / "train" / "00000.tar", "rb") as f:
+        good = [s for _, s in zip(range(2), iter_tar_samples(f))]
+    rows = [{"key": s["key"].replace("0000", "9999", 1), "caption": "x", "status": "success", "jpg": s["jpg"]}
+            for s in good]
+    rows += [{"key": f"99999999{i}", "caption": "x", "status": "success", "jpg": b"\xff\xd8 not a jpeg"}
+             for i in range(2)]
+    write_shard(out, 0, rows, time.time())
+    return out
+
+
+def test_pseudo_label_job_writes_shards_that_train_reads_and_resumes_after_a_kill(ray_local, demo_dir, tmp_path,
+                                                                                   caplog):
+    import ray
+
+    import pyarrow.parquet as pq
+
+    from rayvl.assets import text_model_path
+    from rayvl.data.shards import expected_samples, read_shards
+
+    ckpt, unaligned = untrained_checkpoint(demo_dir, tmp_path), _unaligned(demo_dir, tmp_path)
+    out = tmp_path / "pseudo"
+    aligned = f"{demo_dir / 'train' / '00000.tar'},{demo_dir / 'train' / '00001.tar'}"
+    command = [sys.executable, "-m", "rayvl.cli", "pseudo-label", "--checkpoint", str(ckpt), "--aligned", aligned,
+               "--unaligned", str(unaligned), "--out", str(out), "--rules", "max_count,weighted_count",
+               "--set", "pseudo_label.crops=6", "--set", "pseudo_label.k=4", "--set", "pseudo_label.top_t=3",
+               "--set", "pseudo_label.cpus_per_actor=0.5", "--set", "pseudo_label.batch_size=64",
+               # an approximate index (IVF, 6 cells of 256 captions, 2 searched): its recall is measured
+               "--set", "pseudo_label.index=ivf", "--set", "pseudo_label.index_nprobe=2",
+               "--set", "pseudo_label.recall_sample=32"]
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "PYTHONPATH": str(REPO)}
+    # killed (SIGKILL) as soon as the first shard is complete; one actor labels the shards in order, so the second
+    # one (128 images × 6 crops) is then being labelled — its partly written files must not count as finished
+    first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             cwd=tmp_path)
+    deadline = time.time() + 300
+    while not (out / "weighted_count" / "00000_stats.json").is_file():
+        assert first.poll() is None and time.time() < deadline, first.stderr.read()[-3000:]
+        time.sleep(0.02)
+    first.kill()
+    first.communicate(timeout=60)
+    done = sorted(p.name for rule in ("max_count", "weighted_count") for p in (out / rule).glob("*_stats.json"))
+    assert done == ["00000_stats.json"] * 2  # the second shard was not finished when the driver was killed
+    before = {p: p.stat().st_mtime_ns for p in out.glob("*/00000*")}
+
+    # the rerun, here on the session's Ray (the same settings as the command line's)
+    from rayvl.config import load_config
+    from rayvl.pseudo_label import run
+
+    sets = [command[i + 1] for i, x in enumerate(command) if x == "--set"]
+    cfg = load_config(None, sets + [f"pseudo_label.checkpoint={ckpt}", f"pseudo_label.aligned={aligned}",
+                                    f"pseudo_label.unaligned={unaligned}", f"pseudo_label.out={out}",
+                                    "pseudo_label.rules=[max_count, weighted_count]"])
+    with caplog.at_level("INFO", logger="rayvl"):
+        run(cfg)
+    assert "labelling 1 of 2 shards (1 finished before)" in caplog.text and "caption index reused" in caplog.text
+    assert all(p.stat().st_mtime_ns == t for p, t in before.items())  # the finished shard was not written again
+    summary = json.loads((out / "summary.json").read_text())
+    for rule in ("max_count", "weighted_count"):
+        s = summary["rules"][rule]
+        assert s["success"] + s.get("empty_pseudo_caption", 0) == 130 and s["failed_to_decode"] == 2
+        assert expected_samples(str(out / rule)) == s["success"]  # img2dataset's parquet: successes only
+    assert summary["units_reused"] == 1 and summary["index"]["kind"] == "IndexIVFFlat"
+    assert summary["index"]["captions"] == 256 and 0 < summary["index"]["recall_at_4"] <= 1
+
+    # read back through rayvl's training reader: every written sample arrives, its caption as written
+    ds = read_shards(str(out / "weighted_count"), image_size=32, crop_scale_min=0.6, train=False,
+                     tokenizer_path=str(text_model_path("minilm-l6")), max_tokens=16, read_cpus=0.5,
+                     transform_batch_size=64, shuffle_files=False, report_name=None, columns=["key", "caption"])
+    rows = ds.take_all()
+    written = {}
+    for shard in sorted((out / "weighted_count").glob("*.parquet")):
+        written.update({r["key"]: r for r in pq.read_table(shard).to_pylist() if r["status"] == "success"})
+    assert sorted(r["key"] for r in rows) == sorted(written)
+    assert all(r["caption"] == written[r["key"]]["caption"] for r in rows)
+    one = next(iter(written.values()))
+    assert len(one["neighbours"]) == 6 * 4 and one["scores"] == sorted(one["scores"], reverse=True)
+    assert 1 <= len(one["caption"].split()) <= 4 and one["pseudo_bow"] is True
+    assert Counter(r["rule"] for r in written.values()) == {"weighted_count": len(written)}
+
+
+def test_bad_inputs_are_named_before_ray_starts(demo_dir, tmp_path, capsys):
+    import ray
+
+    from rayvl.cli import main
+    from rayvl.config import ConfigError
+    from rayvl.pseudo_label import claim
+
+    ckpt, train = untrained_checkpoint(demo_dir, tmp_path), str(demo_dir / "train")
+    capsys.readouterr()  # building the model prints transformers' loading bar
+    flags = {"--checkpoint": str(ckpt), "--aligned": train, "--unaligned": train, "--out": str(tmp_path / "o")}
+    cases = [({"--checkpoint": str(tmp_path / "nothing")}, "pseudo_label.checkpoint"),
+             ({"--unaligned": str(tmp_path / "none-*.tar")}, "pseudo_label.unaligned"),
+             ({"--aligned": str(tmp_path / "none-*.tar")}, "pseudo_label.aligned"),
+             ({"--rules": "maxcount"}, "pseudo_label.rules[0]: unknown rule 'maxcount'")]
+    was_running = ray.is_initialized()
+    for change, key in cases:
+        argv = [x for k, v in {**flags, **change}.items() for x in (k, v)]
+        assert main(["pseudo-label", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("config error: ") and key in err and "Traceback" not in err
+    assert ray.is_initialized() == was_running  # no Ray was started for any of them
+    from rayvl.config import load_config
+    from rayvl.pseudo_label import check_cluster
+
+    cfg = load_config(None, ["pseudo_label.actors=2", "pseudo_label.cpus_per_actor=1"])
+    with pytest.raises(ConfigError, match=r"pseudo_label.actors=2 × pseudo_label.cpus_per_actor=1 CPUs leave no"):
+        check_cluster(cfg, True, [2.0])  # the caption pool's embedding hung like this on 2 CPUs
+    check_cluster(cfg, True, [2.0, 1.0])  # another node keeps a CPU for Ray Data
+    check_cluster(load_config(None, ["pseudo_label.actors=2", "pseudo_label.cpus_per_actor=0.5"]), True, [2.0])
+    claim(tmp_path / "o", {"k": 5})
+    with pytest.raises(ConfigError, match=r"pseudo_label.out: .* another checkpoint.*k: saved 5, now 10"):
+        claim(tmp_path / "o", {"k": 10})
+
+
+def test_a_pseudo_caption_is_trained_as_it_is_and_kept_out_of_the_bow_statistics(demo_dir):
+    from collections import Counter as C
+
+    from rayvl.assets import text_model_path
+    from rayvl.config import parse_bow_ops
+    from rayvl.data.bow import BowStats, Deformer, base_word_counts
+    from rayvl.data.pipeline import preprocess
+    from rayvl.data.tar import iter_tar_samples
+
+    with open(demo_dir / "train" / "00000.tar", "rb") as f:
+        s = next(iter_tar_samples(f))
+    pseudo = json.dumps({"key": "p1", "pseudo_bow": True})
+    batch = {"key": ["p1", "a1"], "jpg": [s["jpg"], s["jpg"]], "txt": [b"circle star large", b"a small red circle"],
+             "json": [pseudo, s["json"]]}
+    ops = parse_bow_ops(["shuffle", "rm_stop_nalpha", {"keep": 1}])
+    counts = C()
+    out = preprocess(batch, counts=counts, image_size=32, crop_scale_min=0.6, train=False,
+                     tokenizer_path=str(text_model_path("minilm-l6")), max_tokens=16,
+                     bow=Deformer(ops, seed=0, base_fraction=0.0, stats=BowStats({}, 0, 0, {})))
+    assert list(out["caption"]) == ["circle star large", out["caption"][1]] and len(out["caption"][1].split()) == 1
+    assert counts["pseudo_bow_captions"] == 1 and counts["bow_captions_in"] == 1
+    partial = base_word_counts(batch, seed=0, fraction=1.0)
+    df = dict(zip(partial["word"], partial["df"]))
+    assert df["<captions>"] == 1 and "star" not in df and df["circle"] == 1  # the aligned caption only
+
+
+def test_a_folder_of_image_files_is_labelled_in_shards_of_shard_size(demo_dir, tmp_path):
+    """Images without any shard (ImageFolder-style trees, any depth): sorted, cut into units of shard_size files,
+    labelled in this process by the same Labeler the job's actors run, over an index built here."""
+    from dataclasses import asdict
+
+    import faiss
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rayvl.config import PseudoLabelConfig
+    from rayvl.data.tar import iter_tar_samples
+    from rayvl.eval import knn
+    from rayvl.export import load
+    from rayvl.pseudo_label import Labeler, plan_units
+
+    ckpt = untrained_checkpoint(demo_dir, tmp_path)
+    with open(demo_dir / "train" / "00000.tar", "rb") as f:
+        samples = [s for _, s in zip(range(40), iter_tar_samples(f))]
+    photos = tmp_path / "photos"
+    (photos / "cats").mkdir(parents=True)
+    (photos / "dogs").mkdir()
+    for i, s in enumerate(samples[:3]):
+        (photos / ("cats" if i < 2 else "dogs") / f"{i}.jpg").write_bytes(s["jpg"])
+    (photos / "dogs" / "broken.JPG").write_bytes(b"not an image")
+    (photos / "dogs" / "notes.txt").write_text("not an image file: ignored")
+    units = plan_units(str(photos), shard_size=2)
+    assert [(u.kind, [Path(p).name for p in u.paths]) for u in units] == [
+        ("files", ["0.jpg", "1.jpg"]), ("files", ["2.jpg", "broken.JPG"])]
+    captions = [s["txt"].decode() for s in samples]
+    index_dir = tmp_path / "index"
+    index_dir.mkdir()
+    faiss.write_index(knn.build_index(load(ckpt).encode_text(captions).numpy(), "flat"),
+                      str(index_dir / "index.faiss"))
+    pq.write_table(pa.table({"key": [s["key"] for s in samples], "caption": captions}),
+                   index_dir / "captions.parquet")
+    settings = asdict(PseudoLabelConfig(rules=["max_count"], crops=2, k=3))
+    labeler = Labeler(str(next(ckpt.iterdir())), str(index_dir), settings, {}, str(tmp_path / "out"))
+    counts = [labeler.label(u) for u in units]
+    assert [(c["images"], c["decoded"]) for c in counts] == [(2, 2), (2, 1)]
+    rows = pq.read_table(tmp_path / "out" / "max_count" / "00001.parquet").to_pylist()
+    assert [(r["key"], Path(r["source"]).name, r["status"]) for r in rows] == [
+        ("000010000", "2.jpg", "success"), ("000010001", "broken.JPG", "failed_to_decode")]
+    assert set(rows[0]["neighbours"]) <= {s["key"] for s in samples} and len(rows[0]["neighbours"]) == 6
