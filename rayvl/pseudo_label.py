@@ -49,7 +49,7 @@ from rayvl.data.report import DataPlaneError
 from rayvl.data.shards import ShardStream, read
 from rayvl.data.tar import iter_tar_samples, open_shard, resolve_shards, write_img2dataset_shard
 from rayvl.data.text import PSEUDO_FLAG, validate_caption, words
-from rayvl.data.word_rank import WordRanker
+from rayvl.data.word_rank import WordRanker, neighbour_counts
 from rayvl.eval import knn
 from rayvl.eval.data import IMAGE_EXTENSIONS
 from rayvl.eval.embed import RayDataEmbedder
@@ -251,7 +251,8 @@ class Labeler:
         started = time.time()
         samples, damaged = unit_samples(unit)
         images = decoded(samples)
-        found = dict(zip([i for _, _, i in images], self.neighbours(images, self.model.image_size)))
+        found = {i: (ids, scores, neighbour_counts([self.captions[j] for j in ids]))  # counted once, for all rules
+                 for (_, _, i), (ids, scores) in zip(images, self.neighbours(images, self.model.image_size))}
         counts = Counter(images=len(samples), decoded=len(images))
         for rule in self.x.rules:
             rows = [self._row(rule, samples[i], found.get(i), counts) for i in range(len(samples))]
@@ -270,8 +271,8 @@ class Labeler:
         if found is None:
             counts[f"{rule}_failed_to_decode"] += 1
             return {**row, "status": "failed_to_decode", "error_message": "not a decodable image"}
-        ids, scores = found
-        ws = self.ranker.rank(rule, [self.captions[j] for j in ids], key)
+        ids, scores, (word_counts, first) = found
+        ws = self.ranker.ranked(rule, word_counts, first, key)
         row.update(words=ws, neighbours=[self.keys[j] for j in ids], scores=[round(float(s), 4) for s in scores])
         if not ws:
             counts[f"{rule}_empty"] += 1

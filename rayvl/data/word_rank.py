@@ -49,7 +49,10 @@ class WordRanker:
 
     def rank(self, rule: str, captions: Sequence[str], key: str) -> list[str]:
         """The pseudo caption's words (at most p; none when every retrieved word was filtered out)."""
-        counts, first = neighbour_counts(captions)
+        return self.ranked(rule, *neighbour_counts(captions), key)
+
+    def ranked(self, rule: str, counts: Counter, first: dict[str, int], key: str) -> list[str]:
+        """``rank`` from ``neighbour_counts`` already made (one count serves every rule of an image)."""
         if rule == "max_count":
             ranked = sorted(counts, key=lambda w: (-counts[w], first[w]))
         elif rule == "rm_top_max_count":
