@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # `ray job submit --working-dir .` runs from a copy
 
-from rayvl import pseudo_label, session  # noqa: E402
+from rayvl import pseudo_label, session, storage  # noqa: E402
 from rayvl.config import ConfigError, load_config, validate  # noqa: E402
 from rayvl.data.tar import resolve_shards  # noqa: E402
 from rayvl.data.word_rank import RULES  # noqa: E402
@@ -46,8 +46,8 @@ def _args(argv):
     add_train_args(p, CONFIG)
     p.add_argument("--unaligned", default="", help="images without captions: shards or a folder of image files "
                                                    "(default on the demo: its second half)")
-    p.add_argument("--teacher-steps", type=int, default=100, help="steps of the labeller on the aligned shards")
-    p.add_argument("--steps", type=int, default=20, help="steps of every arm after the labeller")
+    p.add_argument("--teacher-steps", type=int, default=80, help="steps of the labeller on the aligned shards")
+    p.add_argument("--steps", type=int, default=16, help="steps of every arm after the labeller")
     p.add_argument("--rules", default=",".join(RULES), help="comma list of ranking rules")
     p.add_argument("--from-scratch", action="store_true", help="train the arms from scratch, not from the labeller")
     return p.parse_args(argv)
@@ -90,6 +90,8 @@ def main(argv=None) -> int:
         summary = pseudo_label.run(labelled, fixed_size=not (labelled.ray_address or os.environ.get("RAY_ADDRESS")))
         print(pseudo_label.format_summary(summary))
         init = [] if args.from_scratch else [f"train.init_from={teacher.uri}"]
+        # S_a's BoW statistics, counted once: pseudo-labelled folders are not part of them (bow.counted_shards)
+        init.append(f"bow.stats_path={storage.join(str(teacher.uri), 'bow_stats.json')}")
         arms = {"aligned only": [], **{f"+ {r}": [f"data.train={aligned},{out / r}"] for r in rules}}
         configs = {arm: _with(config_from_args(argparse.Namespace(**{**vars(args), "set": demo + list(args.set)}),
                                                ["bow.enabled=true", f"data.train={aligned}", *init, *extra]),

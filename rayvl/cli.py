@@ -192,10 +192,10 @@ def pseudo_label_main(args) -> int:
         overrides.append(f"pseudo_label.rules=[{args.rules}]")
     try:
         cfg = load_config(args.config, overrides)
-        pseudo_label.check(cfg)  # every path named by its key before Ray starts
+        checked = pseudo_label.check(cfg)  # every path named by its key before Ray starts
         started = session.connect(cfg.ray_address, cfg.local_num_cpus, verbose=args.verbose,
                                   include_dashboard=False)
-        summary = pseudo_label.run(cfg, fixed_size=started)
+        summary = pseudo_label.run(cfg, fixed_size=started, checked=checked)
     except (ConfigError, DataPlaneError) as e:
         print(f"config error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

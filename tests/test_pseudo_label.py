@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import REPO, untrained_checkpoint
 from rayvl.data.bow import shuffle
@@ -41,6 +42,19 @@ def test_each_rule_keeps_the_hand_computed_words():
     assert all(list(d) == shuffle(survivors, key, 0)[:4] and set(d) <= set(survivors) for key, d in drawn.items())
     assert len(set(drawn.values())) > 1
     assert WordRanker(DF, 4, top_t=20).rank("rm_top_max_count", NN, "k") == []  # everything removed: no caption
+
+
+def test_the_labelling_actors_nhwc_image_tower_embeds_as_the_trained_layout_does(demo_dir, tmp_path):
+    """The Labeler turns its image tower NHWC (faster on CPU); the embeddings must not move."""
+    from rayvl.export import load
+
+    model = load(untrained_checkpoint(demo_dir, tmp_path, seed=3))
+    crops = np.random.default_rng(0).integers(0, 256, (6, 3, model.image_size, model.image_size), dtype=np.uint8)
+    before = model.encode_image(crops).numpy()
+    model.module.vision.to_channels_last()
+    conv = next(p for p in model.module.vision.parameters() if p.dim() == 4)
+    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
+    np.testing.assert_allclose(model.encode_image(crops).numpy(), before, atol=1e-5)
 
 
 def test_exact_index_equals_brute_force_and_approximate_recall_is_measured():
@@ -149,6 +163,13 @@ def test_pseudo_label_job_writes_shards_that_train_reads_and_resumes_after_a_kil
     one = next(iter(written.values()))
     assert len(one["neighbours"]) == 6 * 4 and one["scores"] == sorted(one["scores"], reverse=True)
     assert 1 <= len(one["caption"].split()) <= 4 and one["pseudo_bow"] is True
+
+    # S_a + pseudo has S_a's BoW statistics: the labelled folders are not counted, nor fingerprinted
+    from rayvl.data import bow
+
+    both = f"{aligned},{out / 'max_count'},{out / 'weighted_count'}"
+    assert bow.counted_shards(both) == aligned.split(",")
+    assert bow.fingerprint(both, 0, 0.1) == bow.fingerprint(aligned, 0, 0.1)
     assert Counter(r["rule"] for r in written.values()) == {"weighted_count": len(written)}
 
 
@@ -207,6 +228,9 @@ def test_a_pseudo_caption_is_trained_as_it_is_and_kept_out_of_the_bow_statistics
                      bow=Deformer(ops, seed=0, base_fraction=0.0, stats=BowStats({}, 0, 0, {})))
     assert list(out["caption"]) == ["circle star large", out["caption"][1]] and len(out["caption"][1].split()) == 1
     assert counts["pseudo_bow_captions"] == 1 and counts["bow_captions_in"] == 1
+    from rayvl.data.report import format_data_report
+
+    assert ", 1 pseudo-BoW captions trained as they are" in format_data_report({"counts": counts})
     partial = base_word_counts(batch, seed=0, fraction=1.0)
     df = dict(zip(partial["word"], partial["df"]))
     assert df["<captions>"] == 1 and "star" not in df and df["circle"] == 1  # the aligned caption only

@@ -160,3 +160,21 @@ def test_missing_checkpoint_is_one_line_and_exit_2_in_a_fresh_process(tmp_path):
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert f"{tmp_path / 'gone'}: neither a rayvl checkpoint nor a run directory" in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_without_held_out_shards_a_run_trains_unevaluated_and_tonics_is_refused(demo_dir, tmp_path, caplog):
+    """--data without --eval-data: the workers once looked for an "eval" dataset that was never made and every
+    retry failed inside them. Now evaluation is off with a warning; TOnICS, whose refresh needs the held-out split,
+    is a config error before Ray starts."""
+    from conftest import REPO, small_config
+    from rayvl.config import ConfigError, load_config
+    from rayvl.train import datasets
+
+    cfg = small_config(demo_dir, tmp_path, "data.eval=")
+    with caplog.at_level(logging.WARNING, logger="rayvl"):
+        off = datasets.evaluation_or_off(cfg, datasets.plan(cfg).eval)
+    assert cfg.eval.tasks and off.eval.tasks == [] and "training without evaluation" in caplog.text
+    assert datasets.evaluation_or_off(cfg, str(demo_dir / "eval")) is cfg
+    tonics = load_config(REPO / "configs" / "tonics.yaml", [f"data.train={demo_dir / 'train'}", "data.eval="])
+    with pytest.raises(ConfigError, match="data.eval: the TOnICS curriculum refresh needs held-out shards"):
+        datasets.plan(tonics)

@@ -24,11 +24,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from rayvl import storage
 from rayvl.config import BowOp, bow_needs_stats
 from rayvl.data import artifacts
 from rayvl.data.shards import group_over_shards
 from rayvl.data.tar import resolve_shards
-from rayvl.data.text import PSEUDO_FLAG, TOKEN_PATTERN, is_alphabetical, stopwords, validate_caption, words
+from rayvl.data.text import (PSEUDO_FLAG, PSEUDO_MARKER, TOKEN_PATTERN, is_alphabetical, stopwords, validate_caption,
+                             words)
 
 STATS_FORMAT = 1
 # reserved aggregation keys: the tokenizer never joins "<" to a word, so no caption word can collide with these
@@ -118,16 +120,26 @@ def base_word_counts(batch: dict, *, seed: int, fraction: float) -> dict:
     return {"word": np.array(list(df), dtype=object), "df": np.array(list(df.values()), dtype=np.int64)}
 
 
+def counted_shards(spec: str) -> list[str]:
+    """The shards whose captions the statistics count: all but those a `rayvl pseudo-label` job wrote (its <rule>/
+    folders sit beside its PSEUDO_MARKER). Their captions stay out of the statistics anyway (``is_pseudo``), so
+    S_a + pseudo has S_a's statistics — fingerprint included, and a run on both reuses S_a's artifact."""
+    shards = resolve_shards(spec)
+    folders = {storage.parent(s) for s in shards}
+    pseudo = {f for f in folders if storage.is_file(storage.join(storage.parent(f), PSEUDO_MARKER))}
+    return [s for s in shards if storage.parent(s) not in pseudo] or shards
+
+
 def fingerprint(spec: str, seed: int, fraction: float) -> dict:
-    """What the statistics depend on: every shard (name and size), the base split, the word tokenizer."""
-    return {"shards": artifacts.shard_sizes(resolve_shards(spec)), "seed": seed, "base_fraction": fraction,
+    """What the statistics depend on: every counted shard (name and size), the base split, the word tokenizer."""
+    return {"shards": artifacts.shard_sizes(counted_shards(spec)), "seed": seed, "base_fraction": fraction,
             "token_pattern": TOKEN_PATTERN, "format": STATS_FORMAT}
 
 
 def _count(spec: str, seed: int, fraction: float, read_cpus: float) -> dict:
     """The statistics pass: shards streamed by Ray Data → per-batch partial counts → groupby("word").sum("df")."""
-    grouped = group_over_shards(spec, ("key", "txt", "json"), base_word_counts, {"seed": seed, "fraction": fraction},
-                                "word", read_cpus)
+    grouped = group_over_shards(",".join(counted_shards(spec)), ("key", "txt", "json"), base_word_counts,
+                                {"seed": seed, "fraction": fraction}, "word", read_cpus)
     df = {row["word"]: int(row["sum(df)"]) for row in grouped.sum("df").iter_rows()}
     captions, base = df.pop(ALL_CAPTIONS, 0), df.pop(BASE_CAPTIONS, 0)
     return {"captions": captions, "base_captions": base, "df": dict(sorted(df.items()))}

@@ -163,7 +163,9 @@ def _caption_line(counts: dict) -> str:
         return f"  captions: {c['avg_caption_words']:.1f} words on average"
     return (f"  captions: BoW {c['bow_avg_words_before']:.1f} → {c['avg_caption_words']:.1f} words on average, "
             f"dataset {c['bow_dataset_change_pct']:+.1f}% (emptied captions dropped), "
-            f"{c['bow_base_share_pct']:.1f}% kept intact (base split)")
+            f"{c['bow_base_share_pct']:.1f}% kept intact (base split)"
+            + (f", {counts['pseudo_bow_captions']} pseudo-BoW captions trained as they are"
+               if counts.get("pseudo_bow_captions") else ""))
 
 
 def format_data_report(report: dict) -> str:

@@ -2,6 +2,7 @@
 image-label prompts — all checked before Ray starts), and the Ray Datasets a run trains and evaluates on."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -42,6 +43,16 @@ def plan(cfg: RayvlConfig) -> DataPlan:
     return DataPlan(train, evalset, files, tonics_ontology(cfg), image_label_prompts(cfg))
 
 
+def evaluation_or_off(cfg: RayvlConfig, evalset: str) -> RayvlConfig:
+    """The config, with evaluation off when there are no held-out shards (--data without --eval-data): the workers
+    would otherwise look for an "eval" dataset that was never made."""
+    if not cfg.eval.tasks or evalset:
+        return cfg
+    log.warning("no held-out shards (data.eval, --eval-data): training without evaluation (eval.tasks %s off)",
+                ", ".join(cfg.eval.tasks))
+    return dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, tasks=[]))
+
+
 def check_inputs(cfg: RayvlConfig, train: str, evalset: str) -> None:
     """What a typo makes wrong, as a config error naming the key before Ray starts: shards that match nothing,
     a text tower that is neither an asset nor a local HF folder, a vision tower timm does not know."""
@@ -52,6 +63,8 @@ def check_inputs(cfg: RayvlConfig, train: str, evalset: str) -> None:
             except DataPlaneError:
                 raise ConfigError(f"{key}: {spec!r} matches no .tar shard (give a folder of img2dataset shards, a "
                                   f"glob, a comma list, a .txt list file or a URL)") from None
+    if not evalset and cfg.tonics.enabled:
+        raise ConfigError("data.eval: the TOnICS curriculum refresh needs held-out shards (--eval-data)")
     try:
         if cfg.model.text_tower == "lm":
             assets.text_model_path(cfg.model.text)

@@ -30,6 +30,7 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
     placement groups in; ``progress``: log a progress line per report (rayvl.train.progress); ``verbose=False``:
     the workers' and Ray's own output stay in Ray's log files."""
     data = datasets.plan(cfg)
+    cfg = datasets.evaluation_or_off(cfg, data.eval)
     storage, name = run_paths(cfg)
     init_weights = check_init_from(cfg)
     if data.prompts is not None and cfg.model.text_tower == "class_embedding":
