@@ -89,12 +89,13 @@ def main(argv=None) -> int:
             f"pseudo_label.rules=[{','.join(rules)}]"])
         summary = pseudo_label.run(labelled, fixed_size=not (labelled.ray_address or os.environ.get("RAY_ADDRESS")))
         print(pseudo_label.format_summary(summary))
-        init = [] if args.from_scratch else [f"train.init_from={teacher.uri}"]
-        # S_a's BoW statistics, counted once: pseudo-labelled folders are not part of them (bow.counted_shards)
-        init.append(f"bow.stats_path={storage.join(str(teacher.uri), 'bow_stats.json')}")
+        # every arm: S_a's BoW statistics, counted once for the labeller (pseudo folders are no part of them:
+        # bow.counted_shards), and the labeller's weights unless --from-scratch
+        shared = [f"bow.stats_path={storage.join(str(teacher.uri), 'bow_stats.json')}",
+                  *([] if args.from_scratch else [f"train.init_from={teacher.uri}"])]
         arms = {"aligned only": [], **{f"+ {r}": [f"data.train={aligned},{out / r}"] for r in rules}}
         configs = {arm: _with(config_from_args(argparse.Namespace(**{**vars(args), "set": demo + list(args.set)}),
-                                               ["bow.enabled=true", f"data.train={aligned}", *init, *extra]),
+                                               ["bow.enabled=true", f"data.train={aligned}", *shared, *extra]),
                               f"{name}-{arm.strip('+ ').replace(' ', '_')}", args.steps)
                    for arm, extra in arms.items()}
         results = train_variants(configs, verbose=args.verbose)

@@ -131,29 +131,35 @@ def counted_shards(spec: str) -> list[str]:
 
 
 def fingerprint(spec: str, seed: int, fraction: float) -> dict:
+    return _fingerprint(counted_shards(spec), seed, fraction)
+
+
+def _fingerprint(shards: list[str], seed: int, fraction: float) -> dict:
     """What the statistics depend on: every counted shard (name and size), the base split, the word tokenizer."""
-    return {"shards": artifacts.shard_sizes(counted_shards(spec)), "seed": seed, "base_fraction": fraction,
+    return {"shards": artifacts.shard_sizes(shards), "seed": seed, "base_fraction": fraction,
             "token_pattern": TOKEN_PATTERN, "format": STATS_FORMAT}
 
 
-def _count(spec: str, seed: int, fraction: float, read_cpus: float) -> dict:
+def _count(shards: list[str], seed: int, fraction: float, read_cpus: float) -> dict:
     """The statistics pass: shards streamed by Ray Data → per-batch partial counts → groupby("word").sum("df")."""
-    grouped = group_over_shards(",".join(counted_shards(spec)), ("key", "txt", "json"), base_word_counts,
-                                {"seed": seed, "fraction": fraction}, "word", read_cpus)
+    grouped = group_over_shards(shards, ("key", "txt", "json"), base_word_counts, {"seed": seed, "fraction": fraction},
+                                "word", read_cpus)
     df = {row["word"]: int(row["sum(df)"]) for row in grouped.sum("df").iter_rows()}
     captions, base = df.pop(ALL_CAPTIONS, 0), df.pop(BASE_CAPTIONS, 0)
     return {"captions": captions, "base_captions": base, "df": dict(sorted(df.items()))}
 
 
 def compute_stats(spec: str, *, seed: int, fraction: float, read_cpus: float = 0.5) -> BowStats:
-    return BowStats(fingerprint(spec, seed, fraction), **_count(spec, seed, fraction, read_cpus))
+    shards = counted_shards(spec)
+    return BowStats(_fingerprint(shards, seed, fraction), **_count(shards, seed, fraction, read_cpus))
 
 
 def load_or_compute(spec: str, path: str, *, seed: int, fraction: float, read_cpus: float = 0.5
                     ) -> tuple[BowStats, bool]:
     """(stats, reused). A saved artifact is reused only if its fingerprint matches the data and split now."""
-    content, reused = artifacts.load_or_make(path, fingerprint(spec, seed, fraction), "bow.stats_path",
-                                             lambda: _count(spec, seed, fraction, read_cpus))
+    shards = counted_shards(spec)  # listed once: on object storage a listing is a round trip per folder
+    content, reused = artifacts.load_or_make(path, _fingerprint(shards, seed, fraction), "bow.stats_path",
+                                             lambda: _count(shards, seed, fraction, read_cpus))
     return BowStats(**content), reused
 
 

@@ -169,8 +169,8 @@ def fingerprint(spec: str, ontology: Ontology) -> dict:
 
 def count_rows(spec: str, ontology: Ontology, read_cpus: float = 0.5) -> dict[int, int]:
     """Rows per object id over the shards: map to objects, then groupby("object").count() on Ray Data."""
-    grouped = group_over_shards(spec, ("key", "txt", "json"), batch_objects, {"ontology": ontology}, "object",
-                                read_cpus)
+    grouped = group_over_shards(resolve_shards(spec), ("key", "txt", "json"), batch_objects, {"ontology": ontology},
+                                "object", read_cpus)
     return {int(r["object"]): int(r["count()"]) for r in grouped.count().iter_rows()}
 
 

@@ -168,11 +168,10 @@ def _block(out: dict | pa.Table):
     return BlockAccessor.batch_to_block(out) if _length(out) else None
 
 
-def group_over_shards(spec: str, columns: tuple[str, ...], fn, fn_kwargs: dict, key: str, read_cpus: float):
-    """Corpus statistics as a Ray Data aggregation: only ``columns`` of the shards are read, ``fn`` turns each
-    batch into rows with a ``key`` column, and the rows are grouped by it for a sum or count — never collected on
-    the driver."""
-    paths = resolve_shards(spec)
+def group_over_shards(paths: list[str], columns: tuple[str, ...], fn, fn_kwargs: dict, key: str, read_cpus: float):
+    """Corpus statistics as a Ray Data aggregation over resolved shard ``paths``: only ``columns`` are read, ``fn``
+    turns each batch into rows with a ``key`` column, and the rows are grouped by it for a sum or count — never
+    collected on the driver."""
     rows = read(ShardStream(paths, columns=columns), read_cpus).map_batches(
         fn, batch_format="numpy", num_cpus=read_cpus, fn_kwargs=fn_kwargs)
     # hash partitions of the keys: Ray's default (200) costs ~15 s of task overhead on a few demo shards; one per
