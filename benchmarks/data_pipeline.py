@@ -6,7 +6,7 @@ same shards on the same cores, measured side by side in this one run:
   ``preprocess`` on batches) — the loader an open_clip user has;
 - the ceiling: the same work in one plain process, times the cores.
 
-    .venv/bin/python benchmarks/data_pipeline.py --photo [--samples 4000] [--sizes 64,224] [--passes 3]
+    .venv/bin/python benchmarks/data_pipeline.py --photo [--samples 4000] [--sizes 64,224] [--passes 2] [--rounds 3]
 
 ``--photo`` writes img2dataset-layout shards of photo-like JPEGs at LAION's sizes (160–400 px a side, ≈15–40 KB)
 instead of the demo's small drawings. webdataset is a benchmark-only dependency (``pip install -e .[bench]``).
@@ -17,10 +17,12 @@ import argparse
 import gc
 import io
 import os
+import statistics
 import sys
 import tempfile
 import time
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -30,6 +32,7 @@ import ray  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from rayvl import assets  # noqa: E402
+from rayvl.config import DataConfig  # noqa: E402
 from rayvl.data import demo, shards  # noqa: E402
 from rayvl.data.pipeline import preprocess  # noqa: E402
 from rayvl.data.report import report_actor  # noqa: E402
@@ -101,54 +104,64 @@ def report_actor_name() -> str:
     return name
 
 
-def timed(name: str, size: int, passes: int, run) -> list[tuple]:
-    """One warm-up pass (page cache, tokenizer load, worker start-up), then ``passes`` passes timed together — the
-    way each reader serves a training run (loader workers kept, one Ray Data execution for all passes)."""
-    run(1)
-    t = time.perf_counter()
-    n = run(passes)
-    return [(size, name, n, n / (time.perf_counter() - t))]
-
-
-def timed_webdataset(paths: list[str], kw: dict, cores: int, size: int, passes: int) -> list[tuple]:
-    loader = webdataset_loader(paths, kw, cores)
-    return timed(f"webdataset + DataLoader ({cores} workers)", size, passes,
-                 lambda k: sum(len(b["image"]) for _ in range(k) for b in loader))
+def _samples(loader, passes: int) -> int:
+    return sum(len(b["image"]) for _ in range(passes) for b in loader)
 
 
 def measure(spec: str, size: int, args, cores: int) -> list[tuple]:
+    """Every reader gets one warm-up pass (page cache, tokenizer load, worker start-up), then ``rounds`` rounds in
+    which each reader in turn runs ``passes`` passes timed together — the way each serves a training run (loader
+    workers kept, one Ray Data execution for all passes). Readers take turns so that a slow spell of the machine
+    (a VM's host taking CPU back) falls on all of them; the table gives each reader's median round."""
     paths = resolve_shards(spec)
     kw = dict(image_size=size, crop_scale_min=0.6, train=True, max_tokens=24,
               tokenizer_path=str(assets.text_model_path("minilm-l6")))
-    rows = timed("plain process (1 core)", size, args.passes, lambda k: sum(plain(paths, kw) for _ in range(k)))
-    rows += timed_webdataset(paths, kw, cores, size, args.passes)
-    gc.collect()  # the loader's persistent workers exit before Ray starts
+    # the loader's persistent workers are forked (by the warm-up pass) before Ray starts its threads in this process
+    loader = webdataset_loader(paths, kw, cores)
+    wds_run = partial(_samples, loader)
+    wds_run(1)
     ray.init(address="local", include_dashboard=False, num_cpus=cores)
     ray.data.DataContext.get_current().enable_progress_bars = False
     # one data report for all runs, made before any timing, as a training run makes it once: its actor's process
     # start-up (≈1.2 s of CPU here) is not part of reading
     report = report_actor_name()
-    for read_cpus in args.read_cpus:
-        def run(k):
-            ds = shards.read_shards(spec, read_cpus=read_cpus, transform_batch_size=BATCH, shuffle_files=True,
-                                    report_name=report, columns=TRAIN_COLUMNS, passes=k, **kw)
-            return sum(len(b["image"]) for b in ds.iter_batches(batch_size=BATCH, batch_format="numpy"))
-        rows += timed(f"rayvl Ray Data (read_cpus={read_cpus:g})", size, args.passes, run)
+
+    def ray_data(read_cpus: float, k: int) -> int:
+        ds = shards.read_shards(spec, read_cpus=read_cpus, transform_batch_size=BATCH, shuffle_files=True,
+                                report_name=report, columns=TRAIN_COLUMNS, passes=k,
+                                threads=DataConfig().read_threads, **kw)
+        return sum(len(b["image"]) for b in ds.iter_batches(batch_size=BATCH, batch_format="numpy"))
+
+    readers = {"plain process (1 core)": lambda k: sum(plain(paths, kw) for _ in range(k)),
+               f"webdataset + DataLoader ({cores} workers)": wds_run,
+               **{f"rayvl Ray Data (read_cpus={c:g})": partial(ray_data, c) for c in args.read_cpus}}
+    for name, run in readers.items():
+        if run is not wds_run:
+            run(1)
+    rates: dict[str, list[float]] = {name: [] for name in readers}
+    for _ in range(args.rounds):
+        for name, run in readers.items():
+            t = time.perf_counter()
+            n = run(args.passes)
+            rates[name].append(n / (time.perf_counter() - t))
+    del loader, wds_run, readers
+    gc.collect()  # the loader's workers exit
     ray.shutdown()
-    return rows
+    return [(size, name, statistics.median(r), min(r), max(r)) for name, r in rates.items()]
 
 
 def table(rows: list[tuple], cores: int) -> str:
-    lines = [f"{'px':>4}  {'reader':<40} {'samples':>8} {'samples/s':>10} {'× webdataset':>13} {'× ceiling':>10}"]
+    lines = [f"{'px':>4}  {'reader':<40} {'samples/s':>10} {'(min–max)':>15} {'× webdataset':>13} {'× ceiling':>10}"]
     for size in sorted({r[0] for r in rows}):
-        rate = {r[1]: r[3] for r in rows if r[0] == size}
+        rate = {r[1]: r[2] for r in rows if r[0] == size}
         wds_rate = next(v for k, v in rate.items() if k.startswith("webdataset"))
         ceiling = next(v for k, v in rate.items() if k.startswith("plain")) * cores
-        lines.append(f"{size:>4}  {'ceiling: plain process × ' + str(cores) + ' cores':<40} {'':>8} {ceiling:>10.1f}")
+        lines.append(f"{size:>4}  {'ceiling: plain process × ' + str(cores) + ' cores':<40} {ceiling:>10.1f}")
         for r in rows:
             if r[0] == size:
-                lines.append(f"{size:>4}  {r[1]:<40} {r[2]:>8} {r[3]:>10.1f} {r[3] / wds_rate:>13.2f} "
-                             f"{r[3] / ceiling:>10.2f}")
+                spread = f"({r[3]:.0f}–{r[4]:.0f})"
+                lines.append(f"{size:>4}  {r[1]:<40} {r[2]:>10.1f} {spread:>15} {r[2] / wds_rate:>13.2f} "
+                             f"{r[2] / ceiling:>10.2f}")
     return "\n".join(lines)
 
 
@@ -158,7 +171,8 @@ def main():
     p.add_argument("--photo", action="store_true", help="generate photo-like LAION-sized JPEGs")
     p.add_argument("--samples", type=int, default=4000)
     p.add_argument("--shards", type=int, default=4)
-    p.add_argument("--passes", type=int, default=3, help="passes timed per reader (after one warm-up pass)")
+    p.add_argument("--passes", type=int, default=2, help="passes timed together per reader and round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of all readers in turn; the table has medians")
     p.add_argument("--sizes", default="64,224")
     p.add_argument("--read-cpus", default="0.5,1", help="data.read_cpus values to measure")
     args = p.parse_args()
@@ -176,7 +190,8 @@ def main():
         rows += measure(spec, size, args, cores)
     kb = np.mean([os.path.getsize(p) for p in resolve_shards(spec)]) / max(1, args.samples / args.shards) / 1024
     print(f"\n{len(resolve_shards(spec))} shards, {args.samples} samples (≈{kb:.0f} KB a sample), {cores} cores, "
-          f"24 tokens, batch {BATCH}; {args.passes} passes timed after a warm-up pass")
+          f"24 tokens, batch {BATCH}, data.read_threads={DataConfig().read_threads}; median of {args.rounds} "
+          f"rounds of {args.passes} passes per reader, readers in turn, after a warm-up pass each")
     print(table(rows, cores))
 
 

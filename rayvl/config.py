@@ -49,6 +49,9 @@ class DataConfig:
     """captions are padded/truncated to this many tokens."""
     read_cpus: float = 0.5
     """CPUs reserved per Ray Data read/transform task; keep < 1 on small machines so Ray Train cannot starve them."""
+    read_threads: int = 2
+    """batches each read task decodes, crops and tokenizes side by side in threads (PIL and the tokenizer release
+    the GIL): one task keeps more than one core busy and fills the gaps Ray leaves around its tasks."""
     transform_batch_size: int = 64
     """rows per Ray Data map_batches call (decode + crop + tokenize)."""
     shuffle_files: bool = True
@@ -613,6 +616,8 @@ def _validate_data(d: DataConfig, t: TrainConfig) -> None:
         raise ConfigError(f"data.max_text_tokens: must be ≥ 4, got {d.max_text_tokens}")
     if d.read_cpus <= 0:
         raise ConfigError(f"data.read_cpus: must be > 0, got {d.read_cpus}")
+    if d.read_threads < 1:
+        raise ConfigError(f"data.read_threads: must be ≥ 1, got {d.read_threads}")
     if d.demo_samples < t.num_workers * t.micro_batch_size:
         raise ConfigError(
             f"data.demo_samples: {d.demo_samples} cannot fill one global batch of "

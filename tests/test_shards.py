@@ -2,6 +2,7 @@
 import io
 import json
 import tarfile
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -32,7 +33,8 @@ def _write(path, samples):
 def _read(spec, report_name, train=True):
     ds = shards.read_shards(spec, image_size=32, crop_scale_min=0.5, train=train,
                             tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=16,
-                            read_cpus=0.5, transform_batch_size=4, shuffle_files=False, report_name=report_name)
+                            read_cpus=0.5, transform_batch_size=4, shuffle_files=False, report_name=report_name,
+                            threads=2)  # 3 batches of 4, transformed side by side (data.read_threads)
     return ds.take_all()
 
 
@@ -115,6 +117,45 @@ def test_passes_stream_in_one_fused_operator(ray_local, demo_dir):
     orders = [source.order(p) for p in range(3)]
     assert all(sorted(o) == list(range(len(paths))) for o in orders) and len({tuple(o) for o in orders}) > 1
     assert source.order(1) == shards.ShardStream(paths, shuffle=True, seed=5).order(1)
+
+
+def test_threaded_transform_keeps_order_rows_and_counts(bad_shard):
+    """A read task transforming batches in threads emits what one thread does: the same rows in shard order, the
+    same drop counts (centre crops, so images compare equal)."""
+    from functools import partial
+
+    def read(threads):
+        source = shards.ShardStream(resolve_shards(str(bad_shard)), batch_size=2, threads=threads, transform=partial(
+            shards._transform, columns=None, kw=dict(image_size=32, crop_scale_min=0.5, train=False, max_tokens=16,
+                                                     tokenizer_path=str(assets.text_model_path("minilm-l6")))))
+        bad: list = []
+        out = list(source._transformed_ahead(0, 0, bad))
+        return [b for b, _ in out], sum((c for _, c in out), Counter())
+
+    one, counts_one = read(1)
+    three, counts_three = read(3)
+    assert counts_three == counts_one and counts_one["samples_seen"] == 11 and counts_one["samples_kept"] == 6
+    assert len(three) == len(one) == 6  # 11 samples in batches of 2
+    for a, b in zip(one, three):
+        assert list(a["key"]) == list(b["key"]) and np.array_equal(a["row"], b["row"])
+        assert np.array_equal(a["image"], b["image"]) and np.array_equal(a["input_ids"], b["input_ids"])
+
+
+def test_fast_tokenizer_equals_transformers():
+    """Read tasks tokenize with the model folder's tokenizer.json through HF tokenizers (no transformers import in
+    a new worker process): ids and masks equal AutoTokenizer's padding="max_length", truncation=True."""
+    from rayvl.data.text import fixed_length_tokenizer, load_tokenizer, tokenize
+
+    path = str(assets.text_model_path("minilm-l6"))
+    captions = ["a red circle", "Two DOGS on a beach, léft of the café!", "word " * 60, "日本語のキャプション",
+                "  spaced   out  ", "don’t stop-word t-shirt 3.14", "[PAD] [CLS] literal specials"]
+    for max_tokens in (4, 24, 77):
+        assert fixed_length_tokenizer(path, max_tokens) is not None
+        ids, mask = tokenize(captions, path, max_tokens)
+        ref = load_tokenizer(path)(captions, padding="max_length", truncation=True, max_length=max_tokens,
+                                   return_tensors="np")
+        assert ids.dtype == np.int64 and ids.shape == (len(captions), max_tokens)
+        assert np.array_equal(ids, ref["input_ids"]) and np.array_equal(mask, ref["attention_mask"])
 
 
 def test_passes_needed_covers_the_steps_with_a_margin():

@@ -22,7 +22,7 @@ from rayvl import assets
 from rayvl.data import artifacts
 from rayvl.data.shards import group_over_shards
 from rayvl.data.tar import resolve_shards
-from rayvl.data.text import is_alphabetical, stopwords, validate_caption, words
+from rayvl.data.text import NLTK_LOCK, is_alphabetical, stopwords, validate_caption, words
 
 COUNTS_FORMAT = 1
 UNALIGNED = -1
@@ -36,12 +36,13 @@ def wordnet():
     root = assets.nltk_data_dir()
     if root is None:
         raise RuntimeError("WordNet 3.0 is not installed: run `rayvl assets fetch` (Debian wordnet-base)")
-    if str(root) not in nltk.data.path:
-        nltk.data.path.insert(0, str(root))
-    from nltk.corpus import wordnet as wn
+    with NLTK_LOCK:
+        if str(root) not in nltk.data.path:
+            nltk.data.path.insert(0, str(root))
+        from nltk.corpus import wordnet as wn
 
-    wn.ensure_loaded()
-    return wn
+        wn.ensure_loaded()
+        return wn
 
 
 def _hypernyms(synset):
@@ -97,6 +98,12 @@ class Ontology:
         elif word in self.classes:
             found = self.classes.index(word)
         elif is_alphabetical(word) and word not in stopwords():
+            found = self._wordnet_class(word)
+        self._cache[word] = found
+        return found
+
+    def _wordnet_class(self, word: str) -> int | None:
+        with NLTK_LOCK:  # the read tasks' transform threads share the reader
             wn = wordnet()
             index = {s: i for i, s in enumerate(self.synsets)}
             lemma = wn.morphy(word.replace("-", "_"), wn.NOUN)
@@ -104,10 +111,8 @@ class Ontology:
                 hit = next((index[s.name()] for s in [synset, *synset.closure(_hypernyms)] if s.name() in index),
                            None)
                 if hit is not None:
-                    found = hit
-                    break
-        self._cache[word] = found
-        return found
+                    return hit
+        return None
 
     def aligned(self, caption: str, meta: bytes | str | None) -> list[tuple[str, int]]:
         """(noun or tag, class id) for each distinct aligned noun of a sample, restricted to kept classes."""

@@ -2,7 +2,9 @@
 tokenisation with the text tower's own HF fast tokenizer."""
 from __future__ import annotations
 
+import json
 import re
+import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -35,10 +37,51 @@ def validate_caption(raw) -> tuple[str, str | None]:
 
 @lru_cache(maxsize=4)
 def load_tokenizer(path: str):
-    """Loaded once per process (Ray reuses task worker processes, so once per worker)."""
+    """The HF tokenizer of a model folder, loaded once per process."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, use_fast=True, local_files_only=True)
+
+
+@lru_cache(maxsize=8)
+def fixed_length_tokenizer(path: str, max_tokens: int):
+    """The model folder's own fast tokenizer (``tokenizer.json``, HF ``tokenizers``) set once to truncate and pad
+    to ``max_tokens`` with the folder's pad token — what ``AutoTokenizer(..., padding="max_length",
+    truncation=True)`` does (tested equal), without importing transformers and torch: 0.13 s instead of 2.4 s in
+    every new Ray Data worker process, and thread-safe (nothing is reconfigured per call, so the read tasks' threads
+    share it). None when the folder has no ``tokenizer.json`` or names no pad token: then AutoTokenizer."""
+    folder = Path(path)
+    pad = _pad_token(folder)
+    if not (folder / "tokenizer.json").is_file() or pad is None:
+        return None
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    pad_id = tokenizer.token_to_id(pad)
+    if pad_id is None:
+        return None
+    tokenizer.enable_truncation(max_tokens)
+    tokenizer.enable_padding(length=max_tokens, pad_id=pad_id, pad_token=pad)
+    return tokenizer
+
+
+def _pad_token(folder: Path) -> str | None:
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        try:
+            pad = json.loads((folder / name).read_text()).get("pad_token")
+        except (OSError, ValueError):
+            continue
+        if isinstance(pad, dict):
+            pad = pad.get("content")
+        if isinstance(pad, str):
+            return pad
+    return None
+
+
+_AUTO_LOCK = threading.Lock()  # transformers' lazy imports and per-call padding setup are not thread-safe
+# nltk's lazy corpus loaders and WordNet's reader (seek + readline on shared files) are not thread-safe either; the
+# read tasks transform batches in threads (shards._transformed_ahead)
+NLTK_LOCK = threading.RLock()
 
 
 def tokenize(captions: list[str], tokenizer_path: str, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
@@ -46,8 +89,14 @@ def tokenize(captions: list[str], tokenizer_path: str, max_tokens: int) -> tuple
     if not captions:
         empty = np.zeros((0, max_tokens), np.int64)
         return empty, empty.copy()
-    enc = load_tokenizer(tokenizer_path)(list(captions), padding="max_length", truncation=True,
-                                         max_length=max_tokens, return_tensors="np")
+    fast = fixed_length_tokenizer(tokenizer_path, max_tokens)
+    if fast is not None:
+        encodings = fast.encode_batch(list(captions))
+        return (np.array([e.ids for e in encodings], dtype=np.int64),
+                np.array([e.attention_mask for e in encodings], dtype=np.int64))
+    with _AUTO_LOCK:
+        enc = load_tokenizer(tokenizer_path)(list(captions), padding="max_length", truncation=True,
+                                             max_length=max_tokens, return_tensors="np")
     return enc["input_ids"].astype(np.int64), enc["attention_mask"].astype(np.int64)
 
 
@@ -64,11 +113,12 @@ def stopwords() -> frozenset[str]:
     (rayvl/resources/nltk_data) because nltk.download cannot reach the network on these machines."""
     import nltk
 
-    if str(RESOURCES) not in nltk.data.path:
-        nltk.data.path.insert(0, str(RESOURCES))
-    from nltk.corpus import stopwords as corpus
+    with NLTK_LOCK:
+        if str(RESOURCES) not in nltk.data.path:
+            nltk.data.path.insert(0, str(RESOURCES))
+        from nltk.corpus import stopwords as corpus
 
-    return frozenset(corpus.words("english"))
+        return frozenset(corpus.words("english"))
 
 
 def is_alphabetical(word: str) -> bool:

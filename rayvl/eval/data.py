@@ -86,11 +86,11 @@ def _add_index(batch: dict, index_of: dict) -> dict:
 
 
 def load_shards(spec: str, image_size: int, tokenizer_path: str, max_tokens: int, read_cpus: float,
-                report_name: str | None = None) -> EvalData:
+                report_name: str | None = None, threads: int = 1) -> EvalData:
     """Dropped samples are counted in the DataReport ``report_name`` (created by the caller)."""
     ds = read_shards(spec, image_size=image_size, crop_scale_min=1.0, train=False, tokenizer_path=tokenizer_path,
                      max_tokens=max_tokens, read_cpus=read_cpus, transform_batch_size=64, shuffle_files=False,
-                     report_name=report_name).materialize()
+                     report_name=report_name, threads=threads).materialize()
     meta = sorted(ds.select_columns(["key", "caption", "cls"]).take_all(), key=lambda r: r["key"])
     index_of = {r["key"]: i for i, r in enumerate(meta)}
     images = ds.map_batches(_add_index, fn_kwargs={"index_of": index_of}, batch_format="numpy",

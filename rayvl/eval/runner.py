@@ -62,7 +62,7 @@ def load(sources: Sources, config: dict, read_cpus: float, limit: int = 0) -> tu
         report_name = f"rayvl-eval-report-{uuid.uuid4().hex[:8]}"
         report_actor(report_name)  # owned by this driver; counts the samples dropped while reading
         data = eval_data.load_shards(sources.data, size, str(assets.text_model_path(cfg.model.text)),
-                                     cfg.data.max_text_tokens, read_cpus, report_name)
+                                     cfg.data.max_text_tokens, read_cpus, report_name, cfg.data.read_threads)
         counts = snapshot(report_name)["counts"]
     elif sources.kind == "imagefolder":
         data = eval_data.load_imagefolder(sources.data, size, read_cpus)

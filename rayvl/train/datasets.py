@@ -177,7 +177,7 @@ def labeled_dataset(cfg: RayvlConfig, prompts: Prompts, report_name: str) -> ray
         return ds.select_columns(TRAIN_COLUMNS, num_cpus=d.read_cpus)
     return shards.read_shards(il.data, train=True, read_cpus=d.read_cpus, transform_batch_size=d.transform_batch_size,
                               shuffle_files=d.shuffle_files, prompts=prompts, columns=TRAIN_COLUMNS,
-                              seed=cfg.train.seed, **_common(cfg, report_name))
+                              seed=cfg.train.seed, threads=d.read_threads, **_common(cfg, report_name))
 
 
 def train_passes(cfg: RayvlConfig, train: str, samples_per_pass: int | None) -> int:
@@ -192,7 +192,8 @@ def build_datasets(cfg: RayvlConfig, train: str, evalset: str, report_name: str,
     """{"train": ``passes`` passes over the training shards, "eval": … (held-out, counted in its own report
     "<report_name>-eval")}."""
     d = cfg.data
-    common = dict(read_cpus=d.read_cpus, transform_batch_size=d.transform_batch_size, **_common(cfg, report_name))
+    common = dict(read_cpus=d.read_cpus, transform_batch_size=d.transform_batch_size, threads=d.read_threads,
+                  **_common(cfg, report_name))
     # only tensor columns go to the training iterator (keys and captions are strings)
     columns = TRAIN_COLUMNS + [ROW] + (["object"] if ontology is not None else [])
     datasets = {"train": shards.read_shards(train, train=True, shuffle_files=d.shuffle_files, bow=deformer,
