@@ -135,8 +135,8 @@ def measure(spec: str, size: int, args, cores: int) -> list[tuple]:
     readers = {"plain process (1 core)": lambda k: sum(plain(paths, kw) for _ in range(k)),
                f"webdataset + DataLoader ({cores} workers)": wds_run,
                **{f"rayvl Ray Data (read_cpus={c:g})": partial(ray_data, c) for c in args.read_cpus}}
-    for name, run in readers.items():
-        if run is not wds_run:
+    for run in readers.values():
+        if run is not wds_run:  # its warm-up pass ran before Ray started
             run(1)
     rates: dict[str, list[float]] = {name: [] for name in readers}
     for _ in range(args.rounds):

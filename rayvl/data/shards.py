@@ -133,8 +133,8 @@ class ShardStream(Datasource):
         """(transformed batch, its counts) in shard order, up to ``threads`` batches transformed side by side while
         the task emits the one before. JPEG decode, resize and the Rust tokenizer release the GIL, so one read task
         keeps more than its one core busy and covers what Ray leaves idle around its tasks (the second task's late
-        start, the gap between one task's end and the next one's start, the last task of a run): measured on 2
-        cores at 224 px, 663–686 → 732–765 samples/s (benchmarks/data_pipeline.py)."""
+        start, the gap between one task's end and the next one's start, the last task of a run): on 2 cores at
+        224 px, 663–686 → 732–765 samples/s in a probe alternating 1 and 2 threads (README, "Data plane")."""
         def transform(first: int, rows: list[dict]):
             batch_counts: Counter = Counter()
             return self._transformed(rows, row_ids(pass_, shard, first, len(rows)), batch_counts), batch_counts
