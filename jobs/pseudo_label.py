@@ -29,7 +29,7 @@ from rayvl import pseudo_label, session, storage  # noqa: E402
 from rayvl.config import ConfigError, load_config, validate  # noqa: E402
 from rayvl.data.tar import resolve_shards  # noqa: E402
 from rayvl.data.word_rank import RULES  # noqa: E402
-from rayvl.recipes import (USER_ERRORS, _one_line, _train, add_train_args, config_from_args,  # noqa: E402
+from rayvl.recipes import (USER_ERRORS, one_line, _train, add_train_args, config_from_args,  # noqa: E402
                            print_comparison, train_variants)
 from rayvl.train.datasets import resolve_data  # noqa: E402
 
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
                    for arm, extra in arms.items()}
         results = train_variants(configs, verbose=args.verbose)
     except USER_ERRORS as e:
-        print(f"config error: {_one_line(e)}", file=sys.stderr)
+        print(f"config error: {one_line(e)}", file=sys.stderr)
         return 2
     truth = pseudo_label.true_captions(unaligned)
     for r in rules:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rayvl import session
 from rayvl.config import RayvlConfig, bow_needs_stats, parse_bow_ops
-from rayvl.data.demo import ensure_demo
+from rayvl.data.demo import DEMO_SEED, ensure_demo
 from rayvl.data.tar import iter_tar_samples, open_shard, resolve_shards
 from rayvl.data.text import validate_caption
 from rayvl.train.datasets import bow_deformer
@@ -19,7 +19,7 @@ def preview(cfg: RayvlConfig, data: str = "", n: int = 20, stats: str = "") -> N
     Raises ConfigError / DataPlaneError for bad settings or data."""
     if not data:
         d = cfg.data
-        data = str(ensure_demo(d.demo_dir, d.demo_samples, d.demo_eval_samples, seed=cfg.train.seed) / "train")
+        data = str(ensure_demo(d.demo_dir, d.demo_samples, d.demo_eval_samples, seed=DEMO_SEED) / "train")
     paths = resolve_shards(data)
     # the preview shows the cascade whether or not the recipe switches it on
     cfg = dataclasses.replace(cfg, bow=dataclasses.replace(

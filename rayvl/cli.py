@@ -146,17 +146,32 @@ def tune_main(args) -> int:
 
         session.connect("", 1, include_dashboard=False)  # Tune's ExperimentAnalysis reads trials through a session
         print(tune.write_report(args.report)[0])
+        _comparison(args.report)
         return 0
     if not args.space:
         print("rayvl tune: give a search-space file (tune_spaces/*.yaml) or --report DIR", file=sys.stderr)
         return 2
     try:
         sweep = tune.load_sweep(args.space, args.set)  # every key and domain checked before Ray starts
-        tune.sweep_and_report(sweep, name=args.name, resume=args.resume)
+        sweep_dir = tune.sweep_and_report(sweep, name=args.name, resume=args.resume)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    _comparison(sweep_dir)
     return 0
+
+
+def _comparison(sweep_dir: str) -> None:
+    """A space with variants is a comparison: mean ± std per variant over the other keys (rayvl.compare)."""
+    import json
+
+    from rayvl import compare, storage, tune
+
+    settings = json.loads(storage.read_text(storage.join(storage.normalize(sweep_dir), tune.SWEEP_FILE)))
+    if settings.get("variants"):
+        table, files = compare.write_report(sweep_dir)
+        print(f"\n== variants: mean ± std over {', '.join(settings['keys']) or 'one trial each'} ==\n{table}\n"
+              f"  files: {', '.join(files)}")
 
 
 def plot_main(args) -> int:

@@ -1,12 +1,11 @@
-"""Recipes as programs: the jobs in ``jobs/`` train one recipe (``run_recipe``) or the same recipe once per variant
-with the evaluations side by side (``run_comparison``). Config errors exit with status 2 before Ray starts."""
+"""Recipes as programs: the jobs in ``jobs/`` train one recipe (``run_recipe``), or one run per variant with the
+evaluations side by side (``train_variants``; the paper comparisons run variants × seeds as a Tune grid, in
+rayvl.compare). Config errors exit with status 2 before Ray starts."""
 from __future__ import annotations
 
 import argparse
 import importlib.resources
-import dataclasses
 import sys
-import time
 from pathlib import Path
 
 from rayvl import session, storage
@@ -34,11 +33,7 @@ def add_train_args(p: argparse.ArgumentParser, default_config: str | None) -> No
 
 
 def config_from_args(args, extra: list[str] = ()) -> RayvlConfig:
-    overrides = list(args.set) + list(extra)
-    if args.data:
-        overrides.append(f"data.train={args.data}")
-    if args.eval_data:
-        overrides.append(f"data.eval={args.eval_data}")
+    overrides = config_overrides(args, extra)
     if args.resume:
         overrides.append("train.resume=true")
         if args.resume != "latest":
@@ -46,6 +41,16 @@ def config_from_args(args, extra: list[str] = ()) -> RayvlConfig:
     if args.init_from:
         overrides.append(f"train.init_from={args.init_from}")
     return load_config(args.config, overrides)
+
+
+def config_overrides(args, extra: list[str] = ()) -> list[str]:
+    """The "key=value" overrides of --set (then ``extra``), --data and --eval-data."""
+    overrides = list(args.set) + list(extra)
+    if args.data:
+        overrides.append(f"data.train={args.data}")
+    if args.eval_data:
+        overrides.append(f"data.eval={args.eval_data}")
+    return overrides
 
 
 # what a user can fix in one line, before Ray starts: exit 2 with the key and the value, no traceback
@@ -67,7 +72,7 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> int:
     try:
         result = _train(config_from_args(args), args.verbose)
     except USER_ERRORS as e:
-        print(f"config error: {_one_line(e)}", file=sys.stderr)
+        print(f"config error: {one_line(e)}", file=sys.stderr)
         return 2
     print("\n== evaluation (held-out split) ==")
     print(format_eval_table(result.metrics))
@@ -82,35 +87,8 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> int:
     return 0
 
 
-def _one_line(e: Exception) -> str:
+def one_line(e: Exception) -> str:
     return " ".join(str(e).split())
-
-
-def run_comparison(default_config: str, variants: dict[str, list[str]], rows: list[tuple[str, str, str]],
-                   argv: list[str] | None = None, defaults=None, after=None) -> int:
-    """Train the same recipe once per variant (same data, seed and steps; each variant adds its own --set
-    overrides) and print the evaluations side by side. ``rows``: (label, metric key, format).
-    ``defaults(args)`` may return overrides applied before the user's --set (e.g. a demo data split);
-    ``after(result)`` may return more metrics for a finished run (e.g. a second evaluation set)."""
-    p = argparse.ArgumentParser(description=f"rayvl comparison {Path(default_config).stem}: {', '.join(variants)}")
-    add_train_args(p, default_config)
-    args = p.parse_args(argv)
-    session.setup_logging(args.verbose)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    try:
-        base = defaults(args) if defaults else []
-        configs = {}
-        for name, overrides in variants.items():
-            cfg = config_from_args(argparse.Namespace(**{**vars(args), "set": base + list(args.set)}), overrides)
-            base_name = cfg.train.run_name or f"{cfg.recipe}-{stamp}"
-            run = f"{base_name}-{name}"
-            configs[name] = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_name=run))
-        results = train_variants(configs, after, args.verbose)
-    except USER_ERRORS as e:
-        print(f"config error: {_one_line(e)}", file=sys.stderr)
-        return 2
-    print_comparison(Path(default_config).stem, configs, results, rows, base_name)
-    return 0
 
 
 def train_variants(configs: dict[str, RayvlConfig], after=None, verbose: bool = False) -> dict[str, dict]:

@@ -23,7 +23,7 @@ from rayvl.config import ConfigError, RayvlConfig, load_config
 DOMAINS = ("grid", "choice", "uniform", "loguniform", "randint")
 SCHEDULERS = ("asha", "fifo")
 FILE_KEYS = {"recipe", "metric", "mode", "num_samples", "scheduler", "set", "space", "max_concurrent_trials",
-             "name"}
+             "name", "variants"}
 SCHEDULER_KEYS = {"kind", "grace_period", "reduction_factor", "max_t"}
 MAX_GRID_CHECKED = 1000  # grid combinations validated one by one before Ray starts
 
@@ -46,14 +46,22 @@ class Sweep:
     scheduler: dict = field(default_factory=lambda: {"kind": "fifo"})
     max_concurrent_trials: int = 0  # 0 = as many as the cluster's resources hold
     name: str = ""
+    # named bundles of "key=value" overrides, one more grid dimension (rayvl.compare: variants × seeds)
+    variants: dict[str, list[str]] = field(default_factory=dict)
+    # "module:function" each trial calls on its finished run for more metrics (e.g. a held-out evaluation), its
+    # keyword arguments, and the metric names it returns (a sweep may rank trials by them)
+    after: str = ""
+    after_kwargs: dict = field(default_factory=dict)
+    after_metrics: tuple[str, ...] = ()
+    rows: list = field(default_factory=list)  # a comparison's table: (label, metric, format) rows (rayvl.compare)
 
     def base_config(self, overrides: list[str] = ()) -> RayvlConfig:
         return load_config(self.recipe, self.fixed + list(overrides))
 
 
-def trial_config(recipe: str, fixed: list[str], values: dict) -> RayvlConfig:
-    """The full config of one trial: the recipe, the sweep's fixed overrides, then the trial's values."""
-    return load_config(recipe, list(fixed) + [f"{k}={_yaml(v)}" for k, v in values.items()])
+def trial_config(recipe: str, fixed: list[str], values: dict, variant: list[str] = ()) -> RayvlConfig:
+    """The full config of one trial: the recipe, the sweep's fixed overrides, its variant's, then its values."""
+    return load_config(recipe, list(fixed) + list(variant) + [f"{k}={_yaml(v)}" for k, v in values.items()])
 
 
 def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:
@@ -74,9 +82,18 @@ def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:
     sweep = Sweep(path, _recipe_path(path, raw["recipe"]), str(raw["metric"]), str(raw.get("mode", "max")),
                   raw["space"], [f"{k}={_yaml(v)}" for k, v in (raw.get("set") or {}).items()] + list(overrides),
                   int(raw.get("num_samples", 1)), dict(raw.get("scheduler") or {"kind": "fifo"}),
-                  int(raw.get("max_concurrent_trials", 0)), str(raw.get("name", "")))
-    _validate(sweep)
+                  int(raw.get("max_concurrent_trials", 0)), str(raw.get("name", "")), _variants(path, raw))
+    validate(sweep)
     return sweep
+
+
+def _variants(path: str, raw: dict) -> dict[str, list[str]]:
+    variants = raw.get("variants") or {}
+    if not isinstance(variants, dict) or not all(isinstance(v, dict) or v is None for v in variants.values()):
+        raise SweepError(f"{path}: variants: a mapping of names to config overrides, e.g. "
+                         f"{{tonics: {{tonics.enabled: true}}, random: {{tonics.enabled: false}}}}")
+    return {str(name): [f"{k}={_yaml(v)}" for k, v in (overrides or {}).items()]
+            for name, overrides in variants.items()}
 
 
 def _recipe_path(space_file: str, recipe: str) -> str:
@@ -91,7 +108,8 @@ def _yaml(value) -> str:
     return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
-def _validate(s: Sweep) -> None:
+def validate(s: Sweep) -> None:
+    """Every key, value, variant and grid combination against the config tree; the metric, the scheduler."""
     where = s.path
     if s.mode not in ("max", "min"):
         raise SweepError(f"{where}: mode: {s.mode!r} is not max or min")
@@ -101,23 +119,29 @@ def _validate(s: Sweep) -> None:
         base = s.base_config()
     except ConfigError as e:
         raise SweepError(f"{where}: set: {e}") from None
-    reported = reported_metrics(base)
+    for name, overrides in s.variants.items():
+        _check(s, {}, f"variants.{name}", overrides)
+    reported = reported_metrics(base) | set(s.after_metrics)
     if s.metric not in reported:
         raise SweepError(f"{where}: metric: {s.metric!r} is not reported by this recipe's training (eval.tasks "
                          f"{base.eval.tasks}); one of: {', '.join(sorted(reported))}")
     _validate_scheduler(s, base)
-    if not isinstance(s.space, dict) or not s.space:
+    if not isinstance(s.space, dict) or not (s.space or s.variants):
         raise SweepError(f"{where}: space: a mapping of config keys to domains, e.g. "
                          f"model.alignment_layers: {{grid: [0, 2, 4]}}")
     values = {key: _domain_values(where, key, domain) for key, domain in s.space.items()}
+    variants = s.variants or {"": []}
     for key, candidates in values.items():
-        for value in candidates:  # each value on its own, on top of the recipe and the fixed overrides
-            _check(s, {key: value}, f"space.{key}")
+        for value in candidates:  # each value on its own, on top of the recipe, the fixed overrides, each variant
+            for name, overrides in variants.items():
+                _check(s, {key: value}, f"space.{key}" + (f" (variant {name})" if name else ""), overrides)
     grid = {k: v for k, v in values.items() if "grid" in s.space[k]}
-    combos = math.prod(len(v) for v in grid.values())
-    if 1 < len(grid) and combos <= MAX_GRID_CHECKED:
+    combos = math.prod(len(v) for v in grid.values()) * len(variants)
+    if (1 < len(grid) or s.variants) and combos <= MAX_GRID_CHECKED:
         for combo in itertools.product(*grid.values()):
-            _check(s, dict(zip(grid, combo)), "space (" + ", ".join(grid) + ")")
+            for name, overrides in variants.items():
+                _check(s, dict(zip(grid, combo)), "space (" + ", ".join(grid) + ")"
+                       + (f" (variant {name})" if name else ""), overrides)
 
 
 def reported_metrics(cfg: RayvlConfig) -> set[str]:
@@ -150,9 +174,9 @@ def _domain_values(where: str, key: str, domain) -> list:
     return list(args)
 
 
-def _check(s: Sweep, values: dict, label: str) -> None:
+def _check(s: Sweep, values: dict, label: str, variant: list[str] = ()) -> None:
     try:
-        trial_config(s.recipe, s.fixed, values)
+        trial_config(s.recipe, s.fixed, values, variant)
     except ConfigError as e:
         shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
         raise SweepError(f"{s.path}: {label}: {shown}: {e}") from None
@@ -223,12 +247,36 @@ def trial(config: dict) -> None:
     from rayvl.checkpoints import latest_checkpoint_dir
     from rayvl.train.trainer import train
 
-    cfg = trial_config(config["recipe"], config["fixed"], config["set"])
+    variant = config.get("variant", "")
+    cfg = trial_config(config["recipe"], config["fixed"], config["set"], config.get("variants", {}).get(variant, []))
     name = f"trial-{tune.get_context().get_trial_id()}"
     resume = latest_checkpoint_dir(storage.join(config["storage"], name)) is not None
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_name=name, resume=resume,
                                                              storage_path=config["storage"]))
-    train(cfg, callbacks=[_metric_report(config["metric"])], placement_registry=config["registry"])
+    result = train(cfg, callbacks=[_metric_report(config["metric"])], placement_registry=config["registry"])
+    write_final_metrics(result, variant, config["set"], config.get("after", ""), config.get("after_kwargs", {}))
+
+
+FINAL_METRICS = "final_metrics.json"  # in each trial's run directory: what rayvl.compare summarises
+
+
+def write_final_metrics(result, variant: str, values: dict, after: str = "", after_kwargs: dict | None = None) -> dict:
+    """The trial's final numbers in its run directory: the last report's metrics, the caption statistics of its data
+    report and what ``after`` ("module:function", called with the run's result) adds."""
+    import importlib
+    import json
+
+    from rayvl.data.report import caption_stats
+
+    metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    metrics.update(caption_stats(result.data_report["counts"]))
+    metrics["samples_kept"] = result.data_report["counts"].get("samples_kept", 0)
+    if after:
+        module, function = after.split(":")
+        metrics.update(getattr(importlib.import_module(module), function)(result, **(after_kwargs or {})))
+    record = {"variant": variant, "values": values, "metrics": metrics, "checkpoint": result.checkpoint_dir}
+    storage.write_text(storage.join(result.uri, FINAL_METRICS), json.dumps(record, indent=2))
+    return record
 
 
 class PlacementRegistry:
@@ -329,9 +377,15 @@ def run_sweep(sweep: Sweep, overrides: list[str] = (), name: str = "", resume: b
 
 
 def _param_space(sweep: Sweep, overrides: list[str], sweep_dir: str, registry: str) -> dict:
-    return {"set": {k: _tune_domain(d) for k, d in sweep.space.items()}, "recipe": sweep.recipe,
-            "fixed": sweep.fixed + list(overrides), "metric": sweep.metric, "storage": storage.join(sweep_dir, "runs"),
-            "registry": registry}
+    from ray import tune
+
+    space = {"set": {k: _tune_domain(d) for k, d in sweep.space.items()}, "recipe": sweep.recipe,
+             "fixed": sweep.fixed + list(overrides), "metric": sweep.metric,
+             "storage": storage.join(sweep_dir, "runs"), "registry": registry, "after": sweep.after,
+             "after_kwargs": sweep.after_kwargs}
+    if sweep.variants:
+        space.update(variant=tune.grid_search(list(sweep.variants)), variants=sweep.variants)
+    return space
 
 
 def _auto_concurrency(cfg: RayvlConfig, fixed_size: bool) -> int:
@@ -359,8 +413,8 @@ def save_settings(sweep: Sweep, sweep_dir: str, overrides: list[str] = ()) -> No
     base = sweep.base_config(overrides)
     storage.write_text(storage.join(sweep_dir, SWEEP_FILE), json.dumps({
         "space_file": sweep.path, "recipe": sweep.recipe, "fixed": sweep.fixed + list(overrides),
-        "metric": sweep.metric, "mode": sweep.mode, "keys": list(sweep.space), "max_steps": base.train.max_steps},
-        indent=2))
+        "metric": sweep.metric, "mode": sweep.mode, "keys": list(sweep.space), "max_steps": base.train.max_steps,
+        "variants": sweep.variants, "after": sweep.after, "rows": sweep.rows}, indent=2))
 
 
 def trial_rows(sweep_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
@@ -385,24 +439,35 @@ def trial_rows(sweep_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
         status = t.status
         if status == "TERMINATED" and steps < settings["max_steps"]:
             status = "STOPPED EARLY"  # a scheduler's decision, not a failure
-        rows.append({"trial": t.trial_id, **{k: t.config["set"].get(k) for k in settings["keys"]},
+        rows.append({"trial": t.trial_id, **({"variant": t.config.get("variant")} if settings.get("variants") else {}),
+                     **{k: t.config["set"].get(k) for k in settings["keys"]},
                      "final": last.get(metric), "best": None if series is None or series.empty
                      else float(series.max() if sign > 0 else series.min()), "steps": steps, "status": status,
-                     "error": _first_line(t.error_file), "curve": [] if series is None else
+                     "error": _error_line(sweep_dir, t), "curve": [] if series is None else
                      list(zip(frame.loc[series.index, "step"].tolist(), series.tolist()))})
     rows.sort(key=lambda r: (r["final"] is None, -sign * (r["final"] or 0.0)))
     return settings, rows
 
 
-def _first_line(path) -> str:
-    if not path or not Path(path).is_file():
+def columns(settings: dict) -> list[str]:
+    """What tells a sweep's trials apart: the variant (a comparison's) and the searched keys."""
+    return (["variant"] if settings.get("variants") else []) + settings["keys"]
+
+
+def _error_line(sweep_dir: str, t) -> str:
+    """The last line of a failed trial's traceback, from the sweep's storage: ``t.error_file`` names the staging
+    folder of the Ray session the trial failed in, gone once that session ended (a trial that failed before an
+    interruption, read by the resumed sweep)."""
+    if t.status != "ERROR":
         return ""
-    lines = [x for x in Path(path).read_text().splitlines() if x.strip()]
+    path = storage.join(sweep_dir, Path(t.path).name, "error.txt")
+    text = storage.read_text(path) if storage.is_file(path) else ""
+    lines = [x for x in text.splitlines() if x.strip()]
     return lines[-1][:200] if lines else ""
 
 
 def format_trials(settings: dict, rows: list[dict]) -> str:
-    keys, metric = settings["keys"], settings["metric"]
+    keys, metric = columns(settings), settings["metric"]
     head = ["#", "trial", *keys, f"final {metric}", f"best {metric}", "steps", "status"]
     shown = [[str(i + 1), r["trial"], *(str(r[k]) for k in keys), _num(r["final"]), _num(r["best"]),
               str(r["steps"]), r["status"] + (f": {r['error']}" if r["error"] else "")] for i, r in enumerate(rows)]
@@ -435,7 +500,7 @@ def write_report(sweep_dir: str | os.PathLike) -> tuple[str, list[str]]:
 def _report_files(sweep_dir: Path, settings: dict, rows: list[dict]) -> None:
     import csv
 
-    fields = ["trial", *settings["keys"], "final", "best", "steps", "status", "error"]
+    fields = ["trial", *columns(settings), "final", "best", "steps", "status", "error"]
     with open(sweep_dir / "trials.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
@@ -454,7 +519,7 @@ def _plots(sweep_dir: Path, settings: dict, rows: list[dict]) -> None:
 
     metric = settings["metric"]
     scored = [r for r in rows if r["final"] is not None]
-    for key in settings["keys"]:
+    for key in columns(settings):
         fig, ax = plt.subplots(figsize=(5, 3.5))
         labels = sorted({str(r[key]) for r in scored}, key=lambda v: (_as_float(v) is None, _as_float(v) or 0, v))
         ax.scatter([labels.index(str(r[key])) for r in scored], [r["final"] for r in scored])
@@ -467,7 +532,7 @@ def _plots(sweep_dir: Path, settings: dict, rows: list[dict]) -> None:
     for r in rows:
         if r["curve"]:
             steps, values = zip(*r["curve"])
-            ax.plot(steps, values, marker="o", label=", ".join(f"{k.split('.')[-1]}={r[k]}" for k in settings["keys"]))
+            ax.plot(steps, values, marker="o", label=", ".join(f"{k.split('.')[-1]}={r[k]}" for k in columns(settings)))
     ax.set(xlabel="step", ylabel=metric, title="learning curves (each trial)")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -484,7 +549,8 @@ def _as_float(v: str):
 
 def _best_recipe(path: Path, settings: dict, best: dict) -> None:
     """The best trial's full config as a recipe YAML (`jobs/laion_adapt.py --config` takes it)."""
-    cfg = trial_config(settings["recipe"], settings["fixed"], {k: best[k] for k in settings["keys"]})
+    cfg = trial_config(settings["recipe"], settings["fixed"], {k: best[k] for k in settings["keys"]},
+                       settings.get("variants", {}).get(best.get("variant"), []))
     values = _plain(cfg.to_dict())
     values["train"].update(run_name="", resume=False)
     header = (f"# best trial {best['trial']} of the sweep {settings['space_file']}: final {settings['metric']} "

@@ -2,7 +2,6 @@
 rayvl's security rule. (The real ASHA sweep runs on a simulated multi-node cluster, in test_multinode.py.)"""
 
 import time
-from pathlib import Path
 
 import pytest
 import yaml
@@ -101,8 +100,9 @@ def test_an_interrupted_sweep_resumes_and_a_failing_trial_is_recorded(demo_dir, 
     """`rayvl tune` stopped with Ctrl-C (SIGINT) after the first trial's first checkpoint; `rayvl tune --resume`
     continues it: the first trial resumes from its checkpoint (its train state records the step), the second
     trial — whose shards hold only undecodable images — fails with the data plane's error, which the report
-    shows, and the sweep still finishes with a best config. Each command runs in its own process and Ray, as a
-    user runs them; the sweep (and every trial's Train run) lives at a file:// URL, so the trial's resume finds its
+    shows, and the sweep still finishes with a best config. The two data sets are the space's variants, so the
+    sweep is also a comparison: its table names the failed variant. Each command runs in its own process and Ray,
+    as a user runs them; the sweep (and every trial's Train run) lives at a file:// URL, so the trial's resume finds its
     checkpoint through the URL code path."""
     import csv
     import json
@@ -120,7 +120,8 @@ def test_an_interrupted_sweep_resumes_and_a_failing_trial_is_recorded(demo_dir, 
     space = tmp_path / "resume.yaml"
     space.write_text(yaml.safe_dump({
         "recipe": str(REPO / "configs" / "laion_adapt.yaml"), "metric": "loss", "mode": "min", "name": "resume",
-        "space": {"data.train": {"grid": [str(demo_dir / "train"), str(broken)]}}, "max_concurrent_trials": 1,
+        "variants": {"demo": {"data.train": str(demo_dir / "train")}, "broken": {"data.train": str(broken)}},
+        "space": {}, "max_concurrent_trials": 1,
         "set": {"train.max_steps": 6, "train.checkpoint_every": 2, "train.log_every": 2, "eval.tasks": [],
                 "train.max_failures": 0, "train.micro_batch_size": 8}}))
     sets = [f"data.eval={demo_dir / 'eval'}", "data.image_size=32",
@@ -142,8 +143,8 @@ def test_an_interrupted_sweep_resumes_and_a_failing_trial_is_recorded(demo_dir, 
     second = subprocess.run(command + ["--resume"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert second.returncode == 0, (out + second.stdout + second.stderr)[-3000:]
     with open(tmp_path / "sweeps" / "resume" / "trials.csv") as f:
-        rows = {Path(r["data.train"]).name: r for r in csv.DictReader(f)}
-    assert rows["train"]["status"] == "TERMINATED" and int(rows["train"]["steps"]) == 6
+        rows = {r["variant"]: r for r in csv.DictReader(f)}
+    assert rows["demo"]["status"] == "TERMINATED" and int(rows["demo"]["steps"]) == 6
     progress = read_train_state(latest_checkpoint_dir(interrupted))["progress"]
     assert progress["step"] == 6 and len(progress["resumed_at"]) == 1 and 2 <= progress["resumed_at"][0] < 6
     history = [json.loads(x)["step"] for x in (interrupted / "metrics.jsonl").read_text().splitlines()]
@@ -151,4 +152,8 @@ def test_an_interrupted_sweep_resumes_and_a_failing_trial_is_recorded(demo_dir, 
     assert rows["broken"]["status"] == "ERROR" and "no full batch" in rows["broken"]["error"]
     assert "no full batch" in second.stdout  # in the printed table too
     best = yaml.safe_load((tmp_path / "sweeps" / "resume" / "best_config.yaml").read_text())
-    assert best["data"]["train"] == str(demo_dir / "train")
+    assert best["data"]["train"] == str(demo_dir / "train")  # the best trial's variant, applied
+    # a space with variants is a comparison: the resumed trial wrote its final numbers, the failed one is named
+    final = json.loads((interrupted / "final_metrics.json").read_text())
+    assert final["variant"] == "demo" and final["metrics"]["samples_kept"] > 0
+    assert "== variants: mean ± std" in second.stdout and "failed: broken" in second.stdout

@@ -142,11 +142,13 @@ def _check_bf16_weights_and_embeddings(result, state):
 def _check_same_numbers_as_rayvl_eval(result, tmp_path):
     """The final in-training evaluation and `rayvl eval` on the final checkpoint (same weights) run the same task
     code and differ only in how embeddings are computed (the training ranks' slices vs Ray Data actors)."""
-    from rayvl.eval.runner import run_eval
+    from rayvl.eval.runner import after_training
 
-    tasks = ["zeroshot", "retrieval", "paraphrase", "sts"]
-    evaluated = run_eval(result.checkpoint_dir, tasks, out=tmp_path / "rayvl-eval", batch_size=16)
-    pairs = {k: (v, result.metrics[k]) for t in tasks for k, v in evaluated[t].items()}
+    tasks = ("zeroshot", "retrieval", "paraphrase", "sts")
+    # as a comparison's trial evaluates its run when it ends (rayvl.compare): `rayvl eval` on the run's own
+    # held-out data and files
+    evaluated = after_training(result, tasks=tasks, prefix="")
+    pairs = {k: (v, result.metrics[k]) for k, v in evaluated.items()}
     assert len(pairs) > 20 and {"qe_paraphrase_AO@10", "single_template_zeroshot_top1"} <= set(pairs)
     assert {k: v[1] for k, v in pairs.items()} == pytest.approx({k: v[0] for k, v in pairs.items()}, abs=1e-6)
 

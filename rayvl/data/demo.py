@@ -213,6 +213,9 @@ def write_demo(out: str | Path, samples: int = 6000, eval_samples: int = 500, se
     return out
 
 
+DEMO_SEED = 0  # the embedded demo dataset is one dataset: it does not change with a run's train.seed
+
+
 def ensure_demo(out: str | Path, samples: int, eval_samples: int, seed: int = 0) -> Path:
     """Generate the demo dataset unless the same one is already there."""
     out = Path(out).expanduser()

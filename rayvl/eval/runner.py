@@ -94,3 +94,14 @@ def run_eval(checkpoint: str, tasks=TASKS, sources: Sources | None = None, out: 
         results["skipped"] = {t: SKIP_REASONS[t] for t in skipped}
     storage.write_text(storage.join(out, "eval.json"), json.dumps(results, indent=2))
     return results
+
+
+def after_training(result, data: str = "", tasks: tuple[str, ...] = ("retrieval",), prefix: str = "heldout_") -> dict:
+    """A finished run's evaluation (a comparison's ``after``, rayvl.compare) on ``data`` — by default its own
+    held-out data, with the files found as `rayvl eval` finds them: the numeric metrics of ``tasks``, each name
+    prefixed; the files in ``<run>/eval-<prefix>``."""
+    config = read_meta(checkpoint_uri(result.checkpoint_dir))["config"]
+    out = run_eval(result.checkpoint_dir, list(tasks), default_sources(config, data),
+                   out=storage.join(result.uri, "eval-" + (prefix.rstrip("_") or "after")))
+    return {f"{prefix}{k}": v for task in tasks for k, v in out.get(task, {}).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}

@@ -14,7 +14,7 @@ from rayvl import assets
 from rayvl.config import ConfigError, RayvlConfig, bow_needs_stats, parse_bow_ops
 from rayvl.data import bow, fashion_mnist, shards
 from rayvl.data.artifacts import ArtifactMismatch
-from rayvl.data.demo import ensure_demo
+from rayvl.data.demo import DEMO_SEED, ensure_demo
 from rayvl.data.ontology import Ontology, keep_frequent, load_or_count
 from rayvl.data.pipeline import prompt_batch
 from rayvl.data.report import DataPlaneError
@@ -81,7 +81,8 @@ def resolve_data(cfg: RayvlConfig) -> tuple[str, str, dict]:
     if not train:
         log.info(f"demo dataset: {d.demo_dir} (generated on first use: {d.demo_samples} + {d.demo_eval_samples} "
                  f"scenes, ≈1 min)")
-        root = ensure_demo(d.demo_dir, d.demo_samples, d.demo_eval_samples, seed=cfg.train.seed)
+        # the same dataset whatever train.seed is: the seeds of a comparison (rayvl.compare) train on identical data
+        root = ensure_demo(d.demo_dir, d.demo_samples, d.demo_eval_samples, seed=DEMO_SEED)
         train = str(root / "train")
         evalset = evalset or str(root / "eval")
         for key, name in (("classes_file", "classes.json"), ("paraphrases_file", "paraphrases.jsonl"),

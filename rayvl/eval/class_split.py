@@ -1,0 +1,51 @@
+"""Zero-shot over the seen and the held-out classes of an image-label source ([UniCL] Tables 2–3 and 5–6: does
+the text encoder carry concepts the image-label data never labelled?), on the Fashion-MNIST test split."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+TEST_IMAGES = 2000
+
+
+def fashion_mnist_split(result, test_images: int = TEST_IMAGES) -> dict:
+    """A finished run's zero-shot top-1 (%) on Fashion-MNIST test images, CLIP's 80 templates averaged: over all 10
+    classes (``zs_all_top1``), over the run's training classes (``zs_seen_top1``), over the others
+    (``zs_heldout_top1``, choosing among the held-out classes only). A CE model (a class-embedding text tower) scores
+    only the classes it has embeddings for: held-out images count as misses in its 10-class accuracy."""
+    from rayvl import assets
+    from rayvl.checkpoints import load_model
+    from rayvl.data import fashion_mnist
+    from rayvl.data.prompts import templates
+    from rayvl.eval.embed import ModelEmbedder
+    from rayvl.eval.zeroshot import class_embeddings
+
+    model, config = load_model(result.checkpoint_dir)
+    pixels, labels = fashion_mnist.read("fashion-mnist", "t10k", test_images)
+    images = np.stack([fashion_mnist.to_rgb(p, config["data"]["image_size"]) for p in pixels])
+    labels = torch.from_numpy(labels)
+    seen = sorted(config["image_label"]["train_classes"])
+    held = [c for c in range(10) if c not in seen]
+    if config["model"]["text_tower"] == "class_embedding":
+        with torch.no_grad():
+            image_emb = torch.from_numpy(ModelEmbedder(model, "", 0).images(images))
+            class_emb = model.encode_classes().clone()
+        pred = torch.tensor(seen)[(image_emb @ class_emb[seen].T).argmax(1)]
+        return {"zs_all_top1": 100.0 * (pred == labels).float().mean().item(),
+                "zs_seen_top1": top1(image_emb, labels, class_emb, seen)}
+    embedder = ModelEmbedder(model, str(assets.text_model_path(config["model"]["text"])),
+                             config["data"]["max_text_tokens"])
+    image_emb = torch.from_numpy(embedder.images(images))
+    names, chosen = fashion_mnist.CLASSES, templates("clip_imagenet")
+    prompts = embedder.texts([t.format(c) for c in names for t in chosen]).reshape(len(names), len(chosen), -1)
+    class_emb = torch.from_numpy(class_embeddings(prompts))
+    return {"zs_all_top1": top1(image_emb, labels, class_emb, list(range(10))),
+            "zs_seen_top1": top1(image_emb, labels, class_emb, seen),
+            "zs_heldout_top1": top1(image_emb, labels, class_emb, held)}
+
+
+def top1(image_emb: torch.Tensor, labels: torch.Tensor, class_emb: torch.Tensor, classes: list[int]) -> float:
+    """Top-1 (%) over the images of ``classes``, choosing among those classes only."""
+    mask = torch.isin(labels, torch.tensor(classes))
+    pred = torch.tensor(classes)[(image_emb[mask] @ class_emb[classes].T).argmax(1)]
+    return 100.0 * (pred == labels[mask]).float().mean().item()

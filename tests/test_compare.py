@@ -1,0 +1,114 @@
+"""Comparisons (rayvl.compare): variants × seeds as one real Ray Tune grid, the per-trial after-evaluation, mean ±
+std against a float64 reference, and the errors a job's command line gets before Ray starts."""
+import csv
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import REPO
+from rayvl.compare import Comparison, format_summary, summarize, write_report
+from rayvl.tune import SweepError, load_sweep, run_sweep
+
+RECIPE = str(REPO / "configs" / "laion_adapt.yaml")
+ROWS = [("held-out text→image R@1 %", "heldout_t2i_R@1", ".1f"), ("final training loss", "loss", ".3f")]
+
+
+def test_mean_and_sample_std_per_variant_against_float64():
+    rng = np.random.default_rng(0)
+    values = {"a": rng.normal(50, 5, 3), "b": rng.normal(40, 5, 3)}
+    trials = [{"variant": v, "seed": s, "metrics": {"m": float(x)}} for v, xs in values.items()
+              for s, x in enumerate(xs)]
+    trials[-1]["metrics"] = {}  # a failed trial: the variant's n drops to 2
+    out = summarize(trials, ["m"])
+    assert out["a"]["m"]["mean"] == pytest.approx(values["a"].mean(), rel=1e-12)
+    assert out["a"]["m"]["std"] == pytest.approx(values["a"].std(ddof=1), rel=1e-12)
+    assert out["b"]["m"]["n"] == 2 and out["b"]["m"]["std"] == pytest.approx(values["b"][:2].std(ddof=1), rel=1e-12)
+    table = format_summary(out, [("metric m", "m", ".2f"), ("absent", "x", ".1f")], seeds=3)
+    assert f"{values['a'].mean():.2f} ± {values['a'].std(ddof=1):.2f}" in table and "(n=2)" in table
+    assert table.splitlines()[-1].split()[-2:] == ["-", "-"]
+
+
+@pytest.mark.parametrize("variants, seeds, metric, match", [
+    ({"a": ["train.lr=0.001"], "b": ["memory_bank.size=-3"]}, 3, "loss", r"variants\.b: .*memory_bank\.size"),
+    ({"a": ["train.zero_stage=3"], "b": []}, 2, "loss", r"space \(train\.seed\) \(variant a\)|variants\.a"),
+    ({"a": [], "b": ["train.lr=0.01"]}, 0, "loss", r"--seeds: must be ≥ 1"),
+    ({"a": [], "b": []}, 3, "heldout_R@1", r"metric: 'heldout_R@1' is not reported"),
+])
+def test_a_bad_comparison_is_an_error_before_ray_starts(variants, seeds, metric, match):
+    overrides = ["memory_bank.size=64"] if "zero_stage" in str(variants) else []  # ZeRO-3 cannot hold the bank
+    with pytest.raises(SweepError, match=match):
+        Comparison("t", RECIPE, variants, ROWS, metric=metric).sweep(overrides, seeds)
+
+
+def test_a_space_file_with_variants_loads_and_a_bad_one_names_the_key(tmp_path):
+    path = tmp_path / "space.yaml"
+    base = {"recipe": RECIPE, "metric": "loss", "mode": "min", "space": {"train.seed": {"grid": [0, 1, 2]}}}
+    path.write_text(yaml.safe_dump({**base, "variants": {"frozen": {"model.text_strategy": "frozen"},
+                                                         "finetune": {"model.text_strategy": "finetune"}}}))
+    sweep = load_sweep(path)
+    assert sweep.variants == {"frozen": ["model.text_strategy=frozen"], "finetune": ["model.text_strategy=finetune"]}
+    path.write_text(yaml.safe_dump({**base, "variants": {"x": {"model.text_strategy": "thawed"}}}))
+    with pytest.raises(SweepError, match=r"variants\.x: .*text_strategy") as e:
+        load_sweep(path)
+    assert str(path) in str(e.value)
+    path.write_text(yaml.safe_dump({**base, "variants": ["frozen", "finetune"]}))
+    with pytest.raises(SweepError, match=r"variants: a mapping of names"):
+        load_sweep(path)
+
+
+def trained_with(result) -> dict:
+    """The grid test's ``after``: what the trial's final checkpoint says it was trained with (cheap; the real
+    held-out evaluation, rayvl.eval.runner.after_training, is checked in test_training)."""
+    from rayvl.checkpoints import read_meta
+
+    config = read_meta(result.checkpoint_dir)["config"]
+    return {"after_seed": config["train"]["seed"], "after_lr": config["train"]["lr"],
+            "after_data": config["data"]["train"]}
+
+
+def test_variants_by_seeds_run_as_one_tune_grid_with_a_hook_after_each_trial(ray_local, demo_dir, tmp_path, capsys):
+    """Two learning rates × seeds 0 and 1, one worker per trial, two trials side by side: every (variant, seed)
+    trains exactly once with its seed and its variant's override on the same shards, each trial runs the ``after``
+    hook on its finished run, and the summary is the mean ± sample std of what the trials wrote.
+    `rayvl tune --report` on the same directory prints the comparison again, with the job's rows."""
+    from rayvl import cli
+
+    rows = [("learning rate", "after_lr", ".4f"), ("final training loss", "loss", ".3f")]
+    comparison = Comparison("lr", RECIPE, {"fast": ["train.lr=0.003"], "slow": ["train.lr=0.0003"]}, rows,
+                            after="test_compare:trained_with", after_metrics=("after_lr",))
+    overrides = [f"data.train={demo_dir / 'train'}", f"data.eval={demo_dir / 'eval'}", "data.image_size=32",
+                 "data.max_text_tokens=16", "train.micro_batch_size=8", "train.max_steps=2",
+                 "train.warmup_steps=1", "train.log_every=1", "train.checkpoint_every=2", "train.num_workers=1",
+                 "model.alignment_layers=1", "model.embed_dim=64", "eval.tasks=[]",
+                 f"tune.storage_path={tmp_path}", "train.report_to=[]"]
+    sweep = comparison.sweep(overrides, seeds=2, name="lr")
+    sweep_dir, results = run_sweep(sweep, name="lr")
+    assert results.num_errors == 0
+    table, files = write_report(sweep_dir)  # the rows come from the sweep's settings
+
+    with open(tmp_path / "lr" / "comparison.csv") as f:
+        trials = list(csv.DictReader(f))
+    assert sorted((t["variant"], int(t["seed"])) for t in trials) == [("fast", 0), ("fast", 1), ("slow", 0),
+                                                                       ("slow", 1)]
+    assert all(t["status"] == "TERMINATED" for t in trials)
+    for t in trials:
+        record = json.loads((tmp_path / "lr" / "runs" / f"trial-{t['trial']}" / "final_metrics.json").read_text())
+        assert record["variant"] == t["variant"] and record["values"] == {"train.seed": int(t["seed"])}
+        assert record["metrics"]["after_seed"] == int(t["seed"])  # the seed the trial trained with
+        assert float(t["after_lr"]) == {"fast": 0.003, "slow": 0.0003}[t["variant"]]
+        assert record["metrics"]["after_data"] == str(demo_dir / "train")  # the same shards for every trial
+    summary = json.loads((tmp_path / "lr" / "comparison.json").read_text())["summary"]
+    for variant in ("fast", "slow"):
+        values = np.array([float(t["loss"]) for t in trials if t["variant"] == variant], dtype=np.float64)
+        assert summary[variant]["loss"]["mean"] == pytest.approx(values.mean(), rel=1e-12)
+        assert summary[variant]["loss"]["std"] == pytest.approx(values.std(ddof=1), rel=1e-12)
+        assert summary[variant]["after_lr"]["std"] == 0.0
+    assert "±" in table and "learning rate" in table
+    assert {"comparison.png", "curves_loss.png", "comparison.csv", "comparison.json"} <= set(files)
+
+    capsys.readouterr()
+    assert cli.main(["tune", "--report", sweep_dir]) == 0
+    printed = capsys.readouterr().out
+    assert "== variants: mean ± std over train.seed ==" in printed and "learning rate" in printed
