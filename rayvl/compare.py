@@ -28,27 +28,29 @@ DEFAULT_SEEDS = 3
 
 @dataclass
 class Comparison:
-    """A comparison a job runs. ``rows``: (label, metric key, format) of its table; ``demo``: overrides for the
-    embedded demo (the budget that fits 2 cores); ``after``: "module:function" each trial calls on its finished
-    run for more metrics (``after_metrics``: their names); ``metric``: what Tune ranks trials by (every report
-    carries the loss)."""
+    """A comparison a job runs. ``rows``: (label, metric key, format) of its table; ``fixed``: overrides every
+    trial gets first (the paper's setup); ``demo``: overrides after those on the embedded demo (the budget that
+    fits 2 cores); ``after``: "module:function" each trial calls on its finished run for more metrics
+    (``after_metrics``: their names); ``metric``: what Tune ranks trials by (every report carries the loss)."""
 
     title: str
     recipe: str
     variants: dict[str, list[str]]
     rows: list[tuple[str, str, str]]
     demo: list[str] = field(default_factory=list)
+    fixed: list[str] = field(default_factory=list)
     after: str = ""
     after_metrics: tuple[str, ...] = ()
     metric: str = "loss"
     mode: str = "min"
 
     def sweep(self, overrides: list[str], seeds: int, after_kwargs: dict | None = None, name: str = "") -> Sweep:
-        """The Tune grid (variants × ``train.seed``), validated against the config tree before Ray starts."""
+        """The Tune grid (variants × ``train.seed``) over ``fixed`` + ``overrides``, validated against the config tree
+        before Ray starts."""
         if seeds < 1:
             raise SweepError(f"{self.title}: --seeds: must be ≥ 1, got {seeds}")
         sweep = Sweep(path=self.title, recipe=self.recipe, metric=self.metric, mode=self.mode,
-                      space={"train.seed": {"grid": list(range(seeds))}}, fixed=list(overrides), name=name,
+                      space={"train.seed": {"grid": list(range(seeds))}}, fixed=self.fixed + list(overrides), name=name,
                       variants=dict(self.variants), after=self.after, after_kwargs=dict(after_kwargs or {}),
                       after_metrics=tuple(self.after_metrics), rows=[list(r) for r in self.rows])
         validate(sweep)
@@ -253,7 +255,7 @@ def main(comparison: Comparison, argv: list[str] | None = None, defaults=None, a
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field of every trial (repeatable)")
     p.add_argument("--seeds", type=int, default=DEFAULT_SEEDS, help="seeds per variant (train.seed = 0 … N-1)")
-    p.add_argument("--name", default="", help="comparison name (default: <recipe>-<time>); with --resume, the one "
+    p.add_argument("--name", default="", help="comparison name (default: <job>-<time>); with --resume, the one "
                                               "to continue")
     p.add_argument("--resume", action="store_true", help="continue an interrupted comparison (--name)")
     p.add_argument("--report", default="", metavar="DIR", help="only print and write the report of a comparison "
@@ -273,7 +275,7 @@ def main(comparison: Comparison, argv: list[str] | None = None, defaults=None, a
     try:
         overrides = (comparison.demo if not args.data else []) + (defaults(args) if defaults else [])
         overrides += config_overrides(args)
-        name = args.name or f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        name = args.name or f"{comparison.title.split()[0]}-{time.strftime('%Y%m%d-%H%M%S')}"
         sweep = comparison.sweep(overrides, args.seeds, after_kwargs(args) if after_kwargs else {}, name)
         prepare_data(sweep)
         sweep_dir, _ = run_sweep(sweep, name=name, resume=args.resume)

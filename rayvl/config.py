@@ -80,6 +80,13 @@ class BowConfig:
     stats_path: str = ""
     """base-split statistics artifact (JSON, local or URL); reused when its fingerprint matches the shards and
     split, computed with Ray Data otherwise ('' = <run directory>/bow_stats.json)."""
+    keep_base_intact: bool = True
+    """False: the base split still gives the statistics, but its captions are deformed too ([BoW] Table 4, 100%
+    BoW captions)."""
+    top_freq_words: Literal["content", "all"] = "content"
+    """what RmTopFreq(t) ranks: "content" = the t most frequent base words among those RmStopNalpha keeps (the
+    words [BoW] Figure 2 shows it removing: "men", "table", "rocks"); "all" = the whole base vocabulary, stop words
+    and punctuation included (the literal reading; after RmStopNalpha its top-t removes fewer real words)."""
 
 
 DEFAULT_BOW_OPS = ("shuffle", "rm_stop_nalpha", "limit_to_base_vocab", {"rm_top_freq": 1000}, {"keep": 4})
@@ -135,12 +142,14 @@ class TonicsConfig:
     enabled: bool = False
     """draw each step's minibatch from the root (random) or from one object node ([TOnICS] §3)."""
     classes: list[str] = field(default_factory=list)
-    """object classes: WordNet nouns ("dog": its first noun sense) or synset ids ("dog.n.01")."""
+    """object classes: WordNet nouns ("dog": its first noun sense that is a physical entity), synset ids
+    ("dog.n.01") or a name for a synset ("diamond=rhombus.n.01")."""
     overrides: str = ""
     """JSON file {noun: class} applied before WordNet (the paper corrects its noun→object mapping by hand)."""
     tags_field: str = "objects"
-    """JSON metadata field with detector tags (strings, [label, ...] lists or {label|name|class: ...}); when a
-    sample has tags they are its objects, otherwise the caption's nouns are mapped through WordNet hypernyms."""
+    """JSON metadata field with detector tags (strings, [label, ...] lists or {label|name|class: ...}): the objects
+    in the image. A caption noun makes a TOnICS row only for a class the tags hold; without tags, every caption noun
+    that maps to a class makes one."""
     min_instances: int = 5000
     """object classes with fewer training rows are dropped (paper: 5000 of 5.8M triplets)."""
     buffer_rows: int = 2048
@@ -154,6 +163,9 @@ class TonicsConfig:
     """held-out instances (the first of the eval split) whose image retrieval decides a refresh (paper: 100)."""
     threshold: float = 90.0
     """refresh when held-out text→image R@1 (%) is at least this (paper: 90)."""
+    curriculum: bool = True
+    """False = the control arm of a comparison: the same triplet rows, sampler and refresh evaluations (logged as
+    tonics_last_refresh_accuracy, the learning curve a threshold is read from), but P_S never leaves the root."""
     alpha: float = 0.9
     """P_S(root) ← α·P_S(root) at a refresh (paper: 0.9)."""
     beta: float = 0.2

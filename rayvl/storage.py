@@ -64,10 +64,14 @@ def is_file(path: str) -> bool:
     return fs.get_file_info(inner).type == pafs.FileType.File
 
 
-def read_text(path: str) -> str:
+def read_bytes(path: str) -> bytes:
     fs, inner = filesystem(path)
     with fs.open_input_stream(inner) as f:
-        return f.read().decode()
+        return f.read()
+
+
+def read_text(path: str) -> str:
+    return read_bytes(path).decode()
 
 
 def write_bytes(path: str, data: bytes) -> None:

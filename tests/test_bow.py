@@ -62,10 +62,16 @@ def test_default_cascade_by_hand():
     stats = bow.BowStats({}, 100, 10, {"men": 9, "table": 8, "rocks": 5, "utter": 2, "ash": 2, "sitting": 3,
                                        "a": 10, "the": 9, ".": 9})
     ops = parse_bow_ops(["shuffle", "rm_stop_nalpha", "limit_to_base_vocab", {"rm_top_freq": 3}, {"keep": 4}])
-    deform = bow.Deformer(ops, seed=0, base_fraction=0.0, stats=stats)
     caption = "Men were sitting at the table: all utter mikoshi ash, 4 rocks."
+    # bow.top_freq_words=content: the top-3 of the words RmStopNalpha keeps — men, table, rocks — are removed (the
+    # words [BoW] Figure 2 shows RmTopFreq removing); mikoshi is not in the base vocab; 4, ":" not alphabetical
+    content = bow.Deformer(ops, seed=0, base_fraction=0.0, stats=stats)
+    assert content.tops[3] == {"men", "table", "rocks"}
+    assert sorted(content.deform_words(words(caption), "k1")) == ["ash", "sitting", "utter"]
+    # "all": the top-3 of the whole base vocabulary, a, ".", men — after RmStopNalpha only "men" is a real word
+    deform = bow.Deformer(ops, seed=0, base_fraction=0.0, stats=stats, top_freq_words="all")
+    assert deform.tops[3] == {"a", ".", "men"}
     out = deform.deform_words(words(caption), "k1")
-    # top-3 by df (ties alphabetical): a, ".", men → men removed; mikoshi is not in the base vocab; 4, ":" not alpha
     survivors = ["sitting", "table", "utter", "ash", "rocks"]
     shuffled = bow.shuffle(words(caption), "k1", 0)
     expected = [w for w in shuffled if w in survivors][:4]  # Keep(4) after everything else: 4 of the 5, in the
@@ -187,6 +193,10 @@ def test_emptied_captions_are_dropped_and_counted(ray_local, tmp_path):
     deform = bow.Deformer(parse_bow_ops(["rm_stop_nalpha"]), seed=1, base_fraction=0.3, stats=None)
     emptied = [k for k, c in captions.items() if not deform(k, c)[0]]
     assert 0 < len(emptied) < 14  # base-split captions among the 14 stay intact
+    everything = bow.Deformer(parse_bow_ops(["rm_stop_nalpha"]), seed=1, base_fraction=0.3, stats=None,
+                              keep_base_intact=False)  # [BoW] Table 4's 100% BoW: the base split deformed too
+    assert len([k for k, c in captions.items() if not everything(k, c)[0]]) == 14
+    assert not any(everything(k, c)[1] for k, c in captions.items())
 
     report = "test-bow-empty"
     report_actor(report)

@@ -112,3 +112,25 @@ def test_variants_by_seeds_run_as_one_tune_grid_with_a_hook_after_each_trial(ray
     assert cli.main(["tune", "--report", sweep_dir]) == 0
     printed = capsys.readouterr().out
     assert "== variants: mean ± std over train.seed ==" in printed and "learning rate" in printed
+
+
+@pytest.mark.parametrize("job", ["tonics_align", "unicl", "bow_pretrain", "paraphrase_strategies"])
+def test_every_comparison_job_validates_on_the_demo_and_on_real_data(job):
+    """Each job's variants × 3 seeds, with its demo budget and without it, checked against the config tree (the
+    whole grid builds before Ray starts); the after hook and the rows' metrics are names a trial can report."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(REPO / "jobs"))
+    try:
+        module = importlib.import_module(job)
+    finally:
+        sys.path.remove(str(REPO / "jobs"))
+    c = module.COMPARISON
+    for overrides in (c.demo, ["data.train=s3://bucket/shards/{00000..00009}.tar"]):
+        sweep = c.sweep(overrides, seeds=3)
+        assert sweep.space == {"train.seed": {"grid": [0, 1, 2]}} and len(sweep.variants) >= 2
+    if c.after:
+        module_name, function = c.after.split(":")
+        assert callable(getattr(importlib.import_module(module_name), function))
+        assert set(c.after_metrics) <= {key for _, key, _ in c.rows}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from conftest import small_config
+from conftest import REPO, small_config
 from rayvl.config import ConfigError
 from rayvl.data import ontology as onto
 from rayvl.data.tar import iter_tar_samples
@@ -26,19 +26,42 @@ def test_wordnet_maps_plurals_synonyms_and_hyponyms_offline(tmp_path):
     assert o.synsets == ["dog.n.01", "car.n.01", "circle.n.01"] and o.classes == ["dog", "car", "circle"]
     assert o.noun_class("puppies") == 0  # morphy → puppy → hypernym dog.n.01
     assert o.noun_class("dogs") == 0 and o.noun_class("poodle") == 0 and o.noun_class("hounds") == 0
-    assert o.noun_class("automobiles") == 1 and o.noun_class("cab") == 1  # synonym (car.n.01) and hyponym
+    assert o.noun_class("automobiles") == 1 and o.noun_class("taxi") == 1  # synonym (car.n.01) and hyponym
     assert o.noun_class("circles") == 2
     assert o.noun_class("the") is None and o.noun_class("42") is None and o.noun_class("sky") is None
-    assert o.aligned("Two puppies chase a cab past the circles.", None) == [("puppies", 0), ("cab", 1),
-                                                                          ("circles", 2)]
-    # detector tags in the metadata come first: the caption's nouns are not used then
-    assert o.row_objects("a dog", json.dumps({"objects": [["circle", "red"], {"label": "car"}]})) == [2, 1]
+    assert o.aligned("Two puppies chase a taxi past the circles.", None) == [("puppies", 0), ("taxi", 1),
+                                                                           ("circles", 2)]
+    # detector tags say which objects are in the image: a caption noun makes a row only for one of them (a
+    # triplet is a caption noun whose object the image holds, [TOnICS] App. A.1); a tag the caption does not
+    # name makes none
+    tags = json.dumps({"objects": [["circle", "red"], {"label": "car"}, "sky"]})
+    assert o.row_objects("a dog chasing a car past a circle", tags) == [1, 2]
+    assert o.row_objects("a dog", tags) == [onto.UNALIGNED]
     assert o.row_objects("a blue sky", "{}") == [onto.UNALIGNED]
 
     overrides = tmp_path / "overrides.json"
     overrides.write_text(json.dumps({"Pup": "car"}))
     o2 = onto.Ontology.build(["dog", "car"], str(overrides))
     assert o2.noun_class("pup") == 1 and o2.noun_class("puppy") == 0
+
+
+def test_only_nouns_make_rows_and_classes_take_physical_senses():
+    """Colours and other adjectives are not nouns (they used to map "white", "black", "red" to person, "orange" to
+    fruit); a class by name is its first physical-entity sense; a rare sense does not map a noun."""
+    o = onto.Ontology.build(["dog", "car", "person", "orange", "shirt", "ring", "star", "hand"])
+    assert o.synsets[5:] == ["hoop.n.02", "star.n.01", "hand.n.01"]  # not ring.n.01, a sound
+    assert o.nouns("a white dog runs past a red car") == ["dog", "past", "car"]
+    assert o.aligned("a white man and a black woman in a red shirt", None) == [("man", 2), ("woman", 2),
+                                                                                ("shirt", 4)]
+    assert o.aligned("an orange circle and a green square", None) == []  # adjectives; square ≠ person (n.05)
+    assert o.aligned("two oranges and an orange on the table", None) == [("oranges", 3), ("orange", 3)]
+    assert o.aligned("a man in white riding a horse", None) == [("man", 2)]
+    assert o.aligned("he waves his hand", None) == [("hand", 7)]  # "waves": a verb here, not a plural
+    named = onto.Ontology.build(["star=star.n.05", "diamond=rhombus.n.01"])
+    assert named.classes == ["star", "diamond"] and named.synsets == ["star.n.05", "rhombus.n.01"]
+    assert named.aligned("two stars left of a large diamond", None) == [("stars", 0), ("diamond", 1)]
+    # a noun-verb word heads its phrase after an adjective ("star", "ring" and "cross" are verbs more often)
+    assert named.aligned("a large white star above a red diamond", None) == [("star", 0), ("diamond", 1)]
 
 
 def test_bad_class_is_a_config_error_before_ray():
@@ -62,7 +85,7 @@ def test_class_counts_are_a_ray_data_aggregation(ray_local, demo_dir, tmp_path):
                 text, _ = validate_caption(sample["txt"])
                 reference.update(o.row_objects(text, sample["json"]))
     assert counts == dict(reference) and sum(counts.values()) > 384  # multi-object scenes → several rows
-    assert onto.UNALIGNED not in counts  # every demo scene carries tags
+    assert onto.UNALIGNED not in counts  # every demo caption names a shape its tags hold
 
     path = str(tmp_path / "counts.json")
     assert onto.load_or_count(str(demo_dir / "train"), path, o) == (counts, False)
@@ -73,7 +96,8 @@ def test_class_counts_are_a_ray_data_aggregation(ray_local, demo_dir, tmp_path):
     kept, sizes = onto.keep_frequent(o, counts, min_instances=m)
     assert kept.kept == {i for i, n in counts.items() if n >= m} and 0 < len(kept.kept) < 8
     assert sizes == [counts[i] if counts[i] >= m else 0 for i in range(8)]
-    assert kept.row_objects("a circle", json.dumps({"objects": [[SHAPES[i]] for i in range(8)]})) == sorted(kept.kept)
+    every = "a " + ", a ".join(SHAPES[:-1]) + " and a " + SHAPES[-1]  # "a circle, a square, ... and a ring"
+    assert kept.row_objects(every, json.dumps({"objects": [[s] for s in SHAPES]})) == sorted(kept.kept)
 
 
 # ----------------------------------------------------------------------------- sampler and curriculum
@@ -110,6 +134,39 @@ def test_curriculum_state_round_trip_draws_the_same_nodes():
     assert [a.node(s) for s in range(31, 200)] == [b.node(s) for s in range(31, 200)]
     assert {a.node(s) for s in range(31, 200)} == {0, 1, 2}
     assert [h["refreshed"] for h in b.history] == [False, True, True]
+
+
+def test_the_control_arm_trains_the_same_rows_and_never_leaves_the_root():
+    """tonics.curriculum=false: the TOnICS arm's ontology, row counts artifact and sampler, with every refresh
+    evaluated and logged but P_S left at the root; a pair's rows share one label (a positive, not a negative)."""
+    import torch
+
+    from rayvl.config import load_config
+    from rayvl.train.datasets import tonics_ontology
+    from rayvl.train.loop import training_labels
+
+    arms = {name: load_config(REPO / "configs" / "tonics.yaml", [f"tonics.curriculum={flag}"])
+            for name, flag in (("tonics", "true"), ("control", "false"))}
+    ontologies = {name: tonics_ontology(cfg) for name, cfg in arms.items()}
+    assert ontologies["tonics"] == ontologies["control"]
+    a, b = (arms[n].to_dict() for n in ("tonics", "control"))  # everything the data plane reads is the same
+    assert {(k, f) for k in a if isinstance(a[k], dict) for f in a[k] if a[k][f] != b[k][f]} == {("tonics",
+                                                                                             "curriculum")}
+    x = arms["control"].tonics
+    control = Curriculum([30, 10], x.alpha, x.beta, x.threshold, seed=3, moves=x.curriculum)
+    tonics = Curriculum([30, 10], x.alpha, x.beta, x.threshold, seed=3)
+    for step, accuracy in ((25, 20.0), (50, 45.0), (75, 60.0)):
+        control.update(step, accuracy)
+        tonics.update(step, accuracy)
+    assert control.p.tolist() == [1.0, 0.0, 0.0] and {control.node(s) for s in range(1, 500)} == {0}
+    assert [h["accuracy"] for h in control.history] == [20.0, 45.0, 60.0]  # its learning curve, for a threshold
+    assert tonics.p[0] == pytest.approx(0.8 ** 2)
+
+    batch = {"label": torch.full((4,), -1), "row": torch.tensor([5, 5, 9, 0])}
+    labels = training_labels(batch, batch_index=3, tonics=True)
+    assert labels[0] == labels[1] and len(set(labels.tolist())) == 3 and (labels < 0).all()
+    plain = training_labels({"label": torch.tensor([-1, -1, 2])}, batch_index=3, tonics=False)
+    assert plain.tolist() == [-1 - 9, -1 - 10, 2]
 
 
 def test_bucket_sampler_fills_from_its_bucket_and_counts_every_fallback_row():
@@ -184,3 +241,56 @@ def test_two_workers_draw_the_same_node_and_object_batches_share_it(ray_local, d
     assert sum(r["fallback_rows"] for r in ranks) == 0
     root_objects = {o for r in ranks for e in r["log"] if e["node"] == 0 for o in e["objects"]}
     assert len(root_objects) > 3  # root batches mix objects
+
+
+# ----------------------------------------------------------------------------- same-object galleries
+
+def test_same_object_recall_against_a_float64_loop():
+    from rayvl.eval.contextual import same_object_recall
+
+    rng = np.random.default_rng(0)
+    n = 60
+    images, texts = rng.normal(size=(n, 8)), rng.normal(size=(n, 8))
+    texts[:20] = images[:20] + 0.1 * rng.normal(size=(20, 8))  # some captions match their image
+    objects = [set(rng.choice(5, size=int(rng.integers(0, 3)), replace=False).tolist()) for _ in range(n)]
+    objects[0] = {7}  # an object only one sample holds: no gallery
+    sims = texts @ images.T
+    hits_t, hits_i, chance, queries = 0, 0, 0.0, 0
+    for i in range(n):
+        for o in objects[i]:
+            gallery = [j for j in range(n) if o in objects[j]]
+            if len(gallery) < 2:
+                continue
+            queries += 1
+            hits_t += max(gallery, key=lambda j: sims[i, j]) == i
+            hits_i += max(gallery, key=lambda j: sims[j, i]) == i
+            chance += 1 / len(gallery)
+    out = same_object_recall(images, texts, objects)
+    assert out["same_object_queries"] == queries
+    assert out["t2i_same_object_R@1"] == pytest.approx(100 * hits_t / queries, abs=1e-12)
+    assert out["i2t_same_object_R@1"] == pytest.approx(100 * hits_i / queries, abs=1e-12)
+    assert out["same_object_chance_R@1"] == pytest.approx(100 * chance / queries, abs=1e-12)
+    assert same_object_recall(images, texts, [set()] * n) == {}
+
+
+def test_tonics_heldout_hook_ranks_within_the_galleries_of_the_runs_ontology(ray_local, demo_dir, tmp_path):
+    """The TOnICS comparison's after hook on a checkpoint whose config names the demo's shapes: held-out retrieval
+    as `rayvl eval` computes it, and same-object R@1 over every held-out sample whose caption names a shape."""
+    from types import SimpleNamespace
+
+    from conftest import untrained_checkpoint
+    from rayvl.checkpoints import META_FILE
+    from rayvl.eval.contextual import tonics_heldout
+
+    run = untrained_checkpoint(demo_dir, tmp_path)
+    meta_path = run / "checkpoint_000000" / META_FILE
+    meta = json.loads(meta_path.read_text())
+    meta["config"]["tonics"]["classes"] = list(SHAPES)
+    meta_path.write_text(json.dumps(meta))
+    result = SimpleNamespace(uri=str(run), checkpoint_dir=str(run / "checkpoint_000000"))
+    out = tonics_heldout(result, str(demo_dir / "eval"))
+    keys = json.loads((run / "eval-heldout" / "keys.json").read_text())
+    assert len(keys) == 64 and out["heldout_retrieval_images"] == 64
+    assert out["heldout_same_object_queries"] == 64  # every held-out caption names its one shape
+    assert 100 / 64 < out["heldout_same_object_chance_R@1"] < 100 / 2
+    assert 0 <= out["heldout_t2i_same_object_R@1"] <= 100

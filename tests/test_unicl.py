@@ -100,3 +100,28 @@ def test_unicl_mix_and_ce_baseline_train_two_workers(ray_local, demo_dir, tmp_pa
     lab = result.data_report["image_label"]["counts"]
     assert lab["samples_kept"] > 0 and lab["excluded_held_out_class"] > 0
     assert "image-label: seen" in format_data_report(result.data_report)
+
+
+def test_held_out_confusion_and_recall_against_a_loop():
+    """rayvl.eval.class_split.confusion: choosing among the held-out classes only, each row the share of a true
+    class's images predicted as each class."""
+    import torch
+
+    from rayvl.eval.class_split import confusion, top1
+
+    g = torch.Generator().manual_seed(0)
+    class_emb = torch.nn.functional.normalize(torch.randn(10, 16, generator=g), dim=1)
+    labels = torch.randint(0, 10, (400,), generator=g)
+    image_emb = class_emb[labels] + 0.9 * torch.randn(400, 16, generator=g)
+    held, names = [1, 5, 8], [f"c{i}" for i in range(10)]
+    out = confusion(image_emb, labels, class_emb, held, names)
+    for t in held:
+        rows = [i for i in range(400) if labels[i] == t]
+        preds = [max(held, key=lambda c: float(image_emb[i] @ class_emb[c])) for i in rows]
+        for q in held:
+            assert out["zs_heldout_confusion"][f"c{t}"][f"c{q}"] == pytest.approx(100 * preds.count(q) / len(rows))
+        assert out[f"zs_heldout_recall_c{t}"] == out["zs_heldout_confusion"][f"c{t}"][f"c{t}"]
+        assert sum(out["zs_heldout_confusion"][f"c{t}"].values()) == pytest.approx(100.0)
+    counts = [int((labels == t).sum()) for t in held]
+    recall = sum(out[f"zs_heldout_recall_c{t}"] * n for t, n in zip(held, counts)) / sum(counts)
+    assert top1(image_emb, labels, class_emb, held) == pytest.approx(recall)

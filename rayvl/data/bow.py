@@ -90,9 +90,13 @@ class BowStats:
     base_captions: int
     df: dict[str, int] = field(repr=False)
 
-    def top(self, t: int) -> frozenset[str]:
-        """The t most frequent base words (ties broken alphabetically, so the set is deterministic)."""
-        return frozenset(w for w, _ in sorted(self.df.items(), key=lambda kv: (-kv[1], kv[0]))[:t])
+    def top(self, t: int, content: bool = False) -> frozenset[str]:
+        """The t most frequent base words (ties broken alphabetically, so the set is deterministic); ``content``:
+        among the words RmStopNalpha keeps (alphabetical, not stop words) only."""
+        stop = stopwords() if content else frozenset()
+        kept = (kv for kv in self.df.items() if not content or (kv[0] not in stop and is_alphabetical(kv[0])))
+        ranked = sorted(kept, key=lambda kv: (-kv[1], kv[0]))
+        return frozenset(w for w, _ in ranked[:t])
 
 
 def is_pseudo(meta) -> bool:
@@ -168,12 +172,16 @@ def load_or_compute(spec: str, path: str, *, seed: int, fraction: float, read_cp
 class Deformer:
     """The configured cascade with its statistics; picklable, applied inside Ray Data's map_batches."""
 
-    def __init__(self, ops: list[BowOp], seed: int, base_fraction: float, stats: BowStats | None):
+    def __init__(self, ops: list[BowOp], seed: int, base_fraction: float, stats: BowStats | None,
+                 top_freq_words: str = "content", keep_base_intact: bool = True):
         if bow_needs_stats(ops) and stats is None:
             raise ValueError("limit_to_base_vocab / rm_top_freq need the base-split statistics")
         self.ops, self.seed, self.base_fraction = ops, seed, base_fraction
+        self.keep_base_intact = keep_base_intact
         self.vocab = frozenset(stats.df) if stats else frozenset()
-        self.tops = {op.arg: stats.top(op.arg) for op in ops if op.name == "rm_top_freq"}
+        # bow.top_freq_words: "content" ranks the words that survive RmStopNalpha, "all" the whole base vocabulary
+        self.tops = {op.arg: stats.top(op.arg, content=top_freq_words == "content") for op in ops
+                     if op.name == "rm_top_freq"}
 
     def deform_words(self, ws: list[str], key: str) -> list[str]:
         for op in self.ops:
@@ -191,6 +199,6 @@ class Deformer:
 
     def __call__(self, key: str, caption: str) -> tuple[str, bool]:
         """(caption to train on, is_base). Base captions stay intact; '' means the deformation emptied it."""
-        if is_base(key, self.seed, self.base_fraction):
+        if self.keep_base_intact and is_base(key, self.seed, self.base_fraction):
             return caption, True
         return " ".join(self.deform_words(words(caption), key)), False

@@ -1,10 +1,19 @@
 """The TOnICS ontology ([TOnICS] §3 "Ontology Construction", App. A.1): object classes, the nouns that
 name them, and one training row per (image-text pair, aligned noun) — the paper's triplets.
 
-A sample's objects come, in order, from detector tags in its JSON metadata (``tonics.tags_field``) or else from the
-nouns of its caption, each mapped to a configured class through WordNet hypernyms (nltk's WordNet reader over the
-Debian WordNet 3.0 that `rayvl assets fetch` installs): "puppies" → morphy → puppy.n.01 → hypernym dog.n.01 → dog.
-A user override file {noun: class} is applied first, as the paper corrects its mapping by hand. The per-class row
+A caption's nouns are told apart from its adjectives and verbs without a tagger model (none ships offline):
+a word is a noun where WordNet's sense-tagged counts (SemCor, ``cntlist``) make the noun reading its most frequent
+one, where it is a plural, or after a determiner with no noun following; an adjective-capable word right before a
+noun is a modifier ("a white dog", "an orange circle": no row for "white" or "orange"). Each noun maps to a
+configured class through WordNet hypernyms (nltk's WordNet reader over the Debian WordNet 3.0 that `rayvl assets
+fetch` installs): "puppies" → morphy → puppy.n.01 → hypernym dog.n.01 → dog. A class given by name takes its first
+sense that is a physical entity ("ring" → the band, not the sound; "star" is a celestial body unless the config
+says star.n.05, the plane figure); ``name=synset.id`` names a sense explicitly. A user override file {noun: class}
+is applied first, as the paper corrects its mapping by hand.
+
+Detector tags in a sample's JSON metadata (``tonics.tags_field``) say which objects are in the image: with tags, a
+caption noun makes a row only if its class is among the tags' classes — a triplet needs the noun in the caption
+and the object in the image (App. A.1); without tags every aligned caption noun makes a row. The per-class row
 counts |X(η_o)| are a Ray Data groupby over the shards, saved as a run artifact; classes with fewer than
 ``min_instances`` rows are dropped (paper: 5000), and a pair left with no aligned noun stays as one root-only row
 (object −1: it can be drawn in random minibatches only), counted in the data report.
@@ -24,7 +33,7 @@ from rayvl.data.shards import group_over_shards
 from rayvl.data.tar import resolve_shards
 from rayvl.data.text import NLTK_LOCK, is_alphabetical, stopwords, validate_caption, words
 
-COUNTS_FORMAT = 1
+COUNTS_FORMAT = 2  # 2: caption nouns only (POS), tags restrict rather than replace them
 UNALIGNED = -1
 
 
@@ -49,6 +58,39 @@ def _hypernyms(synset):
     return synset.hypernyms() + synset.instance_hypernyms()
 
 
+PHYSICAL = "physical_entity.n.01"
+DETERMINERS = frozenset("a an the this that these those his her its their our my your some any each every no "
+                        "one two three four five several many".split())
+
+
+def class_sense(wn, spec: str):
+    """The synset a class spec names: "dog.n.01" or "name=dog.n.01" as given, a plain name its first noun sense
+    that is a physical entity (else its first noun sense)."""
+    spec = spec.split("=", 1)[1] if "=" in spec else spec
+    if ".n." in spec:
+        return wn.synset(spec)
+    found = wn.synsets(spec.replace(" ", "_"), wn.NOUN)
+    if not found:
+        raise LookupError(spec)
+    physical = [s for s in found if any(h.name() == PHYSICAL for h in s.closure(_hypernyms))]
+    return (physical or found)[0]
+
+
+def class_name(spec: str) -> str:
+    return (spec.split("=", 1)[0] if "=" in spec else spec.split(".")[0]).replace("_", " ")
+
+
+def pos_counts(wn, word: str) -> dict[str, int]:
+    """How often WordNet's sense-tagged corpus uses ``word`` as noun, verb, adjective and adverb (each reading's
+    base form by morphy; summed over its senses)."""
+    out = {}
+    for pos, tags in (("n", (wn.NOUN,)), ("v", (wn.VERB,)), ("a", (wn.ADJ, wn.ADJ_SAT)), ("r", (wn.ADV,))):
+        lemma = wn.morphy(word, tags[0])
+        out[pos] = sum(l.count() for t in tags for s in (wn.synsets(lemma, t) if lemma else [])
+                       for l in s.lemmas() if l.name().lower() == lemma) if lemma else -1
+    return out
+
+
 @dataclass
 class Ontology:
     """Object classes (node k ≥ 1 of the sampler is class k − 1) and the noun → class mapping."""
@@ -62,21 +104,18 @@ class Ontology:
 
     @classmethod
     def build(cls, specs: list[str], overrides_file: str = "", tags_field: str = "objects") -> "Ontology":
-        """Resolve class specs ("dog" → its first noun sense, or an explicit "dog.n.01") against WordNet."""
+        """Resolve class specs ("dog" → its first physical-entity noun sense; "dog.n.01" or "hound=dog.n.01"
+        as given) against WordNet."""
         wn = wordnet()
         names, synsets = [], []
         for i, spec in enumerate(specs):
-            if ".n." in spec:
-                try:
-                    synset = wn.synset(spec)
-                except Exception:  # nltk raises WordNetError / ValueError for unknown ids
-                    raise ValueError(f"[{i}]: {spec!r} is not a WordNet noun synset") from None
-            else:
-                found = wn.synsets(spec.replace(" ", "_"), wn.NOUN)
-                if not found:
-                    raise ValueError(f"[{i}]: {spec!r} is not a WordNet noun")
-                synset = found[0]
-            names.append(spec.split(".")[0].replace("_", " "))
+            try:
+                synset = class_sense(wn, spec)
+            except LookupError:
+                raise ValueError(f"[{i}]: {spec!r} is not a WordNet noun") from None
+            except Exception:  # nltk raises WordNetError / ValueError for unknown ids
+                raise ValueError(f"[{i}]: {spec!r} is not a WordNet noun synset") from None
+            names.append(class_name(spec))
             synsets.append(synset.name())
         overrides = {}
         if overrides_file:
@@ -103,11 +142,19 @@ class Ontology:
         return found
 
     def _wordnet_class(self, word: str) -> int | None:
+        """Through the noun's lemma: a class of that name, else the first of its senses in use (a SemCor count
+        above 0, or its first sense) whose hypernym closure reaches a class synset — "square" is not a person
+        through its rare sense square.n.05."""
         with NLTK_LOCK:  # the read tasks' transform threads share the reader
             wn = wordnet()
             index = {s: i for i, s in enumerate(self.synsets)}
             lemma = wn.morphy(word.replace("-", "_"), wn.NOUN)
-            for synset in wn.synsets(lemma, wn.NOUN) if lemma else []:
+            if lemma and lemma.replace("_", " ") in self.classes:
+                return self.classes.index(lemma.replace("_", " "))
+            senses = wn.synsets(lemma, wn.NOUN) if lemma else []
+            for k, synset in enumerate(senses):
+                if k and not any(x.count() for x in synset.lemmas() if x.name().lower() == lemma):
+                    continue
                 hit = next((index[s.name()] for s in [synset, *synset.closure(_hypernyms)] if s.name() in index),
                            None)
                 if hit is not None:
@@ -115,16 +162,62 @@ class Ontology:
         return None
 
     def aligned(self, caption: str, meta: bytes | str | None) -> list[tuple[str, int]]:
-        """(noun or tag, class id) for each distinct aligned noun of a sample, restricted to kept classes."""
+        """(noun, class id) for each distinct caption noun that names a kept class — and, when the sample has
+        detector tags, an object the tags put in the image."""
         tags = _tags(meta, self.tags_field)
-        candidates = [t.lower() for t in tags] if tags else words(caption)
+        in_image = {self.noun_class(t.lower()) for t in tags} if tags else None
         out, seen = [], set()
-        for word in candidates:
+        for word in self.nouns(caption):
             cls = self.noun_class(word)
-            if cls is not None and word not in seen and (self.kept is None or cls in self.kept):
+            if (cls is not None and word not in seen and (in_image is None or cls in in_image)
+                    and (self.kept is None or cls in self.kept)):
                 seen.add(word)
                 out.append((word, cls))
         return out
+
+    def nouns(self, caption: str) -> list[str]:
+        """The caption's tokens read as nouns (module docstring: SemCor counts, plurals, determiners, modifiers)."""
+        tokens = words(caption)
+        out = []
+        for i, word in enumerate(tokens):
+            after = tokens[i + 1] if i + 1 < len(tokens) else ""
+            before = tokens[i - 1] if i else ""
+            if self._is_noun(word, before, after):
+                out.append(word)
+        return out
+
+    def _is_noun(self, word: str, before: str, after: str) -> bool:
+        counts = self._pos(word)
+        if counts is None or counts["n"] < 0:  # not a word WordNet has as a noun
+            return False
+        if counts["a"] >= 0 and self._noun_like(after):  # "white dog", "orange circle": a modifier
+            return False
+        if counts["n"] >= max(counts["v"], counts["a"], counts["r"]):
+            return True
+        with NLTK_LOCK:
+            plural = wordnet().morphy(word, "n") != word
+        # "oranges" (adjectives have no plural; "runs" is a verb first); the head of a noun phrase — after a
+        # determiner or an adjective, before no noun: "an orange .", "a white cross above", "a red ring and"
+        opens = before in DETERMINERS or self._adjective_like(before)
+        return (plural and counts["n"] >= counts["v"]) or (opens and not self._noun_like(after))
+
+    def _adjective_like(self, word: str) -> bool:
+        counts = self._pos(word)
+        return counts is not None and counts["a"] >= 0 and counts["a"] >= max(counts["n"], counts["v"], counts["r"])
+
+    def _noun_like(self, word: str) -> bool:
+        """Whether the next token can head the phrase: a noun reading that is at least as common as the others."""
+        counts = self._pos(word)
+        return counts is not None and counts["n"] >= 0 and counts["n"] >= max(counts["v"], counts["a"], counts["r"])
+
+    def _pos(self, word: str) -> dict[str, int] | None:
+        if not word or not is_alphabetical(word) or word in stopwords():
+            return None
+        key = ("pos", word)
+        if key not in self._cache:
+            with NLTK_LOCK:
+                self._cache[key] = pos_counts(wordnet(), word.replace("-", "_"))
+        return self._cache[key]
 
     def row_objects(self, caption: str, meta) -> list[int]:
         """The object id of each training row this sample becomes: one per aligned noun, or [UNALIGNED]."""

@@ -44,9 +44,11 @@ def refresh(p: np.ndarray, sizes: np.ndarray, alpha: float, beta: float) -> np.n
 class Curriculum:
     """P_S over [root, classes...] and its refresh history; the state goes into every checkpoint."""
 
-    def __init__(self, sizes: list[int], alpha: float, beta: float, threshold: float, seed: int):
+    def __init__(self, sizes: list[int], alpha: float, beta: float, threshold: float, seed: int,
+                 moves: bool = True):
         self.sizes = np.asarray(sizes, dtype=np.float64)
         self.alpha, self.beta, self.threshold, self.seed = alpha, beta, threshold, seed
+        self.moves = moves  # False: a control arm, evaluated at every refresh but always drawing the root
         self.p = np.zeros(len(sizes) + 1)
         self.p[ROOT] = 1.0
         self.history: list[dict] = []
@@ -56,7 +58,7 @@ class Curriculum:
 
     def update(self, step: int, accuracy: float) -> bool:
         """Refresh if the held-out accuracy reaches the threshold; every call is logged in the history."""
-        refreshed = accuracy >= self.threshold
+        refreshed = self.moves and accuracy >= self.threshold
         if refreshed:
             self.p = refresh(self.p, self.sizes, self.alpha, self.beta)
         self.history.append({"step": step, "accuracy": accuracy, "refreshed": refreshed,

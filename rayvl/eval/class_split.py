@@ -41,7 +41,21 @@ def fashion_mnist_split(result, test_images: int = TEST_IMAGES) -> dict:
     class_emb = torch.from_numpy(class_embeddings(prompts))
     return {"zs_all_top1": top1(image_emb, labels, class_emb, list(range(10))),
             "zs_seen_top1": top1(image_emb, labels, class_emb, seen),
-            "zs_heldout_top1": top1(image_emb, labels, class_emb, held)}
+            "zs_heldout_top1": top1(image_emb, labels, class_emb, held),
+            **confusion(image_emb, labels, class_emb, held, names)}
+
+
+def confusion(image_emb: torch.Tensor, labels: torch.Tensor, class_emb: torch.Tensor, classes: list[int],
+              names: list[str]) -> dict:
+    """Among ``classes`` only: each class's recall (%) as ``zs_heldout_recall_<name>``, and the row-normalised
+    confusion matrix (%) as ``zs_heldout_confusion`` {true name: {predicted name: %}}."""
+    mask = torch.isin(labels, torch.tensor(classes))
+    pred = torch.tensor(classes)[(image_emb[mask] @ class_emb[classes].T).argmax(1)]
+    truth = labels[mask]
+    matrix = {names[t]: {names[q]: 100.0 * (pred[truth == t] == q).float().mean().item() for q in classes}
+              for t in classes if (truth == t).any()}
+    return {**{f"zs_heldout_recall_{n.replace(' ', '_')}": row[n] for n, row in matrix.items()},
+            "zs_heldout_confusion": matrix}
 
 
 def top1(image_emb: torch.Tensor, labels: torch.Tensor, class_emb: torch.Tensor, classes: list[int]) -> float:

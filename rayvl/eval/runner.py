@@ -88,6 +88,8 @@ def run_eval(checkpoint: str, tasks=TASKS, sources: Sources | None = None, out: 
         storage.write_bytes(storage.join(out, f"{name}_embeddings.npy"), buffer.getvalue())
     for task, values in metrics.items():
         storage.write_text(storage.join(out, f"{task}.json"), json.dumps(values, indent=2))
+    if data.keys:  # the sample of each row of the embeddings (shards: sorted by key)
+        storage.write_text(storage.join(out, "keys.json"), json.dumps(data.keys))
     results = {**({"data": counts} if counts else {}), **metrics}
     skipped = [t for t in tasks if t not in metrics]
     if skipped:

@@ -136,7 +136,7 @@ def bow_deformer(cfg: RayvlConfig, train: str, run_dir: str) -> bow.Deformer | N
         log.info(f"BoW statistics {'reused from' if reused else 'computed with Ray Data →'} {path} "
                  f"({time.perf_counter() - start:.0f} s): {stats.base_captions} base captions of {stats.captions}, "
                  f"base vocabulary {len(stats.df)} words")
-    return bow.Deformer(ops, b.seed, b.base_fraction, stats)
+    return bow.Deformer(ops, b.seed, b.base_fraction, stats, b.top_freq_words, b.keep_base_intact)
 
 
 def tonics_counts(cfg: RayvlConfig, ontology: Ontology, train: str, run_dir: str) -> tuple[Ontology, list[int]]:

@@ -160,7 +160,7 @@ def _batches(cfg: RayvlConfig, tonics_sizes: list[int] | None, rank: int, begin=
     shard = ray.train.get_dataset_shard("train")
     if cfg.tonics.enabled:  # [TOnICS] §3: the node of step s is drawn from (seed, s), the same on every rank
         x = cfg.tonics
-        curriculum = Curriculum(tonics_sizes, x.alpha, x.beta, x.threshold, cfg.train.seed)
+        curriculum = Curriculum(tonics_sizes, x.alpha, x.beta, x.threshold, cfg.train.seed, moves=x.curriculum)
         source = TonicsBatches(shard, cfg, rank, begin)
         return (lambda step, micro: source.next(curriculum.node(step), step, micro)), curriculum, source
     if cfg.image_label.data and cfg.image_label.weight < 1.0:  # [UniCL] App. B.2: balanced batches
@@ -186,6 +186,18 @@ def _refresh(curriculum: Curriculum, step: int, accuracy: float, cfg: RayvlConfi
               f"{' (refreshed)' if refreshed else ''}", flush=True)
 
 
+def training_labels(batch: dict, batch_index: int, tonics: bool) -> torch.Tensor:
+    """TargetM ([UniCL] Algorithm 1): image-label rows keep their class id (≥ 0); every image-text row gets a label
+    of its own, unique across ranks, steps and so across the queue. TOnICS rows of one pair (one per aligned noun,
+    the same image and caption) share their pair's label — the same pair twice in a batch is a positive, not a
+    false negative; with no pair repeated this is the CLIP loss."""
+    b = batch["label"].shape[0]
+    if tonics:
+        return -2 - batch[ROW]  # row ids are ≥ 0 and unique per (pass, shard, sample): one label per pair
+    unique = -1 - (batch_index * b + torch.arange(b, device=batch["label"].device))
+    return torch.where(batch["label"] >= 0, batch["label"], unique)
+
+
 def _loss(engine, batch: dict, cfg, bank: MemoryBank | None, batch_index: int) -> torch.Tensor:
     """InfoNCE or UniCL over the gathered batch, or against the EMA keys + queue when a memory bank is on."""
     # the loss in fp32 whatever the towers' precision: bf16 logits lose the ranking between near keys, and the
@@ -194,13 +206,9 @@ def _loss(engine, batch: dict, cfg, bank: MemoryBank | None, batch_index: int) -
                                                                       batch["attention_mask"]))
     if cfg.loss.kind == "ce":  # [UniCL] eq. (4): the text side is the class-embedding matrix
         return F.cross_entropy(scale * image_features @ text_features.T, batch["label"])
-    if bank is None and cfg.loss.kind == "clip":
+    if bank is None and cfg.loss.kind == "clip" and not cfg.tonics.enabled:
         return clip_loss(image_features, text_features, scale, cfg.loss.gather_with_grad)
-    # TargetM ([UniCL] Algorithm 1): image-label rows keep their class id (≥ 0); every image-text row gets a
-    # label of its own, unique across ranks, steps and so across the queue
-    b = batch["label"].shape[0]
-    unique = -1 - (batch_index * b + torch.arange(b, device=batch["label"].device))
-    labels = torch.where(batch["label"] >= 0, batch["label"], unique)
+    labels = training_labels(batch, batch_index, cfg.tonics.enabled)
     if bank is None:
         return unicl_loss(image_features, text_features, scale, labels, cfg.loss.gather_with_grad)
     keys = [gather_features(k, with_grad=False) for k in (*bank.encode(batch["image"], batch["input_ids"],

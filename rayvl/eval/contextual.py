@@ -1,0 +1,67 @@
+"""Retrieval within same-object galleries: the contextual alignment [TOnICS] claims (§5: aligned nouns carry
+their visual context). A caption query that names object o ranks only the images that also hold o, so R@1 there
+needs the rest of the caption — colour, size, place, the other objects — not just the object's name."""
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+
+from rayvl import storage
+
+
+def same_object_recall(image_emb: np.ndarray, text_emb: np.ndarray, objects: list[set[int]]) -> dict:
+    """Sample i is image i with caption i and the object classes ``objects[i]``. For each object, every sample
+    holding it is a text→image query over the images holding it (and an image→text query over those captions);
+    objects held by one sample only are skipped. R@1 (%) over all (sample, object) queries, with its chance level
+    (the mean of 1 / gallery size) and the query count."""
+    sims = np.asarray(text_emb, np.float64) @ np.asarray(image_emb, np.float64).T  # [captions, images]
+    members: dict[int, list[int]] = {}
+    for i, objs in enumerate(objects):
+        for o in objs:
+            members.setdefault(o, []).append(i)
+    t2i = i2t = queries = 0
+    chance = 0.0
+    for group in members.values():
+        if len(group) < 2:
+            continue
+        sub = sims[np.ix_(group, group)]
+        own = np.arange(len(group))
+        t2i += int((sub.argmax(1) == own).sum())
+        i2t += int((sub.argmax(0) == own).sum())
+        queries += len(group)
+        chance += len(group) * (1.0 / len(group))
+    if not queries:
+        return {}
+    return {"t2i_same_object_R@1": 100.0 * t2i / queries, "i2t_same_object_R@1": 100.0 * i2t / queries,
+            "same_object_chance_R@1": 100.0 * chance / queries, "same_object_queries": queries}
+
+
+def tonics_heldout(result, data: str = "") -> dict:
+    """A finished TOnICS-recipe run (a comparison's ``after``): held-out retrieval as `rayvl eval` computes it
+    (rayvl.eval.runner.after_training), then R@1 within same-object galleries, the objects of each held-out sample
+    found by the run's own ontology (tonics.classes, its caption nouns and detector tags)."""
+    from rayvl.checkpoints import checkpoint_uri, read_meta
+    from rayvl.data.ontology import UNALIGNED, Ontology
+    from rayvl.data.tar import iter_tar_samples, open_shard, resolve_shards
+    from rayvl.data.text import validate_caption
+    from rayvl.eval.runner import after_training
+
+    out = after_training(result, data, ("retrieval",), "heldout_")
+    where = storage.join(result.uri, "eval-heldout")
+    keys = json.loads(storage.read_text(storage.join(where, "keys.json")))
+    x = read_meta(checkpoint_uri(result.checkpoint_dir))["config"]["tonics"]
+    ontology = Ontology.build(x["classes"], x["overrides"], x["tags_field"])
+    found: dict[str, set[int]] = {}
+    spec = data or read_meta(checkpoint_uri(result.checkpoint_dir))["config"]["data"]["eval"]
+    for path in resolve_shards(spec):
+        with open_shard(path) as f:
+            for sample in iter_tar_samples(f, ("key", "txt", "json")):
+                text, reason = validate_caption(sample.get("txt"))
+                if not reason:
+                    found[sample["key"]] = set(ontology.row_objects(text, sample.get("json"))) - {UNALIGNED}
+    images, captions = (np.load(io.BytesIO(storage.read_bytes(storage.join(where, f"{name}_embeddings.npy"))))
+                        for name in ("image", "caption"))
+    metrics = same_object_recall(images, captions, [found.get(k, set()) for k in keys])
+    return {**out, **{f"heldout_{k}": v for k, v in metrics.items()}}
