@@ -139,9 +139,9 @@ def write_report(sweep_dir: str, rows: list[tuple[str, str, str]] | None = None,
             for n in names:
                 storage.write_bytes(storage.join(sweep_dir, n), (out / n).read_bytes())
     lines = [format_summary(summary, rows, seeds)]
-    failed = [t for t in trials if t["status"] not in ("TERMINATED", "STOPPED EARLY") or not t["metrics"]]
-    lines += [f"failed: {t['variant']} seed {t['seed']} ({t['status']}{': ' + t['error'] if t['error'] else ''})"
-              for t in failed]
+    missing = [t for t in trials if not t["metrics"]]  # failed, or not run yet (an interrupted comparison)
+    lines += [f"{'failed' if t['status'] == 'ERROR' else 'not finished'}: {t['variant']} seed {t['seed']} "
+              f"({t['status']}{': ' + t['error'] if t['error'] else ''})" for t in missing]
     return "\n".join(lines), names
 
 
