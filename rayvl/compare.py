@@ -97,6 +97,8 @@ def format_summary(summary: dict, rows: list[tuple[str, str, str]], seeds: int) 
         s = summary[variant].get(key)
         if s is None:
             return "-"
+        if s["n"] == 1:  # one seed has no spread to show
+            return format(s["mean"], fmt) + (" (n=1)" if seeds > 1 else "")
         text = f"{format(s['mean'], fmt)} ± {format(s['std'], fmt.lstrip('+'))}"
         return text + (f" (n={s['n']})" if s["n"] < seeds else "")
 
@@ -185,7 +187,8 @@ def _bars(path: Path, summary: dict, rows: list[tuple[str, str, str]], title: st
                 continue
             ax.bar(i, s["mean"], yerr=s["std"], capsize=4, color=f"C{i}", alpha=0.6)
             ax.plot([i] * len(s["values"]), s["values"], "k.", markersize=5)
-        ax.set_xticks(range(len(names)), names, fontsize=8)
+        ax.set_xticks(range(len(names)), names, fontsize=8, rotation=30 if len(names) > 3 else 0,
+                      ha="right" if len(names) > 3 else "center")
         ax.set_title(label, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
     for ax in list(axes.flat)[len(shown):]:

@@ -28,6 +28,8 @@ def test_mean_and_sample_std_per_variant_against_float64():
     table = format_summary(out, [("metric m", "m", ".2f"), ("absent", "x", ".1f")], seeds=3)
     assert f"{values['a'].mean():.2f} ± {values['a'].std(ddof=1):.2f}" in table and "(n=2)" in table
     assert table.splitlines()[-1].split()[-2:] == ["-", "-"]
+    one = summarize([{"variant": "a", "seed": 0, "metrics": {"m": 1.5}}], ["m"])
+    assert format_summary(one, [("m", "m", ".2f")], seeds=1).splitlines()[1].split()[-1] == "1.50"
 
 
 @pytest.mark.parametrize("variants, seeds, metric, match", [
