@@ -75,6 +75,11 @@ def test_bad_class_is_a_config_error_before_ray():
         load_config(None, ["tonics.enabled=true"])
 
 
+class TrialDriver:
+    def count_rows(self, spec, ontology):
+        return onto.count_rows(spec, ontology)
+
+
 def test_class_counts_are_a_ray_data_aggregation(ray_local, demo_dir, tmp_path):
     o = onto.Ontology.build(SHAPES)
     counts = onto.count_rows(str(demo_dir / "train"), o)
@@ -86,6 +91,22 @@ def test_class_counts_are_a_ray_data_aggregation(ray_local, demo_dir, tmp_path):
                 reference.update(o.row_objects(text, sample["json"]))
     assert counts == dict(reference) and sum(counts.values()) > 384  # multi-object scenes → several rows
     assert onto.UNALIGNED not in counts  # every demo caption names a shape its tags hold
+
+    # as a Tune trial's driver counts them: in an actor held in a {CPU: 0.1} placement group that captures its child
+    # tasks (Ray Data's groupby shuffle tasks were refused there before shards.outside_placement_group; a plain task
+    # in the same group did not reproduce it, the trial's actor does)
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = placement_group([{"CPU": 0.1}])
+    ray.get(group.ready())
+    try:
+        inside = PlacementGroupSchedulingStrategy(group, placement_group_capture_child_tasks=True)
+        trial = ray.remote(num_cpus=0.1, scheduling_strategy=inside)(TrialDriver).remote()
+        assert ray.get(trial.count_rows.remote(str(demo_dir / "train"), o)) == counts
+    finally:
+        remove_placement_group(group)
 
     path = str(tmp_path / "counts.json")
     assert onto.load_or_count(str(demo_dir / "train"), path, o) == (counts, False)

@@ -29,7 +29,7 @@ import numpy as np
 
 from rayvl import assets
 from rayvl.data import artifacts
-from rayvl.data.shards import group_over_shards
+from rayvl.data.shards import group_over_shards, outside_placement_group
 from rayvl.data.tar import resolve_shards
 from rayvl.data.text import NLTK_LOCK, is_alphabetical, stopwords, validate_caption, words
 
@@ -266,9 +266,14 @@ def fingerprint(spec: str, ontology: Ontology) -> dict:
 
 
 def count_rows(spec: str, ontology: Ontology, read_cpus: float = 0.5) -> dict[int, int]:
-    """Rows per object id over the shards: map to objects, then groupby("object").count() on Ray Data."""
-    grouped = group_over_shards(resolve_shards(spec), ("key", "txt", "json"), batch_objects, {"ontology": ontology},
-                                "object", read_cpus)
+    """Rows per object id over the shards: map to objects, then groupby("object").count() on Ray Data (outside a
+    Tune trial's placement group, shards.outside_placement_group)."""
+    return outside_placement_group(_count_rows, resolve_shards(spec), ontology, read_cpus)
+
+
+def _count_rows(paths: list[str], ontology: Ontology, read_cpus: float) -> dict[int, int]:
+    grouped = group_over_shards(paths, ("key", "txt", "json"), batch_objects, {"ontology": ontology}, "object",
+                                read_cpus)
     return {int(r["object"]): int(r["count()"]) for r in grouped.count().iter_rows()}
 
 

@@ -199,6 +199,19 @@ def _block(out: dict | pa.Table):
     return BlockAccessor.batch_to_block(out) if _length(out) else None
 
 
+def outside_placement_group(fn: Callable, *args):
+    """``fn(*args)`` — in a CPU-less task outside the caller's placement group when the caller runs in one that
+    captures its child tasks. A Tune trial's driver holds {CPU: 0.1} in such a group, and Ray Data's hash-shuffle
+    tasks (a groupby) name no scheduling strategy, so there they were refused: "Cannot schedule _shuffle_map_task
+    with the placement group because the resource request {'CPU': 1.0, ...} cannot fit into any bundles"."""
+    if ray.util.get_current_placement_group() is None:
+        return fn(*args)
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    anywhere = PlacementGroupSchedulingStrategy(placement_group=None)
+    return ray.get(ray.remote(fn).options(num_cpus=0, scheduling_strategy=anywhere, max_retries=0).remote(*args))
+
+
 def group_over_shards(paths: list[str], columns: tuple[str, ...], fn, fn_kwargs: dict, key: str, read_cpus: float):
     """Corpus statistics as a Ray Data aggregation over resolved shard ``paths``: only ``columns`` are read, ``fn``
     turns each batch into rows with a ``key`` column, and the rows are grouped by it for a sum or count — never
