@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rayvl import storage
-from rayvl.tune import FINAL_METRICS, Sweep, SweepError, run_sweep, validate
+from rayvl.tune import FINAL_METRICS, Sweep, SweepError, run_sweep, trial_rows, validate
 
 DEFAULT_SEEDS = 3
 
@@ -60,8 +60,6 @@ class Comparison:
 def trial_results(sweep_dir: str) -> tuple[dict, list[dict]]:
     """(the sweep's settings, one row per trial: variant, seed, status, error and its final metrics — empty for a
     trial that did not finish)."""
-    from rayvl.tune import trial_rows
-
     settings, rows = trial_rows(sweep_dir)
     runs = storage.join(storage.normalize(sweep_dir), "runs")
     out = []

@@ -137,7 +137,7 @@ def validate(s: Sweep) -> None:
                 _check(s, {key: value}, f"space.{key}" + (f" (variant {name})" if name else ""), overrides)
     grid = {k: v for k, v in values.items() if "grid" in s.space[k]}
     combos = math.prod(len(v) for v in grid.values()) * len(variants)
-    if (1 < len(grid) or s.variants) and combos <= MAX_GRID_CHECKED:
+    if 1 < len(grid) and combos <= MAX_GRID_CHECKED:  # one key: its values were checked above, with each variant
         for combo in itertools.product(*grid.values()):
             for name, overrides in variants.items():
                 _check(s, dict(zip(grid, combo)), "space (" + ", ".join(grid) + ")"
@@ -266,10 +266,8 @@ def write_final_metrics(result, variant: str, values: dict, after: str = "", aft
     import importlib
     import json
 
-    from rayvl.data.report import caption_stats
-
     metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    metrics.update(caption_stats(result.data_report["counts"]))
+    metrics.update(result.data_report["captions"])  # caption_stats, computed by train()
     metrics["samples_kept"] = result.data_report["counts"].get("samples_kept", 0)
     if after:
         module, function = after.split(":")

@@ -27,7 +27,7 @@ import numpy as np
 from rayvl import storage
 from rayvl.config import BowOp, bow_needs_stats
 from rayvl.data import artifacts
-from rayvl.data.shards import group_over_shards, outside_placement_group
+from rayvl.data.shards import group_over_shards
 from rayvl.data.tar import resolve_shards
 from rayvl.data.text import (PSEUDO_FLAG, PSEUDO_MARKER, TOKEN_PATTERN, is_alphabetical, stopwords, validate_caption,
                              words)
@@ -145,17 +145,15 @@ def _fingerprint(shards: list[str], seed: int, fraction: float) -> dict:
 
 
 def _count(shards: list[str], seed: int, fraction: float, read_cpus: float) -> dict:
-    """The statistics pass: shards streamed by Ray Data → per-batch partial counts → groupby("word").sum("df") (outside
-    a Tune trial's placement group, shards.outside_placement_group)."""
-    return outside_placement_group(_count_here, shards, seed, fraction, read_cpus)
-
-
-def _count_here(shards: list[str], seed: int, fraction: float, read_cpus: float) -> dict:
-    grouped = group_over_shards(shards, ("key", "txt", "json"), base_word_counts, {"seed": seed, "fraction": fraction},
-                                "word", read_cpus)
-    df = {row["word"]: int(row["sum(df)"]) for row in grouped.sum("df").iter_rows()}
+    """The statistics pass: shards streamed by Ray Data → per-batch partial counts → groupby("word").sum("df")."""
+    df = group_over_shards(shards, ("key", "txt", "json"), base_word_counts, {"seed": seed, "fraction": fraction},
+                           "word", read_cpus, _document_frequencies)
     captions, base = df.pop(ALL_CAPTIONS, 0), df.pop(BASE_CAPTIONS, 0)
     return {"captions": captions, "base_captions": base, "df": dict(sorted(df.items()))}
+
+
+def _document_frequencies(grouped) -> dict[str, int]:
+    return {row["word"]: int(row["sum(df)"]) for row in grouped.sum("df").iter_rows()}
 
 
 def compute_stats(spec: str, *, seed: int, fraction: float, read_cpus: float = 0.5) -> BowStats:

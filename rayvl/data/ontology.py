@@ -29,7 +29,7 @@ import numpy as np
 
 from rayvl import assets
 from rayvl.data import artifacts
-from rayvl.data.shards import group_over_shards, outside_placement_group
+from rayvl.data.shards import group_over_shards
 from rayvl.data.tar import resolve_shards
 from rayvl.data.text import NLTK_LOCK, is_alphabetical, stopwords, validate_caption, words
 
@@ -192,7 +192,7 @@ class Ontology:
             return False
         if counts["a"] >= 0 and self._noun_like(after):  # "white dog", "orange circle": a modifier
             return False
-        if counts["n"] >= max(counts["v"], counts["a"], counts["r"]):
+        if self._noun_like(word):
             return True
         with NLTK_LOCK:
             plural = wordnet().morphy(word, "n") != word
@@ -202,13 +202,15 @@ class Ontology:
         return (plural and counts["n"] >= counts["v"]) or (opens and not self._noun_like(after))
 
     def _adjective_like(self, word: str) -> bool:
-        counts = self._pos(word)
-        return counts is not None and counts["a"] >= 0 and counts["a"] >= max(counts["n"], counts["v"], counts["r"])
+        return self._reads_as(word, "a")
 
     def _noun_like(self, word: str) -> bool:
-        """Whether the next token can head the phrase: a noun reading that is at least as common as the others."""
+        return self._reads_as(word, "n")
+
+    def _reads_as(self, word: str, pos: str) -> bool:
+        """Whether ``word`` has a ``pos`` reading ("n", "v", "a", "r") at least as common as each other one."""
         counts = self._pos(word)
-        return counts is not None and counts["n"] >= 0 and counts["n"] >= max(counts["v"], counts["a"], counts["r"])
+        return counts is not None and counts[pos] >= 0 and counts[pos] == max(counts.values())
 
     def _pos(self, word: str) -> dict[str, int] | None:
         if not word or not is_alphabetical(word) or word in stopwords():
@@ -266,14 +268,12 @@ def fingerprint(spec: str, ontology: Ontology) -> dict:
 
 
 def count_rows(spec: str, ontology: Ontology, read_cpus: float = 0.5) -> dict[int, int]:
-    """Rows per object id over the shards: map to objects, then groupby("object").count() on Ray Data (outside a
-    Tune trial's placement group, shards.outside_placement_group)."""
-    return outside_placement_group(_count_rows, resolve_shards(spec), ontology, read_cpus)
+    """Rows per object id over the shards: map to objects, then groupby("object").count() on Ray Data."""
+    return group_over_shards(resolve_shards(spec), ("key", "txt", "json"), batch_objects, {"ontology": ontology},
+                             "object", read_cpus, _object_counts)
 
 
-def _count_rows(paths: list[str], ontology: Ontology, read_cpus: float) -> dict[int, int]:
-    grouped = group_over_shards(paths, ("key", "txt", "json"), batch_objects, {"ontology": ontology}, "object",
-                                read_cpus)
+def _object_counts(grouped) -> dict[int, int]:
     return {int(r["object"]): int(r["count()"]) for r in grouped.count().iter_rows()}
 
 

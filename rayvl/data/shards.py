@@ -212,15 +212,21 @@ def outside_placement_group(fn: Callable, *args):
     return ray.get(ray.remote(fn).options(num_cpus=0, scheduling_strategy=anywhere, max_retries=0).remote(*args))
 
 
-def group_over_shards(paths: list[str], columns: tuple[str, ...], fn, fn_kwargs: dict, key: str, read_cpus: float):
+def group_over_shards(paths: list[str], columns: tuple[str, ...], fn, fn_kwargs: dict, key: str, read_cpus: float,
+                      aggregate: Callable):
     """Corpus statistics as a Ray Data aggregation over resolved shard ``paths``: only ``columns`` are read, ``fn``
-    turns each batch into rows with a ``key`` column, and the rows are grouped by it for a sum or count — never
-    collected on the driver."""
+    turns each batch into rows with a ``key`` column, the rows are grouped by it, and ``aggregate(grouped)`` makes
+    the result (a sum or count) — never collecting the rows on the driver. Runs outside the caller's placement group
+    (``outside_placement_group``: the groupby's shuffle tasks cannot run in a Tune trial's)."""
+    return outside_placement_group(_grouped, paths, columns, fn, fn_kwargs, key, read_cpus, aggregate)
+
+
+def _grouped(paths, columns, fn, fn_kwargs, key, read_cpus, aggregate):
     rows = read(ShardStream(paths, columns=columns), read_cpus).map_batches(
         fn, batch_format="numpy", num_cpus=read_cpus, fn_kwargs=fn_kwargs)
     # hash partitions of the keys: Ray's default (200) costs ~15 s of task overhead on a few demo shards; one per
     # 8 shards keeps LAION's 41k shards at the default cap
-    return rows.groupby(key, num_partitions=max(1, min(200, len(paths) // 8)))
+    return aggregate(rows.groupby(key, num_partitions=max(1, min(200, len(paths) // 8))))
 
 
 # ----------------------------------------------------------------------------- datasets

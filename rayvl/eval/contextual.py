@@ -51,10 +51,11 @@ def tonics_heldout(result, data: str = "") -> dict:
     out = after_training(result, data, ("retrieval",), "heldout_")
     where = storage.join(result.uri, "eval-heldout")
     keys = json.loads(storage.read_text(storage.join(where, "keys.json")))
-    x = read_meta(checkpoint_uri(result.checkpoint_dir))["config"]["tonics"]
+    config = read_meta(checkpoint_uri(result.checkpoint_dir))["config"]
+    x = config["tonics"]
     ontology = Ontology.build(x["classes"], x["overrides"], x["tags_field"])
     found: dict[str, set[int]] = {}
-    spec = data or read_meta(checkpoint_uri(result.checkpoint_dir))["config"]["data"]["eval"]
+    spec = data or config["data"]["eval"]
     for path in resolve_shards(spec):
         with open_shard(path) as f:
             for sample in iter_tar_samples(f, ("key", "txt", "json")):
