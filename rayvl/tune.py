@@ -207,8 +207,9 @@ def concurrent_trials(cfg: RayvlConfig, resources: dict) -> int:
     """How many trials the cluster holds at once: each needs its driver, its Train workers and Ray Data's share.
     Train V2 workers get their own placement group outside Tune's accounting, so Tune cannot see this itself."""
     t = cfg.train
-    # Ray Data needs a whole CPU per trial whatever data.read_cpus says: its Project operator (select_columns)
-    # asks for num_cpus=1, and a pipeline left less never produces a batch (seen: the stall detector fired)
+    # a whole CPU per trial for Ray Data, whatever data.read_cpus says: besides its read tasks, each trial's
+    # streaming-split coordinator runs the executor loop (measured ≈ 1/3 of a core each): on 2 cores, two trials
+    # of one worker each ran 10 steps in ≈ 60 s, one trial of two workers alone in ≈ 10 s
     need = {"CPU": cfg.tune.driver_cpus + t.num_workers * t.cpus_per_worker + max(1.0, cfg.data.read_cpus),
             **({"GPU": float(t.num_workers)} if t.use_gpu else {})}
     for name, amount in cfg.tune.driver_resources.items():

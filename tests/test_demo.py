@@ -1,12 +1,15 @@
 """The embedded dataset is deterministic and written in img2dataset's layout exactly."""
 import io
+import re
 import json
 import tarfile
 
+import numpy as np
 import pyarrow.parquet as pq
 from PIL import Image
 
 from rayvl.data.demo import SHAPES, write_demo
+from rayvl.data.paraphrases import INVERSE, SENSES, _articles, _reorder, rephrase, synonyms
 
 
 def test_img2dataset_layout(demo_dir):
@@ -35,11 +38,39 @@ def test_eval_split_classes_and_paraphrases(demo_dir):
     assert classes["classes"] == SHAPES and all("{}" in t for t in classes["templates"])
     pairs = [json.loads(x) for x in (demo_dir / "paraphrases.jsonl").read_text().splitlines()]
     assert len(pairs) == 64
-    assert all(p["caption"] != p["paraphrase"] for p in pairs)
+    assert all(p["caption"] != p["paraphrase"] and len(p["expansions"]) == 3 for p in pairs)
     table = pq.read_table(demo_dir / "eval" / "00000.parquet")
+    # the first half paraphrases the held-out images' own captions, the second half 2–3 object scenes
+    assert [p["caption"] for p in pairs[:32]] == table["caption"].to_pylist()[:32]
+    assert all(" and " in p["caption"] or any(f" {r} " in p["caption"] for r in INVERSE) for p in pairs[32:])
     # each held-out caption names its class (the single object's shape)
     for caption, cls in zip(table["caption"].to_pylist(), table["cls"].to_pylist()):
         assert SHAPES[cls] in caption
+
+
+def test_paraphrase_edits():
+    """WordNet synonyms of the pinned sense only; relations swapped for their inverse; list items permuted."""
+    lexicon = synonyms()
+    assert set(lexicon) == set(SENSES)
+    assert lexicon["diamond"] == ["rhombus", "rhomb"] and "halo" in lexicon["ring"] and lexicon["large"] == ["big"]
+    assert "cherry-red" not in lexicon["red"] and "crimson" in lexicon["red"]  # narrower colours stay out
+    rng = np.random.default_rng(0)
+    assert _reorder("a small red circle to the left of a blue square", rng) == \
+        "a blue square to the right of a small red circle"
+    assert _reorder("a star above a large ring", rng) == "a large ring below a star"
+    listed = _reorder("a star, a ring and a cross", rng)
+    assert listed != "a star, a ring and a cross" and sorted(listed.replace(" and ", ", ").split(", ")) == \
+        ["a cross", "a ring", "a star"]
+    caption = "there is a small orange circle to the left of a large white ring"
+    outs = [rephrase(caption, np.random.default_rng(seed), lexicon) for seed in range(200)]
+    assert caption not in outs and len(set(outs)) > 150
+    # meaning kept: the same objects in some order, whatever the words chosen for them
+    rings = ["ring", *lexicon["ring"]]
+    for out in outs:
+        ring = min(out.find(f" {w}") for w in rings if f" {w}" in out)
+        assert out.count("orang") == 1 and ("left of" in out) == (out.index("orang") < ring), out
+        assert not re.search(r"\ba [aeiou]|\ban [^aeiou]", out), out  # articles agree after the edits
+    assert _articles("a orange circle and an big ring") == "an orange circle and a big ring"
 
 
 def test_captions_are_varied_english(demo_dir):

@@ -7,8 +7,10 @@ The output is read by exactly the code that reads LAION shards:
     OUT/train/00000.tar (KEY.jpg KEY.txt KEY.json) 00000.parquet 00000_stats.json ...
     OUT/eval/...            held-out scenes, one object each (json carries the class id for zero-shot)
     OUT/classes.json        class names + prompt templates for zero-shot
-    OUT/paraphrases.jsonl   (key, caption, paraphrase, 3 expansions) for the held-out images: synonym + rephrasing
-    OUT/sts.tsv             sentence1, sentence2, gold score 0-5 (paraphrases 5; else the share of scene attributes)
+    OUT/paraphrases.jsonl   the fixed paraphrase set (caption, paraphrase, 3 expansions): WordNet synonyms,
+                            reordered relations, function words (rayvl/data/paraphrases.py)
+    OUT/sts.tsv             sentence1, sentence2, gold score 0-5 (thesaurus paraphrases 5; else the share of scene
+                            attributes)
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from rayvl.data.paraphrases import paraphrase_set
 from rayvl.data.prompts import templates
 from rayvl.data.tar import write_img2dataset_shard
 
@@ -33,9 +36,9 @@ COLORS = {
     "purple": (140, 50, 180), "orange": (245, 140, 30), "black": (25, 25, 25), "white": (245, 245, 245),
 }
 SIZES = {"small": (10, 15), "large": (22, 30)}
-FORMAT = 2  # bump when the files written change, so ensure_demo regenerates older demo folders
+FORMAT = 3  # bump when the files written change, so ensure_demo regenerates older demo folders
 
-# paraphrase vocabulary: (caption word, its synonyms), used for the paraphrase pairs of [Paraphrase] §3
+# a small thesaurus: (caption word, its synonyms), for the STS pairs' paraphrases
 SYNONYMS = {
     "small": ["little", "tiny"], "large": ["big", "huge"], "circle": ["round disc"], "square": ["box shape"],
     "picture": ["photo", "snapshot"], "star": ["star shape"], "ring": ["hoop"], "diamond": ["rhombus"],
@@ -132,8 +135,10 @@ def caption(objects: list[Obj], rng: np.random.Generator) -> str:
     return [f"{a}, {b} and {c}", f"a picture with {a}, {b} and {c}"][int(rng.integers(2))]
 
 
-def paraphrase(text: str, rng: np.random.Generator) -> str:
-    """Synonym substitution + rephrasing of a caption ([Paraphrase] §3 uses GPT-3; we use a fixed thesaurus)."""
+def thesaurus_paraphrase(text: str, rng: np.random.Generator) -> str:
+    """Synonym substitution from SYNONYMS + fixed rephrasings: the STS set's score-5 pairs. Its draws come from the
+    held-out split's random stream, so they stay: the held-out images are those of format 2. The evaluation's
+    paraphrase set is richer (rayvl/data/paraphrases.py)."""
     words = []
     for w in text.split():
         syn = SYNONYMS.get(w)
@@ -175,8 +180,8 @@ def write_split(out: Path, n: int, seed: int, single_object: bool, shard_size: i
                      "cls": SHAPES.index(objects[0].shape),
                      "objects": [[o.shape, o.color, o.size, o.position] for o in objects], "jpg": jpg})
         if paraphrases is not None:
-            paraphrases.append({"key": key, "caption": text, "paraphrase": paraphrase(text, rng),
-                                "expansions": [paraphrase(text, rng) for _ in range(3)],
+            paraphrases.append({"key": key, "caption": text, "paraphrase": thesaurus_paraphrase(text, rng),
+                                "expansions": [thesaurus_paraphrase(text, rng) for _ in range(3)],
                                 "objects": rows[-1]["objects"]})
         if len(rows) == shard_size or i == n - 1:
             write_shard(out, shard_id, rows, started)
@@ -194,6 +199,13 @@ def write_sts(path: Path, pairs: list[dict], rng: np.random.Generator, n_random:
     path.write_text("sentence1\tsentence2\tscore\n" + "".join(f"{a}\t{b}\t{s:.2f}\n" for a, b, s in rows))
 
 
+def _paraphrase_set(held_out: list[dict], n: int, seed: int) -> list[dict]:
+    """n pairs: the first held-out captions (one object each), then captions of unrendered 2–3 object scenes."""
+    scenes = np.random.default_rng(seed + 2_000_003)
+    multi = [caption(sample_scene(scenes, int(scenes.integers(2, 4))), scenes) for _ in range(n // 2)]
+    return paraphrase_set([p["caption"] for p in held_out[: n - n // 2]], multi, seed + 11)
+
+
 def write_demo(out: str | Path, samples: int = 6000, eval_samples: int = 500, seed: int = 0,
                shard_size: int = 1000) -> Path:
     out = Path(out).expanduser()
@@ -206,7 +218,7 @@ def write_demo(out: str | Path, samples: int = 6000, eval_samples: int = 500, se
     classes = {"classes": SHAPES, "templates": list(templates("demo_shapes"))}
     (out / "classes.json").write_text(json.dumps(classes, indent=2))
     with open(out / "paraphrases.jsonl", "w") as f:
-        f.writelines(json.dumps({k: v for k, v in p.items() if k != "objects"}) + "\n" for p in pairs)
+        f.writelines(json.dumps(p) + "\n" for p in _paraphrase_set(pairs, eval_samples, seed))
     write_sts(out / "sts.tsv", pairs, np.random.default_rng(seed + 7))
     (out / "DONE.json").write_text(json.dumps({"samples": samples, "eval_samples": eval_samples, "seed": seed,
                                                "format": FORMAT}))
