@@ -2,13 +2,15 @@
 Tune grid (rayvl.compare), mean ± std per metric.
 
     python jobs/tonics_align.py [--data SHARDS --eval-data IN_DISTRIBUTION_SHARDS] [--heldout HELD_OUT_SHARDS]
-                                [--seeds 3] [--name NAME [--resume]] [--report DIR] [--set tonics.threshold=...]
+                                [--seeds 3] [--name NAME [--resume]] [--report DIR]
+                                [--threshold-from FINISHED_COMPARISON | --set tonics.threshold=...]
     ray job submit --working-dir . -- python jobs/tonics_align.py --data s3://bucket/coco-cc/{00000..00300}.tar ...
 
 - random: the paper's Random baseline, random minibatches of image-text pairs (tonics.enabled=false);
 - control: the TOnICS arm's triplet rows (one per aligned caption noun) and bucket sampler with the curriculum off
-  (tonics.curriculum=false): P_S stays at the root, its refresh evaluations are logged — the learning curve to
-  read the refresh threshold from (tonics_last_refresh_accuracy);
+  (tonics.curriculum=false): P_S stays at the root, its refresh evaluations are logged — the learning curve the
+  refresh threshold is read from: --threshold-from DIR sets tonics.threshold to where the control trials of a
+  finished comparison DIR saturate (within 5 points of their plateau, rayvl.data.tonics.saturation_threshold);
 - tonics: the same rows and sampler with the curriculum on.
 
 Each trial evaluates retrieval on the in-distribution split during training (data.eval, whose first
@@ -44,6 +46,40 @@ COMPARISON = Comparison(
     after_metrics=tuple(key for _, key, _ in ROWS if key.startswith("heldout_")))
 
 
+def defaults(args) -> list[str]:
+    """The demo's data split (without --data) and the threshold read from a finished control (--threshold-from)."""
+    return demo_split(args) + (threshold_from(args.threshold_from) if args.threshold_from else [])
+
+
+def threshold_from(comparison_dir: str) -> list[str]:
+    """tonics.threshold from the control trials of a finished comparison (its comparison.csv names them): their
+    refresh-set R@1 curves, read from the trials' metrics (rayvl.data.tonics.saturation_threshold)."""
+    import csv
+    import io
+
+    from rayvl import storage
+    from rayvl.config import ConfigError
+    from rayvl.data.tonics import saturation_threshold
+    from rayvl.plots import history
+
+    table = storage.join(storage.normalize(comparison_dir), "comparison.csv")
+    if not storage.is_file(table):
+        raise ConfigError(f"--threshold-from {comparison_dir}: no comparison.csv (not a finished comparison)")
+    curves = []
+    for t in csv.DictReader(io.StringIO(storage.read_text(table))):
+        if t["variant"] == "control" and t["status"] == "TERMINATED":
+            rows = history(storage.join(comparison_dir, "runs", f"trial-{t['trial']}"))
+            curves.append(sorted({(r["tonics_last_refresh_step"], r["tonics_last_refresh_accuracy"])
+                                  for r in rows if "tonics_last_refresh_step" in r}))
+    try:
+        threshold, step = saturation_threshold([c for c in curves if c])
+    except ValueError as e:
+        raise ConfigError(f"--threshold-from {comparison_dir}: {e}") from e
+    print(f"tonics.threshold = {threshold:.1f}: the control's refresh-set R@1 within 5 points of its plateau "
+          f"(reached at step {step:.0f} on average over {len(curves)} seeds)")
+    return [f"tonics.threshold={threshold:.1f}"]
+
+
 def demo_split(args) -> list[str]:
     if args.data:
         return []
@@ -57,11 +93,15 @@ def demo_split(args) -> list[str]:
     return [f"data.train={','.join(tars[:-1])}", f"data.eval={tars[-1]}"]
 
 
+def add_args(p) -> None:
+    p.add_argument("--heldout", default="", help="held-out shards, evaluated after training")
+    p.add_argument("--threshold-from", default="", metavar="DIR",
+                   help="set tonics.threshold from the control arm's learning curves in this finished comparison")
+
+
 def heldout(args) -> dict:
     return {"data": args.heldout} if args.heldout else {}
 
 
 if __name__ == "__main__":
-    sys.exit(main(COMPARISON, defaults=demo_split, after_kwargs=heldout,
-                  add_args=lambda p: p.add_argument("--heldout", default="", help="held-out shards, evaluated "
-                                                                                   "after training")))
+    sys.exit(main(COMPARISON, defaults=defaults, after_kwargs=heldout, add_args=add_args))

@@ -30,7 +30,8 @@ DEFAULT_SEEDS = 3
 class Comparison:
     """A comparison a job runs. ``rows``: (label, metric key, format) of its table; ``fixed``: overrides every
     trial gets first (the paper's setup); ``demo``: overrides after those on the embedded demo (the budget that
-    fits 2 cores); ``after``: "module:function" each trial calls on its finished run for more metrics
+    fits 2 cores); ``demo_variants``: the variants the demo runs unless --variants says otherwise (all when
+    empty: a comparison whose every arm does not fit the demo's budget names the ones that do); ``after``: "module:function" each trial calls on its finished run for more metrics
     (``after_metrics``: their names); ``metric``: what Tune ranks trials by (every report carries the loss)."""
 
     title: str
@@ -38,11 +39,23 @@ class Comparison:
     variants: dict[str, list[str]]
     rows: list[tuple[str, str, str]]
     demo: list[str] = field(default_factory=list)
+    demo_variants: tuple[str, ...] = ()
     fixed: list[str] = field(default_factory=list)
     after: str = ""
     after_metrics: tuple[str, ...] = ()
     metric: str = "loss"
     mode: str = "min"
+
+    def chosen(self, names: str, demo: bool) -> "Comparison":
+        """This comparison over the variants ``names`` lists (comma-separated; "all"), by default over all of them
+        or, on the demo, over ``demo_variants``. Unknown names are an error naming --variants."""
+        picked = [n for n in names.split(",") if n] if names and names != "all" else \
+            list(self.demo_variants) if demo and self.demo_variants and not names else list(self.variants)
+        unknown = [n for n in picked if n not in self.variants]
+        if unknown or not picked:
+            raise SweepError(f"{self.title}: --variants: unknown {', '.join(unknown) or '(none given)'}; "
+                             f"known: {', '.join(self.variants)} (or all)")
+        return dataclasses.replace(self, variants={n: self.variants[n] for n in picked})
 
     def sweep(self, overrides: list[str], seeds: int, after_kwargs: dict | None = None, name: str = "") -> Sweep:
         """The Tune grid (variants × ``train.seed``) over ``fixed`` + ``overrides``, validated against the config tree
@@ -255,6 +268,10 @@ def main(comparison: Comparison, argv: list[str] | None = None, defaults=None, a
     p.add_argument("--eval-data", help="held-out shards; sets data.eval")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field of every trial (repeatable)")
+    p.add_argument("--variants", default="", metavar="A,B,...",
+                   help="the variants to run, or all (default: all"
+                        + (f"; on the demo: {','.join(comparison.demo_variants)}" if comparison.demo_variants else "")
+                        + ")")
     p.add_argument("--seeds", type=int, default=DEFAULT_SEEDS, help="seeds per variant (train.seed = 0 … N-1)")
     p.add_argument("--name", default="", help="comparison name (default: <job>-<time>); with --resume, the one "
                                               "to continue")
@@ -272,8 +289,8 @@ def main(comparison: Comparison, argv: list[str] | None = None, defaults=None, a
     if args.resume and not args.name:
         print("config error: --resume: give the --name of the comparison to continue", file=sys.stderr)
         return 2
-    comparison = dataclasses.replace(comparison, recipe=args.config)
     try:
+        comparison = dataclasses.replace(comparison, recipe=args.config).chosen(args.variants, demo=not args.data)
         overrides = (comparison.demo if not args.data else []) + (defaults(args) if defaults else [])
         overrides += config_overrides(args)
         name = args.name or f"{comparison.title.split()[0]}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -44,6 +44,15 @@ def test_a_bad_comparison_is_an_error_before_ray_starts(variants, seeds, metric,
         Comparison("t", RECIPE, variants, ROWS, metric=metric).sweep(overrides, seeds)
 
 
+def test_variants_chosen_by_name_or_the_demo_default():
+    c = Comparison("t", RECIPE, {"a": [], "b": ["train.lr=0.01"], "c": []}, ROWS, demo_variants=("a", "c"))
+    assert list(c.chosen("", demo=True).variants) == ["a", "c"]
+    assert list(c.chosen("", demo=False).variants) == list(c.chosen("all", demo=True).variants) == ["a", "b", "c"]
+    assert c.chosen("b,a", demo=True).variants == {"b": ["train.lr=0.01"], "a": []}
+    with pytest.raises(SweepError, match=r"--variants: unknown d; known: a, b, c"):
+        c.chosen("a,d", demo=False)
+
+
 def test_a_space_file_with_variants_loads_and_a_bad_one_names_the_key(tmp_path):
     path = tmp_path / "space.yaml"
     base = {"recipe": RECIPE, "metric": "loss", "mode": "min", "space": {"train.seed": {"grid": [0, 1, 2]}}}
@@ -129,9 +138,10 @@ def test_every_comparison_job_validates_on_the_demo_and_on_real_data(job):
     finally:
         sys.path.remove(str(REPO / "jobs"))
     c = module.COMPARISON
-    for overrides in (c.demo, ["data.train=s3://bucket/shards/{00000..00009}.tar"]):
-        sweep = c.sweep(overrides, seeds=3)
+    for demo, overrides in ((True, c.demo), (False, ["data.train=s3://bucket/shards/{00000..00009}.tar"])):
+        sweep = c.chosen("", demo).sweep(overrides, seeds=3)
         assert sweep.space == {"train.seed": {"grid": [0, 1, 2]}} and len(sweep.variants) >= 2
+        assert list(sweep.variants) == list(c.demo_variants or c.variants) if demo else list(c.variants)
     if c.after:
         module_name, function = c.after.split(":")
         assert callable(getattr(importlib.import_module(module_name), function))

@@ -16,7 +16,7 @@ from rayvl.data.tar import iter_tar_samples
 from rayvl.data.artifacts import ArtifactMismatch
 from rayvl.data.demo import SHAPES
 from rayvl.data.text import validate_caption
-from rayvl.data.tonics import Curriculum, draw_node, refresh
+from rayvl.data.tonics import Curriculum, draw_node, refresh, saturation_threshold
 
 
 # ----------------------------------------------------------------------------- ontology (WordNet, offline)
@@ -155,6 +155,40 @@ def test_curriculum_state_round_trip_draws_the_same_nodes():
     assert [a.node(s) for s in range(31, 200)] == [b.node(s) for s in range(31, 200)]
     assert {a.node(s) for s in range(31, 200)} == {0, 1, 2}
     assert [h["refreshed"] for h in b.history] == [False, True, True]
+
+
+def test_threshold_from_the_control_learning_curves(tmp_path, capsys):
+    """Per seed: plateau = mean of the last two checks, level = plateau − 5; the threshold is the levels' mean.
+    The job reads the curves of a finished comparison's control trials (comparison.csv + each trial's metrics)."""
+    import importlib
+    import sys
+
+    curves = [[(25, 20.0), (50, 60.0), (75, 78.0), (100, 80.0), (125, 82.0)],
+              [(50, 50.0), (25, 10.0), (75, 70.0), (100, 74.0), (125, 74.0)]]  # order does not matter
+    threshold, step = saturation_threshold(curves)
+    assert threshold == pytest.approx(((81.0 - 5) + (74.0 - 5)) / 2) and step == pytest.approx((75 + 75) / 2)
+    with pytest.raises(ValueError, match="≥ 2 refresh checks"):
+        saturation_threshold([[(25, 1.0)]])
+
+    runs = tmp_path / "cmp" / "runs"
+    rows = ["variant,seed,trial,status"]
+    for i, (variant, curve) in enumerate([("control", curves[0]), ("tonics", [(25, 99.0), (50, 99.0)]),
+                                          ("control", curves[1])]):
+        (runs / f"trial-t{i}").mkdir(parents=True)
+        reports = [{"step": s + k, "tonics_last_refresh_step": s, "tonics_last_refresh_accuracy": a}
+                   for s, a in curve for k in (0, 10)]  # reports between checks repeat the last check
+        (runs / f"trial-t{i}" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reports))
+        rows.append(f"{variant},{i},t{i},TERMINATED")
+    (tmp_path / "cmp" / "comparison.csv").write_text("\n".join(rows) + "\n")
+    sys.path.insert(0, str(REPO / "jobs"))
+    try:
+        job = importlib.import_module("tonics_align")
+    finally:
+        sys.path.remove(str(REPO / "jobs"))
+    assert job.threshold_from(str(tmp_path / "cmp")) == [f"tonics.threshold={threshold:.1f}"]
+    assert "over 2 seeds" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="--threshold-from .*no comparison.csv"):
+        job.threshold_from(str(tmp_path))
 
 
 def test_the_control_arm_trains_the_same_rows_and_never_leaves_the_root():

@@ -41,6 +41,26 @@ def refresh(p: np.ndarray, sizes: np.ndarray, alpha: float, beta: float) -> np.n
     return p
 
 
+def saturation_threshold(curves: list[list[tuple[int, float]]], tolerance: float = 5.0) -> tuple[float, float]:
+    """The refresh threshold read from a control arm's learning curves ([TOnICS] App. A.2 refreshes once held-out
+    retrieval reaches 90%, a level coarse alignment reaches; the control shows where that is on other data).
+    ``curves``: per seed, (step, refresh-set R@1 %) at each refresh check of a run whose curriculum never moves.
+    Each curve's plateau is the mean of its last two checks; the threshold is the mean over seeds of plateau −
+    ``tolerance``: the curriculum starts once alignment is within ``tolerance`` points of where random batches
+    take it. Also returns the mean step at which the curves first reach their own level."""
+    if not curves:
+        raise ValueError("no finished control trial with refresh checks")
+    levels, steps = [], []
+    for curve in curves:
+        if len(curve) < 2:
+            raise ValueError(f"a control curve needs ≥ 2 refresh checks, got {len(curve)}")
+        curve = sorted(curve)
+        level = float(np.mean([a for _, a in curve[-2:]])) - tolerance
+        levels.append(level)
+        steps.append(next(s for s, a in curve if a >= level))  # the last two average ≥ level: one of them is
+    return float(np.mean(levels)), float(np.mean(steps))
+
+
 class Curriculum:
     """P_S over [root, classes...] and its refresh history; the state goes into every checkpoint."""
 

@@ -236,6 +236,7 @@ def _tonics_metrics(curriculum: Curriculum, source: TonicsBatches) -> dict:
     out["tonics_refreshes"] = sum(h["refreshed"] for h in curriculum.history)
     if curriculum.history:
         out["tonics_last_refresh_accuracy"] = curriculum.history[-1]["accuracy"]
+        out["tonics_last_refresh_step"] = curriculum.history[-1]["step"]
     return out
 
 
