@@ -69,10 +69,11 @@ def threshold_from(comparison_dir: str) -> list[str]:
     for t in csv.DictReader(io.StringIO(storage.read_text(table))):
         if t["variant"] == "control" and t["status"] == "TERMINATED":
             rows = history(storage.join(comparison_dir, "runs", f"trial-{t['trial']}"))
-            curves.append(sorted({(r["tonics_last_refresh_step"], r["tonics_last_refresh_accuracy"])
-                                  for r in rows if "tonics_last_refresh_step" in r}))
+            curve = {(r["tonics_last_refresh_step"], r["tonics_last_refresh_accuracy"])
+                     for r in rows if "tonics_last_refresh_step" in r}
+            curves += [sorted(curve)] if curve else []
     try:
-        threshold, step = saturation_threshold([c for c in curves if c])
+        threshold, step = saturation_threshold(curves)
     except ValueError as e:
         raise ConfigError(f"--threshold-from {comparison_dir}: {e}") from e
     print(f"tonics.threshold = {threshold:.1f}: the control's refresh-set R@1 within 5 points of its plateau "

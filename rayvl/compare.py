@@ -31,8 +31,9 @@ class Comparison:
     """A comparison a job runs. ``rows``: (label, metric key, format) of its table; ``fixed``: overrides every
     trial gets first (the paper's setup); ``demo``: overrides after those on the embedded demo (the budget that
     fits 2 cores); ``demo_variants``: the variants the demo runs unless --variants says otherwise (all when
-    empty: a comparison whose every arm does not fit the demo's budget names the ones that do); ``after``: "module:function" each trial calls on its finished run for more metrics
-    (``after_metrics``: their names); ``metric``: what Tune ranks trials by (every report carries the loss)."""
+    empty: a comparison whose every arm does not fit the demo's budget names the ones that do); ``after``:
+    "module:function" each trial calls on its finished run for more metrics (``after_metrics``: their names);
+    ``metric``: what Tune ranks trials by (every report carries the loss)."""
 
     title: str
     recipe: str
