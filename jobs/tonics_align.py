@@ -59,7 +59,7 @@ def threshold_from(comparison_dir: str) -> list[str]:
 
     from rayvl import storage
     from rayvl.config import ConfigError
-    from rayvl.data.tonics import saturation_threshold
+    from rayvl.data.tonics import SATURATION_TOLERANCE, saturation_threshold
     from rayvl.plots import history
 
     table = storage.join(storage.normalize(comparison_dir), "comparison.csv")
@@ -76,7 +76,8 @@ def threshold_from(comparison_dir: str) -> list[str]:
         threshold, step = saturation_threshold(curves)
     except ValueError as e:
         raise ConfigError(f"--threshold-from {comparison_dir}: {e}") from e
-    print(f"tonics.threshold = {threshold:.1f}: the control's refresh-set R@1 within 5 points of its plateau "
+    print(f"tonics.threshold = {threshold:.1f}: the control's refresh-set R@1 within {SATURATION_TOLERANCE:g} points "
+          f"of its plateau "
           f"(reached at step {step:.0f} on average over {len(curves)} seeds)")
     return [f"tonics.threshold={threshold:.1f}"]
 

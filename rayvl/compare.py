@@ -50,8 +50,10 @@ class Comparison:
     def chosen(self, names: str, demo: bool) -> "Comparison":
         """This comparison over the variants ``names`` lists (comma-separated; "all"), by default over all of them
         or, on the demo, over ``demo_variants``. Unknown names are an error naming --variants."""
-        picked = [n for n in names.split(",") if n] if names and names != "all" else \
-            list(self.demo_variants) if demo and self.demo_variants and not names else list(self.variants)
+        if names == "all" or not (names or demo and self.demo_variants):
+            picked = list(self.variants)
+        else:
+            picked = [n for n in names.split(",") if n] if names else list(self.demo_variants)
         unknown = [n for n in picked if n not in self.variants]
         if unknown or not picked:
             raise SweepError(f"{self.title}: --variants: unknown {', '.join(unknown) or '(none given)'}; "

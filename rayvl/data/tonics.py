@@ -41,7 +41,11 @@ def refresh(p: np.ndarray, sizes: np.ndarray, alpha: float, beta: float) -> np.n
     return p
 
 
-def saturation_threshold(curves: list[list[tuple[int, float]]], tolerance: float = 5.0) -> tuple[float, float]:
+SATURATION_TOLERANCE = 5.0  # points of R@1 below a control curve's plateau at which the curriculum starts
+
+
+def saturation_threshold(curves: list[list[tuple[int, float]]],
+                         tolerance: float = SATURATION_TOLERANCE) -> tuple[float, float]:
     """The refresh threshold read from a control arm's learning curves ([TOnICS] App. A.2 refreshes once held-out
     retrieval reaches 90%, a level coarse alignment reaches; the control shows where that is on other data).
     ``curves``: per seed, (step, refresh-set R@1 %) at each refresh check of a run whose curriculum never moves.
