@@ -13,6 +13,9 @@ Tune grid (rayvl.compare), mean ± std per metric.
   finished comparison DIR saturate (within 5 points of their plateau, rayvl.data.tonics.saturation_threshold);
 - tonics: the same rows and sampler with the curriculum on.
 
+Unless a threshold is given, the comparison runs in two stages: the control's seeds first (grid <name>-control), then
+random and tonics (grid <name>) with tonics.threshold read from the control's curves; <name>'s report has all three.
+
 Each trial evaluates retrieval on the in-distribution split during training (data.eval, whose first
 tonics.refresh_instances also drive the curriculum refresh) and, when it ends, on a held-out split: `rayvl eval`'s
 retrieval and R@1 within same-object galleries (rayvl.eval.contextual: a caption naming object o ranks only the
@@ -41,7 +44,10 @@ COMPARISON = Comparison(
     "tonics_align (TOnICS Table 1)", str(REPO / "configs" / "tonics.yaml"),
     {"random": ["tonics.enabled=false"], "control": ["tonics.enabled=true", "tonics.curriculum=false"],
      "tonics": ["tonics.enabled=true"]}, ROWS,
-    demo=["train.cpus_per_worker=0.45"],  # one trial at a time on 2 cores: 2 × 0.45 + its driver's 0.1 + Ray Data's 1
+    # one trial at a time on 2 cores (2 × 0.45 + its driver's 0.1 + Ray Data's 1); 9 trials in ≈ 30 min: 50 steps,
+    # a refresh check every 10 (the recipe's 150 steps took 17 min 55 s for one seed of the three arms)
+    demo=["train.cpus_per_worker=0.45", "train.max_steps=50", "train.checkpoint_every=50", "train.warmup_steps=10",
+          "tonics.refresh_every=10"],
     after="rayvl.eval.contextual:tonics_heldout",
     after_metrics=tuple(key for _, key, _ in ROWS if key.startswith("heldout_")))
 
@@ -49,6 +55,16 @@ COMPARISON = Comparison(
 def defaults(args) -> list[str]:
     """The demo's data split (without --data) and the threshold read from a finished control (--threshold-from)."""
     return demo_split(args) + (threshold_from(args.threshold_from) if args.threshold_from else [])
+
+
+def staged(args, comparison):
+    """With no threshold given (--threshold-from, --set tonics.threshold), the control arm runs first and the other
+    arms get tonics.threshold read from its learning curves ([TOnICS] §3: the curriculum starts once coarse
+    alignment saturates) — one command, two grids (rayvl.compare.run_stages)."""
+    given = args.threshold_from or any(s.split("=", 1)[0].strip() == "tonics.threshold" for s in args.set)
+    if given or not {"control", "tonics"} <= set(comparison.variants):
+        return None
+    return ["control"], threshold_from
 
 
 def threshold_from(comparison_dir: str) -> list[str]:
@@ -106,4 +122,4 @@ def heldout(args) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main(COMPARISON, defaults=defaults, after_kwargs=heldout, add_args=add_args))
+    sys.exit(main(COMPARISON, defaults=defaults, after_kwargs=heldout, add_args=add_args, staged=staged))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rayvl import storage
-from rayvl.tune import FINAL_METRICS, Sweep, SweepError, run_sweep, trial_rows, validate
+from rayvl.tune import FINAL_METRICS, SWEEP_FILE, Sweep, SweepError, run_sweep, trial_rows, validate
 
 DEFAULT_SEEDS = 3
 
@@ -60,31 +60,39 @@ class Comparison:
                              f"known: {', '.join(self.variants)} (or all)")
         return dataclasses.replace(self, variants={n: self.variants[n] for n in picked})
 
-    def sweep(self, overrides: list[str], seeds: int, after_kwargs: dict | None = None, name: str = "") -> Sweep:
+    def sweep(self, overrides: list[str], seeds: int, after_kwargs: dict | None = None, name: str = "",
+              parts: list[str] = ()) -> Sweep:
         """The Tune grid (variants × ``train.seed``) over ``fixed`` + ``overrides``, validated against the config tree
-        before Ray starts."""
+        before Ray starts; ``parts``: the directories of earlier stages of the same comparison."""
         if seeds < 1:
             raise SweepError(f"{self.title}: --seeds: must be ≥ 1, got {seeds}")
         sweep = Sweep(path=self.title, recipe=self.recipe, metric=self.metric, mode=self.mode,
                       space={"train.seed": {"grid": list(range(seeds))}}, fixed=self.fixed + list(overrides), name=name,
                       variants=dict(self.variants), after=self.after, after_kwargs=dict(after_kwargs or {}),
-                      after_metrics=tuple(self.after_metrics), rows=[list(r) for r in self.rows])
+                      after_metrics=tuple(self.after_metrics), rows=[list(r) for r in self.rows], parts=list(parts))
         validate(sweep)
         return sweep
 
 
-def trial_results(sweep_dir: str) -> tuple[dict, list[dict]]:
-    """(the sweep's settings, one row per trial: variant, seed, status, error and its final metrics — empty for a
-    trial that did not finish)."""
-    settings, rows = trial_rows(sweep_dir)
-    runs = storage.join(storage.normalize(sweep_dir), "runs")
+def trial_results(sweep_dir: str, order: list[str] = ()) -> tuple[dict, list[dict]]:
+    """(the sweep's settings, one row per trial: variant, seed, status, error, its run directory and its final
+    metrics — empty for a trial that did not finish). A comparison run in stages (``Sweep.parts``) lists the
+    trials of its earlier stages first; the settings' variants are then those of every stage."""
+    sweep_dir = storage.normalize(sweep_dir)
+    settings = json.loads(storage.read_text(storage.join(sweep_dir, SWEEP_FILE)))
     out = []
-    for r in rows:
-        path = storage.join(runs, f"trial-{r['trial']}", FINAL_METRICS)
-        record = json.loads(storage.read_text(path)) if storage.is_file(path) else {}
-        out.append({"trial": r["trial"], "variant": r.get("variant") or "", "seed": r.get("train.seed"),
-                    "status": r["status"], "error": r["error"], "metrics": record.get("metrics", {})})
-    order = list(settings.get("variants") or {})
+    for part in [*settings.get("parts", []), sweep_dir]:
+        part_settings, rows = trial_rows(part)
+        runs = storage.join(part, "runs")
+        for r in rows:
+            run = storage.join(runs, f"trial-{r['trial']}")
+            path = storage.join(run, FINAL_METRICS)
+            record = json.loads(storage.read_text(path)) if storage.is_file(path) else {}
+            out.append({"trial": r["trial"], "variant": r.get("variant") or "", "seed": r.get("train.seed"),
+                        "status": r["status"], "error": r["error"], "run": run, "metrics": record.get("metrics", {})})
+        if part != sweep_dir:
+            settings = {**settings, "variants": {**part_settings.get("variants", {}), **settings.get("variants", {})}}
+    order = list(order or settings.get("variants") or {})
     out.sort(key=lambda t: (order.index(t["variant"]) if t["variant"] in order else len(order), t["seed"] or 0))
     return settings, out
 
@@ -133,7 +141,7 @@ def default_rows(trials: list[dict]) -> list[tuple[str, str, str]]:
 
 
 def write_report(sweep_dir: str, rows: list[tuple[str, str, str]] | None = None,
-                 title: str = "") -> tuple[str, list[str]]:
+                 title: str = "", order: list[str] = ()) -> tuple[str, list[str]]:
     """The rows given, else the comparison's own (saved with the sweep), else every evaluation metric.
     comparison.csv (one row per trial), comparison.json (mean ± std per variant and metric), comparison.png
     (a bar per variant with its spread and seeds for each metric) and curves_<metric>.png (mean ± std over the
@@ -141,15 +149,14 @@ def write_report(sweep_dir: str, rows: list[tuple[str, str, str]] | None = None,
     import tempfile
 
     sweep_dir = storage.normalize(sweep_dir)
-    settings, trials = trial_results(sweep_dir)
+    settings, trials = trial_results(sweep_dir, order)
     rows = [tuple(r) for r in rows or settings.get("rows") or default_rows(trials)]
     seeds = len({t["seed"] for t in trials})
     summary = summarize(trials, [key for _, key, _ in rows])
     local = storage.local_path(sweep_dir)
     with tempfile.TemporaryDirectory(prefix="rayvl-comparison-") as staging:
         out = local or Path(staging)
-        _files(out, trials, summary, rows, title or settings.get("space_file", ""),
-               storage.join(sweep_dir, "runs"))
+        _files(out, trials, summary, rows, title or settings.get("space_file", ""))
         names = sorted(p.name for p in out.iterdir() if p.name.startswith(("comparison", "curves_")))
         if local is None:
             for n in names:
@@ -161,8 +168,7 @@ def write_report(sweep_dir: str, rows: list[tuple[str, str, str]] | None = None,
     return "\n".join(lines), names
 
 
-def _files(out: Path, trials: list[dict], summary: dict, rows: list[tuple[str, str, str]], title: str,
-           runs: str) -> None:
+def _files(out: Path, trials: list[dict], summary: dict, rows: list[tuple[str, str, str]], title: str) -> None:
     import csv
 
     keys = [key for _, key, _ in rows]
@@ -177,7 +183,7 @@ def _files(out: Path, trials: list[dict], summary: dict, rows: list[tuple[str, s
          "summary": {v: {k: {"mean": s["mean"], "std": s["std"], "n": s["n"], "values": s["values"]}
                          for k, s in m.items()} for v, m in summary.items()}}, indent=2))
     _bars(out / "comparison.png", summary, rows, title)
-    _curves(out, trials, runs)
+    _curves(out, trials)
 
 
 def _bars(path: Path, summary: dict, rows: list[tuple[str, str, str]], title: str) -> None:
@@ -213,7 +219,7 @@ def _bars(path: Path, summary: dict, rows: list[tuple[str, str, str]], title: st
     plt.close(fig)
 
 
-def _curves(out: Path, trials: list[dict], runs: str) -> None:
+def _curves(out: Path, trials: list[dict]) -> None:
     """Per metric of the runs' histories: each variant's mean over its seeds at each step, ± std shaded."""
     import matplotlib
 
@@ -226,7 +232,7 @@ def _curves(out: Path, trials: list[dict], runs: str) -> None:
     histories: dict[str, list[list[dict]]] = {}
     for t in trials:
         try:
-            histories.setdefault(t["variant"], []).append(history(storage.join(runs, f"trial-{t['trial']}")))
+            histories.setdefault(t["variant"], []).append(history(t["run"]))
         except FileNotFoundError:  # a trial that failed before its first report
             continue
     metrics = list(dict.fromkeys(m for hs in histories.values() for h in hs for m in plotted_metrics(h)))
@@ -257,10 +263,12 @@ def _curves(out: Path, trials: list[dict], runs: str) -> None:
 # ----------------------------------------------------------------------------- the jobs' command line
 
 def main(comparison: Comparison, argv: list[str] | None = None, defaults=None, add_args=None,
-         after_kwargs=None) -> int:
+         after_kwargs=None, staged=None) -> int:
     """Parse, validate (before Ray starts), run the grid, print and write the comparison.
     ``defaults(args)`` returns overrides applied before the user's --set (a demo data split);
-    ``add_args(parser)`` adds the job's own options; ``after_kwargs(args)`` the keyword arguments of ``after``."""
+    ``add_args(parser)`` adds the job's own options; ``after_kwargs(args)`` the keyword arguments of ``after``;
+    ``staged(args, comparison)`` may split the run in two (see run_stages): (the variants to run first, a function
+    from their finished comparison directory to overrides for the other variants), or None."""
     from rayvl import session
     from rayvl.recipes import USER_ERRORS, config_overrides, one_line
 
@@ -287,7 +295,7 @@ def main(comparison: Comparison, argv: list[str] | None = None, defaults=None, a
     session.setup_logging(True)  # Tune's trial table is the progress of a comparison
     if args.report:
         session.connect("", 1, include_dashboard=False)  # Tune's ExperimentAnalysis reads trials through a session
-        print(write_report(args.report, comparison.rows, comparison.title)[0])
+        print(write_report(args.report, comparison.rows, comparison.title, list(comparison.variants))[0])
         return 0
     if args.resume and not args.name:
         print("config error: --resume: give the --name of the comparison to continue", file=sys.stderr)
@@ -297,13 +305,13 @@ def main(comparison: Comparison, argv: list[str] | None = None, defaults=None, a
         overrides = (comparison.demo if not args.data else []) + (defaults(args) if defaults else [])
         overrides += config_overrides(args)
         name = args.name or f"{comparison.title.split()[0]}-{time.strftime('%Y%m%d-%H%M%S')}"
-        sweep = comparison.sweep(overrides, args.seeds, after_kwargs(args) if after_kwargs else {}, name)
-        prepare_data(sweep)
-        sweep_dir, _ = run_sweep(sweep, name=name, resume=args.resume)
+        plan = staged(args, comparison) if staged else None
+        sweep_dir = run_stages(comparison, overrides, args.seeds, after_kwargs(args) if after_kwargs else {}, name,
+                               args.resume, *(plan or ((), None)))
     except USER_ERRORS as e:
         print(f"config error: {one_line(e)}", file=sys.stderr)
         return 2
-    table, files = write_report(sweep_dir, comparison.rows, comparison.title)
+    table, files = write_report(sweep_dir, comparison.rows, comparison.title, list(comparison.variants))
     print(f"\n== {comparison.title}: mean ± std over {args.seeds} seeds, held-out evaluation ==")
     print(table)
     print(f"\ncomparison directory: {sweep_dir}\n  per trial: {storage.join(sweep_dir, 'comparison.csv')}\n"
@@ -312,6 +320,31 @@ def main(comparison: Comparison, argv: list[str] | None = None, defaults=None, a
           + f"\n  runs:      {storage.join(sweep_dir, 'runs')}/trial-*  (again: {Path(sys.argv[0]).name} --report "
           f"{sweep_dir})")
     return 0
+
+
+def run_stages(comparison: Comparison, overrides: list[str], seeds: int, after_kwargs: dict, name: str,
+               resume: bool, first=(), then=None) -> str:
+    """Run the comparison's grid; returns its directory. With ``first``, in two stages: those variants as the grid
+    ``<name>-<first>``, then the others as the grid ``<name>`` with the overrides ``then(<first stage's directory>)``
+    (a setting read from the first arms' results, e.g. a threshold from a control's learning curve); the second
+    stage's report includes the first stage's trials. Both grids are validated before Ray starts; --resume
+    continues whichever stage was interrupted."""
+    first = [v for v in first if v in comparison.variants]
+    rest = [v for v in comparison.variants if v not in first]
+    stages = [(f"{name}-{'+'.join(first)}", first), (name, rest)] if first and rest else [(name, rest)]
+    sweeps = [comparison.chosen(",".join(v), demo=False).sweep(overrides, seeds, after_kwargs, n) for n, v in stages]
+    prepare_data(sweeps[0])
+    parts: list[str] = []
+    for sweep in sweeps:
+        if parts:  # the second stage: the first one's results decide its extra overrides
+            write_report(parts[-1], comparison.rows, comparison.title, list(comparison.variants))
+            sweep = comparison.chosen(",".join(sweep.variants), demo=False).sweep(
+                overrides + then(parts[-1]), seeds, after_kwargs, sweep.name, parts)
+        where = storage.join(storage.normalize(sweep.base_config().tune.storage_path), sweep.name)
+        sweep_dir, _ = run_sweep(sweep, name=sweep.name,
+                                 resume=resume and (not parts or storage.exists(where)))  # a stage not begun starts
+        parts.append(sweep_dir)
+    return parts[-1]
 
 
 def prepare_data(sweep: Sweep) -> None:

@@ -54,6 +54,8 @@ class Sweep:
     after_kwargs: dict = field(default_factory=dict)
     after_metrics: tuple[str, ...] = ()
     rows: list = field(default_factory=list)  # a comparison's table: (label, metric, format) rows (rayvl.compare)
+    # a comparison run in stages: the directories of its earlier stages, whose trials its report includes
+    parts: list[str] = field(default_factory=list)
 
     def base_config(self, overrides: list[str] = ()) -> RayvlConfig:
         return load_config(self.recipe, self.fixed + list(overrides))
@@ -413,7 +415,7 @@ def save_settings(sweep: Sweep, sweep_dir: str, overrides: list[str] = ()) -> No
     storage.write_text(storage.join(sweep_dir, SWEEP_FILE), json.dumps({
         "space_file": sweep.path, "recipe": sweep.recipe, "fixed": sweep.fixed + list(overrides),
         "metric": sweep.metric, "mode": sweep.mode, "keys": list(sweep.space), "max_steps": base.train.max_steps,
-        "variants": sweep.variants, "after": sweep.after, "rows": sweep.rows}, indent=2))
+        "variants": sweep.variants, "after": sweep.after, "rows": sweep.rows, "parts": sweep.parts}, indent=2))
 
 
 def trial_rows(sweep_dir: str | os.PathLike) -> tuple[dict, list[dict]]:

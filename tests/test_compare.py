@@ -9,7 +9,7 @@ import yaml
 
 from conftest import REPO
 from rayvl.compare import Comparison, format_summary, summarize, write_report
-from rayvl.tune import SweepError, load_sweep, run_sweep
+from rayvl.tune import SweepError, load_sweep
 
 RECIPE = str(REPO / "configs" / "laion_adapt.yaml")
 ROWS = [("held-out text→image R@1 %", "heldout_t2i_R@1", ".1f"), ("final training loss", "loss", ".3f")]
@@ -79,36 +79,47 @@ def trained_with(result) -> dict:
             "after_data": config["data"]["train"]}
 
 
-def test_variants_by_seeds_run_as_one_tune_grid_with_a_hook_after_each_trial(ray_local, demo_dir, tmp_path, capsys):
-    """Two learning rates × seeds 0 and 1, one worker per trial, two trials side by side: every (variant, seed)
-    trains exactly once with its seed and its variant's override on the same shards, each trial runs the ``after``
-    hook on its finished run, and the summary is the mean ± sample std of what the trials wrote.
-    `rayvl tune --report` on the same directory prints the comparison again, with the job's rows."""
+def test_variants_by_seeds_run_as_tune_grids_in_two_stages_with_a_hook_after_each_trial(ray_local, demo_dir,
+                                                                                        tmp_path, capsys):
+    """Two learning rates × seeds 0 and 1, one worker per trial, two trials side by side, run in two stages as
+    TOnICS reads its threshold from its control: "fast" first (grid lr-fast), then "slow" (grid lr) with a learning
+    rate read from fast's finished comparison. Every (variant, seed) trains exactly once with its seed and its
+    override on the same shards, each trial runs the ``after`` hook on its finished run, and the report of the last
+    stage covers both: the summary is the mean ± sample std of what the trials wrote. `rayvl tune --report` on the
+    same directory prints the comparison again, with the job's rows."""
     from rayvl import cli
+    from rayvl.compare import run_stages
 
     rows = [("learning rate", "after_lr", ".4f"), ("final training loss", "loss", ".3f")]
-    comparison = Comparison("lr", RECIPE, {"fast": ["train.lr=0.003"], "slow": ["train.lr=0.0003"]}, rows,
+    comparison = Comparison("lr", RECIPE, {"fast": ["train.lr=0.003"], "slow": []}, rows,
                             after="test_compare:trained_with", after_metrics=("after_lr",))
     overrides = [f"data.train={demo_dir / 'train'}", f"data.eval={demo_dir / 'eval'}", "data.image_size=32",
                  "data.max_text_tokens=16", "train.micro_batch_size=8", "train.max_steps=2",
                  "train.warmup_steps=1", "train.log_every=1", "train.checkpoint_every=2", "train.num_workers=1",
                  "model.alignment_layers=1", "model.embed_dim=64", "eval.tasks=[]",
                  f"tune.storage_path={tmp_path}", "train.report_to=[]"]
-    sweep = comparison.sweep(overrides, seeds=2, name="lr")
-    sweep_dir, results = run_sweep(sweep, name="lr")
-    assert results.num_errors == 0
-    table, files = write_report(sweep_dir)  # the rows come from the sweep's settings
+    read_from = []
+
+    def tenth_of_first(first_dir: str) -> list[str]:  # what the second stage learns from the first one's report
+        read_from.append(first_dir)
+        with open(f"{first_dir}/comparison.csv") as f:
+            lrs = {float(t["after_lr"]) for t in csv.DictReader(f)}
+        return [f"train.lr={lrs.pop() / 10}"]
+
+    sweep_dir = run_stages(comparison, overrides, 2, {}, "lr", False, ["fast"], tenth_of_first)
+    assert sweep_dir == str(tmp_path / "lr") and read_from == [str(tmp_path / "lr-fast")]
+    table, files = write_report(sweep_dir)  # the rows come from the sweep's settings, the trials from both stages
 
     with open(tmp_path / "lr" / "comparison.csv") as f:
         trials = list(csv.DictReader(f))
-    assert sorted((t["variant"], int(t["seed"])) for t in trials) == [("fast", 0), ("fast", 1), ("slow", 0),
-                                                                       ("slow", 1)]
+    assert [(t["variant"], int(t["seed"])) for t in trials] == [("fast", 0), ("fast", 1), ("slow", 0), ("slow", 1)]
     assert all(t["status"] == "TERMINATED" for t in trials)
     for t in trials:
-        record = json.loads((tmp_path / "lr" / "runs" / f"trial-{t['trial']}" / "final_metrics.json").read_text())
+        stage = tmp_path / {"fast": "lr-fast", "slow": "lr"}[t["variant"]]
+        record = json.loads((stage / "runs" / f"trial-{t['trial']}" / "final_metrics.json").read_text())
         assert record["variant"] == t["variant"] and record["values"] == {"train.seed": int(t["seed"])}
         assert record["metrics"]["after_seed"] == int(t["seed"])  # the seed the trial trained with
-        assert float(t["after_lr"]) == {"fast": 0.003, "slow": 0.0003}[t["variant"]]
+        assert float(t["after_lr"]) == pytest.approx({"fast": 0.003, "slow": 0.0003}[t["variant"]], rel=1e-12)
         assert record["metrics"]["after_data"] == str(demo_dir / "train")  # the same shards for every trial
     summary = json.loads((tmp_path / "lr" / "comparison.json").read_text())["summary"]
     for variant in ("fast", "slow"):
@@ -123,6 +134,7 @@ def test_variants_by_seeds_run_as_one_tune_grid_with_a_hook_after_each_trial(ray
     assert cli.main(["tune", "--report", sweep_dir]) == 0
     printed = capsys.readouterr().out
     assert "== variants: mean ± std over train.seed ==" in printed and "learning rate" in printed
+    assert printed.count("±") >= 4  # both variants' rows, the first stage's included
 
 
 @pytest.mark.parametrize("job", ["tonics_align", "unicl", "bow_pretrain", "paraphrase_strategies"])

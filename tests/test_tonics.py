@@ -190,6 +190,18 @@ def test_threshold_from_the_control_learning_curves(tmp_path, capsys):
     with pytest.raises(ConfigError, match="--threshold-from .*no comparison.csv"):
         job.threshold_from(str(tmp_path))
 
+    # one command runs the control first and reads the threshold from it, unless a threshold is given
+    import argparse
+
+    def plan(variants, threshold_from="", sets=()):
+        args = argparse.Namespace(threshold_from=threshold_from, set=list(sets))
+        return job.staged(args, job.COMPARISON.chosen(variants, demo=True))
+
+    assert plan("") == (["control"], job.threshold_from)
+    assert plan("", threshold_from=str(tmp_path / "cmp")) is None
+    assert plan("", sets=["tonics.threshold = 50"]) is None
+    assert plan("random,tonics") is None  # no control to read it from: the recipe's threshold
+
 
 def test_the_control_arm_trains_the_same_rows_and_never_leaves_the_root():
     """tonics.curriculum=false: the TOnICS arm's ontology, row counts artifact and sampler, with every refresh
