@@ -33,7 +33,8 @@ class Comparison:
     fits 2 cores); ``demo_variants``: the variants the demo runs unless --variants says otherwise (all when
     empty: a comparison whose every arm does not fit the demo's budget names the ones that do); ``after``:
     "module:function" each trial calls on its finished run for more metrics (``after_metrics``: their names);
-    ``metric``: what Tune ranks trials by (every report carries the loss)."""
+    ``metric``: what Tune ranks trials by (every report carries the loss); ``notes``: "module:function" that
+    turns the trials' results into more of the printed report (what a table row cannot show)."""
 
     title: str
     recipe: str
@@ -46,6 +47,7 @@ class Comparison:
     after_metrics: tuple[str, ...] = ()
     metric: str = "loss"
     mode: str = "min"
+    notes: str = ""  # "module:function" given the trials (trial_results) returns more text for the report
 
     def chosen(self, names: str, demo: bool) -> "Comparison":
         """This comparison over the variants ``names`` lists (comma-separated; "all"), by default over all of them
@@ -214,7 +216,7 @@ def _bars(path: Path, summary: dict, rows: list[tuple[str, str, str]], title: st
     for ax in list(axes.flat)[len(shown):]:
         ax.axis("off")
     fig.suptitle(f"{title}: mean ± std over seeds (dots: seeds)", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()))  # keep the panels' titles below the suptitle
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -263,12 +265,13 @@ def _curves(out: Path, trials: list[dict]) -> None:
 # ----------------------------------------------------------------------------- the jobs' command line
 
 def main(comparison: Comparison, argv: list[str] | None = None, defaults=None, add_args=None,
-         after_kwargs=None, staged=None) -> int:
+         after_kwargs=None, staged=None, bind=None) -> int:
     """Parse, validate (before Ray starts), run the grid, print and write the comparison.
     ``defaults(args)`` returns overrides applied before the user's --set (a demo data split);
     ``add_args(parser)`` adds the job's own options; ``after_kwargs(args)`` the keyword arguments of ``after``;
     ``staged(args, comparison)`` may split the run in two (see run_stages): (the variants to run first, a function
-    from their finished comparison directory to overrides for the other variants), or None."""
+    from their finished comparison directory to overrides for the other variants), or None; ``bind(args,
+    comparison)`` returns the comparison its variants need for these arguments (data paths the variants name)."""
     from rayvl import session
     from rayvl.recipes import USER_ERRORS, config_overrides, one_line
 
@@ -296,12 +299,14 @@ def main(comparison: Comparison, argv: list[str] | None = None, defaults=None, a
     if args.report:
         session.connect("", 1, include_dashboard=False)  # Tune's ExperimentAnalysis reads trials through a session
         print(write_report(args.report, comparison.rows, comparison.title, list(comparison.variants))[0])
+        print(notes(comparison, args.report))
         return 0
     if args.resume and not args.name:
         print("config error: --resume: give the --name of the comparison to continue", file=sys.stderr)
         return 2
     try:
-        comparison = dataclasses.replace(comparison, recipe=args.config).chosen(args.variants, demo=not args.data)
+        comparison = dataclasses.replace(comparison, recipe=args.config)
+        comparison = (bind(args, comparison) if bind else comparison).chosen(args.variants, demo=not args.data)
         overrides = (comparison.demo if not args.data else []) + (defaults(args) if defaults else [])
         overrides += config_overrides(args)
         name = args.name or f"{comparison.title.split()[0]}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -311,15 +316,20 @@ def main(comparison: Comparison, argv: list[str] | None = None, defaults=None, a
     except USER_ERRORS as e:
         print(f"config error: {one_line(e)}", file=sys.stderr)
         return 2
+    _print_result(comparison, sweep_dir, args.seeds)
+    return 0
+
+
+def _print_result(comparison: Comparison, sweep_dir: str, seeds: int) -> None:
     table, files = write_report(sweep_dir, comparison.rows, comparison.title, list(comparison.variants))
-    print(f"\n== {comparison.title}: mean ± std over {args.seeds} seeds, held-out evaluation ==")
+    print(f"\n== {comparison.title}: mean ± std over {seeds} seeds, held-out evaluation ==")
     print(table)
+    print(notes(comparison, sweep_dir))
     print(f"\ncomparison directory: {sweep_dir}\n  per trial: {storage.join(sweep_dir, 'comparison.csv')}\n"
           f"  summary:   {storage.join(sweep_dir, 'comparison.json')}\n  plots:     "
           + ", ".join(n for n in files if n.endswith(".png"))
           + f"\n  runs:      {storage.join(sweep_dir, 'runs')}/trial-*  (again: {Path(sys.argv[0]).name} --report "
           f"{sweep_dir})")
-    return 0
 
 
 def run_stages(comparison: Comparison, overrides: list[str], seeds: int, after_kwargs: dict, name: str,
@@ -345,6 +355,15 @@ def run_stages(comparison: Comparison, overrides: list[str], seeds: int, after_k
                                  resume=resume and (not parts or storage.exists(where)))  # a stage not begun starts
         parts.append(sweep_dir)
     return parts[-1]
+
+
+def notes(comparison: Comparison, sweep_dir: str) -> str:
+    if not comparison.notes:
+        return ""
+    import importlib
+
+    module, function = comparison.notes.split(":")
+    return getattr(importlib.import_module(module), function)(trial_results(sweep_dir, list(comparison.variants))[1])
 
 
 def prepare_data(sweep: Sweep) -> None:

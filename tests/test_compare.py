@@ -137,7 +137,7 @@ def test_variants_by_seeds_run_as_tune_grids_in_two_stages_with_a_hook_after_eac
     assert printed.count("±") >= 4  # both variants' rows, the first stage's included
 
 
-@pytest.mark.parametrize("job", ["tonics_align", "unicl", "bow_pretrain", "paraphrase_strategies"])
+@pytest.mark.parametrize("job", ["tonics_align", "unicl", "unicl_coverage", "bow_pretrain", "paraphrase_strategies"])
 def test_every_comparison_job_validates_on_the_demo_and_on_real_data(job):
     """Each job's variants × 3 seeds, with its demo budget and without it, checked against the config tree (the
     whole grid builds before Ray starts); the after hook and the rows' metrics are names a trial can report."""
@@ -150,11 +150,18 @@ def test_every_comparison_job_validates_on_the_demo_and_on_real_data(job):
     finally:
         sys.path.remove(str(REPO / "jobs"))
     c = module.COMPARISON
+    if hasattr(module, "bind"):  # the variants name data the job's options give
+        import argparse
+
+        args = argparse.Namespace(config=c.recipe, set=[], covered="s3://b/with/", uncovered="s3://b/without/")
+        c = module.bind(args, c)
+        assert not any("{" in o for overrides in c.variants.values() for o in overrides)
     for demo, overrides in ((True, c.demo), (False, ["data.train=s3://bucket/shards/{00000..00009}.tar"])):
         sweep = c.chosen("", demo).sweep(overrides, seeds=3)
         assert sweep.space == {"train.seed": {"grid": [0, 1, 2]}} and len(sweep.variants) >= 2
         assert list(sweep.variants) == list(c.demo_variants or c.variants) if demo else list(c.variants)
-    if c.after:
-        module_name, function = c.after.split(":")
+    for hook in filter(None, (c.after, c.notes)):
+        module_name, function = hook.split(":")
         assert callable(getattr(importlib.import_module(module_name), function))
+    if c.after:
         assert set(c.after_metrics) <= {key for _, key, _ in c.rows}

@@ -81,6 +81,28 @@ def test_fashion_mnist_rows_exclude_held_out_classes(ray_local):
     assert all(fashion_mnist.CLASSES[c] in t for c, t in zip(out["label"], out["caption"]))
 
 
+def test_the_image_label_stream_reads_what_the_run_needs_in_a_seeded_order(ray_local):
+    """The Fashion-MNIST stream stops after the rows the run trains on (steps × accumulation × ranks × image-label
+    rows per micro-batch, + one micro-batch per rank), not a whole epoch ahead of training; each seed draws its
+    own photos, every one of a training class."""
+    from rayvl.train.datasets import image_label_prompts, labeled_dataset
+
+    def keys(seed: int) -> list[str]:
+        cfg = load_config(None, ["image_label.data=fashion-mnist", "image_label.train_classes=[0, 2, 4]",
+                                 "image_label.weight=0.5", "train.micro_batch_size=8", "train.num_workers=2",
+                                 "train.max_steps=5", "train.warmup_steps=1", "train.grad_accumulation=2",
+                                 "data.image_size=32",
+                                 f"train.seed={seed}", "loss.kind=unicl"])
+        rows = labeled_dataset(cfg, image_label_prompts(cfg), None).take_all()
+        assert set(rows[0]) == {"image", "input_ids", "attention_mask", "label"}
+        assert {int(r["label"]) for r in rows} <= {0, 2, 4}
+        return [r["image"].tobytes() for r in rows]
+
+    a, b = keys(0), keys(1)
+    assert len(a) == len(b) == (5 * 2 + 1) * 2 * 4
+    assert len(set(a) & set(b)) < len(a) // 4  # other photos (the same few by chance at most)
+
+
 @pytest.mark.parametrize("variant", ["unicl_mixed", "ce"])
 def test_unicl_mix_and_ce_baseline_train_two_workers(ray_local, demo_dir, tmp_path, variant):
     from rayvl.data.report import format_data_report
@@ -125,3 +147,46 @@ def test_held_out_confusion_and_recall_against_a_loop():
     counts = [int((labels == t).sum()) for t in held]
     recall = sum(out[f"zs_heldout_recall_c{t}"] * n for t, n in zip(held, counts)) / sum(counts)
     assert top1(image_emb, labels, class_emb, held) == pytest.approx(recall)
+
+
+def test_captioned_pairs_for_concept_coverage(tmp_path):
+    """[UniCL] Tables 5–6 at toy size: pairs from photos the labelled set does not read (index ≥ first), captions
+    naming their garment in other words than the prompt templates; ``covered`` the same number per class over all 10
+    classes, ``uncovered`` as many pairs over the training classes only; written once, rewritten when asked for
+    other ones."""
+    import io as _io
+
+    from PIL import Image
+
+    from rayvl.data import fashion_captions
+    from rayvl.data.tar import iter_tar_samples
+
+    pixels, labels = fashion_mnist.read("fashion-mnist")
+    held = [1, 5, 8]
+    picked = fashion_captions.pick(labels, 50_000, held)
+    covered, uncovered = (np.bincount(labels[picked[k]], minlength=10) for k in ("covered", "uncovered"))
+    assert covered.sum() == uncovered.sum() > 6000 and len(set(covered)) == 1  # the same per class
+    assert all(uncovered[c] == 0 for c in held) and len({uncovered[c] for c in range(10) if c not in held}) == 1
+    assert min(picked["covered"].min(), picked["uncovered"].min()) >= 50_000
+
+    root = fashion_captions.ensure_coverage(tmp_path, 58_000, held)
+    done = json.loads((root / "DONE.json").read_text())
+    for name in ("covered", "uncovered"):
+        samples = [s for tar in sorted((root / name).glob("*.tar")) for s in iter_tar_samples(open(tar, "rb"))]
+        assert len(samples) == sum(done["counts"][name].values()) > 0
+        templates = {t.format("").strip() for t in prompt_templates()}
+        for s in samples:
+            meta, text = json.loads(s["json"]), s["txt"].decode()
+            index = int(meta["url"].rsplit("/", 1)[1])
+            assert index >= 58_000 and meta["cls"] == labels[index]
+            stem = fashion_mnist.CLASSES[meta["cls"]].rstrip("s")  # "trousers", "a pair of ankle boots", "handbag"
+            assert stem in text and text not in templates
+            assert (name == "covered") or not any(fashion_mnist.CLASSES[c] in text for c in held)
+            image = np.asarray(Image.open(_io.BytesIO(s["jpg"])).convert("L"), np.float64)
+            assert np.abs(image - pixels[index]).mean() < 4  # the photo itself (JPEG at quality 95)
+    assert sum(done["counts"]["covered"][fashion_mnist.CLASSES[c]] for c in held) > 0
+    mtime = (root / "DONE.json").stat().st_mtime_ns
+    assert fashion_captions.ensure_coverage(tmp_path, 58_000, held) == root
+    assert (root / "DONE.json").stat().st_mtime_ns == mtime  # reused
+    fashion_captions.ensure_coverage(tmp_path, 59_000, held)
+    assert json.loads((root / "DONE.json").read_text())["first"] == 59_000  # other pairs asked for: rewritten

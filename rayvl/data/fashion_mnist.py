@@ -51,9 +51,10 @@ def to_rgb(pixels: np.ndarray, size: int, scale_min: float | None = None,
     return crop(Image.fromarray(np.asarray(pixels, np.uint8), "L").convert("RGB"), size, scale_min, rng)
 
 
-def rows(pixels: np.ndarray, labels: np.ndarray, split: str = "train"):
-    """A Ray Dataset of rows {index, key, pixels, cls} (from ``read``)."""
+def rows(pixels: np.ndarray, labels: np.ndarray, split: str = "train", order: np.ndarray | None = None):
+    """A Ray Dataset of rows {index, key, pixels, cls} (from ``read``), in ``order`` (indices; default: file order)."""
     import ray
 
-    return ray.data.from_items([{"index": i, "key": f"fmnist-{split}-{i:05d}", "pixels": pixels[i],
-                                 "cls": int(labels[i])} for i in range(len(labels))])
+    order = range(len(labels)) if order is None else order
+    return ray.data.from_items([{"index": int(i), "key": f"fmnist-{split}-{i:05d}", "pixels": pixels[i],
+                                 "cls": int(labels[i])} for i in order])

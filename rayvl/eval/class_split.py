@@ -2,10 +2,20 @@
 the text encoder carry concepts the image-label data never labelled?), on the Fashion-MNIST test split."""
 from __future__ import annotations
 
+import io
+
 import numpy as np
+import pyarrow.parquet as pq
 import torch
 
 TEST_IMAGES = 2000
+HELD_OUT = ("trouser", "sandal", "bag")  # configs/unicl.yaml's image_label.train_classes leave these out
+# a comparison's table rows of these metrics (jobs/unicl.py, jobs/unicl_coverage.py)
+ROWS = [("zero-shot top-1, all 10 classes %", "zs_all_top1", ".1f"),
+        ("zero-shot top-1, 7 training classes %", "zs_seen_top1", ".1f"),
+        ("zero-shot top-1, 3 held-out classes %", "zs_heldout_top1", ".1f"),
+        *((f"  recall of held-out {name} (among the 3) %", f"zs_heldout_recall_{name}", ".1f") for name in HELD_OUT),
+        ("final training loss", "loss", ".3f")]
 
 
 def fashion_mnist_split(result, test_images: int = TEST_IMAGES) -> dict:
@@ -45,6 +55,24 @@ def fashion_mnist_split(result, test_images: int = TEST_IMAGES) -> dict:
             **confusion(image_emb, labels, class_emb, held, names)}
 
 
+def coverage_split(result, test_images: int = TEST_IMAGES) -> dict:
+    """``fashion_mnist_split`` and ``covered_share``: the % of the run's image-text captions (its data.train shards'
+    img2dataset parquet files) that contain a held-out class name — the concept coverage the arm trained with."""
+    from rayvl import storage
+    from rayvl.checkpoints import checkpoint_uri, read_meta
+    from rayvl.data import fashion_mnist
+    from rayvl.data.tar import resolve_shards
+
+    config = read_meta(checkpoint_uri(result.checkpoint_dir))["config"]
+    held = [n for c, n in enumerate(fashion_mnist.CLASSES) if c not in config["image_label"]["train_classes"]]
+    captions = []
+    for tar in resolve_shards(config["data"]["train"]):
+        table = pq.read_table(io.BytesIO(storage.read_bytes(tar[: -len(".tar")] + ".parquet")), columns=["caption"])
+        captions += [c for c in table.column("caption").to_pylist() if c is not None]
+    covered = sum(any(n in c.lower() for n in held) for c in captions)
+    return {**fashion_mnist_split(result, test_images), "covered_share": 100.0 * covered / max(len(captions), 1)}
+
+
 def confusion(image_emb: torch.Tensor, labels: torch.Tensor, class_emb: torch.Tensor, classes: list[int],
               names: list[str]) -> dict:
     """Among ``classes`` only: each class's recall (%) as ``zs_heldout_recall_<name>``, and the row-normalised
@@ -56,6 +84,22 @@ def confusion(image_emb: torch.Tensor, labels: torch.Tensor, class_emb: torch.Te
               for t in classes if (truth == t).any()}
     return {**{f"zs_heldout_recall_{n.replace(' ', '_')}": row[n] for n, row in matrix.items()},
             "zs_heldout_confusion": matrix}
+
+
+def mean_confusion(trials: list[dict]) -> str:
+    """Per variant, the held-out confusion matrix (%) averaged over its finished seeds (a comparison's notes)."""
+    lines = []
+    for variant in dict.fromkeys(t["variant"] for t in trials):
+        matrices = [t["metrics"]["zs_heldout_confusion"] for t in trials
+                    if t["variant"] == variant and "zs_heldout_confusion" in t["metrics"]]
+        if not matrices:
+            continue
+        names = list(matrices[0])
+        lines += [f"\n{variant}: held-out confusion, % of each true class (rows) predicted as (columns), mean of "
+                  f"{len(matrices)} seeds", " " * 12 + "".join(f"{n:>10}" for n in names)]
+        lines += [f"{t:>12}" + "".join(f"{np.mean([m[t][q] for m in matrices]):>10.1f}" for q in names)
+                  for t in names]
+    return "\n".join(lines)
 
 
 def top1(image_emb: torch.Tensor, labels: torch.Tensor, class_emb: torch.Tensor, classes: list[int]) -> float:
