@@ -56,6 +56,8 @@ def bind(args, comparison: Comparison) -> Comparison:
     from rayvl.data.fashion_captions import ensure_coverage
     from rayvl.data.fashion_mnist import is_fashion_mnist
 
+    if getattr(args, "data", None):
+        raise ConfigError("--data: each arm's image-text data is --covered or --uncovered")
     cfg = load_config(args.config, comparison.fixed + [s for s in args.set])
     paths = {"covered": args.covered, "uncovered": args.uncovered}
     if not all(paths.values()):

@@ -191,7 +191,8 @@ class ImageLabelConfig:
     weight: float = 0.5
     """share of every micro-batch drawn from image-label data ([UniCL] App. B.2: 1:1); 1.0 = image-label only."""
     limit: int = 0
-    """use only the first N Fashion-MNIST training images (0 = all 60,000), for quick runs."""
+    """use only the first N Fashion-MNIST training images (0 = all 60,000): quick runs, or the rest kept apart
+    (jobs/unicl_coverage.py captions them as image-text pairs)."""
 
 
 @dataclass

@@ -156,6 +156,10 @@ def test_every_comparison_job_validates_on_the_demo_and_on_real_data(job):
         args = argparse.Namespace(config=c.recipe, set=[], covered="s3://b/with/", uncovered="s3://b/without/")
         c = module.bind(args, c)
         assert not any("{" in o for overrides in c.variants.values() for o in overrides)
+        from rayvl.config import ConfigError
+
+        with pytest.raises(ConfigError, match="--data"):  # the arms' pairs are --covered / --uncovered
+            module.bind(argparse.Namespace(**vars(args), data="s3://b/shards/"), module.COMPARISON)
     for demo, overrides in ((True, c.demo), (False, ["data.train=s3://bucket/shards/{00000..00009}.tar"])):
         sweep = c.chosen("", demo).sweep(overrides, seeds=3)
         assert sweep.space == {"train.seed": {"grid": [0, 1, 2]}} and len(sweep.variants) >= 2
