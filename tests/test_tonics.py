@@ -222,12 +222,13 @@ def test_the_control_arm_trains_the_same_rows_and_never_leaves_the_root():
     x = arms["control"].tonics
     control = Curriculum([30, 10], x.alpha, x.beta, x.threshold, seed=3, moves=x.curriculum)
     tonics = Curriculum([30, 10], x.alpha, x.beta, x.threshold, seed=3)
-    for step, accuracy in ((25, 20.0), (50, 45.0), (75, 60.0)):
+    curve = [x.threshold - 10, x.threshold + 5, x.threshold + 20]  # below, then twice at or above the recipe's level
+    for step, accuracy in zip((25, 50, 75), curve):
         control.update(step, accuracy)
         tonics.update(step, accuracy)
     assert control.p.tolist() == [1.0, 0.0, 0.0] and {control.node(s) for s in range(1, 500)} == {0}
-    assert [h["accuracy"] for h in control.history] == [20.0, 45.0, 60.0]  # its learning curve, for a threshold
-    assert tonics.p[0] == pytest.approx(0.8 ** 2)
+    assert [h["accuracy"] for h in control.history] == curve  # its learning curve, for a threshold
+    assert tonics.p[0] == pytest.approx(x.alpha ** 2)
 
     batch = {"label": torch.full((4,), -1), "row": torch.tensor([5, 5, 9, 0])}
     labels = training_labels(batch, batch_index=3, tonics=True)
