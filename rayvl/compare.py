@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rayvl import storage
-from rayvl.tune import FINAL_METRICS, SWEEP_FILE, Sweep, SweepError, run_sweep, trial_rows, validate
+from rayvl.tune import (FINAL_METRICS, SWEEP_FILE, Sweep, SweepError, hook, run_sweep, sweep_directory, trial_rows,
+                        validate)
 
 DEFAULT_SEEDS = 3
 
@@ -47,7 +48,7 @@ class Comparison:
     after_metrics: tuple[str, ...] = ()
     metric: str = "loss"
     mode: str = "min"
-    notes: str = ""  # "module:function" given the trials (trial_results) returns more text for the report
+    notes: str = ""  # "module:function": given the trials (trial_results), more text for the report
 
     def chosen(self, names: str, demo: bool) -> "Comparison":
         """This comparison over the variants ``names`` lists (comma-separated; "all"), by default over all of them
@@ -143,11 +144,12 @@ def default_rows(trials: list[dict]) -> list[tuple[str, str, str]]:
 
 
 def write_report(sweep_dir: str, rows: list[tuple[str, str, str]] | None = None,
-                 title: str = "", order: list[str] = ()) -> tuple[str, list[str]]:
+                 title: str = "", order: list[str] = (), notes: str = "") -> tuple[str, list[str]]:
     """The rows given, else the comparison's own (saved with the sweep), else every evaluation metric.
     comparison.csv (one row per trial), comparison.json (mean ± std per variant and metric), comparison.png
     (a bar per variant with its spread and seeds for each metric) and curves_<metric>.png (mean ± std over the
-    seeds against the step) in the sweep directory; returns the printed table and the files' names."""
+    seeds against the step) in the sweep directory; returns the printed table (variants in ``order``, then what
+    the ``notes`` hook makes of the trials) and the files' names."""
     import tempfile
 
     sweep_dir = storage.normalize(sweep_dir)
@@ -167,6 +169,7 @@ def write_report(sweep_dir: str, rows: list[tuple[str, str, str]] | None = None,
     missing = [t for t in trials if not t["metrics"]]  # failed, or not run yet (an interrupted comparison)
     lines += [f"{'failed' if t['status'] == 'ERROR' else 'not finished'}: {t['variant']} seed {t['seed']} "
               f"({t['status']}{': ' + t['error'] if t['error'] else ''})" for t in missing]
+    lines += [hook(notes)(trials)] if notes else []
     return "\n".join(lines), names
 
 
@@ -298,8 +301,8 @@ def main(comparison: Comparison, argv: list[str] | None = None, defaults=None, a
     session.setup_logging(True)  # Tune's trial table is the progress of a comparison
     if args.report:
         session.connect("", 1, include_dashboard=False)  # Tune's ExperimentAnalysis reads trials through a session
-        print(write_report(args.report, comparison.rows, comparison.title, list(comparison.variants))[0])
-        print(notes(comparison, args.report))
+        print(write_report(args.report, comparison.rows, comparison.title, list(comparison.variants),
+                           comparison.notes)[0])
         return 0
     if args.resume and not args.name:
         print("config error: --resume: give the --name of the comparison to continue", file=sys.stderr)
@@ -321,10 +324,10 @@ def main(comparison: Comparison, argv: list[str] | None = None, defaults=None, a
 
 
 def _print_result(comparison: Comparison, sweep_dir: str, seeds: int) -> None:
-    table, files = write_report(sweep_dir, comparison.rows, comparison.title, list(comparison.variants))
+    table, files = write_report(sweep_dir, comparison.rows, comparison.title, list(comparison.variants),
+                                comparison.notes)
     print(f"\n== {comparison.title}: mean ± std over {seeds} seeds, held-out evaluation ==")
     print(table)
-    print(notes(comparison, sweep_dir))
     print(f"\ncomparison directory: {sweep_dir}\n  per trial: {storage.join(sweep_dir, 'comparison.csv')}\n"
           f"  summary:   {storage.join(sweep_dir, 'comparison.json')}\n  plots:     "
           + ", ".join(n for n in files if n.endswith(".png"))
@@ -350,20 +353,10 @@ def run_stages(comparison: Comparison, overrides: list[str], seeds: int, after_k
             write_report(parts[-1], comparison.rows, comparison.title, list(comparison.variants))
             sweep = comparison.chosen(",".join(sweep.variants), demo=False).sweep(
                 overrides + then(parts[-1]), seeds, after_kwargs, sweep.name, parts)
-        where = storage.join(storage.normalize(sweep.base_config().tune.storage_path), sweep.name)
-        sweep_dir, _ = run_sweep(sweep, name=sweep.name,
-                                 resume=resume and (not parts or storage.exists(where)))  # a stage not begun starts
+        begun = storage.exists(sweep_directory(sweep.base_config(), sweep.name))
+        sweep_dir, _ = run_sweep(sweep, name=sweep.name, resume=resume and (not parts or begun))  # else it starts
         parts.append(sweep_dir)
     return parts[-1]
-
-
-def notes(comparison: Comparison, sweep_dir: str) -> str:
-    if not comparison.notes:
-        return ""
-    import importlib
-
-    module, function = comparison.notes.split(":")
-    return getattr(importlib.import_module(module), function)(trial_results(sweep_dir, list(comparison.variants))[1])
 
 
 def prepare_data(sweep: Sweep) -> None:

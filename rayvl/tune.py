@@ -263,18 +263,24 @@ def trial(config: dict) -> None:
 FINAL_METRICS = "final_metrics.json"  # in each trial's run directory: what rayvl.compare summarises
 
 
+def hook(spec: str):
+    """The function a "module:function" setting names (a trial's ``after``, a comparison's ``notes``)."""
+    import importlib
+
+    module, function = spec.split(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def write_final_metrics(result, variant: str, values: dict, after: str = "", after_kwargs: dict | None = None) -> dict:
     """The trial's final numbers in its run directory: the last report's metrics, the caption statistics of its data
     report and what ``after`` ("module:function", called with the run's result) adds."""
-    import importlib
     import json
 
     metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     metrics.update(result.data_report["captions"])  # caption_stats, computed by train()
     metrics["samples_kept"] = result.data_report["counts"].get("samples_kept", 0)
     if after:
-        module, function = after.split(":")
-        metrics.update(getattr(importlib.import_module(module), function)(result, **(after_kwargs or {})))
+        metrics.update(hook(after)(result, **(after_kwargs or {})))
     record = {"variant": variant, "values": values, "metrics": metrics, "checkpoint": result.checkpoint_dir}
     storage.write_text(storage.join(result.uri, FINAL_METRICS), json.dumps(record, indent=2))
     return record
@@ -334,6 +340,12 @@ def _metric_report(metric: str):
     return MetricReport()
 
 
+def sweep_directory(base: RayvlConfig, name: str) -> str:
+    """Where a sweep named ``name`` keeps its state and runs: under tune.storage_path (a local path or a URL, as
+    train.storage_path)."""
+    return storage.join(storage.normalize(base.tune.storage_path), name)
+
+
 def run_sweep(sweep: Sweep, overrides: list[str] = (), name: str = "", resume: bool = False):
     """Start (or with ``resume`` continue) the sweep; returns (sweep directory, Tune's ResultGrid)."""
     import ray
@@ -343,9 +355,9 @@ def run_sweep(sweep: Sweep, overrides: list[str] = (), name: str = "", resume: b
     from rayvl import session
 
     base = sweep.base_config(overrides)
-    store = storage.normalize(base.tune.storage_path)  # a local path or a URL, as train.storage_path
     name = name or sweep.name or Path(sweep.path).stem
-    sweep_dir = storage.join(store, name)
+    store = storage.normalize(base.tune.storage_path)
+    sweep_dir = sweep_directory(base, name)
     if resume != storage.exists(sweep_dir):
         raise SweepError(f"{sweep.path}: sweep {sweep_dir!r} {'has no state to resume' if resume else 'exists'}"
                          f": {'drop --resume' if resume else 'pass --resume to continue it, or --name another'}")

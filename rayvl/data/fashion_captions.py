@@ -25,7 +25,7 @@ import numpy as np
 from PIL import Image
 
 from rayvl.data import fashion_mnist
-from rayvl.data.tar import write_img2dataset_shard
+from rayvl.data.demo import write_shard
 
 FORMAT = 1  # bump when the files written change
 # noun phrases per class (index = Fashion-MNIST class id); every one names the class by its word or plural
@@ -100,9 +100,7 @@ def write_coverage(out: str | Path, first: int, held_out: list[int], seed: int =
                          "width": 28, "height": 28, "original_width": 28, "original_height": 28, "exif": "{}",
                          "cls": cls, "jpg": buf.getvalue()})
             if len(rows) == shard_size or n == len(chosen) - 1:
-                stats = {"count": len(rows), "successes": len(rows), "failed_to_download": 0, "failed_to_resize": 0,
-                         "duration": time.time() - started, "status_dict": {"success": len(rows)}}
-                write_img2dataset_shard(out / name, f"{n // shard_size:05d}", rows, stats)
+                write_shard(out / name, n // shard_size, rows, started)
                 rows, started = [], time.time()
         counts[name] = {fashion_mnist.CLASSES[c]: int((labels[chosen] == c).sum()) for c in range(10)}
     (out / "DONE.json").write_text(json.dumps({"first": first, "held_out": sorted(held_out), "seed": seed,
