@@ -7,9 +7,15 @@ same shards on the same cores, measured side by side in this one run:
 - the ceiling: the same work in one plain process, times the cores.
 
     .venv/bin/python benchmarks/data_pipeline.py --photo [--samples 4000] [--sizes 64,224] [--passes 2] [--rounds 3]
+        [--read-cpus 0.5,1] [--transform-rows 64,256]
 
 ``--photo`` writes img2dataset-layout shards of photo-like JPEGs at LAION's sizes (160–400 px a side, ≈15–40 KB)
 instead of the demo's small drawings. webdataset is a benchmark-only dependency (``pip install -e .[bench]``).
+
+Each round of a reader is timed batch by batch. "steady" is its rate between the moments it had delivered 10% and
+90% of the round's samples: what a long training run gets, where one Ray Data execution serves every pass and the
+loader's workers live as long as the run. "whole" counts from the first request to the last batch, start-up and
+tail included, and "1st batch s" is the start-up latency; a run pays those once.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import time
 from collections import Counter
 from functools import partial
 from pathlib import Path
+from typing import Iterable, Iterator, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -40,6 +47,13 @@ from rayvl.data.tar import COLUMNS, iter_tar_samples, resolve_shards  # noqa: E4
 
 BATCH = 64
 TRAIN_COLUMNS = ["image", "input_ids", "attention_mask", "label"]
+STEADY = (0.1, 0.9)  # a round's steady rate is measured between these shares of its samples
+
+
+class Round(NamedTuple):
+    steady: float  # samples/s between STEADY's marks
+    whole: float  # samples/s from the first request to the last batch
+    first: float  # seconds to the first batch
 
 
 def photo_shards(out: Path, samples: int, n_shards: int, seed: int = 0) -> str:
@@ -68,17 +82,18 @@ def _batch_of(samples: list[dict]) -> dict:
     return {c: [s.get(c) for s in samples] for c in COLUMNS}
 
 
-def plain(paths: list[str], kw: dict) -> int:
-    """One process, one batch at a time: the per-core ceiling of the per-sample work."""
-    n, batch = 0, []
+def plain(paths: list[str], kw: dict) -> Iterator[int]:
+    """One process, one batch at a time: the per-core ceiling of the per-sample work. Yields each batch's size."""
+    batch = []
     for path in paths:
         with open(path, "rb") as f:
             for sample in iter_tar_samples(f):
                 batch.append(sample)
                 if len(batch) == BATCH:
-                    n += len(preprocess(_batch_of(batch), counts=Counter(), **kw)["key"])
+                    yield len(preprocess(_batch_of(batch), counts=Counter(), **kw)["key"])
                     batch = []
-    return n + (len(preprocess(_batch_of(batch), counts=Counter(), **kw)["key"]) if batch else 0)
+    if batch:
+        yield len(preprocess(_batch_of(batch), counts=Counter(), **kw)["key"])
 
 
 def webdataset_loader(paths: list[str], kw: dict, workers: int):
@@ -104,8 +119,19 @@ def report_actor_name() -> str:
     return name
 
 
-def _samples(loader, passes: int) -> int:
-    return sum(len(b["image"]) for _ in range(passes) for b in loader)
+def _batches(loader, passes: int) -> Iterator[int]:
+    return (len(b["image"]) for _ in range(passes) for b in loader)
+
+
+def timed(batches: Iterable[int]) -> Round:
+    """Samples/s of one round of a reader: steady (between the moments it had delivered 10% and 90% of the round's
+    samples — what a long training run sees), whole (first request to last batch) and its first batch's latency."""
+    start, n, marks = time.perf_counter(), 0, []
+    for size in batches:
+        n += size
+        marks.append((time.perf_counter() - start, n))
+    (t_lo, n_lo), (t_hi, n_hi) = (next(m for m in marks if m[1] >= q * n) for q in STEADY)
+    return Round(steady=(n_hi - n_lo) / (t_hi - t_lo), whole=n / marks[-1][0], first=marks[0][0])
 
 
 def measure(spec: str, size: int, args, cores: int) -> list[tuple]:
@@ -118,50 +144,49 @@ def measure(spec: str, size: int, args, cores: int) -> list[tuple]:
               tokenizer_path=str(assets.text_model_path("minilm-l6")))
     # the loader's persistent workers are forked (by the warm-up pass) before Ray starts its threads in this process
     loader = webdataset_loader(paths, kw, cores)
-    wds_run = partial(_samples, loader)
-    wds_run(1)
+    wds_run = partial(_batches, loader)
+    sum(wds_run(1))
     ray.init(address="local", include_dashboard=False, num_cpus=cores)
     ray.data.DataContext.get_current().enable_progress_bars = False
     # one data report for all runs, made before any timing, as a training run makes it once: its actor's process
     # start-up (≈1.2 s of CPU here) is not part of reading
     report = report_actor_name()
 
-    def ray_data(read_cpus: float, k: int) -> int:
-        ds = shards.read_shards(spec, read_cpus=read_cpus, transform_batch_size=BATCH, shuffle_files=True,
+    def ray_data(read_cpus: float, rows: int, k: int) -> Iterator[int]:
+        ds = shards.read_shards(spec, read_cpus=read_cpus, transform_batch_size=rows, shuffle_files=True,
                                 report_name=report, columns=TRAIN_COLUMNS, passes=k,
                                 threads=DataConfig().read_threads, **kw)
-        return sum(len(b["image"]) for b in ds.iter_batches(batch_size=BATCH, batch_format="numpy"))
+        return (len(b["image"]) for b in ds.iter_batches(batch_size=BATCH, batch_format="numpy"))
 
-    readers = {"plain process (1 core)": lambda k: sum(plain(paths, kw) for _ in range(k)),
+    readers = {"plain process (1 core)": lambda k: (n for _ in range(k) for n in plain(paths, kw)),
                f"webdataset + DataLoader ({cores} workers)": wds_run,
-               **{f"rayvl Ray Data (read_cpus={c:g})": partial(ray_data, c) for c in args.read_cpus}}
+               **{f"rayvl Ray Data (read_cpus={c:g}, {r} rows)": partial(ray_data, c, r)
+                  for r in args.transform_rows for c in args.read_cpus}}
     for run in readers.values():
         if run is not wds_run:  # its warm-up pass ran before Ray started
-            run(1)
-    rates: dict[str, list[float]] = {name: [] for name in readers}
+            sum(run(1))
+    rounds: dict[str, list[Round]] = {name: [] for name in readers}
     for _ in range(args.rounds):
         for name, run in readers.items():
-            t = time.perf_counter()
-            n = run(args.passes)
-            rates[name].append(n / (time.perf_counter() - t))
+            rounds[name].append(timed(run(args.passes)))
     del loader, wds_run, readers
     gc.collect()  # the loader's workers exit
     ray.shutdown()
-    return [(size, name, statistics.median(r), min(r), max(r)) for name, r in rates.items()]
+    return [(size, name, *(statistics.median(getattr(r, f) for r in rs) for f in Round._fields),
+             min(r.steady for r in rs), max(r.steady for r in rs)) for name, rs in rounds.items()]
 
 
 def table(rows: list[tuple], cores: int) -> str:
-    lines = [f"{'px':>4}  {'reader':<40} {'samples/s':>10} {'(min–max)':>15} {'× webdataset':>13} {'× ceiling':>10}"]
+    lines = [f"{'px':>4}  {'reader':<40} {'steady /s':>9} {'(min–max)':>11} {'× wds':>6} {'× ceiling':>9} "
+             f"{'whole /s':>8} {'1st batch s':>11}"]
     for size in sorted({r[0] for r in rows}):
         rate = {r[1]: r[2] for r in rows if r[0] == size}
         wds_rate = next(v for k, v in rate.items() if k.startswith("webdataset"))
         ceiling = next(v for k, v in rate.items() if k.startswith("plain")) * cores
-        lines.append(f"{size:>4}  {'ceiling: plain process × ' + str(cores) + ' cores':<40} {ceiling:>10.1f}")
-        for r in rows:
-            if r[0] == size:
-                spread = f"({r[3]:.0f}–{r[4]:.0f})"
-                lines.append(f"{size:>4}  {r[1]:<40} {r[2]:>10.1f} {spread:>15} {r[2] / wds_rate:>13.2f} "
-                             f"{r[2] / ceiling:>10.2f}")
+        lines.append(f"{size:>4}  {'ceiling: plain process × ' + str(cores) + ' cores':<40} {ceiling:>9.1f}")
+        for px, name, steady, whole, first, low, high in (r for r in rows if r[0] == size):
+            lines.append(f"{px:>4}  {name:<40} {steady:>9.1f} {f'({low:.0f}–{high:.0f})':>11} "
+                         f"{steady / wds_rate:>6.2f} {steady / ceiling:>9.2f} {whole:>8.1f} {first:>11.2f}")
     return "\n".join(lines)
 
 
@@ -175,8 +200,11 @@ def main():
     p.add_argument("--rounds", type=int, default=3, help="rounds of all readers in turn; the table has medians")
     p.add_argument("--sizes", default="64,224")
     p.add_argument("--read-cpus", default="0.5,1", help="data.read_cpus values to measure")
+    p.add_argument("--transform-rows", default=str(DataConfig().transform_batch_size),
+                   help="data.transform_batch_size values to measure (rows per transform call and block)")
     args = p.parse_args()
     args.read_cpus = [float(v) for v in args.read_cpus.split(",")]
+    args.transform_rows = [int(v) for v in args.transform_rows.split(",")]
     cores = len(os.sched_getaffinity(0))
     tmp = Path(tempfile.mkdtemp())
     if args.data:
@@ -190,8 +218,9 @@ def main():
         rows += measure(spec, size, args, cores)
     kb = np.mean([os.path.getsize(p) for p in resolve_shards(spec)]) / max(1, args.samples / args.shards) / 1024
     print(f"\n{len(resolve_shards(spec))} shards, {args.samples} samples (≈{kb:.0f} KB a sample), {cores} cores, "
-          f"24 tokens, batch {BATCH}, data.read_threads={DataConfig().read_threads}; median of {args.rounds} "
-          f"rounds of {args.passes} passes per reader, readers in turn, after a warm-up pass each")
+          f"24 tokens, consumer batch {BATCH}, data.read_threads={DataConfig().read_threads}; median of {args.rounds} "
+          f"rounds of {args.passes} passes per reader, readers in turn, after a warm-up pass each; ratios of "
+          "steady rates")
     print(table(rows, cores))
 
 

@@ -5,10 +5,12 @@ the same model, loss, optimizer, global batch and CPU threads, measured side by 
 
 - bare torch loop: one process, ``torch.set_num_threads(cores)``, one in-memory batch of the run's global size
   (random uint8 images, captions tokenized from the demo), CLIP loss, AdamW; the upper bound with no data plane and
-  no distribution. Measured before and after rayvl's run; the table uses their mean.
+  no distribution. Measured before and after rayvl's run (after Ray has shut down); the table uses their mean.
 - rayvl: the recipe on the embedded demo for ``--steps`` optimizer steps (no evaluation, one checkpoint at the end).
   Its samples/s are over the whole run — every logged window from the first step to the last, the ones that waited
-  for data included; evaluation and checkpoint writing are outside the windows.
+  for data included; evaluation and checkpoint writing are outside the windows. Between the first and the
+  second-to-last window, the CPU time of every process on the machine is split into groups (training workers,
+  Ray Data read tasks, Ray's other processes including this driver, other processes, idle): where the cores went.
 """
 from __future__ import annotations
 
@@ -17,12 +19,15 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
+import ray  # noqa: E402
 import torch  # noqa: E402
 
 from rayvl import assets  # noqa: E402
@@ -33,6 +38,50 @@ from rayvl.losses import clip_loss  # noqa: E402
 from rayvl.models.dual_encoder import build_model, param_groups  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+GROUPS = (("training workers", ("RayTrainWorker",)), ("Ray Data read tasks", ("ReadShardStream", "ray::IDLE")),
+          ("Ray's other processes", ("ray",)))
+
+
+class CpuShares(threading.Thread):
+    """CPU seconds of every process on the machine, snapshotted each time the run's metrics.jsonl gains a line
+    (a logged window ends): where the cores went between two windows, by process group."""
+
+    def __init__(self, storage: str):
+        super().__init__(daemon=True)
+        self.storage, self.snapshots, self.done = Path(storage), [], threading.Event()
+
+    def run(self):
+        lines = 0
+        while not self.done.wait(0.2):
+            found = sum(len(f.read_text().splitlines()) for f in self.storage.glob("*/metrics.jsonl"))
+            if found > lines:
+                lines = found
+                self.snapshots.append((time.perf_counter(), _cpu_seconds()))
+
+    def shares(self, first: int, last: int) -> dict[str, float]:
+        """Each group's share of all cores between the ends of windows ``first`` and ``last`` (0-based)."""
+        (t0, a), (t1, b) = self.snapshots[first], self.snapshots[last]
+        by_group = Counter()
+        for pid, (group, seconds) in b.items():
+            by_group[group] += seconds - a.get(pid, (group, 0.0))[1]
+        cores = len(os.sched_getaffinity(0)) * (t1 - t0)
+        return {**{g: by_group[g] / cores for g, _ in GROUPS}, "other processes": by_group["other"] / cores,
+                "idle": 1 - sum(by_group.values()) / cores}
+
+
+def _cpu_seconds() -> dict[int, tuple[str, float]]:
+    import psutil
+
+    out = {}
+    for proc in psutil.process_iter(["cmdline", "name"]):
+        try:
+            name, times = " ".join(proc.info["cmdline"] or [proc.info["name"] or ""]), proc.cpu_times()
+        except (psutil.Error, OSError):
+            continue
+        group = next((g for g, marks in GROUPS if any(m in name for m in marks)), "other")
+        group = GROUPS[-1][0] if proc.pid == os.getpid() else group  # this process is the run's Ray driver
+        out[proc.pid] = (group, times.user + times.system)
+    return out
 
 
 def bare_loop(cfg, steps: int, cores: int) -> tuple[float, int]:
@@ -70,7 +119,11 @@ def rayvl_run(config: str, overrides: list[str], steps: int, storage: str) -> di
 
     cfg = load_config(config, [*overrides, f"train.max_steps={steps}", f"train.checkpoint_every={steps}",
                                "eval.tasks=[]", f"train.storage_path={storage}", "train.warmup_steps=0"])
+    cpu = CpuShares(storage)
+    cpu.start()
     result = train(cfg)
+    cpu.done.set()
+    cpu.join()
     windows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     t = cfg.train
     per_step = t.num_workers * t.micro_batch_size * t.grad_accumulation
@@ -81,8 +134,11 @@ def rayvl_run(config: str, overrides: list[str], steps: int, storage: str) -> di
         seconds += n / w["samples_per_s"]
         waited += n / w["samples_per_s"] * w["data_wait_share"]
         last = w["step"]
+    # steady state: from the end of the first window to the end of the last one before the final checkpoint
     return {"samples_per_s": samples / seconds, "wait_share": waited / seconds, "windows": windows,
-            "worst_window_wait": max(w["data_wait_share"] for w in windows)}
+            "worst_window_wait": max(w["data_wait_share"] for w in windows),
+            "cpu": cpu.shares(0, len(windows) - 2) if len(cpu.snapshots) >= 3 else {},
+            "cpu_steps": (windows[0]["step"], windows[-2]["step"]) if len(windows) >= 3 else None}
 
 
 def main():
@@ -97,6 +153,7 @@ def main():
     # (one bare loop measured 43.7–49.6 samples/s across runs)
     before, batch = bare_loop(cfg, max(10, args.steps // 3), cores)
     run = rayvl_run(args.config, args.set, args.steps, tempfile.mkdtemp())
+    ray.shutdown()  # the second bare loop must not share the cores with Ray's idle processes
     after, _ = bare_loop(cfg, max(10, args.steps // 3), cores)
     bare = (before + after) / 2
     print(f"\n{Path(args.config).stem}: global batch {batch}, {cores} cores, image {cfg.data.image_size}px, "
@@ -108,6 +165,9 @@ def main():
           f"{batch / run['samples_per_s']:>8.3f} {run['samples_per_s'] / bare:>7.2f}")
     print(f"rayvl data-wait share: {100 * run['wait_share']:.1f}% over the run, worst window "
           f"{100 * run['worst_window_wait']:.1f}%")
+    if run["cpu"]:
+        print(f"where the {cores} cores went, steps {run['cpu_steps'][0] + 1}–{run['cpu_steps'][1]} (share of all "
+              "cores): " + ", ".join(f"{group} {100 * share:.1f}%" for group, share in run["cpu"].items()))
     print("windows (step: samples/s, data wait %): " + ", ".join(
         f"{w['step']}: {w['samples_per_s']:.1f}, {100 * w['data_wait_share']:.1f}" for w in run["windows"]))
 

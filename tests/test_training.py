@@ -48,6 +48,7 @@ def test_zero_stage_trains_two_workers(ray_local, demo_dir, tmp_path, stage):
     assert [h["lr"] for h in history] == pytest.approx([cfg.train.lr * schedule(s) for s in (1, 2, 3)])
     assert result.metrics["samples_kept"] > 0
     assert result.data_report["eval"]["counts"]["samples_kept"] == 2 * 64  # each rank reads the held-out split
+    assert "image_label" not in result.data_report  # a report (an actor) per stream the run reads, no more
     for key in ("zeroshot_top1", "t2i_R@10", "paraphrase_AO@10", "paraphrase_JS@10", "sts_spearman"):
         assert key in result.metrics
     files = _ds_files(Path(result.checkpoint_dir))

@@ -122,6 +122,7 @@ def test_unicl_mix_and_ce_baseline_train_two_workers(ray_local, demo_dir, tmp_pa
     lab = result.data_report["image_label"]["counts"]
     assert lab["samples_kept"] > 0 and lab["excluded_held_out_class"] > 0
     assert "image-label: seen" in format_data_report(result.data_report)
+    assert ("eval" in result.data_report) == (variant == "unicl_mixed")  # the CE run reads no held-out split
 
 
 def test_held_out_confusion_and_recall_against_a_loop():
