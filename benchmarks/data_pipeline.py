@@ -131,7 +131,9 @@ def timed(batches: Iterable[int]) -> Round:
         n += size
         marks.append((time.perf_counter() - start, n))
     (t_lo, n_lo), (t_hi, n_hi) = (next(m for m in marks if m[1] >= q * n) for q in STEADY)
-    return Round(steady=(n_hi - n_lo) / (t_hi - t_lo), whole=n / marks[-1][0], first=marks[0][0])
+    whole = n / marks[-1][0]
+    # a round of a few batches has no steady part to measure
+    return Round(steady=(n_hi - n_lo) / (t_hi - t_lo) if t_hi > t_lo else whole, whole=whole, first=marks[0][0])
 
 
 def measure(spec: str, size: int, args, cores: int) -> list[tuple]:
