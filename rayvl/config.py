@@ -55,7 +55,7 @@ class DataConfig:
     transform_batch_size: int = 256
     """rows a read task decodes, crops and tokenizes in one call, and the rows of each Ray Data block it emits.
     Ray Data's costs are per block (scheduling loop, object store, the consumer's fetch): 256 rows read 15–17%
-    faster than 64 at 64 px and 3–4% faster at 224 px in steady state; the first batch comes later (1.5–2.4 s
+    faster than 64 at 64 px and 2–4% faster at 224 px in steady state; the first batch comes later (1.5–2.3 s
     instead of 0.5–0.8 s on 2 cores at read_cpus=1), hidden in training behind the engine build
     (benchmarks/data_pipeline.py, README "Data plane")."""
     shuffle_files: bool = True

@@ -208,8 +208,14 @@ def build_datasets(cfg: RayvlConfig, train: str, evalset: str, report_name: str,
     datasets = {"train": shards.read_shards(train, train=True, shuffle_files=d.shuffle_files, bow=deformer,
                                             ontology=ontology, columns=columns, passes=passes, seed=cfg.train.seed,
                                             positioned=True, **common)}
-    if cfg.eval.tasks and evalset:
+    held_out = eval_report(cfg, evalset, report_name)
+    if held_out:
         # held-out samples are counted in their own report, so training counts stay per pass over training data
         datasets["eval"] = shards.read_shards(evalset, train=False, shuffle_files=False,
-                                              **{**common, "report_name": f"{report_name}-eval"})
+                                              **{**common, "report_name": held_out})
     return datasets
+
+
+def eval_report(cfg: RayvlConfig, evalset: str, report_name: str) -> str | None:
+    """The data report of the held-out stream, or None when the run reads none (no tasks or no held-out shards)."""
+    return f"{report_name}-eval" if cfg.eval.tasks and evalset else None

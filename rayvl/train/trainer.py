@@ -41,7 +41,8 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
     session.check_storage(cfg)
     report_name = f"rayvl-data-report-{name}-{uuid.uuid4().hex[:8]}"
     # a report per stream the run reads, no more: on 2 cores each idle actor process took 0.4% of the machine
-    reports = {"train": report_name, **({"eval": f"{report_name}-eval"} if cfg.eval.tasks and data.eval else {}),
+    held_out = datasets.eval_report(cfg, data.eval, report_name)
+    reports = {"train": report_name, **({"eval": held_out} if held_out else {}),
                **({"image_label": f"{report_name}-labels"} if data.prompts is not None else {})}
     for r in reports.values():
         report_actor(r)  # created by the driver, so they live as long as it does
