@@ -21,7 +21,8 @@ from rayvl import assets  # noqa: E402
 from rayvl.config import DEFAULT_BOW_OPS, parse_bow_ops  # noqa: E402
 from rayvl.data import bow  # noqa: E402
 from rayvl.data.pipeline import preprocess  # noqa: E402
-from rayvl.data.tar import COLUMNS, iter_tar_samples, resolve_shards  # noqa: E402
+from rayvl.data.specs import resolve_shards  # noqa: E402
+from rayvl.data.tar import COLUMNS, iter_tar_samples  # noqa: E402
 from rayvl.data.demo import write_demo  # noqa: E402
 from rayvl.data.text import validate_caption  # noqa: E402
 

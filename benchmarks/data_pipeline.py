@@ -43,7 +43,8 @@ from rayvl.config import DataConfig  # noqa: E402
 from rayvl.data import demo, shards  # noqa: E402
 from rayvl.data.pipeline import preprocess  # noqa: E402
 from rayvl.data.report import report_actor  # noqa: E402
-from rayvl.data.tar import COLUMNS, iter_tar_samples, resolve_shards  # noqa: E402
+from rayvl.data.specs import resolve_shards  # noqa: E402
+from rayvl.data.tar import COLUMNS, iter_tar_samples  # noqa: E402
 
 BATCH = 64
 TRAIN_COLUMNS = ["image", "input_ids", "attention_mask", "label"]

@@ -22,7 +22,8 @@ from rayvl import assets  # noqa: E402
 from rayvl.config import load_config  # noqa: E402
 from rayvl.data.pipeline import preprocess  # noqa: E402
 from rayvl.data import tar  # noqa: E402
-from rayvl.data.tar import iter_tar_samples, resolve_shards  # noqa: E402
+from rayvl.data.specs import resolve_shards  # noqa: E402
+from rayvl.data.tar import iter_tar_samples  # noqa: E402
 from rayvl.data.demo import SHAPES, write_demo  # noqa: E402
 from rayvl.data.ontology import Ontology  # noqa: E402
 from rayvl.data.tonics import BucketSampler, draw_node  # noqa: E402

@@ -28,7 +28,7 @@ ROWS = [
     ("text→image R@1 %", "t2i_R@1", ".1f"), ("text→image R@5 %", "t2i_R@5", ".1f"),
     ("avg caption length (words)", "avg_caption_words", ".1f"),
     ("dataset size change %", "bow_dataset_change_pct", "+.1f"),
-    ("training samples seen (all passes)", "samples_kept", ".0f"),
+    ("training rows trained (all passes)", "data_rows_trained", ".0f"),
     ("final training loss", "loss", ".3f"),
 ]
 COMPARISON = Comparison(

@@ -25,9 +25,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # `ray job submit --working-dir .` runs from a copy
 
-from rayvl import pseudo_label, session, storage  # noqa: E402
+from rayvl import plan, pseudo_label, session, storage  # noqa: E402
 from rayvl.config import ConfigError, load_config, validate  # noqa: E402
-from rayvl.data.tar import resolve_shards  # noqa: E402
+from rayvl.data.specs import resolve_shards  # noqa: E402
 from rayvl.data.word_rank import RULES  # noqa: E402
 from rayvl.recipes import (USER_ERRORS, one_line, _train, add_train_args, config_from_args,  # noqa: E402
                            print_comparison, train_variants)
@@ -79,6 +79,10 @@ def main(argv=None) -> int:
         args.data = None
         base = config_from_args(argparse.Namespace(**{**vars(args), "set": demo + list(args.set)}),
                                 [f"data.train={aligned}", "bow.enabled=true"])
+        if args.dry_run:  # the labeller's run; the arms train the same data plus what it labels
+            print(plan.describe(_with(base, f"pseudo_label-{stamp}-labeller", args.teacher_steps)))
+            print(f"then: pseudo-label {unaligned} with rules {args.rules}, and train each arm {args.steps} steps")
+            return 0
         name = base.train.run_name or f"pseudo_label-{stamp}"
         teacher = _train(_with(base, f"{name}-labeller", args.teacher_steps), args.verbose)
         rules = [r.strip() for r in args.rules.split(",") if r.strip()]

@@ -9,7 +9,9 @@ from pathlib import Path
 from rayvl import session
 from rayvl.config import RayvlConfig, bow_needs_stats, parse_bow_ops
 from rayvl.data.demo import DEMO_SEED, ensure_demo
-from rayvl.data.tar import iter_tar_samples, open_shard, resolve_shards
+from rayvl.data.shard_io import open_shard
+from rayvl.data.specs import resolve_shards
+from rayvl.data.tar import iter_tar_samples
 from rayvl.data.text import validate_caption
 from rayvl.train.datasets import bow_deformer
 

@@ -13,6 +13,7 @@ Weights load from ``model.pt`` when present, otherwise from the DeepSpeed files 
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -74,9 +75,11 @@ def weights_only_loads(checkpoint: str | os.PathLike):
 
 
 def load_file(checkpoint: str | os.PathLike, name: str):
-    """One file of a local checkpoint, loaded weights-only."""
+    """One file of a checkpoint (a local folder or a URL: only that file is fetched), loaded weights-only."""
+    source = storage.join(str(checkpoint), name)
+    source = io.BytesIO(storage.read_bytes(source)) if storage.is_url(source) else source
     with weights_only_loads(checkpoint):
-        return torch.load(Path(checkpoint) / name, map_location="cpu", weights_only=True)
+        return torch.load(source, map_location="cpu", weights_only=True)
 
 
 def read_train_state(checkpoint: str | os.PathLike) -> dict:

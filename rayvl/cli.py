@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from rayvl.config import ConfigError, load_config
-from rayvl.recipes import CONFIGS, add_train_args, run_recipe
+from rayvl.recipes import CONFIGS, add_train_args, data_cause, dry_run, one_line, run_recipe
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -14,6 +14,10 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a dual encoder (default recipe: laion_adapt)")
     add_train_args(t, str(CONFIGS / "laion_adapt.yaml"))
     data = sub.add_parser("data", help="dataset utilities").add_subparsers(dest="data_command", required=True)
+    dc = data.add_parser("check", help="what a shard spec holds: shard count, samples from img2dataset's files, "
+                                       "the first samples decoded with the reasons any would be dropped")
+    dc.add_argument("spec", help="shards as --data takes them, e.g. 's3://bucket/laion/{00000..41407}.tar'")
+    dc.add_argument("-n", type=int, default=8, help="samples of the first shard to decode")
     demo = data.add_parser("demo", help="write the embedded demo dataset in img2dataset layout")
     demo.add_argument("--out", required=True)
     demo.add_argument("--samples", type=int, default=4000)
@@ -50,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     tu.add_argument("--resume", action="store_true", help="continue an interrupted sweep of that name")
     tu.add_argument("--report", default="", metavar="DIR", help="only print and write the report of a sweep "
                                                                  "directory (finished or interrupted)")
+    tu.add_argument("--dry-run", action="store_true", help="check the space, the config and the data and print "
+                                                           "the plan, without starting Ray")
     pl = sub.add_parser("plot", help="PNG plots of a run's metrics (also of a run still going); several runs: "
                                       "one figure per metric with a line per run")
     pl.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
@@ -77,6 +83,8 @@ def _pseudo_label_parser(sub) -> None:
     ps.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="any config field, e.g. --set pseudo_label.crops=10 --set pseudo_label.k=5")
     ps.add_argument("--verbose", action="store_true", help="show Ray's and the actors' own output")
+    ps.add_argument("--dry-run", action="store_true", help="check the inputs and print the plan, without "
+                                                           "starting Ray")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,6 +159,10 @@ def tune_main(args) -> int:
     if not args.space:
         print("rayvl tune: give a search-space file (tune_spaces/*.yaml) or --report DIR", file=sys.stderr)
         return 2
+    if args.dry_run:
+        from rayvl import plan
+
+        return dry_run(lambda: plan.describe_sweep(tune.load_sweep(args.space, args.set)))
     try:
         sweep = tune.load_sweep(args.space, args.set)  # every key and domain checked before Ray starts
         sweep_dir = tune.sweep_and_report(sweep, name=args.name, resume=args.resume)
@@ -199,21 +211,30 @@ def export_main(args) -> int:
 
 def pseudo_label_main(args) -> int:
     from rayvl import pseudo_label, session
-    from rayvl.data.report import DataPlaneError
 
     flags = {"checkpoint": args.checkpoint, "aligned": args.aligned, "unaligned": args.unaligned, "out": args.out}
     overrides = list(args.set) + [f"pseudo_label.{k}={v}" for k, v in flags.items() if v is not None]
     if args.rules:
         overrides.append(f"pseudo_label.rules=[{args.rules}]")
+    if args.dry_run:
+        from rayvl import plan
+
+        return dry_run(lambda: plan.describe_pseudo_label(load_config(args.config, overrides)))
     try:
         cfg = load_config(args.config, overrides)
         checked = pseudo_label.check(cfg)  # every path named by its key before Ray starts
         started = session.connect(cfg.ray_address, cfg.local_num_cpus, verbose=args.verbose,
                                   include_dashboard=False)
         summary = pseudo_label.run(cfg, fixed_size=started, checked=checked)
-    except (ConfigError, DataPlaneError) as e:
+    except ConfigError as e:
         print(f"config error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except Exception as e:  # an unreadable shard (or another data failure) in one line, not an actor's traceback
+        cause = data_cause(e)
+        if cause is None:
+            raise
+        print(f"rayvl: error: {one_line(cause)}", file=sys.stderr)
+        return 1
     print(pseudo_label.format_summary(summary))
     print(f"train on them beside the aligned shards: --data {cfg.pseudo_label.aligned},"
           f"{summary['rules'][cfg.pseudo_label.rules[0]]['shards']}")
@@ -223,6 +244,10 @@ def pseudo_label_main(args) -> int:
 def data_main(args) -> int:
     from rayvl.data.demo import write_demo
 
+    if args.data_command == "check":
+        from rayvl import plan
+
+        return dry_run(lambda: plan.check_data(args.spec, args.n))
     out = write_demo(args.out, args.samples, args.eval_samples, args.seed, args.shard_size)
     print(f"wrote demo dataset: {out} ({args.samples} train, {args.eval_samples} held-out)")
     return 0

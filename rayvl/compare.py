@@ -295,6 +295,8 @@ def main(comparison: Comparison, argv: list[str] | None = None, defaults=None, a
     p.add_argument("--resume", action="store_true", help="continue an interrupted comparison (--name)")
     p.add_argument("--report", default="", metavar="DIR", help="only print and write the report of a comparison "
                                                                 "directory (finished or interrupted)")
+    p.add_argument("--dry-run", action="store_true", help="check the grid, the config and the data and print the "
+                                                           "plan, without starting Ray")
     if add_args:
         add_args(p)
     args = p.parse_args(argv)
@@ -313,6 +315,12 @@ def main(comparison: Comparison, argv: list[str] | None = None, defaults=None, a
         overrides = (comparison.demo if not args.data else []) + (defaults(args) if defaults else [])
         overrides += config_overrides(args)
         name = args.name or f"{comparison.title.split()[0]}-{time.strftime('%Y%m%d-%H%M%S')}"
+        if args.dry_run:
+            from rayvl.plan import describe_sweep
+
+            print(describe_sweep(comparison.sweep(overrides, args.seeds,
+                                                  after_kwargs(args) if after_kwargs else {}, name)))
+            return 0
         plan = staged(args, comparison) if staged else None
         sweep_dir = run_stages(comparison, overrides, args.seeds, after_kwargs(args) if after_kwargs else {}, name,
                                args.resume, *(plan or ((), None)))

@@ -7,6 +7,7 @@ as ``ConfigError`` naming the full dotted key, before Ray starts.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,9 +27,12 @@ class ConfigError(ValueError):
 @dataclass
 class DataConfig:
     train: str = ""
-    """img2dataset shards for training: a directory, glob, list file or fsspec URL ('' = embedded demo dataset)."""
+    """img2dataset shards for training, written as webdataset / open_clip write them: brace ranges
+    (``s3://b/laion/{00000..41407}.tar``), ``::`` between sources, comma lists, folders, globs, ``.txt`` list files,
+    URLs (s3://, gs://, file://, any fsspec scheme) and ``pipe:COMMAND`` ('' = embedded demo dataset)."""
     eval: str = ""
-    """held-out img2dataset shards for evaluation ('' = the demo's held-out split next to ``train``)."""
+    """held-out img2dataset shards for evaluation, the same forms as ``train`` ('' = the demo's held-out split;
+    with ``train`` set, evaluation needs it)."""
     classes: str = ""
     """zero-shot class list + prompt templates (JSON: {"classes": [...], "templates": [...]}; '' = the demo's)."""
     paraphrases: str = ""
@@ -66,6 +70,16 @@ class DataConfig:
     """batches prefetched by each worker's iterator."""
     stall_timeout_s: float = 300.0
     """raise if a worker waits this long for one batch (a starved Ray Data pipeline otherwise hangs silently)."""
+    io_retries: int = 5
+    """retries of a shard read after a transient I/O error (timeout, reset connection, throttling, a failed
+    ``pipe:`` command), each resuming at the byte reached; pyarrow's S3 client already retries each request."""
+    io_retry_wait_s: float = 2.0
+    """wait before the first retry, doubled at each next one (at most 60 s, jittered)."""
+    unreadable_shards: Literal["fail", "skip"] = "fail"
+    """a shard that cannot be read (missing, access denied, errors past ``io_retries``): fail the run naming the
+    shard and the cause, or skip the rest of it, counted as ``unreadable_shards`` and named in the data report."""
+    read_buffer_mib: int = 16
+    """bytes asked of storage per request when reading a shard (one ranged GET on object storage)."""
 
 
 @dataclass
@@ -502,7 +516,36 @@ def parse_override(text: str) -> dict:
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected key=value")
     key, raw = text.split("=", 1)
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    value = load_yaml(raw, f"{key.strip()} (override {text!r})") if raw.strip() else ""
+class _Loader(yaml.SafeLoader):
+    """YAML as a user writes numbers: ``1e-3`` is a float (YAML 1.1, PyYAML's default, wants ``1.0e-3`` and
+    reads ``1e-3`` as a string)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)?(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789."))
+
+
+def load_yaml(text: str, where: str):
+    """YAML text → Python values; a syntax error is a ConfigError naming ``where`` and the line."""
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ConfigError(f"{where}: not valid YAML{at}: {getattr(e, 'problem', None) or e}") from None
+
+
+def read_yaml(path: str | Path, key: str) -> Any:
+    """A YAML file's values; a missing file or a syntax error is a ConfigError naming ``key`` and the file."""
+    try:
+        text = Path(path).expanduser().read_text()
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot read {str(path)!r} ({e.strerror or e})") from None
+    return load_yaml(text, f"{key} {path}")
+
+
     out: dict = {}
     node = out
     parts = key.strip().split(".")
@@ -516,8 +559,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Defaults ← recipe YAML ← ``--set`` overrides, then validated."""
     values: dict = {}
     if path:
-        with open(path) as f:
-            loaded = yaml.safe_load(f) or {}
+        loaded = read_yaml(path, "--config") or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: a recipe must be a mapping of sections")
         values = loaded
@@ -635,7 +677,13 @@ def _validate_data(d: DataConfig, t: TrainConfig) -> None:
         raise ConfigError(f"data.read_cpus: must be > 0, got {d.read_cpus}")
     if d.read_threads < 1:
         raise ConfigError(f"data.read_threads: must be ≥ 1, got {d.read_threads}")
-    if d.demo_samples < t.num_workers * t.micro_batch_size:
+    if d.io_retries < 0 or d.io_retry_wait_s < 0:
+        raise ConfigError(f"data.io_retries / data.io_retry_wait_s: must be ≥ 0, got {d.io_retries} / "
+                          f"{d.io_retry_wait_s}")
+    if d.read_buffer_mib < 1:
+        raise ConfigError(f"data.read_buffer_mib: must be ≥ 1, got {d.read_buffer_mib}")
+    # the embedded demo's size matters only when the demo is what the run reads
+    if not d.train and d.demo_samples < t.num_workers * t.micro_batch_size:
         raise ConfigError(
             f"data.demo_samples: {d.demo_samples} cannot fill one global batch of "
             f"{t.num_workers}×{t.micro_batch_size} (train.num_workers × train.micro_batch_size)"
@@ -694,3 +742,8 @@ def _validate_image_label(cfg: RayvlConfig) -> None:
     if il.data and il.weight < 1.0 and cfg.train.micro_batch_size * il.weight < 1:
         raise ConfigError(f"image_label.weight: {il.weight} of train.micro_batch_size="
                           f"{cfg.train.micro_batch_size} is less than one sample")
+    b = cfg.train.micro_batch_size  # a mixed micro-batch takes round(weight × B) image-label rows (train/batches.py)
+    if il.data and il.weight < 1.0 and round(b * il.weight) >= b:
+        raise ConfigError(f"image_label.weight: {il.weight} of train.micro_batch_size={b} leaves no image-text row "
+                          f"(round({il.weight} × {b}) = {b}); use 1.0 for image-label data only, or at most "
+                          f"{(b - 1) / b:.4g}")

@@ -47,7 +47,10 @@ from rayvl.data.bow import rm_stop_nalpha
 from rayvl.data.images import crop, decode
 from rayvl.data.report import DataPlaneError
 from rayvl.data.shards import ShardStream, read
-from rayvl.data.tar import iter_tar_samples, open_shard, resolve_shards, write_img2dataset_shard
+from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
+from rayvl.data import specs
+from rayvl.data.specs import resolve_shards
+from rayvl.data.tar import iter_tar_samples, write_img2dataset_shard
 from rayvl.data.text import PSEUDO_FLAG, PSEUDO_MARKER, validate_caption, words
 from rayvl.data.word_rank import WordRanker, neighbour_counts
 from rayvl.eval import knn
@@ -74,10 +77,7 @@ def plan_units(spec: str, shard_size: int) -> list[Unit]:
         if not files:
             raise ConfigError(f"pseudo_label.unaligned: no .tar shards and no image files in {spec!r}")
         return [Unit(i, "files", files[j:j + shard_size]) for i, j in enumerate(range(0, len(files), shard_size))]
-    try:
-        return [Unit(i, "tar", [p]) for i, p in enumerate(resolve_shards(spec))]
-    except DataPlaneError as e:
-        raise ConfigError(f"pseudo_label.unaligned: {e}") from None
+    return [Unit(i, "tar", [p]) for i, p in enumerate(specs.checked("pseudo_label.unaligned", spec).paths)]
 
 
 def check(cfg: RayvlConfig) -> tuple[str, list[Unit]]:
@@ -90,10 +90,7 @@ def check(cfg: RayvlConfig) -> tuple[str, list[Unit]]:
         ckpt = checkpoint_uri(x.checkpoint)
     except FileNotFoundError as e:
         raise ConfigError(f"pseudo_label.checkpoint: {e}") from None
-    try:
-        resolve_shards(x.aligned)
-    except DataPlaneError as e:
-        raise ConfigError(f"pseudo_label.aligned: {e}") from None
+    specs.checked("pseudo_label.aligned", x.aligned)
     return ckpt, plan_units(x.unaligned, x.shard_size)
 
 
@@ -124,10 +121,10 @@ def claim(out: Path, expected: dict) -> None:
 
 # ----------------------------------------------------------------------------- caption pool and index
 
-def read_pool(spec: str, read_cpus: float) -> tuple[list[str], list[str]]:
+def read_pool(spec: str, read_cpus: float, io: ReadPolicy = ReadPolicy()) -> tuple[list[str], list[str]]:
     """(keys, captions) of S_a's valid captions, sorted by key (a Ray Data read of the key and txt members)."""
     pairs = []
-    for batch in read(ShardStream(resolve_shards(spec), columns=("key", "txt")), read_cpus).iter_batches(
+    for batch in read(ShardStream(resolve_shards(spec), columns=("key", "txt"), io=io), read_cpus).iter_batches(
             batch_size=None, batch_format="numpy"):
         for key, txt in zip(batch["key"], batch["txt"]):
             text, reason = validate_caption(txt)
@@ -150,7 +147,7 @@ def build_index(cfg: RayvlConfig, ckpt: str, folder: Path, expected: dict, units
         log.info("caption index reused from %s (%d captions, %s)", folder, meta["captions"], meta["kind"])
         return meta
     started = time.time()
-    keys, captions = read_pool(x.aligned, cfg.data.read_cpus)
+    keys, captions = read_pool(x.aligned, cfg.data.read_cpus, ReadPolicy.of(cfg.data))
     log.info("caption pool: embedding %d captions of %s", len(captions), x.aligned)
     vectors = RayDataEmbedder(ckpt, x.actors, x.cpus_per_actor, x.batch_size).texts(captions)
     index = knn.build_index(vectors, x.index, exact_max=x.index_exact_max, nlist=x.index_nlist,
@@ -177,7 +174,7 @@ def _sample_queries(cfg: RayvlConfig, ckpt: str, units: list[Unit]) -> np.ndarra
     x = cfg.pseudo_label
     model, images = load(ckpt), []
     for unit in units:
-        images += decoded(unit_samples(unit)[0])
+        images += decoded(unit_samples(unit, ReadPolicy.of(cfg.data))[0])
         if len(images) >= x.recall_sample:
             break
     queries = [crops(img, key, x, model.image_size) for key, img, _ in images[:x.recall_sample]]
@@ -186,15 +183,16 @@ def _sample_queries(cfg: RayvlConfig, ckpt: str, units: list[Unit]) -> np.ndarra
 
 # ----------------------------------------------------------------------------- one unit
 
-def unit_samples(unit: Unit) -> tuple[list[tuple[str, bytes | None, str]], str | None]:
-    """(key, image bytes, source) per sample, and what damaged the shard (the samples before the damage kept)."""
+def unit_samples(unit: Unit, io: ReadPolicy = ReadPolicy()) -> tuple[list[tuple[str, bytes | None, str]], str | None]:
+    """(key, image bytes, source) per sample, and what damaged the shard (the samples before the damage kept). An
+    I/O failure is not damage: it raises ShardIOError (shard_io.py), and the unit is not labelled."""
     if unit.kind == "files":
         return [(f"{unit.id:05d}{i:04d}", Path(p).read_bytes(), p) for i, p in enumerate(unit.paths)], None
     out: list = []
     try:
-        with open_shard(unit.paths[0]) as f:
+        with open_shard(unit.paths[0], io) as f:
             out += [(s["key"], s.get("jpg"), s["key"]) for s in iter_tar_samples(f, ("key", "jpg"))]
-    except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
+    except (tarfile.TarError, EOFError, zlib.error) as e:
         return out, f"{unit.paths[0]}: {e}"
     return out, None
 
@@ -214,7 +212,8 @@ def crops(img, key, x: PseudoLabelConfig, size: int) -> np.ndarray:
 class Labeler:
     """Ray Data actor: units (JSON) → their output shards, written here; returns each unit's counts (JSON)."""
 
-    def __init__(self, checkpoint: str, index_dir: str, settings: dict, df: dict, out: str):
+    def __init__(self, checkpoint: str, index_dir: str, settings: dict, df: dict, out: str,
+                 io: ReadPolicy = ReadPolicy()):
         import faiss
         import torch
 
@@ -228,7 +227,7 @@ class Labeler:
         pool = pq.read_table(Path(index_dir) / "captions.parquet")
         self.keys, self.captions = pool["key"].to_pylist(), pool["caption"].to_pylist()
         self.ranker = WordRanker(df, self.x.words, self.x.top_t, self.x.seed)
-        self.out = Path(out)
+        self.out, self.io = Path(out), io
 
     def __call__(self, batch: dict) -> dict:
         counts = [json.dumps(self.label(Unit(**json.loads(u)))) for u in batch["unit"]]
@@ -251,7 +250,12 @@ class Labeler:
 
     def label(self, unit: Unit) -> dict:
         started = time.time()
-        samples, damaged = unit_samples(unit)
+        try:
+            samples, damaged = unit_samples(unit, self.io)
+        except ShardIOError as e:  # nothing written, so a rerun reads the unit again (finished() looks for stats)
+            if self.io.unreadable == "fail":
+                raise
+            return {"unit": unit.id, "unreadable_shard": str(e)}
         images = decoded(samples)
         found = {i: (ids, scores, neighbour_counts([self.captions[j] for j in ids]))  # counted once, for all rules
                  for (_, _, i), (ids, scores) in zip(images, self.neighbours(images, self.model.image_size))}
@@ -319,7 +323,7 @@ def run(cfg: RayvlConfig, fixed_size: bool = False, checked: tuple[str, list[Uni
     index_fp, labelling_fp = fingerprints(x, ckpt, units)
     claim(out, labelling_fp)
     stats, reused = bow.load_or_compute(x.aligned, str(out / INDEX_DIR / "aligned_word_stats.json"), seed=0,
-                                        fraction=1.0, read_cpus=cfg.data.read_cpus)
+                                        fraction=1.0, read_cpus=cfg.data.read_cpus, io=ReadPolicy.of(cfg.data))
     log.info("S_a word statistics %s: %d captions, %d words", "reused" if reused else "computed",
              stats.captions, len(stats.df))
     index = build_index(cfg, ckpt, out / INDEX_DIR, index_fp, units)
@@ -335,7 +339,7 @@ def run(cfg: RayvlConfig, fixed_size: bool = False, checked: tuple[str, list[Uni
             Labeler, batch_size=1, num_cpus=x.cpus_per_actor, num_gpus=x.gpus_per_actor,
             compute=ray.data.ActorPoolStrategy(size=x.actors, max_tasks_in_flight_per_actor=1),
             fn_constructor_kwargs={"checkpoint": ckpt, "index_dir": str(out / INDEX_DIR), "settings": asdict(x),
-                                   "df": stats.df, "out": str(out)})
+                                   "df": stats.df, "out": str(out), "io": ReadPolicy.of(cfg.data)})
         for row in labels.iter_rows():
             c = json.loads(row["counts"])
             done.update({k: v for k, v in c.items() if isinstance(v, int) and k != "unit"})
@@ -345,19 +349,22 @@ def run(cfg: RayvlConfig, fixed_size: bool = False, checked: tuple[str, list[Uni
             log.info("pseudo-label: shard %d/%d | %d images (%d undecodable) | %.1f images/s | ETA %.0f s%s",
                      done["shards"], len(todo), done["images"], done["images"] - done["decoded"],
                      done["images"] / max(elapsed, 1e-9), eta,
-                     f" | damaged: {c['damaged_shard']}" if c.get("damaged_shard") else "")
+                     f" | damaged: {c['damaged_shard']}" if c.get("damaged_shard") else
+                     f" | not labelled: {c['unreadable_shard']}" if c.get("unreadable_shard") else "")
     return summarize(out, x.rules, units, index, len(units) - len(todo), time.time() - started)
 
 
 def summarize(out: Path, rules: list[str], units: list[Unit], index: dict, reused: int, seconds: float) -> dict:
     """Counts over every unit's stats files (those written by earlier runs too) → <out>/summary.json."""
     per_rule = {}
+    labelled = [u for u in units if finished(out, u, rules)]  # an unreadable shard skipped has no stats file
     for rule in rules:
         status: Counter = Counter()
-        for u in units:
+        for u in labelled:
             status.update(json.loads((out / rule / f"{u.id:05d}_stats.json").read_text())["status_dict"])
         per_rule[rule] = {"shards": str(out / rule), **dict(sorted(status.items()))}
     summary = {"rules": per_rule, "units": len(units), "units_reused": reused, "seconds": round(seconds, 1),
+               "not_labelled": [u.paths[0] for u in units if u not in labelled],
                "index": {k: v for k, v in index.items() if k != "fingerprint"}}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
@@ -373,6 +380,9 @@ def format_summary(summary: dict) -> str:
     lines.append(f"caption index: {index['kind']} over {index['captions']} captions"
                  + ("" if recall is None else f", recall vs exact {recall:.3f}")
                  + f"; {summary['units']} shards, {summary['units_reused']} finished before this run")
+    if summary.get("not_labelled"):
+        lines.append(f"not labelled (unreadable, skipped under data.unreadable_shards=skip; a rerun tries them "
+                     f"again): {', '.join(summary['not_labelled'])}")
     return "\n".join(lines)
 
 

@@ -8,7 +8,7 @@ import importlib.resources
 import sys
 from pathlib import Path
 
-from rayvl import session, storage
+from rayvl import plan, session, storage
 from rayvl.assets import MissingAssetError
 from rayvl.config import ConfigError, RayvlConfig, load_config
 from rayvl.data.report import DataPlaneError, caption_stats, format_data_report
@@ -30,6 +30,9 @@ def add_train_args(p: argparse.ArgumentParser, default_config: str | None) -> No
     p.add_argument("--init-from", default="", metavar="RUN",
                    help="start a new run from the weights of RUN (a run directory, checkpoint or export)")
     p.add_argument("--verbose", action="store_true", help="show Ray's and the workers' own output")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the config and the data (shard counts, the first sample of the first and last "
+                        "shard, pass size) and print the plan, without starting Ray or training")
 
 
 def config_from_args(args, extra: list[str] = ()) -> RayvlConfig:
@@ -69,11 +72,19 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> int:
     add_train_args(p, default_config)
     args = p.parse_args(argv)
     session.setup_logging(args.verbose)
+    if args.dry_run:
+        return dry_run(lambda: plan.describe(config_from_args(args)))
     try:
         result = _train(config_from_args(args), args.verbose)
     except USER_ERRORS as e:
         print(f"config error: {one_line(e)}", file=sys.stderr)
         return 2
+    except Exception as e:  # a run that failed because of its data says so in one line, not a worker traceback
+        cause = data_cause(e)
+        if cause is None:
+            raise
+        print(f"rayvl: error: {one_line(cause)}", file=sys.stderr)
+        return 1
     print("\n== evaluation (held-out split) ==")
     print(format_eval_table(result.metrics))
     print("\n== data ==")
@@ -87,8 +98,37 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> int:
     return 0
 
 
+def dry_run(describe) -> int:
+    """Print ``describe()``'s plan, or the one-line error that the real run would have stopped with."""
+    try:
+        print(describe())
+    except USER_ERRORS as e:
+        print(f"config error: {one_line(e)}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def one_line(e: Exception) -> str:
     return " ".join(str(e).split())
+
+
+def data_cause(error: BaseException) -> DataPlaneError | None:
+    """The DataPlaneError (an unreadable shard, a starved pipeline) behind a failed run: Ray Train's
+    WorkerGroupError holds each rank's exception, Ray wraps a read task's error as its cause."""
+    stack, seen = [error], set()
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        wrapped = getattr(e, "cause", None)
+        if isinstance(wrapped, BaseException):  # a RayTaskError(X) is an X whose message is a whole traceback
+            stack.append(wrapped)
+        elif isinstance(e, DataPlaneError):
+            return e
+        else:
+            stack += [e.__cause__, e.__context__, *getattr(e, "worker_failures", {}).values()]
+    return None
 
 
 def train_variants(configs: dict[str, RayvlConfig], after=None, verbose: bool = False) -> dict[str, dict]:

@@ -14,12 +14,36 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def worker_env() -> dict:
-    """Every worker's environment: rayvl's, and this folder on PYTHONPATH (workers unpickle train functions
-    defined in test modules, so they must be able to import them)."""
+    """Every worker's environment: rayvl's, the test object store's settings (as a user sets S3's), and this folder
+    on PYTHONPATH (workers unpickle train functions defined in test modules, so they must be able to import them)."""
     from rayvl.session import WORKER_ENV
 
     tests = os.path.dirname(os.path.abspath(__file__))
-    return {**WORKER_ENV, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    return {**WORKER_ENV, **object_store_server().env,
+            "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+
+
+_store = None
+
+
+def object_store_server():
+    """The session's S3-compatible server (moto, with its fault injector; tests/object_store.py), started on first
+    use — before any Ray of the session, whose workers reach it through the environment."""
+    global _store
+    if _store is None:
+        import object_store
+
+        _store = object_store.start()
+    return _store
+
+
+@pytest.fixture
+def s3():
+    """The object store, its faults cleared before and after the test."""
+    store = object_store_server()
+    store.faults.clear()
+    yield store
+    store.faults.clear()
 
 
 def start_session_ray():

@@ -33,6 +33,43 @@ def test_bad_config_names_the_key(override, key):
     assert str(err.value).startswith(key), str(err.value)
 
 
+def test_numbers_as_users_write_them_and_files_that_are_not_there(tmp_path):
+    """YAML 1.1 reads ``1e-3`` as a string; rayvl's loader reads it as the number a user means — in --set and in a
+    recipe. A broken value or a missing recipe is a ConfigError naming it, not a parser traceback."""
+    assert load_config(RECIPE, ["train.lr=1e-3", "train.eps=1E-8"]).train.lr == 0.001
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\n  lr: 5e-4\n  betas: [0.9, 9.8e-1]\ndata:\n  train: 1e3\n")
+    with pytest.raises(ConfigError, match="data.train: expected a string, got 1000.0"):
+        load_config(recipe)  # a number where a path belongs is still refused, by its key
+    recipe.write_text("train:\n  lr: 5e-4\n  betas: [0.9, 9.8e-1]\n")
+    cfg = load_config(recipe)
+    assert cfg.train.lr == 5e-4 and cfg.train.betas == (0.9, 0.98)
+    assert parse_override("data.train=s3://b/{00000..00009}.tar") == {"data": {"train": "s3://b/{00000..00009}.tar"}}
+    with pytest.raises(ConfigError, match=r"^train.betas \(override 'train.betas=\[0.9'\): not valid YAML"):
+        load_config(RECIPE, ["train.betas=[0.9"])
+    with pytest.raises(ConfigError, match="^--config: cannot read .*nothing.yaml"):
+        load_config(tmp_path / "nothing.yaml")
+    recipe.write_text("train: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"r.yaml: not valid YAML \(line 2"):
+        load_config(recipe)
+
+
+def test_a_mixed_batch_keeps_an_image_text_row():
+    """round(weight × B) image-label rows: 0.95 of 8 would take all 8 and leave the text stream a batch of 0."""
+    mixed = ["image_label.data=fashion-mnist", "train.micro_batch_size=8"]
+    with pytest.raises(ConfigError, match=r"^image_label.weight: 0.95 of train.micro_batch_size=8 leaves no"):
+        load_config(RECIPE, mixed + ["image_label.weight=0.95"])
+    assert load_config(RECIPE, mixed + ["image_label.weight=0.875"]).image_label.weight == 0.875
+
+
+def test_the_demo_size_check_applies_to_the_demo_only():
+    """LAION batch sizes with real shards pass; the embedded demo still refuses a batch it cannot fill."""
+    laion = ["train.num_workers=40", "train.micro_batch_size=819"]
+    assert load_config(RECIPE, laion + ["data.train=s3://b/{00000..41407}.tar"]).train.num_workers == 40
+    with pytest.raises(ConfigError, match="^data.demo_samples: 4000 cannot fill one global batch"):
+        load_config(RECIPE, laion)
+
+
 def test_recipe_and_overrides_compose():
     cfg = load_config(RECIPE, ["train.zero_stage=3", "model.alignment_layers=4", "train.betas=[0.9, 0.95]"])
     assert cfg.train.zero_stage == 3 and cfg.model.alignment_layers == 4

@@ -172,6 +172,26 @@ def test_pseudo_label_job_writes_shards_that_train_reads_and_resumes_after_a_kil
     assert bow.fingerprint(both, 0, 0.1) == bow.fingerprint(aligned, 0, 0.1)
     assert Counter(r["rule"] for r in written.values()) == {"weighted_count": len(written)}
 
+    # a shard the labeller cannot read (here a command that dies half-way, every time) is not damage: nothing of
+    # it is written, so a rerun reads it again — the run fails naming it, or under skip it is reported unlabelled
+    from dataclasses import asdict
+
+    from rayvl.data.shard_io import ReadPolicy, ShardIOError
+    from rayvl.pseudo_label import INDEX_DIR, Labeler, Unit, finished, format_summary, plan_units, summarize
+
+    broken = Unit(7, "tar", [f"pipe:head -c 9000 {unaligned / '00001.tar'}; exit 3"])
+    df = json.loads((out / INDEX_DIR / "aligned_word_stats.json").read_text())["df"]
+    fast = dict(retries=1, wait_s=0.01)
+    labeler = Labeler(str(ckpt), str(out / INDEX_DIR), asdict(cfg.pseudo_label), df, str(tmp_path / "again"),
+                      ReadPolicy(**fast))
+    with pytest.raises(ShardIOError, match="exited with status 3"):
+        labeler.label(broken)
+    labeler.io = ReadPolicy(**fast, unreadable="skip")
+    assert "exited with status 3" in labeler.label(broken)["unreadable_shard"]
+    assert not (tmp_path / "again").exists() and not finished(tmp_path / "again", broken, cfg.pseudo_label.rules)
+    summary = summarize(out, cfg.pseudo_label.rules, [*plan_units(str(unaligned), 1000), broken], summary["index"], 0, 1.0)
+    assert summary["not_labelled"] == broken.paths and "a rerun tries them again" in format_summary(summary)
+
 
 def test_bad_inputs_are_named_before_ray_starts(demo_dir, tmp_path, capsys):
     import ray

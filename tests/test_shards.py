@@ -12,7 +12,7 @@ from PIL import Image
 from rayvl import assets
 from rayvl.data import shards
 from rayvl.data.report import DataPlaneError, report_actor
-from rayvl.data.tar import resolve_shards
+from rayvl.data.specs import resolve_shards
 
 
 def _jpeg(seed: int) -> bytes:
@@ -92,7 +92,7 @@ def test_eval_rows_carry_class_and_center_crop(ray_local, demo_dir):
 
 
 def test_missing_shards_is_a_clear_error(tmp_path):
-    with pytest.raises(DataPlaneError, match="no .tar shards"):
+    with pytest.raises(DataPlaneError, match="nothing-here' does not exist"):
         resolve_shards(str(tmp_path / "nothing-here"))
 
 
@@ -129,7 +129,7 @@ def test_threaded_transform_keeps_order_rows_and_counts(bad_shard):
             shards._transform, columns=None, kw=dict(image_size=32, crop_scale_min=0.5, train=False, max_tokens=16,
                                                      tokenizer_path=str(assets.text_model_path("minilm-l6")))))
         bad: list = []
-        out = list(source._transformed_ahead(0, 0, bad))
+        out = list(source._transformed_ahead(0, 0, bad, Counter()))
         return [b for b, _ in out], sum((c for _, c in out), Counter())
 
     one, counts_one = read(1)
@@ -168,7 +168,8 @@ def test_passes_needed_covers_the_steps_with_a_margin():
 def test_shard_urls_list_folders_and_globs(demo_dir, tmp_path):
     """A URL names a shard, a folder of shards or a glob, listed through pyarrow/fsspec as the read tasks open them
     (file:// here; s3:// and gs:// go the same way)."""
-    from rayvl.data.tar import iter_tar_samples, open_shard
+    from rayvl.data.shard_io import open_shard
+    from rayvl.data.tar import iter_tar_samples
     for i in range(3):
         (tmp_path / f"{i:05d}.tar").write_bytes((demo_dir / "train" / f"{i:05d}.tar").read_bytes())
     (tmp_path / "00000.parquet").write_bytes(b"not a shard")
@@ -179,5 +180,5 @@ def test_shard_urls_list_folders_and_globs(demo_dir, tmp_path):
     with open_shard(f"{url}/00001.tar") as f:
         keys = [s["key"] for s in iter_tar_samples(f, ("key",))]
     assert keys[0] == "000010000" and len(keys) == len(set(keys)) > 0
-    with pytest.raises(DataPlaneError, match="no .tar shards"):
+    with pytest.raises(DataPlaneError, match=r"nothing\*.tar' matches no shard"):
         resolve_shards(f"{url}/nothing*.tar")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
+from collections import defaultdict
 from typing import Callable
 
 import pyarrow.fs as pafs
@@ -16,14 +18,24 @@ class ArtifactMismatch(RuntimeError):
 
 
 def shard_sizes(paths: list[str]) -> dict[str, int]:
-    """{shard name: bytes}. Names are file names — the fingerprint survives moving the shards — unless two shards
-    share one (``--data aligned,pseudo``: both folders have 00000.tar); then every shard is named by its path."""
+    """{shard name: bytes} (-1 for a ``pipe:`` shard, whose size is unknown). Names are file names — the
+    fingerprint survives moving the shards — unless two shards share one (``--data aligned,pseudo``: both folders
+    have 00000.tar); then every shard is named by its path. A folder holding many of the shards is listed once
+    instead of asked about each (41k shards on object storage: ~42 listing pages, not 41k requests)."""
     found: list[tuple[str, int]] = []
+    folders: dict[str, list[str]] = defaultdict(list)
     for p in paths:
-        fs, inner = storage.filesystem(p)
-        info = fs.get_file_info(inner)
-        infos = (fs.get_file_info(pafs.FileSelector(inner)) if info.type == pafs.FileType.Directory else [info])
-        found += [(i.path, int(i.size or 0)) for i in infos if i.path.endswith(".tar")]
+        if p.startswith("pipe:"):
+            found.append((p, -1))
+        else:
+            folders[storage.parent(p)].append(p)
+    for folder, members in folders.items():
+        fs, inner = storage.filesystem(folder)
+        if len(members) > 8:
+            listed = {posixpath.basename(i.path): i.size for i in fs.get_file_info(pafs.FileSelector(inner))}
+            found += [(p, int(listed.get(posixpath.basename(p)) or 0)) for p in members]
+        else:
+            found += [(p, int(fs.get_file_info(storage.filesystem(p)[1]).size or 0)) for p in members]
     names = [os.path.basename(path) for path, _ in found]
     if len(set(names)) < len(names):
         names = [path for path, _ in found]

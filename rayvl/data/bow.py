@@ -28,7 +28,8 @@ from rayvl import storage
 from rayvl.config import BowOp, bow_needs_stats
 from rayvl.data import artifacts
 from rayvl.data.shards import group_over_shards
-from rayvl.data.tar import resolve_shards
+from rayvl.data.shard_io import ReadPolicy
+from rayvl.data.specs import resolve_shards
 from rayvl.data.text import (PSEUDO_FLAG, PSEUDO_MARKER, TOKEN_PATTERN, is_alphabetical, stopwords, validate_caption,
                              words)
 
@@ -144,10 +145,10 @@ def _fingerprint(shards: list[str], seed: int, fraction: float) -> dict:
             "token_pattern": TOKEN_PATTERN, "format": STATS_FORMAT}
 
 
-def _count(shards: list[str], seed: int, fraction: float, read_cpus: float) -> dict:
+def _count(shards: list[str], seed: int, fraction: float, read_cpus: float, io: ReadPolicy) -> dict:
     """The statistics pass: shards streamed by Ray Data → per-batch partial counts → groupby("word").sum("df")."""
     df = group_over_shards(shards, ("key", "txt", "json"), base_word_counts, {"seed": seed, "fraction": fraction},
-                           "word", read_cpus, _document_frequencies)
+                           "word", read_cpus, _document_frequencies, io)
     captions, base = df.pop(ALL_CAPTIONS, 0), df.pop(BASE_CAPTIONS, 0)
     return {"captions": captions, "base_captions": base, "df": dict(sorted(df.items()))}
 
@@ -156,17 +157,18 @@ def _document_frequencies(grouped) -> dict[str, int]:
     return {row["word"]: int(row["sum(df)"]) for row in grouped.sum("df").iter_rows()}
 
 
-def compute_stats(spec: str, *, seed: int, fraction: float, read_cpus: float = 0.5) -> BowStats:
+def compute_stats(spec: str, *, seed: int, fraction: float, read_cpus: float = 0.5,
+                  io: ReadPolicy = ReadPolicy()) -> BowStats:
     shards = counted_shards(spec)
-    return BowStats(_fingerprint(shards, seed, fraction), **_count(shards, seed, fraction, read_cpus))
+    return BowStats(_fingerprint(shards, seed, fraction), **_count(shards, seed, fraction, read_cpus, io))
 
 
-def load_or_compute(spec: str, path: str, *, seed: int, fraction: float, read_cpus: float = 0.5
-                    ) -> tuple[BowStats, bool]:
+def load_or_compute(spec: str, path: str, *, seed: int, fraction: float, read_cpus: float = 0.5,
+                    io: ReadPolicy = ReadPolicy()) -> tuple[BowStats, bool]:
     """(stats, reused). A saved artifact is reused only if its fingerprint matches the data and split now."""
     shards = counted_shards(spec)  # listed once: on object storage a listing is a round trip per folder
     content, reused = artifacts.load_or_make(path, _fingerprint(shards, seed, fraction), "bow.stats_path",
-                                             lambda: _count(shards, seed, fraction, read_cpus))
+                                             lambda: _count(shards, seed, fraction, read_cpus, io))
     return BowStats(**content), reused
 
 

@@ -30,7 +30,8 @@ import numpy as np
 from rayvl import assets
 from rayvl.data import artifacts
 from rayvl.data.shards import group_over_shards
-from rayvl.data.tar import resolve_shards
+from rayvl.data.shard_io import ReadPolicy
+from rayvl.data.specs import resolve_shards
 from rayvl.data.text import NLTK_LOCK, is_alphabetical, stopwords, validate_caption, words
 
 COUNTS_FORMAT = 2  # 2: caption nouns only (POS), tags restrict rather than replace them
@@ -267,21 +268,23 @@ def fingerprint(spec: str, ontology: Ontology) -> dict:
             "format": COUNTS_FORMAT}
 
 
-def count_rows(spec: str, ontology: Ontology, read_cpus: float = 0.5) -> dict[int, int]:
+def count_rows(spec: str, ontology: Ontology, read_cpus: float = 0.5, io: ReadPolicy = ReadPolicy()
+               ) -> dict[int, int]:
     """Rows per object id over the shards: map to objects, then groupby("object").count() on Ray Data."""
     return group_over_shards(resolve_shards(spec), ("key", "txt", "json"), batch_objects, {"ontology": ontology},
-                             "object", read_cpus, _object_counts)
+                             "object", read_cpus, _object_counts, io)
 
 
 def _object_counts(grouped) -> dict[int, int]:
     return {int(r["object"]): int(r["count()"]) for r in grouped.count().iter_rows()}
 
 
-def load_or_count(spec: str, path: str, ontology: Ontology, read_cpus: float = 0.5) -> tuple[dict[int, int], bool]:
+def load_or_count(spec: str, path: str, ontology: Ontology, read_cpus: float = 0.5,
+                  io: ReadPolicy = ReadPolicy()) -> tuple[dict[int, int], bool]:
     """(rows per object id, reused). A saved artifact is reused only if its fingerprint still matches."""
     content, reused = artifacts.load_or_make(
         path, fingerprint(spec, ontology), "tonics.counts_path",
-        lambda: {"counts": {str(k): v for k, v in sorted(count_rows(spec, ontology, read_cpus).items())}})
+        lambda: {"counts": {str(k): v for k, v in sorted(count_rows(spec, ontology, read_cpus, io).items())}})
     return {int(k): v for k, v in content["counts"].items()}, reused
 
 

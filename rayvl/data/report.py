@@ -153,7 +153,10 @@ def _position_line(pos: dict) -> str:
 
 def _drop_lines(report: dict) -> list[str]:
     counts = report.get("counts", {})
-    lines = [f"  {k}: {v}" for k, v in sorted(counts.items()) if k.startswith(("dropped_", "truncated_"))]
+    lines = [f"  {k}: {v}" for k, v in sorted(counts.items())
+             if k.startswith(("dropped_", "truncated_", "unreadable_"))]
+    if counts.get("io_retries"):  # not a loss: each retry resumed at the byte it reached (data/shard_io.py)
+        lines.append(f"  I/O errors retried: {counts['io_retries']} (each read resumed where it broke off)")
     return lines + [f"  bad shard {path}: {why}" for path, why in report.get("bad_shards", {}).items()]
 
 

@@ -38,7 +38,9 @@ from rayvl import storage
 from rayvl.data.pipeline import preprocess
 from rayvl.data.position import row_ids
 from rayvl.data.report import record, report_actor
-from rayvl.data.tar import COLUMNS, iter_tar_samples, open_shard, resolve_shards
+from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
+from rayvl.data.specs import resolve_shards
+from rayvl.data.tar import COLUMNS, iter_tar_samples
 
 if TYPE_CHECKING:
     from rayvl.data.bow import Deformer
@@ -55,13 +57,15 @@ class ShardStream(Datasource):
     ``transform``, as its output: ``transform(raw batch, counts) -> dict of arrays`` on batches of ``batch_size``.
     ``positioned``: the run's training stream — counted per shard in its report and resumed from the data position
     the report holds (data/position.py); other streams (held-out, image-label) are counted as a whole.
-    ``threads``: batches a read task transforms side by side (``_transformed_ahead``)."""
+    ``threads``: batches a read task transforms side by side (``_transformed_ahead``); ``io``: how I/O errors are
+    met (shard_io.py)."""
 
     def __init__(self, paths: list[str], *, columns: tuple[str, ...] = COLUMNS, transform: Callable | None = None,
                  batch_size: int = RAW_ROWS_PER_BLOCK, report_name: str | None = None, passes: int = 1,
-                 shuffle: bool = False, seed: int = 0, positioned: bool = False, threads: int = 1):
+                 shuffle: bool = False, seed: int = 0, positioned: bool = False, threads: int = 1,
+                 io: ReadPolicy = ReadPolicy()):
         super().__init__()
-        self.threads = threads
+        self.threads, self.io = threads, io
         self.positioned = positioned and report_name is not None
         self.paths, self.columns, self.transform = list(paths), tuple(columns), transform
         self.batch_size, self.report_name = batch_size, report_name
@@ -110,26 +114,30 @@ class ShardStream(Datasource):
 
     def _read_shard(self, shard: int, pass_: int, unit: tuple | None, trained: set | None) -> Iterator[pa.Table]:
         counts: Counter = Counter()
-        bad: list[tuple[str, str]] = []
+        io_counts: Counter = Counter()  # retries, counted by the reader as they happen
+        bad: list[tuple[str, str, str]] = []  # (path, reason counted, why)
         flushed, pending, produced = time.monotonic(), None, 0
-        for out, batch_counts in self._transformed_ahead(shard, pass_, bad):
+        for out, batch_counts in self._transformed_ahead(shard, pass_, bad, io_counts):
             if pending is not None:
                 yield pending
             counts.update(batch_counts)
             produced += _length(out)
             pending = _block(_untrained(out, trained) if trained else out)
             if self.report_name and time.monotonic() - flushed > REPORT_EVERY_S:
-                record(self.report_name, counts, unit=unit and (*unit, None))
+                record(self.report_name, counts + _drain(io_counts), unit=unit and (*unit, None))
                 counts, flushed = Counter(), time.monotonic()
-        counts["truncated_shards"] += len(bad)
+        counts.update(_drain(io_counts))
+        counts.update(reason for _, reason, _ in bad)
         # the shard's counts (and the rows it produced) are recorded before its last block is emitted (one round
         # trip per shard, not per batch): whoever has consumed a whole pass also sees all of its counts
         if self.report_name:
-            record(self.report_name, +counts, bad[0] if bad else None, unit=unit and (*unit, produced))
+            record(self.report_name, +counts, (bad[0][0], bad[0][2]) if bad else None,
+                   unit=unit and (*unit, produced))
         if pending is not None:
             yield pending
 
-    def _transformed_ahead(self, shard: int, pass_: int, bad: list) -> Iterator[tuple[dict | pa.Table, Counter]]:
+    def _transformed_ahead(self, shard: int, pass_: int, bad: list,
+                           io_counts: Counter) -> Iterator[tuple[dict | pa.Table, Counter]]:
         """(transformed batch, its counts) in shard order, up to ``threads`` batches transformed side by side while
         the task emits the one before. JPEG decode, resize and the Rust tokenizer release the GIL, so one read task
         keeps more than its one core busy and covers what Ray leaves idle around its tasks (the second task's late
@@ -139,7 +147,7 @@ class ShardStream(Datasource):
             batch_counts: Counter = Counter()
             return self._transformed(rows, row_ids(pass_, shard, first, len(rows)), batch_counts), batch_counts
 
-        raw = self._raw_batches(self.paths[shard], bad)
+        raw = self._raw_batches(self.paths[shard], bad, io_counts)
         if self.threads <= 1 or self.transform is None:
             yield from (transform(first, rows) for first, rows in raw)
             return
@@ -151,21 +159,27 @@ class ShardStream(Datasource):
         while ahead:
             yield ahead.popleft().result()
 
-    def _raw_batches(self, path: str, bad: list) -> Iterator[tuple[int, list[dict]]]:
-        """(index of the first row in the shard, rows) batches of ``batch_size``."""
+    def _raw_batches(self, path: str, bad: list, io_counts: Counter) -> Iterator[tuple[int, list[dict]]]:
+        """(index of the first row in the shard, rows) batches of ``batch_size``; I/O retries counted in
+        ``io_counts``."""
         rows: list[dict] = []
         read = 0
         try:
-            with open_shard(path) as f:
+            with open_shard(path, self.io, io_counts) as f:
                 for sample in iter_tar_samples(f, self.columns):
                     rows.append(sample)
                     if len(rows) == self.batch_size:
                         yield read, rows
                         read += len(rows)
                         rows = []
-        except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
+        except ShardIOError as e:
+            # not the data's fault (shard_io.py): the run fails naming the shard, unless the user chose to skip
+            if self.io.unreadable == "fail":
+                raise
+            bad.append((path, "unreadable_shards", f"{e.reason}: {e.detail} after {read + len(rows)} samples"))
+        except (tarfile.TarError, EOFError, zlib.error) as e:
             # A damaged shard costs only its own bad tail (at most the one sample being read when it broke).
-            bad.append((path, f"{type(e).__name__}: {e} after {read + len(rows)} samples"))
+            bad.append((path, "truncated_shards", f"{type(e).__name__}: {e} after {read + len(rows)} samples"))
         if rows:
             yield read, rows
 
@@ -180,6 +194,12 @@ class ShardStream(Datasource):
 def _pool(threads: int) -> ThreadPoolExecutor:
     """The read tasks' transform threads, one pool per worker process (Ray reuses it for task after task)."""
     return ThreadPoolExecutor(threads, thread_name_prefix="rayvl-transform")
+
+
+def _drain(counts: Counter) -> Counter:
+    out = counts.copy()
+    counts.clear()
+    return out
 
 
 def _length(out: dict | pa.Table) -> int:
@@ -213,16 +233,16 @@ def outside_placement_group(fn: Callable, *args):
 
 
 def group_over_shards(paths: list[str], columns: tuple[str, ...], fn, fn_kwargs: dict, key: str, read_cpus: float,
-                      aggregate: Callable):
+                      aggregate: Callable, io: ReadPolicy = ReadPolicy()):
     """Corpus statistics as a Ray Data aggregation over resolved shard ``paths``: only ``columns`` are read, ``fn``
     turns each batch into rows with a ``key`` column, the rows are grouped by it, and ``aggregate(grouped)`` makes
     the result (a sum or count) — never collecting the rows on the driver. Runs outside the caller's placement group
     (``outside_placement_group``: the groupby's shuffle tasks cannot run in a Tune trial's)."""
-    return outside_placement_group(_grouped, paths, columns, fn, fn_kwargs, key, read_cpus, aggregate)
+    return outside_placement_group(_grouped, paths, columns, fn, fn_kwargs, key, read_cpus, aggregate, io)
 
 
-def _grouped(paths, columns, fn, fn_kwargs, key, read_cpus, aggregate):
-    rows = read(ShardStream(paths, columns=columns), read_cpus).map_batches(
+def _grouped(paths, columns, fn, fn_kwargs, key, read_cpus, aggregate, io):
+    rows = read(ShardStream(paths, columns=columns, io=io), read_cpus).map_batches(
         fn, batch_format="numpy", num_cpus=read_cpus, fn_kwargs=fn_kwargs)
     # hash partitions of the keys: Ray's default (200) costs ~15 s of task overhead on a few demo shards; one per
     # 8 shards keeps LAION's 41k shards at the default cap
@@ -235,7 +255,8 @@ def read_shards(spec: str, *, image_size: int, crop_scale_min: float, train: boo
                 max_tokens: int, read_cpus: float, transform_batch_size: int, shuffle_files: bool,
                 report_name: str | None, bow: Deformer | None = None, ontology: Ontology | None = None,
                 prompts: Prompts | None = None, columns: list[str] | None = None, passes: int = 1,
-                seed: int = 0, positioned: bool = False, threads: int = 1) -> ray.data.Dataset:
+                seed: int = 0, positioned: bool = False, threads: int = 1,
+                io: ReadPolicy = ReadPolicy()) -> ray.data.Dataset:
     """The streaming Ray Dataset of model inputs for a shard spec: ``passes`` passes over the shards, only
     ``columns`` of the model inputs kept (all of them when None)."""
     transform = partial(_transform, columns=columns, kw=dict(
@@ -243,7 +264,7 @@ def read_shards(spec: str, *, image_size: int, crop_scale_min: float, train: boo
         max_tokens=max_tokens, bow=bow, ontology=ontology, prompts=prompts))
     source = ShardStream(resolve_shards(spec), transform=transform, batch_size=transform_batch_size,
                          report_name=report_name, passes=passes, shuffle=shuffle_files, seed=seed,
-                         positioned=positioned, threads=threads)
+                         positioned=positioned, threads=threads, io=io)
     ds = read(source, read_cpus)
     # Ray merges a task's output into blocks of up to 128 MiB: a 1,000-sample shard at 64 px became one block, so the
     # first batch waited for a whole shard (41% of the demo's first window waiting for data). One transform batch
@@ -272,14 +293,51 @@ def passes_needed(samples_needed: int, samples_per_pass: int | None, n_shards: i
 
 
 def expected_samples(spec: str) -> int | None:
-    """Successful samples according to img2dataset's parquet files, or None if absent. pyarrow's threaded scan of
-    the one ``status`` column on the driver: as a Ray Data job the same count took 15 s on a busy 2-core machine
-    (task start-up, not reading), paid by every run."""
+    """Successful samples a pass holds according to img2dataset's files, or None if absent (pass_size)."""
+    return pass_size(resolve_shards(spec))[0]
+
+
+STATS_SAMPLE = 64  # remote shards whose stats file is read; the pass size is extrapolated from them
+
+
+def pass_size(paths: list[str]) -> tuple[int | None, str]:
+    """(successful samples a pass holds, how that was found). Local shards: pyarrow's threaded scan of the
+    ``status`` column of img2dataset's parquet files on the driver (as a Ray Data job the same count took 15 s on a
+    busy 2-core machine, task start-up, not reading). Object storage: the ``successes`` of img2dataset's
+    ``<shard>_stats.json`` — of every shard up to STATS_SAMPLE, else of STATS_SAMPLE spread over the list,
+    extrapolated (reading 41k files one by one would cost minutes before every run). None when absent."""
     import pyarrow.compute as pc
     import pyarrow.dataset as pads
 
-    parquets = [p[:-4] + ".parquet" for p in resolve_shards(spec) if not storage.is_url(p)]
-    parquets = [p for p in parquets if os.path.exists(p)]
-    if not parquets:
+    local = [p for p in paths if not storage.is_url(p) and not p.startswith("pipe:")]
+    remote = [p for p in paths if storage.is_url(p)]
+    if len(local) + len(remote) < len(paths):
+        return None, "pipe: shards have no img2dataset files to count"
+    total, notes = 0, []
+    # a local shard without its parquet counts for nothing (an undercount only lists more passes)
+    parquets = [p for p in (s.rsplit(".tar", 1)[0] + ".parquet" for s in local) if os.path.exists(p)]
+    if parquets:
+        total += pads.dataset(parquets, format="parquet").count_rows(filter=pc.field("status") == "success")
+        notes.append(f"counted in the img2dataset parquet files of {len(parquets)} of {len(local)} local shards")
+    if remote:
+        n, m = len(remote), min(len(remote), STATS_SAMPLE)  # m spread evenly, the first and the last included
+        sample = [remote[i] for i in sorted({round(k * (n - 1) / max(1, m - 1)) for k in range(m)})]
+        with ThreadPoolExecutor(16) as pool:
+            found = [n for n in pool.map(_stats_successes, sample) if n is not None]
+        if found:
+            total += round(sum(found) * len(remote) / len(found))
+            notes.append(f"from the _stats.json of {len(found)} of {len(remote)} remote shards"
+                         + ("" if len(found) == len(remote) else ", extrapolated"))
+    if not notes:
+        return None, "no img2dataset parquet or _stats.json files beside the shards"
+    return total, "; ".join(notes)
+
+
+def _stats_successes(shard: str) -> int | None:
+    import json
+
+    path = shard.rsplit(".tar", 1)[0] + "_stats.json"
+    try:
+        return int(json.loads(storage.read_text(path))["successes"])
+    except (OSError, KeyError, ValueError):
         return None
-    return pads.dataset(parquets, format="parquet").count_rows(filter=pc.field("status") == "success")

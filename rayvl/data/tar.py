@@ -1,12 +1,11 @@
-"""img2dataset / webdataset shards as files: which shards a spec names, the samples inside one tar stream, and
-writing a shard in img2dataset's layout.
+"""img2dataset / webdataset shards as files: the samples inside one tar stream, and writing a shard in
+img2dataset's layout (which shards a spec names: ``specs.py``; reading a shard's bytes: ``shard_io.py``).
 
 Pure Python over file objects (no Ray): the Ray Data datasource (``shards.py``), the BoW preview and the
 benchmarks' plain reader all parse tars with ``iter_tar_samples``.
 """
 from __future__ import annotations
 
-import glob
 import io
 import json
 import os
@@ -17,39 +16,8 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rayvl import storage
-from rayvl.data.report import DataPlaneError
 
 COLUMNS = ("key", "jpg", "txt", "json")
-
-
-def resolve_shards(spec: str) -> list[str]:
-    """A directory, a glob, a comma list, a ``.txt`` list file, or URLs of files, folders or globs → tar paths."""
-    if not spec:
-        raise DataPlaneError("data.train: no shards given")
-    out: list[str] = []
-    for part in [p.strip() for p in spec.split(",") if p.strip()]:
-        if storage.is_url(part):  # a file, a folder or a glob on object storage / any fsspec scheme
-            out += storage.list_files(part, ".tar")
-            continue
-        part = os.path.expanduser(part)
-        if os.path.isdir(part):
-            out += sorted(glob.glob(os.path.join(part, "*.tar")))
-        elif part.endswith(".txt") and os.path.isfile(part):
-            out += [line.strip() for line in Path(part).read_text().splitlines() if line.strip()]
-        else:
-            out += sorted(glob.glob(part))
-    if not out:
-        raise DataPlaneError(f"no .tar shards found for {spec!r}")
-    return out
-
-
-def open_shard(path: str):
-    """A binary file object for a local path or an fsspec/pyarrow URL."""
-    if not storage.is_url(path):
-        return open(path, "rb")
-    fs, inner = storage.filesystem(path)
-    return fs.open_input_stream(inner)
 
 
 def iter_tar_samples(f, columns: tuple[str, ...] = COLUMNS) -> Iterator[dict]:

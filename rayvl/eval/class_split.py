@@ -61,7 +61,7 @@ def coverage_split(result, test_images: int = TEST_IMAGES) -> dict:
     from rayvl import storage
     from rayvl.checkpoints import checkpoint_uri, read_meta
     from rayvl.data import fashion_mnist
-    from rayvl.data.tar import resolve_shards
+    from rayvl.data.specs import resolve_shards
 
     config = read_meta(checkpoint_uri(result.checkpoint_dir))["config"]
     held = [n for c, n in enumerate(fashion_mnist.CLASSES) if c not in config["image_label"]["train_classes"]]

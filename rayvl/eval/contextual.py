@@ -44,7 +44,9 @@ def tonics_heldout(result, data: str = "") -> dict:
     found by the run's own ontology (tonics.classes, its caption nouns and detector tags)."""
     from rayvl.checkpoints import checkpoint_uri, read_meta
     from rayvl.data.ontology import UNALIGNED, Ontology
-    from rayvl.data.tar import iter_tar_samples, open_shard, resolve_shards
+    from rayvl.data.shard_io import open_shard
+    from rayvl.data.specs import resolve_shards
+    from rayvl.data.tar import iter_tar_samples
     from rayvl.data.text import validate_caption
     from rayvl.eval.runner import after_training
 

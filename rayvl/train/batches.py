@@ -30,7 +30,7 @@ def batch_stream(shard, cfg: RayvlConfig, size: int | None = None, begin=None) -
 
     def batches():
         for batch in _epochs(lambda: shard.iter_torch_batches(
-                batch_size=size or t.micro_batch_size, drop_last=True, prefetch_batches=cfg.data.prefetch_batches,
+                batch_size=t.micro_batch_size if size is None else size, drop_last=True, prefetch_batches=cfg.data.prefetch_batches,
                 local_shuffle_buffer_size=cfg.data.local_shuffle_buffer or None,
                 device="cuda" if t.use_gpu else "cpu"), begin):
             yield {k: batch[k] for k in TRAIN_COLUMNS + [ROW] if k in batch}

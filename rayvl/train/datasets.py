@@ -13,14 +13,15 @@ import ray
 
 from rayvl import assets
 from rayvl.config import ConfigError, RayvlConfig, bow_needs_stats, parse_bow_ops
-from rayvl.data import bow, fashion_mnist, shards
+from rayvl.data import bow, fashion_mnist, shards, specs
 from rayvl.data.artifacts import ArtifactMismatch
 from rayvl.data.demo import DEMO_SEED, ensure_demo
 from rayvl.data.ontology import Ontology, keep_frequent, load_or_count
 from rayvl.data.pipeline import prompt_batch
 from rayvl.data.report import DataPlaneError
 from rayvl.data.prompts import Prompts, load_prompts
-from rayvl.data.tar import resolve_shards
+from rayvl.data.shard_io import ReadPolicy
+from rayvl.data.specs import resolve_shards
 from rayvl.train.batches import ROW, TRAIN_COLUMNS, label_rows
 
 log = logging.getLogger("rayvl")
@@ -54,16 +55,11 @@ def evaluation_or_off(cfg: RayvlConfig, evalset: str) -> RayvlConfig:
     return dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, tasks=[]))
 
 
-def check_inputs(cfg: RayvlConfig, train: str, evalset: str) -> None:
+def check_inputs(cfg: RayvlConfig, train: str, evalset: str) -> dict[str, specs.SpecCheck]:
     """What a typo makes wrong, as a config error naming the key before Ray starts: shards that match nothing,
-    a text tower that is neither an asset nor a local HF folder, a vision tower timm does not know."""
-    for key, spec in (("data.train", train), ("data.eval", evalset)):
-        if spec:
-            try:
-                resolve_shards(spec)
-            except DataPlaneError:
-                raise ConfigError(f"{key}: {spec!r} matches no .tar shard (give a folder of img2dataset shards, a "
-                                  f"glob, a comma list, a .txt list file or a URL)") from None
+    a text tower that is neither an asset nor a local HF folder, a vision tower timm does not know. Returns what
+    the checks of the data specs found, by key."""
+    checks = {key: specs.checked(key, spec) for key, spec in (("data.train", train), ("data.eval", evalset)) if spec}
     if not evalset and cfg.tonics.enabled:
         raise ConfigError("data.eval: the TOnICS curriculum refresh needs held-out shards (--eval-data)")
     try:
@@ -72,6 +68,7 @@ def check_inputs(cfg: RayvlConfig, train: str, evalset: str) -> None:
         assets.check_vision_name(cfg.model.vision)
     except assets.MissingAssetError as e:
         raise ConfigError(str(e)) from None
+    return checks
 
 
 def resolve_data(cfg: RayvlConfig) -> tuple[str, str, dict]:
@@ -131,7 +128,7 @@ def bow_deformer(cfg: RayvlConfig, train: str, run_dir: str) -> bow.Deformer | N
         start = time.perf_counter()
         try:
             stats, reused = bow.load_or_compute(train, path, seed=b.seed, fraction=b.base_fraction,
-                                                read_cpus=cfg.data.read_cpus)
+                                                read_cpus=cfg.data.read_cpus, io=ReadPolicy.of(cfg.data))
         except ArtifactMismatch as e:
             raise ConfigError(str(e)) from None
         log.info(f"BoW statistics {'reused from' if reused else 'computed with Ray Data →'} {path} "
@@ -147,7 +144,7 @@ def tonics_counts(cfg: RayvlConfig, ontology: Ontology, train: str, run_dir: str
     log.info(f"TOnICS rows per class: reading {path} or a Ray Data pass over {train}")
     start = time.perf_counter()
     try:
-        counts, reused = load_or_count(train, path, ontology, cfg.data.read_cpus)
+        counts, reused = load_or_count(train, path, ontology, cfg.data.read_cpus, ReadPolicy.of(cfg.data))
     except ArtifactMismatch as e:
         raise ConfigError(str(e)) from None
     kept, sizes = keep_frequent(ontology, counts, x.min_instances)
@@ -165,7 +162,7 @@ def _common(cfg: RayvlConfig, report_name: str) -> dict:
     d = cfg.data
     return dict(image_size=d.image_size, crop_scale_min=d.crop_scale_min,
                 tokenizer_path=str(assets.text_model_path(cfg.model.text)), max_tokens=d.max_text_tokens,
-                report_name=report_name)
+                report_name=report_name, io=ReadPolicy.of(d))
 
 
 def labeled_dataset(cfg: RayvlConfig, prompts: Prompts, report_name: str) -> ray.data.Dataset:

@@ -14,7 +14,7 @@ from rayvl import storage as store
 from rayvl.config import ConfigError, RayvlConfig
 from rayvl.data.report import caption_stats, position_report, report_actor, snapshot
 from rayvl.data.shards import expected_samples
-from rayvl.data.tar import resolve_shards
+from rayvl.data.specs import resolve_shards
 from rayvl.train import datasets
 from rayvl.train.checkpoint import restored_state
 from rayvl.train.loop import train_loop_per_worker

@@ -1,0 +1,182 @@
+"""Shard specs as webdataset and open_clip users write them → the list of shards a run reads.
+
+A spec is one or more sources joined by ``::`` (open_clip's way to mix datasets); a source is a comma list of
+parts; a part is brace-expanded (``{00000..41407}`` ranges, ``{a,b}`` alternatives — the ``braceexpand`` package,
+as webdataset does) into
+
+- ``pipe:COMMAND`` — the shard is the command's standard output (``pipe:aws s3 cp s3://b/00000.tar -``);
+- a URL (``s3://``, ``gs://``, ``file://``, any fsspec scheme): a ``.tar`` object, a folder (its ``.tar`` files) or
+  a glob in the last path component (one listing of its folder);
+- a local path: a ``.tar`` file, a folder, a glob, or a ``.txt`` file listing one shard per line.
+
+Resolving costs a listing per folder or glob and no request per brace-expanded object name: LAION-400M's 41,408
+names are made, not listed. ``check`` then looks at what is cheap to look at before Ray starts — every local name,
+the first and last object of each brace range, the folders listed — and says what it did not check.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from braceexpand import braceexpand
+
+from rayvl import storage
+from rayvl.config import ConfigError
+from rayvl.data.report import DataPlaneError
+
+PIPE = "pipe:"
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+GLOB_CHARS = "*?["
+CHECK_ALL_UP_TO = 8  # a brace range this short has every object checked
+
+
+@dataclass
+class Resolved:
+    """The shards of a spec, and how each part found them (what ``check`` may look at)."""
+
+    spec: str
+    paths: list[str] = field(default_factory=list)
+    named_urls: list[list[str]] = field(default_factory=list)  # per part: object names made, not listed
+    pipes: int = 0
+    listed: int = 0  # shards found by listing a folder or a glob (local or remote)
+    from_lists: int = 0  # shards read from .txt list files, taken as written
+
+
+def is_pipe(path: str) -> bool:
+    return path.startswith(PIPE)
+
+
+def parts(spec: str) -> list[str]:
+    """``a::b,c`` → [a, b, c]: sources split at ``::``, then at commas outside braces (``{a,b}`` stays whole); a
+    ``pipe:`` source is one command, commas and all."""
+    out: list[str] = []
+    for source in (s.strip() for s in spec.split("::")):
+        if is_pipe(source):
+            out.append(source)
+            continue
+        depth, start = 0, 0
+        for i, c in enumerate(source + ","):
+            depth += (c == "{") - (c == "}")
+            if c == "," and depth == 0:
+                out.append(source[start:i].strip())
+                start = i + 1
+    return [p for p in out if p]
+
+
+def resolve(spec: str) -> Resolved:
+    """Every shard a spec names, in spec order; a part that names nothing is an error naming it."""
+    if not spec or not spec.strip():
+        raise DataPlaneError("no shards given")
+    found = Resolved(spec)
+    for part in parts(spec):
+        before = len(found.paths)
+        named: list[str] = []
+        for item in braceexpand(part):
+            _add(item, found, named)
+        if named:
+            found.named_urls.append(named)
+        if len(found.paths) == before:
+            raise DataPlaneError(f"{part!r} matches no shard" + (f" (in {spec!r})" if part != spec else ""))
+    return found
+
+
+def resolve_shards(spec: str) -> list[str]:
+    """The shard paths of a spec (see the module docstring)."""
+    return resolve(spec).paths
+
+
+def _add(item: str, found: Resolved, named: list[str]) -> None:
+    if is_pipe(item):
+        found.paths.append(item)
+        found.pipes += 1
+    elif storage.is_url(item):
+        _add_url(item, found, named)
+    else:
+        _add_local(os.path.expanduser(item), found)
+
+
+def _add_url(url: str, found: Resolved, named: list[str]) -> None:
+    base = url.rstrip("/").rsplit("/", 1)[-1]
+    if any(c in base for c in GLOB_CHARS) or not base.endswith(SHARD_SUFFIXES):  # a glob or a folder: one listing
+        try:
+            listed = storage.list_files(url, ".tar")
+        except OSError as e:
+            raise DataPlaneError(f"cannot list {url!r}: {' '.join(str(e).split())}") from None
+        found.paths += listed
+        found.listed += len(listed)
+    else:
+        found.paths.append(url)
+        named.append(url)
+
+
+def _add_local(path: str, found: Resolved) -> None:
+    if os.path.isdir(path):
+        listed = sorted(glob.glob(os.path.join(path, "*.tar")))
+    elif path.endswith(".txt") and os.path.isfile(path):
+        # a list file: one shard (path, URL or pipe:) per line, taken as written
+        lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+        found.paths += lines
+        found.from_lists += len(lines)
+        return
+    elif any(c in os.path.basename(path) for c in GLOB_CHARS):
+        listed = sorted(glob.glob(path))
+    elif os.path.isfile(path):
+        found.paths.append(path)
+        return
+    else:
+        raise DataPlaneError(f"{path!r} does not exist")
+    found.paths += listed
+    found.listed += len(listed)
+
+
+@dataclass
+class SpecCheck:
+    """What ``check`` found: the shards, and a line on what was and was not looked at."""
+
+    paths: list[str]
+    summary: str
+
+
+def check(spec: str) -> SpecCheck:
+    """Resolve ``spec`` and check, at a cost that does not grow with the number of shards, that what it names
+    exists: local names and listings are complete; of each brace range of object names, the first and the last
+    (all when it has at most CHECK_ALL_UP_TO) are looked up. Raises DataPlaneError naming a missing one."""
+    found = resolve(spec)
+    looked = 0
+    for named in found.named_urls:
+        probe = named if len(named) <= CHECK_ALL_UP_TO else [named[0], named[-1]]
+        for url in probe:
+            try:
+                found_it = storage.is_file(url)
+            except OSError as e:
+                raise DataPlaneError(f"cannot look up {url!r}: {' '.join(str(e).split())}") from None
+            if not found_it:
+                raise DataPlaneError(f"{url!r} does not exist (named by {spec!r})")
+        looked += len(probe)
+    named = sum(len(n) for n in found.named_urls)
+    notes = [f"{len(found.paths)} shard{'s' if len(found.paths) != 1 else ''}"]
+    if found.listed:
+        notes.append(f"{found.listed} found by listing")
+    if named:
+        notes.append(f"{named} object names made from the spec, {looked} of them checked (first and last of each "
+                     f"range){'' if looked == named else f'; the other {named - looked} are checked when read'}")
+    if found.pipes:
+        notes.append(f"{found.pipes} pipe: commands, run when read")
+    if found.from_lists:
+        notes.append(f"{found.from_lists} from list files, taken as written")
+    local = len(found.paths) - found.listed - named - found.pipes - found.from_lists
+    if local > 0:
+        notes.append(f"{local} local files named and found")
+    return SpecCheck(found.paths, "; ".join(notes))
+
+
+def checked(key: str, spec: str) -> SpecCheck:
+    """``check(spec)`` for the config key ``key``: a ConfigError naming it when the spec names nothing or names
+    something missing (before Ray starts)."""
+    try:
+        return check(spec)
+    except DataPlaneError as e:
+        raise ConfigError(f"{key}: {e} — give img2dataset shards as a folder, a glob, brace ranges "
+                          f"({{00000..00099}}.tar), a comma or :: list, a .txt list file, a URL or pipe:COMMAND") from None

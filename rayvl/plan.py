@@ -1,0 +1,168 @@
+"""What a run, a sweep or a labelling job would do, found out without doing it (``--dry-run``), and what a shard
+spec holds (``rayvl data check``): the config validated, every data spec resolved and checked as far as is cheap,
+the first sample of the first and the last shard read, the batch arithmetic, the storage and the resources the
+cluster is asked for. No Ray is started."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from itertools import islice
+
+from rayvl import storage
+from rayvl.config import ConfigError, RayvlConfig
+from rayvl.data.images import decode
+from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
+from rayvl.data.shards import pass_size
+from rayvl.data.specs import SpecCheck, checked
+from rayvl.data.tar import iter_tar_samples
+from rayvl.data.text import validate_caption
+
+
+def first_samples(path: str, n: int, policy: ReadPolicy) -> list[dict]:
+    """The first ``n`` samples of a shard, as raw members."""
+    with open_shard(path, policy) as f:
+        return list(islice(iter_tar_samples(f), n))
+
+
+def describe_sample(sample: dict) -> tuple[str, str | None]:
+    """(a line describing the sample, the reason it would be dropped or None)."""
+    text, reason = validate_caption(sample.get("txt"))
+    image = decode(sample["jpg"]) if sample.get("jpg") is not None else None
+    if sample.get("jpg") is None:
+        reason = reason or "dropped_missing_image"
+    elif image is None:
+        reason = reason or "dropped_undecodable_image"
+    size = f"{image.width}×{image.height}" if image is not None else "no image"
+    caption = text if len(text) <= 60 else text[:57] + "..."
+    return f"{sample['key']}: {size}, {caption!r}" + (f" ({reason})" if reason else ""), reason
+
+
+def sample_lines(key: str, paths: list[str], policy: ReadPolicy) -> list[str]:
+    """The first sample of the first and of the last shard (an unreadable one is a ConfigError naming ``key``)."""
+    lines = []
+    for path in dict.fromkeys([paths[0], paths[-1]]):
+        try:
+            samples = first_samples(path, 1, policy)
+        except ShardIOError as e:
+            raise ConfigError(f"{key}: {e}") from None
+        line = describe_sample(samples[0])[0] if samples else "no sample (an empty or damaged shard)"
+        lines.append(f"    {path}: {line}")
+    return lines
+
+
+def data_lines(key: str, check: SpecCheck, policy: ReadPolicy) -> tuple[list[str], int | None]:
+    samples, how = pass_size(check.paths)
+    size = f"{samples:,} samples a pass ({how})" if samples else f"samples a pass unknown ({how})"
+    return [f"  {key}: {check.summary}", f"    {size}", *sample_lines(key, check.paths, policy)], samples
+
+
+def describe(cfg: RayvlConfig) -> str:
+    """The plan of one training run (``--dry-run``); raises ConfigError for what would fail."""
+    from rayvl.train import datasets
+    from rayvl.train.batches import label_rows
+    from rayvl.train.run_dir import run_paths
+    from rayvl.train.trainer import check_init_from
+
+    d, t = cfg.data, cfg.train
+    checks = datasets.check_inputs(cfg, d.train, d.eval)
+    datasets.tonics_ontology(cfg)
+    datasets.image_label_prompts(cfg)
+    check_init_from(cfg)
+    store, name = run_paths(cfg)
+    policy = ReadPolicy.of(d)
+    lines = [f"recipe {cfg.recipe}: config valid", "data:"]
+    per_pass = None
+    if not d.train:
+        lines.append(f"  data.train: the embedded demo dataset ({d.demo_samples} + {d.demo_eval_samples} generated "
+                     f"scenes in {d.demo_dir}, written on first use)")
+        per_pass = d.demo_samples
+    for key, check in checks.items():
+        more, samples = data_lines(key, check, policy)
+        lines += more
+        per_pass = samples if key == "data.train" else per_pass
+    if d.train and not d.eval and cfg.eval.tasks:
+        lines.append("  data.eval: none — evaluation is off (give held-out shards with --eval-data)")
+    text_rows = t.micro_batch_size - label_rows(cfg)
+    global_batch = t.num_workers * t.micro_batch_size * t.grad_accumulation
+    lines += ["batches:",
+              f"  {t.num_workers} workers × {t.micro_batch_size} per micro-batch × {t.grad_accumulation} accumulated = "
+              f"{global_batch:,} samples a step"
+              + (f" ({label_rows(cfg)} image-label rows per micro-batch)" if label_rows(cfg) else ""),
+              f"  negatives per query: {t.num_workers * t.micro_batch_size:,} in the gathered batch"
+              + (f" + {cfg.memory_bank.size:,} in the memory bank" if cfg.memory_bank.size else "")]
+    if per_pass and text_rows:  # (image-label only: the image-text shards are not read)
+        steps = per_pass / (t.num_workers * text_rows * t.grad_accumulation)
+        lines.append(f"  {steps:,.0f} steps a pass; train.max_steps={t.max_steps:,} is "
+                     f"{t.max_steps / steps:,.2f} passes")
+    gpu = {"GPU": 1} if t.use_gpu else {}
+    lines += ["cluster:",
+              f"  {t.num_workers} Ray Train workers of {{CPU: {t.cpus_per_worker:g}"
+              + (", GPU: 1" if gpu else "") + f"}} (train.placement_strategy={t.placement_strategy}), DeepSpeed "
+              f"ZeRO-{t.zero_stage}, {t.precision}",
+              f"  Ray Data read tasks of data.read_cpus={d.read_cpus:g} CPU each, {d.read_threads} transform threads, "
+              f"I/O: {d.io_retries} retries, unreadable shards: {d.unreadable_shards}",
+              "storage:",
+              f"  run directory {storage.join(store, name)}"
+              + (" (continued from its latest checkpoint)" if t.resume else ""),
+              f"  checkpoint every {t.checkpoint_every:,} steps, {t.checkpoints_to_keep} kept"]
+    return "\n".join(lines)
+
+
+def check_data(spec: str, samples: int, policy: ReadPolicy = ReadPolicy()) -> str:
+    """``rayvl data check``: the shards a spec names, what img2dataset's files say a pass holds, and the first
+    ``samples`` samples of the first shard decoded, with the reasons any would be dropped."""
+    check = checked("SPEC", spec)
+    lines, _ = data_lines("SPEC", check, policy)
+    try:
+        read = first_samples(check.paths[0], samples, policy)
+    except ShardIOError as e:
+        raise ConfigError(f"SPEC: {e}") from None
+    reasons: Counter = Counter()
+    lines.append(f"  first {len(read)} samples of {check.paths[0]}:")
+    for sample in read:
+        line, reason = describe_sample(sample)
+        reasons[reason or "kept"] += 1
+        lines.append(f"    {line}")
+    lines.append("  " + ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items())))
+    return "\n".join(lines)
+
+
+def describe_sweep(sweep) -> str:
+    """The plan of a sweep (``rayvl tune --dry-run``): its trials, and one trial's run plan."""
+    from rayvl.tune import trial_config
+
+    grid = [len(v["grid"]) for v in sweep.space.values() if "grid" in v]
+    trials = math.prod(grid) * sweep.num_samples * max(1, len(sweep.variants))
+    cfg = trial_config(sweep.recipe, sweep.fixed, {}, next(iter(sweep.variants.values()), []))
+    head = [f"sweep {sweep.path}: {trials} trials over {', '.join(sweep.space) or 'no key'}"
+            + (f" × variants {', '.join(sweep.variants)}" if sweep.variants else "")
+            + f", metric {sweep.metric} ({sweep.mode}), scheduler {sweep.scheduler.get('kind', 'fifo')}",
+            f"  every trial: {' '.join(sweep.fixed) or 'the recipe as it is'}",
+            f"  sweep directory {storage.join(storage.normalize(cfg.tune.storage_path), sweep.name or '<space name>')}"
+            " (each trial's run under runs/)",
+            "one trial's run (the space's values left out):"]
+    return "\n".join(head + ["  " + line for line in describe(cfg).splitlines()])
+
+
+def describe_pseudo_label(cfg: RayvlConfig) -> str:
+    """The plan of a labelling job (``rayvl pseudo-label --dry-run``)."""
+    from rayvl import pseudo_label
+    from rayvl.data.specs import check
+
+    x, policy = cfg.pseudo_label, ReadPolicy.of(cfg.data)
+    ckpt, units = pseudo_label.check(cfg)
+    lines = [f"pseudo-label with {ckpt}", "data:"]
+    lines += data_lines("pseudo_label.aligned", check(x.aligned), policy)[0]
+    shards = [u.paths[0] for u in units if u.kind == "tar"]
+    lines.append(f"  pseudo_label.unaligned: {len(units)} units ("
+                 + (f"{len(shards)} shards" if shards else f"image files in shards of {x.shard_size}") + ")")
+    if shards:
+        lines += sample_lines("pseudo_label.unaligned", shards, policy)
+    done = sum(pseudo_label.finished(storage.local_path(x.out), u, x.rules) for u in units) \
+        if storage.local_path(x.out).is_dir() else 0
+    lines += ["job:", f"  rules {', '.join(x.rules)}; {x.crops} crops × top-{x.k} captions per image; {done} of "
+                      f"{len(units)} units finished before (skipped)",
+              f"  {x.actors} labelling actors of {{CPU: {x.cpus_per_actor:g}"
+              + (f", GPU: {x.gpus_per_actor:g}" if x.gpus_per_actor else "") + "}",
+              f"  output {x.out}/<rule>/, index {x.out}/index/"]
+    return "\n".join(lines)

@@ -1,0 +1,140 @@
+"""Training the way a LAION user trains: shards on an S3-compatible store named by a brace range, read through
+connections that are reset and stalled in the middle of objects, one object of the range missing, the run and
+its checkpoints written to the store and resumed from it."""
+import json
+
+import pytest
+
+from conftest import small_config
+from rayvl import storage
+from rayvl.checkpoints import read_train_state
+from rayvl.data.report import format_data_report
+from rayvl.train.trainer import train
+
+
+@pytest.fixture(scope="module")
+def laion(demo_dir):
+    """The demo's 3 training shards (with img2dataset's parquet and stats files) as objects 00000, 00001 and 00011
+    of ``{00000..00011}``: the check before Ray starts looks at the first and the last name and passes, and the 9
+    names between are missing — the run meets them when it reads them. The held-out split beside them."""
+    from conftest import object_store_server
+
+    store = object_store_server()
+    s3 = store.client()
+    for src, dst in ((0, 0), (1, 1), (2, 11)):
+        for suffix in (".tar", ".parquet", "_stats.json"):
+            s3.put_object(Bucket="rayvl-test", Key=f"laion/{dst:05d}{suffix}",
+                          Body=(demo_dir / "train" / f"{src:05d}{suffix}").read_bytes())
+    held_out = store.upload_folder(demo_dir / "eval", "coco-val")
+    return "s3://rayvl-test/laion/{00000..00011}.tar", held_out
+
+
+def _faults(s3) -> None:
+    """Resets in the middle of two shards, past pyarrow's own ~30 attempts (rayvl's retry resumes the read), a
+    30 s stall on the third shard."""
+    for key in ("laion/00000.tar", "laion/00001.tar"):
+        s3.faults.add(key, *[("reset", 50_000)] * 40)
+    s3.faults.add("laion/00011.tar", ("stall", 50_000, 30))
+
+
+def test_a_run_on_object_storage_through_faults_trains_every_row_once_and_resumes_from_the_store(
+        ray_local, demo_dir, tmp_path, laion, s3):
+    spec, held_out = laion
+    runs = "s3://rayvl-test/runs"
+    args = [f"data.train={spec}", f"data.eval={held_out}", f"train.storage_path={runs}", "train.micro_batch_size=16",
+            "train.max_steps=12", "train.checkpoint_every=3", "train.log_every=3", "eval.tasks=[retrieval]",
+            "data.unreadable_shards=skip", "data.io_retry_wait_s=0.2", "data.local_shuffle_buffer=0"]
+    _faults(s3)
+    first = train(small_config(demo_dir, tmp_path, *args, "train.stop_at_step=6"))
+    assert first.uri == f"{runs}/run" and first.checkpoint_dir.startswith(f"{runs}/run/checkpoint_")
+    assert first.run_dir is None  # nothing of the run is on this machine's disk
+    injected = dict(s3.faults.injected)
+    assert injected[("laion/00000.tar", "reset")] == injected[("laion/00001.tar", "reset")] == 40
+    assert injected[("laion/00011.tar", "stall")] == 1
+    counts = first.data_report["counts"]
+    assert counts["io_retries"] >= 1  # a reset burst outlasted pyarrow's retries
+    assert "truncated_shards" not in counts  # a reset is not a damaged shard
+    assert counts["unreadable_shards"] >= 9 and len(first.data_report["bad_shards"]) == 9
+    assert "laion/00005.tar" in " ".join(first.data_report["bad_shards"])
+    assert "unreadable_shards" in format_data_report(first.data_report)
+
+    resumed = train(small_config(demo_dir, tmp_path, *args, "train.resume=true"))
+    history = [json.loads(x) for x in storage.read_text(f"{resumed.uri}/metrics.jsonl").splitlines()]
+    assert [h["step"] for h in history] == [3, 6, 9, 12]
+    assert history[2]["resumed_from"] == 6 and history[2]["first_step"] == 7
+    state = read_train_state(resumed.checkpoint_dir)  # downloaded from the store
+    assert state["progress"]["resumed_at"] == [6]
+    position = state["data_position"]
+    # 12 steps × 2 ranks × 16 rows = one pass of the 384 samples: every row trained once, across the resume
+    assert sum(position["rows_per_pass"].values()) == 384 and position["duplicates"] == 0
+    assert history[-1]["data_rows_trained"] == 384 and history[-1]["data_duplicate_rows"] == 0
+    assert resumed.data_report["counts"].get("truncated_shards", 0) == 0
+    assert "t2i_R@1" in resumed.metrics
+
+
+def test_a_missing_object_fails_the_run_naming_it(ray_local, demo_dir, tmp_path, laion, capsys):
+    """Under the default data.unreadable_shards=fail, the first missing object the run reads ends it with one line
+    naming the object and the cause (not a truncated shard, not "an epoch produced no full batch")."""
+    from rayvl.recipes import run_recipe
+
+    spec, held_out = laion
+    config = small_config(demo_dir, tmp_path)  # for its paths; the command line below is what a user types
+    code = run_recipe("configs/laion_adapt.yaml", [
+        "--data", spec, "--eval-data", held_out, "--set", f"train.storage_path={tmp_path}",
+        "--set", "train.max_failures=0", "--set", "data.shuffle_files=false", "--set", "eval.tasks=[retrieval]",
+        "--set", "train.micro_batch_size=8", "--set", "data.image_size=32", "--set", "train.max_steps=40",
+        "--set", "model.alignment_layers=1", "--set", f"data.paraphrases={config.data.paraphrases}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert err[-1].startswith("rayvl: error: shard s3://rayvl-test/laion/000")  # one of the 9 missing names
+    assert "cannot be read: it does not exist" in err[-1]
+    assert "data.unreadable_shards=skip" in err[-1]
+
+
+def _cli(capsys, *argv) -> tuple[int, str, str]:
+    from rayvl.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_dry_run_of_the_laion_recipe_at_laion_scale(s3, demo_dir, tmp_path, capsys):
+    """The recipe's LAION settings (40 workers × 819, bf16, m = 6) with LAION-400M named as open_clip users name it:
+    the dry run checks the first and last of 41,408 objects, reads their first sample and img2dataset's stats,
+    and prints the plan — no listing of the bucket, no demo-size check, no Ray."""
+    s3_client = s3.client()
+    for name in ("00000", "41407"):
+        for suffix in (".tar", "_stats.json"):
+            s3_client.put_object(Bucket="rayvl-test", Key=f"laion400m/{name}{suffix}",
+                                 Body=(demo_dir / "train" / f"00000{suffix}").read_bytes())
+    held_out = s3.upload_folder(demo_dir / "eval", "coco-val")
+    s3.faults.clear()
+    laion = ["--set", "model.alignment_layers=6", "--set", "train.num_workers=40", "--set", "train.use_gpu=true",
+             "--set", "train.precision=bf16", "--set", "train.micro_batch_size=819", "--set",
+             "train.warmup_steps=10000", "--set", "train.max_steps=40000", "--set", "train.lr=1e-3",
+             "--set", "train.storage_path=s3://rayvl-test/rayvl-runs"]
+    spec = "s3://rayvl-test/laion400m/{00000..41407}.tar"
+    code, out, err = _cli(capsys, "train", "--dry-run", "--data", spec, "--eval-data", held_out, *laion)
+    assert code == 0, err
+    assert "data.train: 41408 shards; 41408 object names made from the spec, 2 of them checked" in out
+    assert "5,300,224 samples a pass (from the _stats.json of 2 of 41408 remote shards, extrapolated)" in out
+    assert "laion400m/41407.tar: 000000000: 112×112, '" in out
+    assert "40 workers × 819 per micro-batch × 1 accumulated = 32,760 samples a step" in out
+    assert "162 steps a pass; train.max_steps=40,000 is 247.23 passes" in out
+    assert "40 Ray Train workers of {CPU: 0.5, GPU: 1}" in out and "ZeRO-0, bf16" in out
+    assert "run directory s3://rayvl-test/rayvl-runs/laion_adapt-" in out
+    assert not [q for _, _, q in s3.faults.requests if "list-type" in q and "laion400m" in q]  # no listing
+
+    # what a user mistypes is one line naming the key or the file
+    for argv, message in ((["--set", "train.betas=[0.9"], "train.betas (override 'train.betas=[0.9'): not valid YAML"),
+                          (["--config", str(tmp_path / "missing.yaml")], "--config: cannot read"),
+                          (["--data", "s3://rayvl-test/laion400m/{00000..41408}.tar"], "41408.tar' does not exist")):
+        code, out, err = _cli(capsys, "train", "--dry-run", *argv)
+        assert code == 2 and err.startswith("config error: ") and message in err and len(err.splitlines()) == 1
+
+    code, out, err = _cli(capsys, "data", "check", f"{held_out}/{{00000..00000}}.tar", "-n", "5")
+    assert code == 0, err
+    assert "SPEC: 1 shard; 1 object names made from the spec, 1 of them checked" in out
+    assert "64 samples a pass (from the _stats.json of 1 of 1 remote shards)" in out
+    assert "first 5 samples of s3://rayvl-test/coco-val/00000.tar:" in out and out.rstrip().endswith("kept: 5")

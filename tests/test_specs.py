@@ -1,0 +1,125 @@
+"""Shard specs as webdataset / open_clip users write them, and shard reads through a real S3 server that fails:
+every form resolves to the shards it names, checks cost no more for 41,408 objects than for 2, and an I/O error
+costs no row — it is retried and resumed, or it fails naming the shard (no Ray here; the training run over S3
+is in test_object_store.py)."""
+import shutil
+from collections import Counter
+
+import pytest
+
+from rayvl.data.report import DataPlaneError
+from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
+from rayvl.data.specs import check, parts, resolve_shards
+from rayvl.data.tar import iter_tar_samples
+
+FAST = ReadPolicy(retries=3, wait_s=0.05)
+
+
+def _keys(path: str, policy: ReadPolicy = FAST, retried: Counter | None = None) -> list[str]:
+    with open_shard(path, policy, retried) as f:
+        return [s["key"] for s in iter_tar_samples(f, ("key", "jpg"))]
+
+
+@pytest.fixture(scope="module")
+def shard_dir(demo_dir, tmp_path_factory):
+    """Three demo shards (128 samples each) under open_clip-style names, and a second source folder."""
+    out = tmp_path_factory.mktemp("specs")
+    for sub in ("a", "b"):
+        (out / sub).mkdir()
+        for i in range(3):
+            shutil.copy(demo_dir / "train" / f"{i:05d}.tar", out / sub / f"{i:05d}.tar")
+    return out
+
+
+def test_parts_split_sources_and_lists_but_not_braces_or_commands():
+    assert parts("a/{0..2}.tar::b/{x,y}.tar,c.tar") == ["a/{0..2}.tar", "b/{x,y}.tar", "c.tar"]
+    assert parts("pipe:curl -H 'a,b' s3://x/{0..1}.tar :: d") == ["pipe:curl -H 'a,b' s3://x/{0..1}.tar", "d"]
+
+
+def test_every_local_form(shard_dir):
+    a, b = shard_dir / "a", shard_dir / "b"
+    three = [str(a / f"{i:05d}.tar") for i in range(3)]
+    assert resolve_shards(f"{a}/{{00000..00002}}.tar") == three  # a zero-padded brace range
+    assert resolve_shards(f"{a}/{{00000,00002}}.tar") == [three[0], three[2]]  # brace alternatives
+    assert resolve_shards(str(a)) == resolve_shards(f"{a}/*.tar") == three  # a folder, a glob
+    joined = resolve_shards(f"{a}/{{00000..00001}}.tar::{b}")  # open_clip's :: between sources
+    assert joined == three[:2] + [str(b / f"{i:05d}.tar") for i in range(3)]
+    assert resolve_shards(f"{a}/00000.tar,{b}/00001.tar") == [three[0], str(b / "00001.tar")]
+    listing = shard_dir / "list.txt"
+    listing.write_text(f"{three[1]}\n\n{three[0]}\n")
+    assert resolve_shards(str(listing)) == [three[1], three[0]]
+    for bad, named in ((f"{a}/{{00000..00003}}.tar", "00003.tar"), (f"{a}::{shard_dir}/nothing", "nothing"),
+                       (f"{a}/x*.tar", "x*.tar")):
+        with pytest.raises(DataPlaneError, match=named):  # each part must name something: no silent typo
+            resolve_shards(bad)
+    assert "3 local files named and found" in check(f"{a}/{{00000..00002}}.tar").summary
+
+
+def test_pipe_commands_are_shards(shard_dir, tmp_path):
+    """``pipe:`` streams a command's output (webdataset's convention); a command that fails half-way is run again
+    and its first bytes skipped, so the tar parser sees one whole shard."""
+    shard = shard_dir / "a" / "00001.tar"
+    assert resolve_shards(f"pipe:cat {shard_dir}/a/{{00001..00002}}.tar") == [
+        f"pipe:cat {shard_dir}/a/00001.tar", f"pipe:cat {shard_dir}/a/00002.tar"]
+    expected = _keys(str(shard))
+    assert len(expected) == 128 and _keys(f"pipe:cat {shard}") == expected
+    marker = tmp_path / "failed-once"  # the first run gives 70,000 bytes, then exits 1
+    flaky = (f"pipe:if [ -e {marker} ]; then cat {shard}; else touch {marker}; head -c 70000 {shard}; "
+             f"echo broken >&2; exit 1; fi")
+    retried: Counter = Counter()
+    assert _keys(flaky, retried=retried) == expected and retried["io_retries"] == 1
+    with pytest.raises(ShardIOError, match="exited with status 3: nope"):
+        _keys("pipe:echo nope >&2; exit 3")
+
+
+def test_object_store_specs_cost_no_listing(s3, shard_dir):
+    """A brace range of object names is made, not listed: resolving LAION-400M's 41,408 names sends no request,
+    and the check before Ray starts looks up the first and the last object only (two HEADs)."""
+    url = s3.upload_folder(shard_dir / "a", "laion")
+    s3.client().copy_object(Bucket="rayvl-test", Key="laion/41407.tar", CopySource="rayvl-test/laion/00002.tar")
+    s3.faults.clear()
+    spec = f"{url}/{{00000..41407}}.tar"
+    paths = resolve_shards(spec)
+    assert len(paths) == 41408 and paths[0] == f"{url}/00000.tar" and paths[-1] == f"{url}/41407.tar"
+    assert s3.faults.requests == []
+    summary = check(spec).summary
+    assert [m for m, _, _ in s3.faults.requests] == ["HEAD", "HEAD"]
+    assert "41408 object names made from the spec, 2 of them checked" in summary
+    assert "the other 41406 are checked when read" in summary
+    with pytest.raises(DataPlaneError, match="laion/41408.tar' does not exist"):
+        check(f"{url}/{{00000..41408}}.tar")
+    # a folder and a glob are one listing each; :: mixes object storage with a local source
+    three = [f"{url}/{i:05d}.tar" for i in range(3)]
+    assert resolve_shards(f"{url}/0000[0-2].tar") == three
+    assert resolve_shards(f"{url}/") == resolve_shards(url) == three + [f"{url}/41407.tar"]
+    mixed = resolve_shards(f"{url}/{{00000..00001}}.tar::{shard_dir}/b/00002.tar")
+    assert mixed == [f"{url}/00000.tar", f"{url}/00001.tar", str(shard_dir / "b" / "00002.tar")]
+
+
+def test_object_store_faults_are_retried_and_resumed(s3, shard_dir):
+    """Connections reset mid-object past what pyarrow's client retries on its own, a stall, throttling: the shard
+    is read whole, each retry resuming at the byte reached. A missing object or denied access fails at once,
+    naming the shard and the cause."""
+    url = s3.upload_folder(shard_dir / "a", "faults")
+    expected = _keys(str(shard_dir / "a" / "00000.tar"))
+    key = "faults/00000.tar"
+    s3.faults.add(key, *[("reset", 40_000)] * 40)  # pyarrow gives up after ~30 attempts; rayvl's layer resumes
+    retried: Counter = Counter()
+    assert _keys(f"{url}/00000.tar", retried=retried) == expected
+    assert s3.faults.injected[(key, "reset")] == 40 and retried["io_retries"] >= 1
+    s3.faults.add(key, ("stall", 40_000, 30), *[("status", 503, "SlowDown")] * 3)
+    assert _keys(f"{url}/00000.tar") == expected and s3.faults.injected[(key, "stall")] == 1
+
+    with pytest.raises(ShardIOError) as missing:
+        _keys(f"{url}/00007.tar")
+    assert missing.value.reason == "missing" and missing.value.attempts == 1
+    assert "faults/00007.tar cannot be read: it does not exist" in str(missing.value)
+    s3.faults.add(key, *[("status", 403, "AccessDenied")] * 5)
+    with pytest.raises(ShardIOError) as denied:
+        _keys(f"{url}/00000.tar")
+    assert denied.value.reason == "denied" and denied.value.attempts == 1
+    assert "data.unreadable_shards=skip" in str(denied.value)
+    s3.faults.clear()
+    s3.faults.add(key, *[("reset", 1000)] * 200)  # past pyarrow's and rayvl's retries: transient, then failed
+    with pytest.raises(ShardIOError, match="I/O errors went on past data.io_retries"):
+        _keys(f"{url}/00000.tar", ReadPolicy(retries=1, wait_s=0.05))
