@@ -2,6 +2,7 @@
 
     python jobs/sweep.py tune_spaces/alignment_depth.yaml [--set key=value ...] [--name NAME] [--resume]
     ray job submit --working-dir . -- python jobs/sweep.py tune_spaces/memory_bank.yaml --set data.train=s3://...
+        --set eval.every_steps=2000 --set train.max_steps=20000 ...   (with data given, the budget is yours)
 
 Every key and domain of the space is checked against the config tree before Ray starts. At the end it prints the
 trial table and writes trials.csv, the plots and best_config.yaml into the sweep directory.

@@ -359,12 +359,18 @@ class SweepConfig:
 
     storage_path: str = "~/rayvl-sweeps"
     """where sweeps are stored: <storage_path>/<sweep name>/ (Tune's state, each trial's Train run, the report)."""
-    driver_cpus: float = 0.1
+    driver_cpus: float | None = None
     """CPUs reserved for each trial's driver, the function that builds and fits the TorchTrainer (it mostly waits;
-    its Train workers reserve their own)."""
+    its Train workers reserve their own). Unset: 0.1, or none when tune.driver_resources says where drivers go (a
+    node with both is not needed: cluster.yaml's head has `on_demand` and no CPUs)."""
     driver_resources: dict[str, float] = field(default_factory=dict)
-    """custom resources each trial driver needs, e.g. {on_demand: 0.001} to keep drivers on nodes that declare
+    """custom resources each trial driver needs, e.g. {on_demand: 1} to keep drivers on nodes that declare
     that resource (Ray's advice for spot clusters: a lost driver loses its trial)."""
+
+    def driver_bundle(self) -> dict[str, float]:
+        """What each trial's driver reserves (Tune's resources for the trial)."""
+        cpus = self.driver_cpus if self.driver_cpus is not None else 0.0 if self.driver_resources else 0.1
+        return {**({"CPU": cpus} if cpus else {}), **self.driver_resources}
 
 
 @dataclass
@@ -511,12 +517,6 @@ def _merge(base: dict, override: dict) -> dict:
     return out
 
 
-def parse_override(text: str) -> dict:
-    """``a.b.c=value`` → {"a": {"b": {"c": value}}}; the value is read as YAML (numbers, bools, lists)."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r}: expected key=value")
-    key, raw = text.split("=", 1)
-    value = load_yaml(raw, f"{key.strip()} (override {text!r})") if raw.strip() else ""
 class _Loader(yaml.SafeLoader):
     """YAML as a user writes numbers: ``1e-3`` is a float (YAML 1.1, PyYAML's default, wants ``1.0e-3`` and
     reads ``1e-3`` as a string)."""
@@ -546,6 +546,12 @@ def read_yaml(path: str | Path, key: str) -> Any:
     return load_yaml(text, f"{key} {path}")
 
 
+def parse_override(text: str) -> dict:
+    """``a.b.c=value`` → {"a": {"b": {"c": value}}}; the value is read as YAML (numbers, bools, lists)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key=value")
+    key, raw = text.split("=", 1)
+    value = load_yaml(raw, f"{key.strip()} (override {text!r})") if raw.strip() else ""
     out: dict = {}
     node = out
     parts = key.strip().split(".")
@@ -614,7 +620,7 @@ def validate(cfg: RayvlConfig) -> None:
     _validate_pseudo_label(cfg.pseudo_label)
     if cfg.eval.every_steps < 0:
         raise ConfigError(f"eval.every_steps: must be ≥ 0, got {cfg.eval.every_steps}")
-    if cfg.tune.driver_cpus < 0 or any(v <= 0 for v in cfg.tune.driver_resources.values()):
+    if (cfg.tune.driver_cpus or 0.0) < 0 or any(v <= 0 for v in cfg.tune.driver_resources.values()):
         raise ConfigError("tune.driver_cpus / tune.driver_resources: amounts must be ≥ 0 (resources > 0)")
     if cfg.tune.driver_cpus == 0 and not cfg.tune.driver_resources:
         raise ConfigError("tune.driver_cpus: a trial driver needs some resource (Ray schedules no empty bundle): "

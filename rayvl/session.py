@@ -1,5 +1,5 @@
-"""The Ray session of a driver: join a cluster or start a local Ray, with the environment every worker needs, and
-check that the CPUs asked for leave room for Ray Data."""
+"""The Ray session of a driver: join a cluster or start a local Ray, with the environment every worker needs, check
+that the CPUs asked for leave room for Ray Data, and read how large the cluster can grow."""
 from __future__ import annotations
 
 import logging
@@ -123,3 +123,49 @@ def check_storage(cfg: RayvlConfig, nodes: int | None = None) -> None:
             raise ConfigError(f"{key}: {path!r} is on this machine's disk, but the cluster has {nodes} nodes: use "
                               f"object storage (s3://..., gs://...) or set train.shared_storage=true if it is a mount "
                               f"every node shares")
+
+
+def largest_cluster() -> tuple[dict[str, float], bool]:
+    """The resources the cluster can grow to, and whether an autoscaler's config said so (grown_resources), or,
+    without an autoscaler config on this node, what the cluster's nodes have now."""
+    config = autoscaler_config()
+    if config is None:
+        return ray.cluster_resources(), False
+    head = next(n["Resources"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"])
+    return grown_resources(config, head), True
+
+
+def grown_resources(config: dict, head: dict[str, float]) -> dict[str, float]:
+    """The head's resources plus every worker type of an autoscaler config at its max_workers, within the cluster's
+    max_workers: for each resource the types richest in it first (a bound: one resource's best mix of node types
+    may not be another's)."""
+    total = dict(head)
+    workers = [(t.get("resources") or {}, t.get("max_workers", 0))
+               for name, t in config["available_node_types"].items() if name != config["head_node_type"]]
+    for key in {k for resources, _ in workers for k in resources}:
+        nodes_left = config.get("max_workers", sum(most for _, most in workers))
+        for resources, most in sorted(workers, key=lambda w: -w[0].get(key, 0)):
+            n = min(most, nodes_left)
+            total[key] = total.get(key, 0.0) + n * resources.get(key, 0)
+            nodes_left -= n
+    return total
+
+
+def autoscaler_config() -> dict | None:
+    """The cluster config this cluster's autoscaler runs with (on a `ray up` head, ~/ray_bootstrap_config.yaml, its
+    node types' resources filled in from the instance types), read where the head's monitor process was told to
+    read it; None where this node runs no autoscaler of this cluster (a local Ray, a fixed `ray start` cluster, a
+    driver on a worker node). Ray 2.60 gives a driver no public API for it, and its GCS holds none for a `ray up`
+    cluster."""
+    import psutil
+    import yaml
+
+    gcs = f"--gcs-address={ray.get_runtime_context().gcs_address}"
+    for process in psutil.process_iter(["cmdline"]):
+        args = process.info["cmdline"] or []
+        if gcs in args and any(a.endswith("monitor.py") for a in args):
+            path = next((a.split("=", 1)[1] for a in args if a.startswith("--autoscaling-config=")), "")
+            if path and os.path.isfile(os.path.expanduser(path)):
+                with open(os.path.expanduser(path)) as f:
+                    return yaml.safe_load(f)
+    return None

@@ -18,12 +18,12 @@ from pathlib import Path
 import yaml
 
 from rayvl import storage
-from rayvl.config import ConfigError, RayvlConfig, load_config
+from rayvl.config import ConfigError, RayvlConfig, load_config, read_yaml
 
 DOMAINS = ("grid", "choice", "uniform", "loguniform", "randint")
 SCHEDULERS = ("asha", "fifo")
-FILE_KEYS = {"recipe", "metric", "mode", "num_samples", "scheduler", "set", "space", "max_concurrent_trials",
-             "name", "variants"}
+FILE_KEYS = {"recipe", "metric", "mode", "num_samples", "scheduler", "set", "demo", "space",
+             "max_concurrent_trials", "name", "variants"}
 SCHEDULER_KEYS = {"kind", "grace_period", "reduction_factor", "max_t"}
 MAX_GRID_CHECKED = 1000  # grid combinations validated one by one before Ray starts
 
@@ -41,10 +41,10 @@ class Sweep:
     metric: str
     mode: str  # "max" or "min"
     space: dict[str, dict]  # dotted config key → {domain: arguments}
-    fixed: list[str] = field(default_factory=list)  # "key=value" overrides every trial gets
+    fixed: list[str] = field(default_factory=list)  # "key=value" overrides every trial gets (set, demo, --set)
     num_samples: int = 1
     scheduler: dict = field(default_factory=lambda: {"kind": "fifo"})
-    max_concurrent_trials: int = 0  # 0 = as many as the cluster's resources hold
+    max_concurrent_trials: int = 0  # 0 = as many as the cluster holds at its largest (its autoscaler's max_workers)
     name: str = ""
     # named bundles of "key=value" overrides, one more grid dimension (rayvl.compare: variants × seeds)
     variants: dict[str, list[str]] = field(default_factory=dict)
@@ -67,12 +67,14 @@ def trial_config(recipe: str, fixed: list[str], values: dict, variant: list[str]
 
 
 def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:
-    """Read and validate a space file; ``overrides`` ("key=value", e.g. from --set) join its ``set`` section."""
+    """Read and validate a space file. Every trial gets its ``set`` (what the question fixes, on any data), then
+    on the embedded demo only its ``demo`` (the per-trial budget that fits a laptop), then ``overrides``
+    ("key=value", e.g. from --set), which win over both."""
     path = str(path)
     try:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise SweepError(f"{path}: {e}") from None
+        raw = read_yaml(path, "search space") or {}  # 1e-3 is a number here too
+    except ConfigError as e:
+        raise SweepError(str(e)) from None
     if not isinstance(raw, dict):
         raise SweepError(f"{path}: a search space is a mapping (recipe, metric, mode, space, ...)")
     unknown = sorted(set(raw) - FILE_KEYS)
@@ -81,12 +83,26 @@ def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:
     for key in ("recipe", "metric", "space"):
         if key not in raw:
             raise SweepError(f"{path}: {key}: missing")
-    sweep = Sweep(path, _recipe_path(path, raw["recipe"]), str(raw["metric"]), str(raw.get("mode", "max")),
-                  raw["space"], [f"{k}={_yaml(v)}" for k, v in (raw.get("set") or {}).items()] + list(overrides),
-                  int(raw.get("num_samples", 1)), dict(raw.get("scheduler") or {"kind": "fifo"}),
-                  int(raw.get("max_concurrent_trials", 0)), str(raw.get("name", "")), _variants(path, raw))
+    recipe = _recipe_path(path, raw["recipe"])
+    fixed = [f"{k}={_yaml(v)}" for k, v in (raw.get("set") or {}).items()]
+    if on_demo(recipe, fixed + list(overrides)):
+        fixed += [f"{k}={_yaml(v)}" for k, v in (raw.get("demo") or {}).items()]
+    sweep = Sweep(path, recipe, str(raw["metric"]), str(raw.get("mode", "max")), raw["space"],
+                  fixed + list(overrides), int(raw.get("num_samples", 1)),
+                  dict(raw.get("scheduler") or {"kind": "fifo"}), int(raw.get("max_concurrent_trials", 0)),
+                  str(raw.get("name", "")), _variants(path, raw))
     validate(sweep)
     return sweep
+
+
+def on_demo(recipe: str, overrides: list[str]) -> bool:
+    """Whether trials read the embedded demo dataset: neither the recipe nor the overrides give data.train."""
+    from rayvl.config import parse_override
+
+    train = ((read_yaml(recipe, "recipe") or {}).get("data") or {}).get("train", "")
+    for text in overrides:
+        train = parse_override(text).get("data", {}).get("train", train)
+    return not train
 
 
 def _variants(path: str, raw: dict) -> dict[str, list[str]]:
@@ -193,29 +209,41 @@ def _validate_scheduler(s: Sweep, base: RayvlConfig) -> None:
         raise SweepError(f"{s.path}: scheduler.kind: {sch.get('kind')!r} is not one of {', '.join(SCHEDULERS)}")
     if sch.get("kind") == "asha":
         max_t = int(sch.get("max_t", base.train.max_steps))
-        grace = int(sch.get("grace_period", 1))
+        grace = _grace_period(sch, base)
         if not 1 <= grace <= max_t:
             raise SweepError(f"{s.path}: scheduler.grace_period: must be in [1, max_t={max_t}], got {grace}")
         if float(sch.get("reduction_factor", 2)) <= 1:
             raise SweepError(f"{s.path}: scheduler.reduction_factor: must be > 1")
         if not base.eval.every_steps and s.metric not in ("loss",):
             raise SweepError(f"{s.path}: scheduler.kind: ASHA stops trials on {s.metric!r}, which training reports "
-                             f"only when it evaluates: set eval.every_steps in the space's `set`")
+                             f"only when it evaluates: set eval.every_steps (--set eval.every_steps=N)")
+
+
+def _grace_period(scheduler: dict, base: RayvlConfig) -> int:
+    """ASHA's first rung in steps: as the space gives it, else the first evaluation (the metric's first value), so
+    the rungs follow the budget a run is given."""
+    return int(scheduler.get("grace_period") or base.eval.every_steps or 1)
 
 
 # ----------------------------------------------------------------------------- running a sweep
 
-def concurrent_trials(cfg: RayvlConfig, resources: dict) -> int:
-    """How many trials the cluster holds at once: each needs its driver, its Train workers and Ray Data's share.
-    Train V2 workers get their own placement group outside Tune's accounting, so Tune cannot see this itself."""
+def trial_bundles(cfg: RayvlConfig) -> list[dict]:
+    """What one trial takes besides its driver: a bundle per Train worker and a CPU for Ray Data. Train V2 workers
+    get their own placement group outside Tune's accounting, and Ray Data's tasks none, so Tune cannot see this."""
     t = cfg.train
+    worker = {"CPU": t.cpus_per_worker, **({"GPU": 1.0} if t.use_gpu else {})}
     # a whole CPU per trial for Ray Data, whatever data.read_cpus says: besides its read tasks, each trial's
     # streaming-split coordinator runs the executor loop (measured ≈ 1/3 of a core each): on 2 cores, two trials
     # of one worker each ran 10 steps in ≈ 60 s, one trial of two workers alone in ≈ 10 s
-    need = {"CPU": cfg.tune.driver_cpus + t.num_workers * t.cpus_per_worker + max(1.0, cfg.data.read_cpus),
-            **({"GPU": float(t.num_workers)} if t.use_gpu else {})}
-    for name, amount in cfg.tune.driver_resources.items():
-        need[name] = need.get(name, 0.0) + amount
+    return [dict(worker) for _ in range(t.num_workers)] + [{"CPU": max(1.0, cfg.data.read_cpus)}]
+
+
+def concurrent_trials(cfg: RayvlConfig, resources: dict) -> int:
+    """How many trials ``resources`` (a cluster's totals) hold at once: drivers, Train workers and Ray Data."""
+    need: dict[str, float] = {}
+    for bundle in [cfg.tune.driver_bundle(), *trial_bundles(cfg)]:
+        for name, amount in bundle.items():
+            need[name] = need.get(name, 0.0) + amount
     return min(int(resources.get(name, 0.0) // amount) for name, amount in need.items() if amount > 0)
 
 
@@ -236,7 +264,7 @@ def _scheduler(sweep: Sweep, base: RayvlConfig):
         return FIFOScheduler()
     # time is the optimizer step every report carries, so rungs are in steps whatever eval.every_steps is
     return ASHAScheduler(time_attr="step", max_t=int(s.get("max_t", base.train.max_steps)),
-                         grace_period=int(s.get("grace_period", 1)),
+                         grace_period=_grace_period(s, base),
                          reduction_factor=float(s.get("reduction_factor", 2)))
 
 
@@ -366,7 +394,7 @@ def run_sweep(sweep: Sweep, overrides: list[str] = (), name: str = "", resume: b
     fs, inner = storage.filesystem(store)
     fixed_size = session.connect(base.ray_address, base.local_num_cpus)
     session.check_storage(base)
-    trainable = tune.with_resources(trial, {"CPU": base.tune.driver_cpus, **base.tune.driver_resources})
+    trainable = tune.with_resources(trial, base.tune.driver_bundle())
     # named after the sweep directory, so the trial configs and the callback a resumed sweep restores still find it
     registry_name = f"rayvl-placement-{hashlib.sha1(sweep_dir.encode()).hexdigest()[:12]}"
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)  # not a worker node
@@ -378,10 +406,9 @@ def run_sweep(sweep: Sweep, overrides: list[str] = (), name: str = "", resume: b
         tuner = tune.Tuner.restore(posixpath.join(inner, name), trainable, resume_unfinished=True,
                                    resume_errored=False, storage_filesystem=fs, param_space=space)
     else:
-        limit = sweep.max_concurrent_trials or _auto_concurrency(base, fixed_size)
         tuner = tune.Tuner(trainable, param_space=space, tune_config=tune.TuneConfig(
             metric=sweep.metric, mode=sweep.mode, num_samples=sweep.num_samples, scheduler=_scheduler(sweep, base),
-            max_concurrent_trials=limit), run_config=tune.RunConfig(
+            max_concurrent_trials=_concurrency(sweep, base, fixed_size)), run_config=tune.RunConfig(
             name=name, storage_path=inner, storage_filesystem=fs, verbose=1, callbacks=[release]))
     try:
         return sweep_dir, tuner.fit()
@@ -401,18 +428,36 @@ def _param_space(sweep: Sweep, overrides: list[str], sweep_dir: str, registry: s
     return space
 
 
-def _auto_concurrency(cfg: RayvlConfig, fixed_size: bool) -> int:
-    import ray
+def _concurrency(sweep: Sweep, cfg: RayvlConfig, fixed_size: bool) -> int:
+    """Tune's limit on trials at once: the space's max_concurrent_trials, else as many as the cluster holds at its
+    largest (session.largest_cluster: its autoscaler's node types at their max_workers). Trials beyond the nodes
+    there are now wait for their Train placement groups, whose demand is what makes the autoscaler add nodes, and
+    run as the nodes arrive."""
+    from rayvl import session
 
-    n = concurrent_trials(cfg, ray.cluster_resources())
+    if sweep.max_concurrent_trials:
+        return sweep.max_concurrent_trials
+    largest, autoscaled = session.largest_cluster()
+    n = concurrent_trials(cfg, largest)
     if n >= 1:
+        if autoscaled:
+            print(f"rayvl tune: up to {n} trials at once, what the cluster holds at its largest: {_shown(largest)}")
         return n
-    message = (f"one trial needs train.num_workers × train.cpus_per_worker + data.read_cpus + tune.driver_cpus CPUs "
-               f"(and its GPUs / tune.driver_resources), more than the cluster has: {ray.cluster_resources()}")
-    if fixed_size:
+    worker, data = trial_bundles(cfg)[0], trial_bundles(cfg)[-1]
+    message = (f"one trial needs {{{_shown(cfg.tune.driver_bundle())}}} for its driver (tune.driver_cpus / "
+               f"tune.driver_resources), {cfg.train.num_workers} × {{{_shown(worker)}}} for its Train workers and "
+               f"{{{_shown(data)}}} for Ray Data, more than the cluster {'can grow to' if autoscaled else 'has'}: "
+               f"{{{_shown(largest)}}}")
+    if fixed_size or autoscaled:
         raise SweepError(message)
-    print(f"rayvl tune: warning: {message}; running one trial at a time while the autoscaler adds nodes")
+    print(f"rayvl tune: warning: {message}; running one trial at a time (no autoscaler config found on this node)")
     return 1
+
+
+def _shown(resources: dict) -> str:
+    """A cluster's resources as a person reads them: CPUs, GPUs and custom resources, not memory or node ids."""
+    hidden = ("node:", "memory", "object_store_memory", "accelerator_type:")
+    return ", ".join(f"{k} {v:g}" for k, v in sorted(resources.items()) if not k.startswith(hidden)) or "none"
 
 
 # ----------------------------------------------------------------------------- what a finished sweep leaves

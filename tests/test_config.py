@@ -49,6 +49,11 @@ def test_numbers_as_users_write_them_and_files_that_are_not_there(tmp_path):
         load_config(RECIPE, ["train.betas=[0.9"])
     with pytest.raises(ConfigError, match="^--config: cannot read .*nothing.yaml"):
         load_config(tmp_path / "nothing.yaml")
+    from rayvl.tune import load_sweep
+
+    space = tmp_path / "space.yaml"
+    space.write_text(f"recipe: {RECIPE}\nmetric: loss\nmode: min\nspace:\n  train.lr: {{loguniform: [1e-4, 1e-2]}}\n")
+    assert load_sweep(space).space == {"train.lr": {"loguniform": [1e-4, 1e-2]}}
     recipe.write_text("train: [unclosed\n")
     with pytest.raises(ConfigError, match=r"r.yaml: not valid YAML \(line 2"):
         load_config(recipe)

@@ -82,6 +82,41 @@ def test_cluster_yaml_passes_rays_schema_and_keeps_the_dashboard_private():
     assert any("rayvl[gpu]" in c for c in config["setup_commands"])
 
 
+def test_the_readmes_cluster_sweep_fits_cluster_yaml(monkeypatch):
+    """The README's cluster sweep against cluster.yaml, on paper: its overrides win over the space file (whose `demo`
+    budget is the embedded demo's only), ASHA's first rung is its first evaluation, its trial drivers need only the
+    head's `on_demand` (the head has no CPUs and no worker type declares it), and the cluster at its largest holds
+    8 such trials at once (8 GPUs each; 16 g5.12xlarge of 4 GPUs, resources as `ray up` fills them in) — without
+    its GPU type, the sweep is refused before any trial starts. The same command runs on a fake cloud in
+    test_autoscaling.py."""
+    from test_autoscaling import readme_command
+
+    from rayvl import session
+    from rayvl.tune import _concurrency, _grace_period
+
+    command = readme_command("jobs/sweep.py")
+    job = command[command.index("--") + 1:]  # python jobs/sweep.py SPACE --set ...
+    sweep = load_sweep(REPO / job[2], [job[i + 1] for i, a in enumerate(job) if a == "--set"])
+    cfg = sweep.base_config()
+    t = cfg.train
+    assert (t.max_steps, t.checkpoint_every, t.warmup_steps, t.micro_batch_size, t.cpus_per_worker, t.precision,
+            cfg.data.image_size) == (20000, 2000, 2000, 256, 0.5, "bf16", 224)
+    assert load_sweep(REPO / job[2]).base_config().train.checkpoint_every == 10  # the demo's budget, on the demo
+    assert _grace_period(sweep.scheduler, cfg) == 2000
+    config = yaml.safe_load((REPO / "cluster.yaml").read_text())
+    types = config["available_node_types"]
+    head = types[config["head_node_type"]]["resources"]
+    assert cfg.tune.driver_bundle() == {"on_demand": 1.0} and head["on_demand"] >= 1 and head["CPU"] == 0
+    assert not any("on_demand" in (t["resources"] or {}) for t in types.values() if t["resources"] is not head)
+    types["gpu_worker"]["resources"], types["cpu_worker"]["resources"] = {"CPU": 48, "GPU": 4}, {"CPU": 32}
+    monkeypatch.setattr(session, "largest_cluster", lambda: (session.grown_resources(config, head), True))
+    assert _concurrency(sweep, cfg, fixed_size=False) == 8
+    del types["gpu_worker"]
+    with pytest.raises(SweepError, match=r"8 × \{CPU 0.5, GPU 1\} for its Train workers .* can grow to: "
+                                         r"\{CPU 256, on_demand 1000\}"):
+        _concurrency(sweep, cfg, fixed_size=False)
+
+
 def test_local_storage_on_several_nodes_is_refused_naming_the_key():
     from rayvl.config import ConfigError, load_config
     from rayvl.session import check_storage
