@@ -39,6 +39,7 @@ benchmark: install
 	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/bow.py
 	$(PY) benchmarks/sampler.py
+	$(PY) benchmarks/bookkeeping_scale.py
 
 clean:
 	rm -rf $(VENV)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from rayvl.data.position import DataPosition, row_ids, unit_of
+from rayvl.data.position import DataPosition, RowSet, row_ids, unit_of
 
 
 def test_row_ids_name_pass_shard_and_row():
@@ -137,3 +137,134 @@ def test_a_stream_resumed_on_two_ranks_and_read_to_its_end_trains_every_row_of_e
     assert pos.duplicates == 0 and dict(pos.rows_per_pass) == {0: 384, 1: 384}
     pos.settle(ray.get(report_actor(second_name).unit_rows.remote(list(pos.partial))))
     assert pos.complete == [0, 1]
+
+
+# ----------------------------------------------------------------------------- runs (position.RowSet)
+
+def _random_rows(rng, n_shards: int, rows_per_shard: int, objects: list[int], n: int) -> np.ndarray:
+    """(row id, object) pairs as a rank records them: runs of consecutive rows (the blocks Ray hands out), loose
+    rows (a shuffle buffer's edge) and rows again (repeats), over two passes; rows at the very end of a shard's id
+    range sit next to the next shard's first ids, which must not join them."""
+    out = []
+    while sum(map(len, out)) < n:
+        p, s = int(rng.integers(2)), int(rng.integers(n_shards))
+        first = int(rng.integers(rows_per_shard))
+        ids = row_ids(p, s, first, int(rng.integers(1, min(24, rows_per_shard - first) + 1)))
+        if rng.random() < 0.3:
+            ids = rng.choice(ids, size=max(1, len(ids) // 3))
+        out.append(np.stack([ids, rng.choice(objects, size=len(ids))], 1))
+    edge = (1 << 20) - 1  # the last possible row of shard 0 and the first of shard 1
+    out.append(np.array([[row_ids(0, 0, edge, 1)[0], -1], [row_ids(0, 1, 0, 1)[0], -1]]))
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("objects", [[-1], [-1, 0, 3, 70_000]], ids=["plain", "tonics"])
+def test_runs_hold_exactly_the_set_of_pairs_with_repeats_counted(objects):
+    rng = np.random.default_rng(0)
+    parts = [_random_rows(rng, 6, 64, objects, 500) for _ in range(4)]
+    sets = [RowSet.of(p[:, 0], p[:, 1]) for p in parts]
+    for p, s in zip(parts, sets):
+        distinct = {tuple(x) for x in p.tolist()}
+        assert sorted(distinct) == sorted(map(tuple, s.pairs().tolist())) and len(s) == len(distinct)
+        assert s.repeats == len(p) - len(distinct)
+    everything = np.concatenate(parts)
+    union = RowSet.union(sets)
+    assert {tuple(x) for x in union.pairs().tolist()} == {tuple(x) for x in everything.tolist()}
+    assert union.repeats == len(everything) - len(union)
+    some = set(np.unique(union.spans[:, 0])[::2].tolist())  # the rows of every other unit, found by unit
+    assert {tuple(x) for x in union.only(some).pairs().tolist()} == {
+        tuple(x) for x in everything.tolist() if x[0] >> 20 in some}
+    # runs are maximal: two runs of a unit never touch, and a shard's last id never joins the next shard's first
+    unit, first, end = union.spans.T
+    same = unit[1:] == unit[:-1]
+    assert (first[1:][same] > end[:-1][same]).all() and (end > first).all()
+
+
+class _SetPosition:
+    """The reference: the data position as plain Python sets of (row id, object) pairs."""
+
+    def __init__(self, n_shards):
+        self.n_shards, self.partial, self.finished, self.complete = n_shards, {}, {}, []
+        self.duplicates, self.rows_per_pass = 0, {}
+
+    def merge(self, pairs):
+        for row, obj in pairs.tolist():
+            p, s = int(row >> 47), int((row >> 20) & ((1 << 27) - 1))
+            held = self.partial.setdefault((p, s), set())
+            if p in self.complete or s in self.finished.get(p, ()) or (row, obj) in held:
+                self.duplicates += 1
+            else:
+                held.add((row, obj))
+                self.rows_per_pass[p] = self.rows_per_pass.get(p, 0) + 1
+        self.partial = {u: rows for u, rows in self.partial.items() if rows}
+
+    def settle(self, totals):
+        for u in [u for u, rows in self.partial.items() if u in totals and len(rows) >= totals[u]]:
+            self.finished.setdefault(u[0], []).append(u[1])
+            del self.partial[u]
+        for p in [p for p, shards in self.finished.items() if len(shards) == self.n_shards]:
+            del self.finished[p]
+            self.complete.append(p)
+
+
+@pytest.mark.parametrize("objects", [[-1], [-1, 0, 3]], ids=["plain", "tonics"])
+def test_merge_settle_plan_and_restore_match_a_set_reference_checkpoint_after_checkpoint(objects):
+    """Three ranks' rows (runs, loose rows, repeats across and within ranks, TOnICS pairs) merged over six
+    checkpoints; every (pass, shard) produces 64 rows per object, so shards finish and pass 0 completes on the way."""
+    rng, n_shards = np.random.default_rng(1), 3
+    pos, ref = DataPosition(n_shards), _SetPosition(n_shards)
+    totals = {(p, s): 64 * len(objects) for p in range(2) for s in range(n_shards)}
+    for checkpoint in range(6):
+        parts = [_random_rows(rng, n_shards, 64, objects, 150 * (checkpoint + 1)) for _ in range(3)]
+        parts = [p[(p[:, 0] & ((1 << 20) - 1)) < 64] for p in parts]  # the shard-edge rows are not in this set
+        if checkpoint == 5:  # the last one trains everything not trained yet: pass 0 and pass 1 complete
+            parts.append(np.concatenate([np.stack([row_ids(p, s, 0, 64), np.full(64, o)], 1)
+                                         for p in range(2) for s in range(n_shards) for o in objects]))
+        pos.trained(parts[0][:, 0], parts[0][:, 1])
+        touched = pos.merge(pos.take_trained(), *parts[1:])
+        ref.merge(np.concatenate(parts))
+        assert set(touched) <= set(ref.partial) | {(p, s) for p, shards in ref.finished.items() for s in shards} \
+            | {(p, s) for p in ref.complete for s in range(n_shards)}
+        assert pos.settle(totals) is not None
+        ref.settle(totals)
+        assert pos.partial == {u: len(rows) for u, rows in ref.partial.items()}
+        assert pos.finished == ref.finished and pos.complete == ref.complete
+        assert pos.duplicates == ref.duplicates and dict(pos.rows_per_pass) == ref.rows_per_pass
+        for p in range(2):
+            skip, trained = pos.plan(p, [0, 2])
+            assert trained == {s: ref.partial[(p, s)] for s in (0, 2) if (p, s) in ref.partial}
+            assert skip == ({0, 2} if p in ref.complete else set(ref.finished.get(p, ())) & {0, 2})
+        buf = io.BytesIO()
+        torch.save(pos.state_dict(), buf)
+        back = DataPosition(n_shards)
+        back.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+        assert back.partial == pos.partial and back.summary() == pos.summary()
+        assert back.plan(1, [1]) == pos.plan(1, [1])
+    assert sorted(pos.complete) == [0, 1] and pos.partial == {}
+
+
+def test_a_checkpoint_written_before_runs_loads():
+    """Checkpoints written before position.RowSet hold each partial unit's sorted (row id, object) pairs."""
+    a, b = row_ids(0, 1, 0, 5), row_ids(1, 0, 7, 2)
+    old = {"n_shards": 2, "complete": [], "finished": {0: [0]}, "rows_per_pass": {0: 7, 1: 3}, "duplicates": 1,
+           "execution": 0, "report": {"counts": {}, "bad_shards": {}},
+           "partial": {(0, 1): torch.from_numpy(np.stack([a, np.full(5, -1)], 1)),
+                       (1, 0): torch.from_numpy(np.array([[b[0], -1], [b[1], 4], [b[1], 9]]))}}
+    pos = DataPosition(n_shards=2)
+    pos.load_state_dict(old)
+    assert pos.partial == {(0, 1): 5, (1, 0): 3} and pos.finished == {0: [0]}
+    assert pos.plan(1, [0]) == (set(), {0: {(int(b[0]), -1), (int(b[1]), 4), (int(b[1]), 9)}})
+    assert pos.merge(np.array([[a[0], -1], [b[1], 4], [b[1], 5]])) == [(0, 1), (1, 0)]
+    assert pos.duplicates == 3 and pos.rows_per_pass == {0: 7, 1: 4}
+
+
+def test_the_data_report_forgets_a_shards_row_count_once_it_is_settled():
+    """The actor's per-shard row counts stay bounded by the shards in flight, not by every shard of every pass."""
+    from rayvl.data.report import DataReport
+
+    report = DataReport.__ray_actor_class__()  # the actor's class itself: its bookkeeping, without Ray
+    report.restore("t", None, 2)
+    report.add({"samples_seen": 3}, unit=("t", "a", 0, 1, 3))
+    assert report.unit_rows([(0, 1), (0, 0)]) == {(0, 1): 3}
+    counts, _ = report.settle([(0, 1)])
+    assert report.rows == {} and report.units == {} and counts["counts"] == {"samples_seen": 3}

@@ -29,7 +29,9 @@ class DataReport:
         self.bad_shards: dict[str, str] = {}
         self.units: dict[tuple[int, int], tuple[str, Counter]] = {}
         self.running: Counter = Counter()  # the sum of self.units' counts
-        self.rows: dict[tuple[int, int], int] = {}  # rows a shard produced, once its read reached the end
+        # rows a shard produced, from the end of its read until the position settles it: at most the shards being
+        # read or trained on, not every shard of every pass
+        self.rows: dict[tuple[int, int], int] = {}
         self.token: str | None = None
         self.position: DataPosition | None = None
         self.execution = 0
@@ -84,6 +86,7 @@ class DataReport:
     def settle(self, units: list[tuple[int, int]]) -> tuple[dict, int]:
         """Fold finished shards' counts into the settled ones; returns (the settled report, executions)."""
         for u in units:
+            self.rows.pop(u, None)
             held = self.units.pop(u, None)
             if held is not None:
                 self.running.subtract(held[1])

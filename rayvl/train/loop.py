@@ -6,7 +6,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import numpy as np
 import ray
 import ray.train
 import torch
@@ -139,18 +138,19 @@ def _restore_position(position: DataPosition, report_name: str | None, rank: int
 
 def _gather_position(position: DataPosition, report_name: str | None, rank: int, world: int) -> None:
     """Every rank's rows trained on since the last checkpoint go to rank 0, which settles the shards now finished
-    and their counts (data/position.py)."""
+    and their counts (data/position.py). Rows travel as runs (position.RowSet), and to rank 0 only: no other rank
+    needs them."""
     import torch.distributed as dist
 
-    mine = position.take_pending()
+    mine = position.take_trained()
     parts = [mine]
     if dist.is_initialized():
-        parts = [None] * world
-        dist.all_gather_object(parts, mine)
+        parts = [None] * world if rank == 0 else None
+        dist.gather_object(mine, parts, dst=0)
     if rank != 0 or not report_name:
         return
     actor = report_actor(report_name)
-    position.merge(np.concatenate(parts))
+    position.merge(*parts)
     done = position.settle(ray.get(actor.unit_rows.remote(list(position.partial))))
     position.report, position.execution = ray.get(actor.settle.remote(done))
 
