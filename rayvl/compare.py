@@ -316,11 +316,8 @@ def main(comparison: Comparison, argv: list[str] | None = None, defaults=None, a
         overrides += config_overrides(args)
         name = args.name or f"{comparison.title.split()[0]}-{time.strftime('%Y%m%d-%H%M%S')}"
         if args.dry_run:
-            from rayvl.plan import describe_sweep
-
-            print(describe_sweep(comparison.sweep(overrides, args.seeds,
-                                                  after_kwargs(args) if after_kwargs else {}, name)))
-            return 0
+            return _print_plan(comparison.sweep(overrides, args.seeds, after_kwargs(args) if after_kwargs else {},
+                                                name))
         plan = staged(args, comparison) if staged else None
         sweep_dir = run_stages(comparison, overrides, args.seeds, after_kwargs(args) if after_kwargs else {}, name,
                                args.resume, *(plan or ((), None)))
@@ -328,6 +325,14 @@ def main(comparison: Comparison, argv: list[str] | None = None, defaults=None, a
         print(f"config error: {one_line(e)}", file=sys.stderr)
         return 2
     _print_result(comparison, sweep_dir, args.seeds)
+    return 0
+
+
+def _print_plan(sweep: Sweep) -> int:
+    """--dry-run: the grid's trials and one trial's run plan (rayvl.plan), nothing started."""
+    from rayvl.plan import describe_sweep
+
+    print(describe_sweep(sweep))
     return 0
 
 
