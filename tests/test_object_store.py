@@ -138,3 +138,28 @@ def test_dry_run_of_the_laion_recipe_at_laion_scale(s3, demo_dir, tmp_path, caps
     assert "SPEC: 1 shard; 1 object names made from the spec, 1 of them checked" in out
     assert "64 samples a pass (from the _stats.json of 1 of 1 remote shards)" in out
     assert "first 5 samples of s3://rayvl-test/coco-val/00000.tar:" in out and out.rstrip().endswith("kept: 5")
+
+
+def test_dry_runs_of_a_sweep_a_comparison_and_a_labelling_job(demo_dir, tmp_path, capsys):
+    """--dry-run on `rayvl tune`, a comparison job and `rayvl pseudo-label`: the plan, nothing started."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, untrained_checkpoint
+
+    data = ["--set", f"data.train={demo_dir}/train", "--set", f"data.eval={demo_dir}/eval", "--set",
+            "eval.every_steps=10"]
+    code, out, err = _cli(capsys, "tune", "--dry-run", str(REPO / "tune_spaces" / "alignment_depth.yaml"), *data)
+    assert code == 0, err
+    assert "5 trials over model.alignment_layers" in out and "data.train: 3 shards; 3 found by listing" in out
+    job = subprocess.run([sys.executable, str(REPO / "jobs" / "unicl.py"), "--dry-run"], capture_output=True,
+                         text=True, timeout=300)
+    assert job.returncode == 0 and "9 trials over train.seed × variants ce, unicl_labels, unicl" in job.stdout
+    ckpt = untrained_checkpoint(demo_dir, tmp_path)
+    code, out, err = _cli(capsys, "pseudo-label", "--dry-run", "--checkpoint", str(ckpt), "--aligned",
+                          f"{demo_dir}/train/{{00000..00001}}.tar", "--unaligned", f"{demo_dir}/train/00002.tar",
+                          "--out", str(tmp_path / "pseudo"))
+    assert code == 0, err
+    assert "pseudo_label.aligned: 2 shards; 2 local files named and found" in out
+    assert "pseudo_label.unaligned: 1 units (1 shards)" in out and "0 of 1 units finished before" in out
+    assert not (tmp_path / "pseudo").exists()  # a dry run writes nothing
