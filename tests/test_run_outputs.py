@@ -116,7 +116,7 @@ def test_recipes_are_installed_with_the_package(tmp_path):
 
 
 @pytest.mark.parametrize("args, key", [
-    (["--data", "/nonexistent/shards-*.tar"], "data.train: '/nonexistent/shards-*.tar' matches no .tar shard"),
+    (["--data", "/nonexistent/shards-*.tar"], "data.train: '/nonexistent/shards-*.tar' matches no shard"),
     (["--set", "model.vision=resnet5O"], "model.vision: 'resnet5O' is neither a rayvl asset"),
     (["--set", "model.text=/no/such/hf-model"], "model.text: '/no/such/hf-model' is neither a rayvl asset"),
     (["--init-from", "/no/such/run"], "train.init_from: '/no/such/run' is not a rayvl run"),

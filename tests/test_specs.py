@@ -75,8 +75,9 @@ def test_pipe_commands_are_shards(shard_dir, tmp_path):
 def test_object_store_specs_cost_no_listing(s3, shard_dir):
     """A brace range of object names is made, not listed: resolving LAION-400M's 41,408 names sends no request,
     and the check before Ray starts looks up the first and the last object only (two HEADs)."""
-    url = s3.upload_folder(shard_dir / "a", "laion")
-    s3.client().copy_object(Bucket="rayvl-test", Key="laion/41407.tar", CopySource="rayvl-test/laion/00002.tar")
+    url = s3.upload_folder(shard_dir / "a", "specs-laion")  # a prefix of its own: the store lives all session
+    s3.client().copy_object(Bucket="rayvl-test", Key="specs-laion/41407.tar",
+                            CopySource="rayvl-test/specs-laion/00002.tar")
     s3.faults.clear()
     spec = f"{url}/{{00000..41407}}.tar"
     paths = resolve_shards(spec)
@@ -86,7 +87,7 @@ def test_object_store_specs_cost_no_listing(s3, shard_dir):
     assert [m for m, _, _ in s3.faults.requests] == ["HEAD", "HEAD"]
     assert "41408 object names made from the spec, 2 of them checked" in summary
     assert "the other 41406 are checked when read" in summary
-    with pytest.raises(DataPlaneError, match="laion/41408.tar' does not exist"):
+    with pytest.raises(DataPlaneError, match="specs-laion/41408.tar' does not exist"):
         check(f"{url}/{{00000..41408}}.tar")
     # a folder and a glob are one listing each; :: mixes object storage with a local source
     three = [f"{url}/{i:05d}.tar" for i in range(3)]

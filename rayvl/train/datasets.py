@@ -162,7 +162,7 @@ def _common(cfg: RayvlConfig, report_name: str) -> dict:
     d = cfg.data
     return dict(image_size=d.image_size, crop_scale_min=d.crop_scale_min,
                 tokenizer_path=str(assets.text_model_path(cfg.model.text)), max_tokens=d.max_text_tokens,
-                report_name=report_name, io=ReadPolicy.of(d))
+                report_name=report_name)
 
 
 def labeled_dataset(cfg: RayvlConfig, prompts: Prompts, report_name: str) -> ray.data.Dataset:
@@ -183,7 +183,8 @@ def labeled_dataset(cfg: RayvlConfig, prompts: Prompts, report_name: str) -> ray
         return ds.limit(needed) if needed < int(np.isin(labels, sorted(prompts.train_classes)).sum()) else ds
     return shards.read_shards(il.data, train=True, read_cpus=d.read_cpus, transform_batch_size=d.transform_batch_size,
                               shuffle_files=d.shuffle_files, prompts=prompts, columns=TRAIN_COLUMNS,
-                              seed=cfg.train.seed, threads=d.read_threads, **_common(cfg, report_name))
+                              seed=cfg.train.seed, threads=d.read_threads, io=ReadPolicy.of(d),
+                              **_common(cfg, report_name))
 
 
 def train_passes(cfg: RayvlConfig, train: str, samples_per_pass: int | None) -> int:
@@ -199,7 +200,7 @@ def build_datasets(cfg: RayvlConfig, train: str, evalset: str, report_name: str,
     "<report_name>-eval")}."""
     d = cfg.data
     common = dict(read_cpus=d.read_cpus, transform_batch_size=d.transform_batch_size, threads=d.read_threads,
-                  **_common(cfg, report_name))
+                  io=ReadPolicy.of(d), **_common(cfg, report_name))
     # only tensor columns go to the training iterator (keys and captions are strings)
     columns = TRAIN_COLUMNS + [ROW] + (["object"] if ontology is not None else [])
     datasets = {"train": shards.read_shards(train, train=True, shuffle_files=d.shuffle_files, bow=deformer,
