@@ -11,6 +11,7 @@ from typing import Callable
 import pyarrow.fs as pafs
 
 from rayvl import storage
+from rayvl.data.specs import is_pipe
 
 
 class ArtifactMismatch(RuntimeError):
@@ -25,7 +26,7 @@ def shard_sizes(paths: list[str]) -> dict[str, int]:
     found: list[tuple[str, int]] = []
     folders: dict[str, list[str]] = defaultdict(list)
     for p in paths:
-        if p.startswith("pipe:"):
+        if is_pipe(p):
             found.append((p, -1))
         else:
             folders[storage.parent(p)].append(p)

@@ -39,7 +39,7 @@ from rayvl.data.pipeline import preprocess
 from rayvl.data.position import row_ids
 from rayvl.data.report import record, report_actor
 from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
-from rayvl.data.specs import resolve_shards
+from rayvl.data.specs import is_pipe, resolve_shards
 from rayvl.data.tar import COLUMNS, iter_tar_samples
 
 if TYPE_CHECKING:
@@ -309,7 +309,7 @@ def pass_size(paths: list[str]) -> tuple[int | None, str]:
     import pyarrow.compute as pc
     import pyarrow.dataset as pads
 
-    local = [p for p in paths if not storage.is_url(p) and not p.startswith("pipe:")]
+    local = [p for p in paths if not storage.is_url(p) and not is_pipe(p)]
     remote = [p for p in paths if storage.is_url(p)]
     if len(local) + len(remote) < len(paths):
         return None, "pipe: shards have no img2dataset files to count"
