@@ -143,6 +143,7 @@ def validate(s: Sweep) -> None:
     if s.metric not in reported:
         raise SweepError(f"{where}: metric: {s.metric!r} is not reported by this recipe's training (eval.tasks "
                          f"{base.eval.tasks}); one of: {', '.join(sorted(reported))}")
+    _check_evaluated(s, base)
     _validate_scheduler(s, base)
     if not isinstance(s.space, dict) or not (s.space or s.variants):
         raise SweepError(f"{where}: space: a mapping of config keys to domains, e.g. "
@@ -169,6 +170,27 @@ def reported_metrics(cfg: RayvlConfig) -> set[str]:
                "retrieval": [f"{d}_R@{n}" for d in ("t2i", "i2t") for n in (1, 5, 10)],
                "paraphrase": [f"paraphrase_AO@{k}", f"paraphrase_JS@{k}"], "sts": ["sts_spearman", "sts_pearson"]}
     return {"loss", "lr", "logit_scale", *(m for task in cfg.eval.tasks for m in by_task[task])}
+
+
+def _check_evaluated(s: Sweep, base: RayvlConfig) -> None:
+    """An evaluation metric as the sweep's metric or a comparison's row needs held-out shards: given data.train
+    and no data.eval, training switches its evaluation off (rayvl.train.datasets.evaluation_or_off; only the
+    embedded demo brings its own held-out split), so Tune would never get the metric and the table would show
+    "-". Checked for the recipe and each variant (a variant may name its own data)."""
+    wanted = {s.metric: "metric", **{row[1]: f"row {row[0]!r}" for row in s.rows if row[1] != s.metric}}
+    for name, overrides in (s.variants or {"": []}).items():
+        cfg = trial_config(s.recipe, s.fixed, {}, overrides) if overrides else base
+        if cfg.data.eval or not cfg.data.train or not cfg.eval.tasks:
+            continue
+        from rayvl.eval.tasks import METRIC_PREFIXES  # what the evaluation's metric names start with
+
+        evaluated = [m for m in wanted if m.startswith(METRIC_PREFIXES)]
+        if evaluated:
+            metric = evaluated[0]
+            variant = f" (variant {name})" if cfg.data.train != base.data.train else ""
+            raise SweepError(f"{s.path}: {wanted[metric]}: {metric!r} is an evaluation metric, but data.train is "
+                             f"given without data.eval{variant}: training would not evaluate and never report it; "
+                             f"give held-out shards (--eval-data, or --set data.eval=SHARDS)")
 
 
 def _domain_values(where: str, key: str, domain) -> list:

@@ -1,5 +1,6 @@
-"""Comparisons (rayvl.compare): variants × seeds as one real Ray Tune grid, the per-trial after-evaluation, mean ±
-std against a float64 reference, and the errors a job's command line gets before Ray starts."""
+"""Comparisons (rayvl.compare): variants × seeds as one real Ray Tune grid, each trial trained under its own seed,
+the per-trial after-evaluation, mean ± std against a float64 reference, and the errors a job's command line gets
+before Ray starts."""
 import csv
 import json
 
@@ -44,6 +45,27 @@ def test_a_bad_comparison_is_an_error_before_ray_starts(variants, seeds, metric,
         Comparison("t", RECIPE, variants, ROWS, metric=metric).sweep(overrides, seeds)
 
 
+def test_a_job_given_data_without_held_out_data_is_refused_before_ray_starts(demo_dir, capsys):
+    """`python jobs/bow_pretrain.py --data SHARDS` without --eval-data: its table is evaluation metrics, which a run
+    without held-out shards never reports. One line naming the metric and data.eval, status 2, no Ray started
+    (with held-out shards the grid validates: test_every_comparison_job_validates_on_the_demo_and_on_real_data)."""
+    import time
+
+    import ray
+
+    from rayvl.compare import main
+
+    job = _job("bow_pretrain")
+    was_running = ray.is_initialized()
+    capsys.readouterr()
+    started = time.perf_counter()
+    assert main(job.COMPARISON, ["--data", str(demo_dir / "train"), "--seeds", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: bow_pretrain (BoW Table 2): row 'zero-shot top-1 %': 'zeroshot_top1' is an "
+                          "evaluation metric, but data.train is given without data.eval") and err.count("\n") == 1
+    assert ray.is_initialized() == was_running and time.perf_counter() - started < 10
+
+
 def test_variants_chosen_by_name_or_the_demo_default():
     c = Comparison("t", RECIPE, {"a": [], "b": ["train.lr=0.01"], "c": []}, ROWS, demo_variants=("a", "c"))
     assert list(c.chosen("", demo=True).variants) == ["a", "c"]
@@ -77,6 +99,30 @@ def trained_with(result) -> dict:
     config = read_meta(result.checkpoint_dir)["config"]
     return {"after_seed": config["train"]["seed"], "after_lr": config["train"]["lr"],
             "after_data": config["data"]["train"]}
+
+
+def seeded_by_the_trials_seed(trials: list[dict], root) -> None:
+    """Each trial trained under its own train.seed, read from what it trained: its logged losses differ from the
+    other seed's, and its randomly initialised layer (vision_proj, new in every model) is near the same seed's
+    trial of the other variant — two steps at lr ≤ 0.003 move a weight by at most ≈ 0.006 — and far from the
+    other seed's (two initialisations differ by ≈ 0.019 on average)."""
+    from rayvl.export import weights
+
+    loss, proj = {}, {}
+    for t in trials:
+        run = root / {"fast": "lr-fast", "slow": "lr"}[t["variant"]] / "runs" / f"trial-{t['trial']}"
+        at = (t["variant"], int(t["seed"]))
+        loss[at] = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+        proj[at] = weights(json.loads((run / "final_metrics.json").read_text())["checkpoint"])[0]["vision_proj.weight"]
+    assert all(len(x) == 2 for x in loss.values())  # steps 1 and 2
+    assert all(loss[(v, 0)] != loss[(v, 1)] for v in ("fast", "slow"))
+
+    def distance(a, b):
+        return float((proj[a].double() - proj[b].double()).abs().mean())
+
+    same_seed = [distance(("fast", s), ("slow", s)) for s in (0, 1)]
+    other_seed = [distance((v, 0), (v, 1)) for v in ("fast", "slow")]
+    assert max(same_seed) < 0.5 * min(other_seed), (same_seed, other_seed)
 
 
 def test_variants_by_seeds_run_as_tune_grids_in_two_stages_with_a_hook_after_each_trial(ray_local, demo_dir,
@@ -121,6 +167,9 @@ def test_variants_by_seeds_run_as_tune_grids_in_two_stages_with_a_hook_after_eac
         assert record["metrics"]["after_seed"] == int(t["seed"])  # the seed the trial trained with
         assert float(t["after_lr"]) == pytest.approx({"fast": 0.003, "slow": 0.0003}[t["variant"]], rel=1e-12)
         assert record["metrics"]["after_data"] == str(demo_dir / "train")  # the same shards for every trial
+        trained = json.loads((stage / "runs" / f"trial-{t['trial']}" / "run.json").read_text())["config"]["train"]
+        assert (trained["seed"], trained["lr"]) == (int(t["seed"]), float(t["after_lr"]))  # what train() was given
+    seeded_by_the_trials_seed(trials, tmp_path)
     summary = json.loads((tmp_path / "lr" / "comparison.json").read_text())["summary"]
     for variant in ("fast", "slow"):
         values = np.array([float(t["loss"]) for t in trials if t["variant"] == variant], dtype=np.float64)
@@ -137,18 +186,31 @@ def test_variants_by_seeds_run_as_tune_grids_in_two_stages_with_a_hook_after_eac
     assert printed.count("±") >= 4  # both variants' rows, the first stage's included
 
 
-@pytest.mark.parametrize("job", ["tonics_align", "unicl", "unicl_coverage", "bow_pretrain", "paraphrase_strategies"])
-def test_every_comparison_job_validates_on_the_demo_and_on_real_data(job):
-    """Each job's variants × 3 seeds, with its demo budget and without it, checked against the config tree (the
-    whole grid builds before Ray starts); the after hook and the rows' metrics are names a trial can report."""
+def _job(name: str):
+    """A comparison job's module (jobs/<name>.py)."""
     import importlib
     import sys
 
     sys.path.insert(0, str(REPO / "jobs"))
     try:
-        module = importlib.import_module(job)
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(REPO / "jobs"))
+
+
+# the jobs whose table has rows training reports only when it evaluates on held-out shards (data.eval)
+EVALUATED_ROWS = {"tonics_align": "t2i_R@1", "bow_pretrain": "zeroshot_top1", "paraphrase_strategies": "zeroshot_top1"}
+
+
+@pytest.mark.parametrize("job", ["tonics_align", "unicl", "unicl_coverage", "bow_pretrain", "paraphrase_strategies"])
+def test_every_comparison_job_validates_on_the_demo_and_on_real_data(job):
+    """Each job's variants × 3 seeds, with its demo budget and without it, checked against the config tree (the
+    whole grid builds before Ray starts); the after hook and the rows' metrics are names a trial can report. With
+    training shards but no held-out ones, a job whose rows are evaluation metrics is refused naming the metric and
+    data.eval (its table would be all "-"); the others' rows come from their after hook and need none."""
+    import importlib
+
+    module = _job(job)
     c = module.COMPARISON
     if hasattr(module, "bind"):  # the variants name data the job's options give
         import argparse
@@ -160,10 +222,17 @@ def test_every_comparison_job_validates_on_the_demo_and_on_real_data(job):
 
         with pytest.raises(ConfigError, match="--data"):  # the arms' pairs are --covered / --uncovered
             module.bind(argparse.Namespace(**vars(args), data="s3://b/shards/"), module.COMPARISON)
-    for demo, overrides in ((True, c.demo), (False, ["data.train=s3://bucket/shards/{00000..00009}.tar"])):
+    shards = ["data.train=s3://bucket/shards/{00000..00009}.tar"]
+    for demo, overrides in ((True, c.demo), (False, shards + ["data.eval=s3://bucket/held-out/00000.tar"])):
         sweep = c.chosen("", demo).sweep(overrides, seeds=3)
         assert sweep.space == {"train.seed": {"grid": [0, 1, 2]}} and len(sweep.variants) >= 2
         assert list(sweep.variants) == list(c.demo_variants or c.variants) if demo else list(c.variants)
+    if job in EVALUATED_ROWS:
+        with pytest.raises(SweepError, match=rf"row '.*': '{EVALUATED_ROWS[job]}' is an evaluation metric, but "
+                                             rf"data\.train is given without data\.eval: "):
+            c.chosen("", False).sweep(shards, seeds=3)
+    else:
+        c.chosen("", False).sweep(shards, seeds=3)  # its rows come from its after hook
     for hook in filter(None, (c.after, c.notes)):
         module_name, function = hook.split(":")
         assert callable(getattr(importlib.import_module(module_name), function))

@@ -39,6 +39,14 @@ def fit_on_head(config: dict, env: dict | None = None):
     return fit_in_task(config, env, scheduling_strategy=head)
 
 
+def wait_until(condition, what: str, timeout: float = 60) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"not seen within {timeout:.0f} s: {what}"
+        time.sleep(0.2)
+
+
 def train_workers() -> list:
     from ray.util.state import list_actors
 
@@ -55,6 +63,7 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_from_its_checkpoint(cluster
     complete by the last step depends on the order concurrent read tasks deliver in; a stream resumed and read to
     its end is checked in test_position.py.)"""
     import ray
+    from ray.util import placement_group_table
 
     from rayvl.checkpoints import RAY_TRAIN_SNAPSHOT, read_meta, read_train_state
     from rayvl.eval.runner import run_eval
@@ -75,8 +84,15 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_from_its_checkpoint(cluster
     workers = train_workers()
     assert len({w.node_id for w in workers}) == 2  # one worker on each worker node
     lost = next(n for n in cluster.worker_nodes if n.node_id == workers[-1].node_id)
+    groups = set(placement_group_table())
     cluster.remove_node(lost)
-    time.sleep(2)  # the group fails and cannot be placed again on one node (STRICT_SPREAD) ...
+    # Ray sees the node dead, the group fails, and the restarted group's placement group waits: it cannot be
+    # placed on one node (STRICT_SPREAD) ...
+    wait_until(lambda: not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == lost.node_id), "the node dead")
+    wait_until(lambda: any(g["state"] == "PENDING" and g["strategy"] == "STRICT_SPREAD"
+                           for pg_id, g in placement_group_table().items() if pg_id not in groups),
+               "a new placement group for the workers, waiting for a node")
+    assert not ray.wait([run], timeout=0)[0]  # the run waits with it
     cluster.add_node(**NODE)  # ... until a new node joins
     result = ray.get(run, timeout=600)
 

@@ -63,6 +63,41 @@ def test_cli_rejects_a_bad_space_before_ray_starts(tmp_path):
     assert r.returncode == 2 and "memory_bank.size" in r.stderr and "Started a local Ray" not in r.stderr
 
 
+def test_an_evaluation_metric_without_held_out_shards_is_refused_before_ray_starts(tmp_path, capsys):
+    """data.train without data.eval switches training's evaluation off (datasets.evaluation_or_off): a sweep ranked
+    by t2i_R@1 would never give Tune a result. Refused naming the metric and data.eval — for the recipe's data and
+    for a variant's own; accepted with held-out shards, on the demo (its own held-out split), or for the loss."""
+    import ray
+
+    from rayvl.cli import main
+
+    space = REPO / "tune_spaces" / "alignment_depth.yaml"
+    shards, held_out = "data.train=s3://bucket/laion/{00000..00009}.tar", "data.eval=s3://bucket/coco/00000.tar"
+    missing = r"metric: 't2i_R@1' is an evaluation metric, but data\.train is given without data\.eval"
+    with pytest.raises(SweepError, match=rf"alignment_depth\.yaml: {missing}: .*--set data\.eval=SHARDS"):
+        load_sweep(space, [shards])
+    assert load_sweep(space, [shards, held_out, "eval.every_steps=100"]).metric == "t2i_R@1"
+    assert not load_sweep(space).base_config().data.train  # the demo
+    path = tmp_path / "space.yaml"
+    variants = {"with": {"data.train": "s3://b/a/", "data.eval": "s3://b/e/"}, "without": {"data.train": "s3://b/c/"}}
+    raw = {"recipe": str(REPO / "configs" / "laion_adapt.yaml"), "metric": "t2i_R@1", "variants": variants,
+           "space": {}, "set": {"eval.tasks": ["retrieval"]}}
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(SweepError, match=rf"{missing} \(variant without\)"):
+        load_sweep(path)
+    path.write_text(yaml.safe_dump({**raw, "metric": "loss"}))  # every report carries it: evaluation may be off
+    assert set(load_sweep(path).variants) == {"with", "without"}
+
+    was_running = ray.is_initialized()
+    capsys.readouterr()
+    started = time.perf_counter()
+    assert main(["tune", str(space), "--set", shards]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: ") and "'t2i_R@1' is an evaluation metric" in err and "data.eval" in err
+    assert "Traceback" not in err and ray.is_initialized() == was_running  # no Ray was started
+    assert time.perf_counter() - started < 10
+
+
 def test_cluster_yaml_passes_rays_schema_and_keeps_the_dashboard_private():
     from ray.autoscaler._private.util import prepare_config, validate_config
 
