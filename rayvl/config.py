@@ -65,7 +65,12 @@ class DataConfig:
     shuffle_files: bool = True
     """shuffle shard order every epoch."""
     local_shuffle_buffer: int = 256
-    """rows in each worker's local shuffle buffer (0 = off)."""
+    """rows in each worker's local shuffle buffer (0 = off); its draws are seeded by (train.seed, rank, execution)."""
+    deterministic: bool = False
+    """Ray Data keeps the order of its blocks (``preserve_order``): each rank receives the same rows in the same order
+    run after run, so one train.seed gives one loss curve on CPU. Costs speed: a slow read task holds back every
+    block after it, and the split to ranks ignores where blocks are (more transfer between nodes). Off: the order
+    in which tasks finish decides which rank trains on which block, and when."""
     prefetch_batches: int = 2
     """batches prefetched by each worker's iterator."""
     stall_timeout_s: float = 300.0
@@ -338,7 +343,9 @@ class TrainConfig:
     """MLflow tracking URI ('' = a SQLite store ``mlruns/mlflow.db`` under a local ``storage_path``, else under
     ~/rayvl-runs); experiment = the recipe name, run = the run name."""
     seed: int = 0
-    """seed for model init and data augmentation."""
+    """seed of the model's new layers, each row's crop and prompt (with its key and pass), each pass's shard order,
+    the local shuffle buffers (with the rank) and the TOnICS node draws; with ``data.deterministic`` two runs of one
+    seed train on the same batches."""
 
 
 @dataclass

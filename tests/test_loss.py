@@ -1,4 +1,5 @@
-"""The gathered contrastive loss equals a float64 full-batch reference — in one process and with 2 Ray workers."""
+"""The gathered contrastive loss equals a float64 full-batch reference — in one process and with 2 Ray workers — and
+so does the loss a report carries (the mean over ranks)."""
 import json
 
 import numpy as np
@@ -91,8 +92,15 @@ def _two_worker_loss(config):
     unicl = unicl_loss(mine_img.detach(), mine_txt.detach(), torch.tensor(config["scale"], dtype=torch.float64),
                        labels).detach()
     dist.all_reduce(unicl)
+    # what a report says: the loss of the steps since the last one, over ranks (train/window.py)
+    from rayvl.train.window import Window
+
+    window = Window(steps=1)
+    window.add(loss.item(), 0.0, {"image": mine_img, "label": labels}, world)
+    reported = window.over_ranks("cpu")["loss"]
     with open(f"{config['out']}/rank{rank}.json", "w") as f:
         json.dump({"loss": loss.item(), "mean_loss": mean_loss.item() / world, "unicl": unicl.item() / world,
+                   "reported": reported,
                    "grad_img": mine_img.grad.tolist(), "grad_txt": mine_txt.grad.tolist()}, f)
 
 
@@ -122,6 +130,7 @@ def test_two_ray_workers_match_float64_reference(ray_local, tmp_path):
                                      np.array(labels), scale)
     for r, out in enumerate(ranks):
         assert out["mean_loss"] == pytest.approx(ref, rel=1e-10)
+        assert out["reported"] == pytest.approx(ref, rel=1e-10)  # the metrics' loss is the global one, not rank r's
         assert out["unicl"] == pytest.approx(unicl_ref, rel=1e-10)  # labels gathered with the features
         # each rank's own-feature gradient collects every rank's loss terms (gather with grad); data-parallel
         # averaging over ranks divides by world, giving exactly the global loss's gradient

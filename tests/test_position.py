@@ -139,6 +139,162 @@ def test_a_stream_resumed_on_two_ranks_and_read_to_its_end_trains_every_row_of_e
     assert pos.complete == [0, 1]
 
 
+def test_a_caption_naming_one_class_twice_is_one_row_through_sampler_position_settle_and_resume(ray_local, demo_dir):
+    """Some demo captions name one shape twice ("a large green diamond to the right of an orange diamond"): one
+    (pair, class) row each (data/ontology.py). The TOnICS sampler trains on part of the pass (object and root
+    batches; rows left in its buckets are untrained at the "checkpoint"), a resumed read trains on the rest: every
+    row once, none a duplicate, the shards settled and the pass complete. With a row per noun the two rows of such a
+    pair share one (row, object) key: a false duplicate, a shard that never settles."""
+    import tarfile
+
+    import ray
+
+    from rayvl import assets
+    from rayvl.data import shards
+    from rayvl.data.demo import SHAPES
+    from rayvl.data.ontology import Ontology
+    from rayvl.data.report import report_actor
+    from rayvl.data.text import validate_caption
+    from rayvl.data.tonics import BucketSampler
+
+    ontology = Ontology.build(SHAPES)
+    expected, repeated = 0, 0
+    for path in sorted((demo_dir / "train").glob("*.tar")):
+        with tarfile.open(path) as tar:
+            for m in (m for m in tar.getmembers() if m.name.endswith(".txt")):
+                text, _ = validate_caption(tar.extractfile(m).read())
+                classes = [ontology.noun_class(w) for w in ontology.nouns(text)]
+                classes = [c for c in classes if c is not None]
+                repeated += len(classes) > len(set(classes))
+                expected += max(1, len(set(classes)))
+    assert repeated >= 20  # the case is common in the demo, not a corner of it
+
+    def consume(name, token, position, limit):
+        ray.get(report_actor(name).restore.remote(token, position, 3))
+        ds = shards.read_shards(str(demo_dir / "train"), image_size=16, crop_scale_min=0.5, train=True,
+                                tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=8,
+                                read_cpus=0.5, transform_batch_size=32, shuffle_files=True, report_name=name,
+                                ontology=ontology, columns=["row", "object"], passes=1, seed=3, positioned=True)
+        sampler = BucketSampler(iter(ds.iter_batches(batch_size=16, batch_format="numpy")), ["row", "object"], 8,
+                                buffer_rows=48, max_wait_rows=32, seed=0, rank=0)
+        got = []
+        try:
+            for step in range(1, 10_000):
+                if limit and 8 * len(got) >= limit:
+                    return np.concatenate(got)
+                b = sampler.batch(1 + step % len(SHAPES) if step % 2 else 0, step)  # object and root batches
+                got.append(np.stack([b["row"], b["object"]], 1))
+        except StopIteration:  # the stream's end: what the buckets hold is trained too
+            rest = [r for bucket in sampler.buckets.values() for r in bucket]
+            return np.concatenate(got + [np.array(rest, dtype=np.int64).reshape(-1, 2)])
+
+    first_name, second_name = (f"position-test-{uuid.uuid4().hex[:6]}" for _ in range(2))
+    pos = DataPosition(n_shards=3)
+    pos.merge(consume(first_name, "t1", None, 96))
+    actor = report_actor(first_name)
+    pos.report, pos.execution = ray.get(actor.settle.remote(pos.settle(ray.get(actor.unit_rows.remote(
+        list(pos.partial))))))
+    assert pos.duplicates == 0 and sum(pos.rows_per_pass.values()) == 96
+    pos.merge(consume(second_name, "t2", pos.state_dict(), 0))
+    assert pos.duplicates == 0 and dict(pos.rows_per_pass) == {0: expected}
+    pos.settle(ray.get(report_actor(second_name).unit_rows.remote(list(pos.partial))))
+    assert pos.complete == [0] and not pos.partial
+
+
+def test_a_checkpoint_taken_as_the_next_execution_starts_resumes_the_rows_still_queued(ray_local, demo_dir):
+    """batches._epochs calls begin(k) as soon as Ray Data execution k − 1's reads end, while its last batch still
+    waits in the prefetch queue. A checkpoint in that window — held open here: begin waits until it is taken —
+    resumes in execution k − 1, whose finished shards are skipped and whose queued rows are read again; saving k
+    would lose them. Passes 0 and 1 (one pass per execution) each have their 384 rows exactly once."""
+    import threading
+
+    import ray
+
+    from rayvl import assets
+    from rayvl.config import load_config
+    from rayvl.data import shards
+    from rayvl.data.report import report_actor
+    from rayvl.train.batches import batch_stream
+
+    cfg = load_config(None, ["train.micro_batch_size=16", "data.prefetch_batches=2"])
+
+    def stream(name, token, position, begin):
+        ray.get(report_actor(name).restore.remote(token, position, 3))
+        ds = shards.read_shards(str(demo_dir / "train"), image_size=16, crop_scale_min=0.5, train=True,
+                                tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=8,
+                                read_cpus=0.5, transform_batch_size=32, shuffle_files=True, report_name=name,
+                                columns=["row"], passes=1, seed=5, positioned=True)
+        return batch_stream(ds, cfg, begin=begin)
+
+    first_name, second_name = (f"position-test-{uuid.uuid4().hex[:6]}" for _ in range(2))
+    actor, in_window, taken = report_actor(first_name), threading.Event(), threading.Event()
+
+    def begin(k):  # what train/loop.py passes, then the window held open
+        ray.get(actor.begin_execution.remote(k))
+        in_window.set()
+        taken.wait(120)
+
+    pos, first = DataPosition(n_shards=3), stream(first_name, "t1", None, begin)
+    for _ in range(23):  # of the pass's 24 batches
+        pos.trained(next(first)[0]["row"].numpy())
+    assert in_window.wait(120)  # execution 1 has begun; the 24th batch of execution 0 is queued, untrained
+    pos.merge(pos.take_pending())
+    pos.report, pos.execution = ray.get(actor.settle.remote(
+        pos.settle(ray.get(actor.unit_rows.remote(list(pos.partial)))), pos.open_pass()))
+    taken.set()
+    assert pos.execution == 0 and dict(pos.rows_per_pass) == {0: 368}
+    saved = pos.state_dict()
+
+    second = report_actor(second_name)
+    resumed = stream(second_name, "t2", saved,
+                     lambda k: ray.get(second.begin_execution.remote(saved["execution"] + k)))
+    for _ in range(1 + 24):  # the queued batch, then execution 1's pass
+        pos.trained(next(resumed)[0]["row"].numpy())
+    pos.merge(pos.take_pending())
+    assert pos.duplicates == 0 and dict(pos.rows_per_pass) == {0: 384, 1: 384}
+    pos.settle(ray.get(second.unit_rows.remote(list(pos.partial))))
+    assert pos.complete == [0, 1]
+
+
+def test_a_shard_that_produced_no_row_is_finished_once_read(ray_local):
+    """Every sample of shard 1 was dropped: no row of it is ever trained on, so only its end settles it (else its
+    pass is never complete, and a resume would read it again and again)."""
+    import ray
+
+    from rayvl.data.report import report_actor
+
+    name = f"position-test-{uuid.uuid4().hex[:6]}"
+    actor = report_actor(name)
+    ray.get(actor.restore.remote("t", None, 2))
+    ray.get(actor.add.remote({"samples_seen": 5, "samples_kept": 5}, None, ("t", "a", 0, 0, 5)))
+    ray.get(actor.add.remote({"samples_seen": 4, "dropped_corrupt_image": 4}, None, ("t", "b", 0, 1, 0)))
+    pos = DataPosition(n_shards=2)
+    pos.merge(np.stack([row_ids(0, 0, 0, 5), np.full(5, -1)], 1))
+    done = pos.settle(ray.get(actor.unit_rows.remote(list(pos.partial))))
+    assert sorted(done) == [(0, 0), (0, 1)] and pos.complete == [0]
+    report, _ = ray.get(actor.settle.remote(done))
+    assert report["counts"] == {"samples_seen": 9, "samples_kept": 5, "dropped_corrupt_image": 4}
+
+
+def test_a_stream_without_position_counts_the_reads_of_its_current_worker_group(ray_local):
+    """Image-label data has no position: a new worker group reads it again from its start, so its counts start
+    again, and a read of the lost group still running counts for nothing."""
+    import ray
+
+    from rayvl.data.report import current_token, record, report_actor, snapshot
+
+    name = f"labels-test-{uuid.uuid4().hex[:6]}"
+    actor = report_actor(name)
+    ray.get(actor.restart.remote("group-1"))
+    old = current_token(name)
+    record(name, {"samples_seen": 10, "samples_kept": 8}, token=old)
+    ray.get(actor.restart.remote("group-2"))
+    ray.get(actor.restart.remote("group-2"))  # every rank may call it: once per group
+    record(name, {"samples_seen": 5}, token=old)  # started before the restart
+    record(name, {"samples_seen": 3, "samples_kept": 3}, token=current_token(name))
+    assert snapshot(name)["counts"] == {"samples_seen": 3, "samples_kept": 3}
+
+
 # ----------------------------------------------------------------------------- runs (position.RowSet)
 
 def _random_rows(rng, n_shards: int, rows_per_shard: int, objects: list[int], n: int) -> np.ndarray:

@@ -51,10 +51,11 @@ def test_only_nouns_make_rows_and_classes_take_physical_senses():
     o = onto.Ontology.build(["dog", "car", "person", "orange", "shirt", "ring", "star", "hand"])
     assert o.synsets[5:] == ["hoop.n.02", "star.n.01", "hand.n.01"]  # not ring.n.01, a sound
     assert o.nouns("a white dog runs past a red car") == ["dog", "past", "car"]
-    assert o.aligned("a white man and a black woman in a red shirt", None) == [("man", 2), ("woman", 2),
-                                                                                ("shirt", 4)]
+    # one row per class: "man" and "woman" are both person, one (pair, person) row ([TOnICS] App. A.1 in rayvl)
+    assert o.aligned("a white man and a black woman in a red shirt", None) == [("man", 2), ("shirt", 4)]
+    assert o.row_objects("a man and a woman walk a dog", None) == [2, 0]
     assert o.aligned("an orange circle and a green square", None) == []  # adjectives; square ≠ person (n.05)
-    assert o.aligned("two oranges and an orange on the table", None) == [("oranges", 3), ("orange", 3)]
+    assert o.aligned("two oranges and an orange on the table", None) == [("oranges", 3)]
     assert o.aligned("a man in white riding a horse", None) == [("man", 2)]
     assert o.aligned("he waves his hand", None) == [("hand", 7)]  # "waves": a verb here, not a plural
     named = onto.Ontology.build(["star=star.n.05", "diamond=rhombus.n.01"])
@@ -343,7 +344,8 @@ def test_same_object_recall_against_a_float64_loop():
 
 def test_tonics_heldout_hook_ranks_within_the_galleries_of_the_runs_ontology(ray_local, demo_dir, tmp_path):
     """The TOnICS comparison's after hook on a checkpoint whose config names the demo's shapes: held-out retrieval
-    as `rayvl eval` computes it, and same-object R@1 over every held-out sample whose caption names a shape."""
+    as `rayvl eval` computes it, and same-object R@1 over every held-out sample whose caption names a shape — each
+    number equal to a float64 loop over embeddings made here from the shards (heldout_recall_reference)."""
     from types import SimpleNamespace
 
     from conftest import untrained_checkpoint
@@ -361,4 +363,46 @@ def test_tonics_heldout_hook_ranks_within_the_galleries_of_the_runs_ontology(ray
     assert len(keys) == 64 and out["heldout_retrieval_images"] == 64
     assert out["heldout_same_object_queries"] == 64  # every held-out caption names its one shape
     assert 100 / 64 < out["heldout_same_object_chance_R@1"] < 100 / 2
-    assert 0 <= out["heldout_t2i_same_object_R@1"] <= 100
+    reference = heldout_recall_reference(run, demo_dir / "eval")
+    assert reference["queries"] == 64 and reference["images"] == pytest.approx(
+        np.load(run / "eval-heldout" / "image_embeddings.npy")[[keys.index(k) for k in reference["keys"]]], abs=1e-5)
+    for name in ("t2i_R@1", "i2t_R@1", "t2i_same_object_R@1", "i2t_same_object_R@1", "same_object_chance_R@1"):
+        assert out[f"heldout_{name}"] == pytest.approx(reference[name], abs=1e-9), name
+
+
+def heldout_recall_reference(run, shards) -> dict:
+    """R@1 over the held-out split as a float64 loop: its samples read from the shards, embedded in this process by
+    the run's model (rayvl.load, the evaluation's transform), each sample's object its demo class (``cls``, the
+    shape its caption names); text→image and image→text over the whole gallery and within same-object galleries."""
+    import io
+
+    from PIL import Image
+
+    from rayvl import load
+
+    samples = {}
+    for path in sorted(shards.glob("*.tar")):
+        with open(path, "rb") as f:
+            samples.update((s["key"], s) for s in iter_tar_samples(f))
+    keys = sorted(samples)
+    model = load(run)
+    images = model.encode_image([Image.open(io.BytesIO(samples[k]["jpg"])).convert("RGB") for k in keys]).double()
+    texts = model.encode_text([samples[k]["txt"].decode() for k in keys]).double()
+    sims = (texts @ images.T).numpy()  # [caption i, image j]
+    cls = [json.loads(samples[k]["json"])["cls"] for k in keys]
+    n = len(keys)
+    out = {"keys": keys, "images": images.float().numpy(), "queries": 0,
+           "t2i_R@1": 100 * sum(max(range(n), key=lambda j: sims[i, j]) == i for i in range(n)) / n,
+           "i2t_R@1": 100 * sum(max(range(n), key=lambda j: sims[j, i]) == i for i in range(n)) / n}
+    hits_t = hits_i = chance = 0.0
+    for i in range(n):
+        gallery = [j for j in range(n) if cls[j] == cls[i]]
+        if len(gallery) > 1:  # an object only one sample holds makes no query
+            hits_t += max(gallery, key=lambda j: sims[i, j]) == i
+            hits_i += max(gallery, key=lambda j: sims[j, i]) == i
+            chance += 1 / len(gallery)
+            out["queries"] += 1
+    q = out["queries"]
+    out.update({"t2i_same_object_R@1": 100 * hits_t / q, "i2t_same_object_R@1": 100 * hits_i / q,
+                "same_object_chance_R@1": 100 * chance / q})
+    return out

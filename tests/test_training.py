@@ -260,8 +260,10 @@ def test_checkpoint_round_trip_and_resume(ray_local, demo_dir, tmp_path):
     assert [h["tonics_p_root"] for h in history] == pytest.approx([0.8, 0.64, 0.512, 0.4096])
     assert [h["tonics_refreshes"] for h in history] == [1, 2, 3, 4]
     assert [h["tonics_last_refresh_step"] for h in history] == [1, 2, 3, 4]  # the curve a threshold is read from
-    last = history[-1]  # the sampler counts micro-batches since the resumed workers started: 1 step × 2 ranks
-    assert last["tonics_node_root_batches"] + last["tonics_node_object_batches"] == 1 * 2
+    # the samplers' counts go on across both resumes (a train-state component): 4 steps × 2 ranks, each step's
+    # node drawn once — counted again only for steps trained again (none: the step-3 checkpoint was kept)
+    last = history[-1]
+    assert [h["tonics_node_root_batches"] + h["tonics_node_object_batches"] for h in history] == [2, 4, 6, 8]
     # the data position: 4 steps × 2 ranks × 8 rows, every (sample, noun) row of pass 0 trained on once, the
     # rows trained on before both resumes never read again
     position = read_train_state(resumed.checkpoint_dir)["data_position"]

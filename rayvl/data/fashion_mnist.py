@@ -58,3 +58,22 @@ def rows(pixels: np.ndarray, labels: np.ndarray, split: str = "train", order: np
     order = range(len(labels)) if order is None else order
     return ray.data.from_items([{"index": int(i), "key": f"fmnist-{split}-{i:05d}", "pixels": pixels[i],
                                  "cls": int(labels[i])} for i in order])
+
+
+def passes(pixels: np.ndarray, labels: np.ndarray, seed: int, n_passes: int, num_cpus: float, split: str = "train"):
+    """A Ray Dataset of ``n_passes`` passes over ``read``'s photos as rows {index, key, pixels, cls, pass}, each pass
+    in its own order drawn from (seed, pass). A task makes each pass as it is read, so a long run does not hold all
+    of them in memory."""
+    import ray
+
+    # from_items, not range: a range is a read operator of a whole CPU, which Ray Data may never get beside training
+    return ray.data.from_items([{"pass": p} for p in range(n_passes)], override_num_blocks=n_passes).map_batches(
+        _pass_rows, batch_size=1, batch_format="numpy", num_cpus=num_cpus,
+        fn_kwargs=dict(pixels=pixels, labels=labels, seed=seed, split=split))
+
+
+def _pass_rows(batch: dict, pixels: np.ndarray, labels: np.ndarray, seed: int, split: str) -> dict:
+    pass_ = int(batch["pass"][0])
+    order = np.random.default_rng([seed, pass_]).permutation(len(labels))
+    return {"index": order, "key": np.array([f"fmnist-{split}-{i:05d}" for i in order], dtype=object),
+            "pixels": pixels[order], "cls": labels[order], "pass": np.full(len(order), pass_, np.int64)}

@@ -38,7 +38,7 @@ def decode_and_crop(jpg: bytes, size: int, scale_min: float | None,
                     rng: np.random.Generator | None = None) -> np.ndarray | None:
     """uint8 array (3, size, size), or None when the bytes are not a decodable image.
 
-    ``scale_min`` None → centre crop (evaluation); otherwise a random resized crop (training).
+    ``scale_min`` None → centre crop (evaluation); otherwise a random resized crop (training) drawn from ``rng``.
     """
     img = decode(jpg)
     return None if img is None else crop(img, size, scale_min, rng)
@@ -56,10 +56,13 @@ def decode(jpg: bytes) -> Image.Image | None:
 
 
 def crop(img: Image.Image, size: int, scale_min: float | None, rng: np.random.Generator | None = None) -> np.ndarray:
-    """An RGB PIL image → uint8 (3, size, size): centre crop (``scale_min`` None) or random resized crop."""
+    """An RGB PIL image → uint8 (3, size, size): centre crop (``scale_min`` None) or random resized crop drawn from
+    ``rng``."""
     if scale_min is None:
         box = center_crop_box(*img.size)
+    elif rng is None:  # an unseeded default here made runs of one train.seed differ (data/seeding.py)
+        raise ValueError("a random resized crop needs a generator (data/seeding.row_rng)")
     else:
-        box = random_resized_crop_box(*img.size, scale_min, rng or np.random.default_rng())
+        box = random_resized_crop_box(*img.size, scale_min, rng)
     img = img.resize((size, size), Image.BICUBIC, box=box)
     return np.asarray(img, dtype=np.uint8).transpose(2, 0, 1).copy()

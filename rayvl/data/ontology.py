@@ -1,5 +1,5 @@
 """The TOnICS ontology ([TOnICS] §3 "Ontology Construction", App. A.1): object classes, the nouns that
-name them, and one training row per (image-text pair, aligned noun) — the paper's triplets.
+name them, and one training row per (image-text pair, aligned class) — the paper's triplets, one per class (``aligned``).
 
 A caption's nouns are told apart from its adjectives and verbs without a tagger model (none ships offline):
 a word is a noun where WordNet's sense-tagged counts (SemCor, ``cntlist``) make the noun reading its most frequent
@@ -13,7 +13,7 @@ is applied first, as the paper corrects its mapping by hand.
 
 Detector tags in a sample's JSON metadata (``tonics.tags_field``) say which objects are in the image: with tags, a
 caption noun makes a row only if its class is among the tags' classes — a triplet needs the noun in the caption
-and the object in the image (App. A.1); without tags every aligned caption noun makes a row. The per-class row
+and the object in the image (App. A.1); without tags every class a caption noun names makes a row. The per-class row
 counts |X(η_o)| are a Ray Data groupby over the shards, saved as a run artifact; classes with fewer than
 ``min_instances`` rows are dropped (paper: 5000), and a pair left with no aligned noun stays as one root-only row
 (object −1: it can be drawn in random minibatches only), counted in the data report.
@@ -34,7 +34,7 @@ from rayvl.data.shard_io import ReadPolicy
 from rayvl.data.specs import resolve_shards
 from rayvl.data.text import NLTK_LOCK, is_alphabetical, stopwords, validate_caption, words
 
-COUNTS_FORMAT = 2  # 2: caption nouns only (POS), tags restrict rather than replace them
+COUNTS_FORMAT = 3  # 2: caption nouns only (POS), tags restrict rather than replace them; 3: a row per class
 UNALIGNED = -1
 
 
@@ -163,16 +163,19 @@ class Ontology:
         return None
 
     def aligned(self, caption: str, meta: bytes | str | None) -> list[tuple[str, int]]:
-        """(noun, class id) for each distinct caption noun that names a kept class — and, when the sample has
-        detector tags, an object the tags put in the image."""
+        """(noun, class id) for each kept class a caption noun names — its first noun — and, when the sample has
+        detector tags, an object the tags put in the image. One per class: "a man and a woman" is one person row.
+        The paper makes a triplet per noun (App. A.1), but its triplets differ by the noun's word features; rayvl's
+        row is (image, caption, object), so two nouns of one class would be the same row twice — a false negative
+        in an object batch, and two rows under one data-position key."""
         tags = _tags(meta, self.tags_field)
         in_image = {self.noun_class(t.lower()) for t in tags} if tags else None
         out, seen = [], set()
         for word in self.nouns(caption):
             cls = self.noun_class(word)
-            if (cls is not None and word not in seen and (in_image is None or cls in in_image)
+            if (cls is not None and cls not in seen and (in_image is None or cls in in_image)
                     and (self.kept is None or cls in self.kept)):
-                seen.add(word)
+                seen.add(cls)
                 out.append((word, cls))
         return out
 
@@ -223,7 +226,7 @@ class Ontology:
         return self._cache[key]
 
     def row_objects(self, caption: str, meta) -> list[int]:
-        """The object id of each training row this sample becomes: one per aligned noun, or [UNALIGNED]."""
+        """The object id of each training row this sample becomes: one per aligned class, or [UNALIGNED]."""
         return [cls for _, cls in self.aligned(caption, meta)] or [UNALIGNED]
 
     def __getstate__(self):  # Ray ships the ontology to its tasks: the WordNet lookups are cached per process

@@ -1,7 +1,7 @@
 """Where a run is in its data: which training rows it has trained on, so that a resumed run (after a lost worker
 or a restarted driver) trains on every row of an interrupted pass exactly once.
 
-Granularity: one training row — an image-text sample, or with TOnICS one (sample, aligned noun) row ([TOnICS]
+Granularity: one training row — an image-text sample, or with TOnICS one (sample, aligned class) row ([TOnICS]
 App. A.1). Every row carries an int64 id, ``pass << 47 | shard << 20 | row-in-shard`` (``shard`` indexes the
 run's sorted shard list), stamped by the read task that produced it. Each rank records the ids it trained on;
 at every checkpoint rank 0 gathers them (train/loop.py) into this train-state component:
@@ -183,7 +183,7 @@ class DataPosition:
         self.partial_rows = RowSet()
         self.rows_per_pass: Counter = Counter()  # distinct rows trained on, per pass
         self.duplicates = 0  # rows trained on twice within a pass (a resume that restarted would make them)
-        self.execution = 0  # Ray Data executions started before this one (batches._epochs)
+        self.execution = 0  # the Ray Data execution a resume reads first (batches._epochs, DataReport.settle)
         self.report: dict = {"counts": {}, "bad_shards": {}}  # the settled data report
         self.pending: list[np.ndarray] = []
 
@@ -247,7 +247,11 @@ class DataPosition:
     def settle(self, totals: dict) -> list[tuple[int, int]]:
         """Move the partial units whose every produced row (``totals[(pass, shard)]``) was trained on to finished,
         and passes whose every shard is finished to complete; returns the units finished now."""
-        done = [u for u, n in self.partial.items() if u in totals and n >= totals[u]]
+        partial = self.partial
+        done = [u for u, n in partial.items() if u in totals and n >= totals[u]]
+        # a shard that produced no row (every sample dropped) has nothing to train on: finished once read
+        done += [(p, s) for (p, s), n in totals.items() if n == 0 and (p, s) not in partial
+                 and p not in self.complete and s not in self.finished.get(p, ())]
         self.partial_rows = self.partial_rows.split([_unit(p, s) for p, s in done])[1]
         for p, s in done:
             self.finished.setdefault(p, []).append(s)
@@ -255,6 +259,11 @@ class DataPosition:
             del self.finished[p]
             self.complete.append(p)
         return done
+
+    def open_pass(self) -> int:
+        """The first pass not complete."""
+        done = set(self.complete)
+        return next(p for p in range(len(done) + 1) if p not in done)
 
     def plan(self, pass_: int, shards: list[int]) -> tuple[set[int], dict[int, set[tuple[int, int]]]]:
         """What a read task of ``shards`` in pass ``pass_`` leaves out: (shards to skip, shard → trained pairs) —

@@ -22,7 +22,9 @@ class DataReport:
 
     ``settled``: counts of shards that will not be read again (finished, or restored from a checkpoint);
     ``units``: the current counts of each shard being read, replaced when the shard is read again (a retried read
-    task, a resumed run). A restore (one per worker group, ``token``) drops what the lost group's reads counted."""
+    task, a resumed run). A restore (one per worker group, ``token``) drops what the lost group's reads counted; a
+    stream without a position (image-label data) starts again (``restart``), its reads counted under the token they
+    started with (``add(token=…)``)."""
 
     def __init__(self):
         self.settled: Counter = Counter()
@@ -35,17 +37,20 @@ class DataReport:
         self.token: str | None = None
         self.position: DataPosition | None = None
         self.execution = 0
+        self.passes = 0  # passes one execution of the positioned stream lists (read tasks say, in plan)
 
-    def add(self, counts: dict, bad_shard: tuple[str, str] | None = None, unit: tuple | None = None) -> None:
-        """``unit`` = (token, attempt, pass, shard, rows produced or None before the shard's end)."""
+    def add(self, counts: dict, bad_shard: tuple[str, str] | None = None, unit: tuple | None = None,
+            token: str | None = None) -> None:
+        """``unit`` = (token, attempt, pass, shard, rows produced or None before the shard's end); without one the
+        counts are settled at once, unless ``token`` (the one the read started under) is no longer current."""
+        if (unit[0] if unit is not None else token) != self.token:  # a read of a worker group replaced since
+            return
         if bad_shard:
             self.bad_shards[bad_shard[0]] = bad_shard[1]
         if unit is None:
             self.settled.update(counts)
             return
-        token, attempt, p, s, rows = unit
-        if token != self.token:  # a read of a worker group that was replaced since
-            return
+        _, attempt, p, s, rows = unit
         held = self.units.get((p, s))
         if held is None or held[0] != attempt:  # read again: its earlier counts are replaced
             if held is not None:
@@ -69,10 +74,23 @@ class DataReport:
         self.bad_shards = dict(self.position.report["bad_shards"])
         self.execution = self.position.execution
 
+    def restart(self, token: str) -> None:
+        """A worker group starts reading a stream without a position (image-label data) from its beginning, so
+        the counts start again: they are the reads of this group, not those of the lost one plus the same rows
+        read again."""
+        if token == self.token:
+            return
+        self.token, self.units, self.running, self.rows = token, {}, Counter(), {}
+        self.settled, self.bad_shards = Counter(), {}
+
+    def current_token(self) -> str | None:
+        return self.token
+
     def plan(self, listed_pass: int, passes: int, shards: list[int]) -> tuple:
         """(token, pass, shards to skip, shard → rows trained on) for a read task of pass ``listed_pass`` of a
         dataset that lists ``passes`` passes (its later executions read the passes after them)."""
         pass_ = listed_pass + self.execution * passes
+        self.passes = passes
         skip, trained = self.position.plan(pass_, shards) if self.position else (set(), {})
         return self.token, pass_, skip, trained
 
@@ -80,18 +98,27 @@ class DataReport:
         self.execution = max(self.execution, execution)
 
     def unit_rows(self, units: list[tuple[int, int]]) -> dict:
-        """Rows produced by each of ``units`` whose read has reached the shard's end."""
-        return {u: self.rows[u] for u in units if u in self.rows}
+        """Rows produced by each of ``units`` whose read has reached the shard's end, and every unit read to its
+        end that produced none (no row of it is ever trained on, so only this settles it)."""
+        wanted = set(units)
+        return {u: n for u, n in self.rows.items() if u in wanted or n == 0}
 
-    def settle(self, units: list[tuple[int, int]]) -> tuple[dict, int]:
-        """Fold finished shards' counts into the settled ones; returns (the settled report, executions)."""
+    def settle(self, units: list[tuple[int, int]], open_pass: int | None = None) -> tuple[dict, int]:
+        """Fold finished shards' counts into the settled ones; returns (the settled report, the execution a
+        checkpoint resumes in). ``open_pass``: the first pass not complete in the position being saved."""
         for u in units:
             self.rows.pop(u, None)
             held = self.units.pop(u, None)
             if held is not None:
                 self.running.subtract(held[1])
                 self.settled.update(held[1])
-        return {"counts": dict(+self.settled), "bad_shards": dict(self.bad_shards)}, self.execution
+        report = {"counts": dict(+self.settled), "bad_shards": dict(self.bad_shards)}
+        if open_pass is None or not self.passes:
+            return report, self.execution
+        # execution k starts (batches._epochs' begin) as soon as k − 1's reads end, while its last rows still wait
+        # in the prefetch queue or a TOnICS bucket: while a pass of k − 1 is open, a resume must read k − 1 again
+        # (its finished shards are skipped unopened)
+        return report, min(self.execution, open_pass // self.passes)
 
     def snapshot(self) -> dict:
         return {"counts": dict(+(self.settled + self.running)), "bad_shards": dict(self.bad_shards)}
@@ -113,12 +140,17 @@ def report_actor(name: str):
 
 
 def record(report_name: str | None, counts: dict, bad_shard: tuple[str, str] | None = None,
-           unit: tuple | None = None) -> None:
+           unit: tuple | None = None, token: str | None = None) -> None:
     """Add counts to the named report. Waited for: the counts are recorded before the (last) batch they describe
     is emitted, so whoever has consumed the data also sees its counts — a fire-and-forget call could still be in
     flight. Callers batch their counts (a read task once per shard), so the round trip is not per batch."""
     if report_name:
-        ray.get(report_actor(report_name).add.remote(counts, bad_shard, unit))
+        ray.get(report_actor(report_name).add.remote(counts, bad_shard, unit, token))
+
+
+def current_token(report_name: str | None) -> str | None:
+    """The worker group a read starting now counts for (a positioned read gets it from ``plan``)."""
+    return ray.get(report_actor(report_name).current_token.remote()) if report_name else None
 
 
 def snapshot(report_name: str) -> dict:
@@ -181,7 +213,7 @@ def format_data_report(report: dict) -> str:
              f"successful samples per pass)", _caption_line(counts), *_drop_lines(report)]
     if "position" in report:
         lines.insert(1, _position_line(report["position"]))
-    if "tonics_rows" in counts:  # [TOnICS] App. A.1: one row per (pair, aligned noun)
+    if "tonics_rows" in counts:  # [TOnICS] App. A.1: one row per (pair, aligned class)
         lines.insert(2, f"  TOnICS: {counts['tonics_rows']} rows from {counts.get('samples_kept', 0)} pairs; "
                         f"{counts.get('tonics_unaligned_pairs', 0)} pairs without an aligned noun (root-only rows)")
     if "image_label" in report:

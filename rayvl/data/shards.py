@@ -37,7 +37,7 @@ from ray.data.datasource import Datasource, ReadTask
 from rayvl import storage
 from rayvl.data.pipeline import preprocess
 from rayvl.data.position import row_ids
-from rayvl.data.report import record, report_actor
+from rayvl.data.report import current_token, record, report_actor
 from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
 from rayvl.data.specs import is_pipe, resolve_shards
 from rayvl.data.tar import COLUMNS, iter_tar_samples
@@ -105,14 +105,16 @@ class ShardStream(Datasource):
         # the run's data position (data/position.py): finished shards are skipped unopened, rows of a shard
         # trained on before a restore are dropped after decoding
         token, pass_, skip, trained = ray.get(report_actor(self.report_name).plan.remote(
-            listed_pass, self.passes, shards)) if self.positioned else (None, listed_pass, set(), {})
+            listed_pass, self.passes, shards)) if self.positioned else (
+            current_token(self.report_name), listed_pass, set(), {})
         for shard in shards:
             if shard not in skip:
                 # a positioned stream counts per (pass, shard) read attempt (DataReport.add)
                 unit = (token, uuid.uuid4().hex, pass_, shard) if self.positioned else None
-                yield from self._read_shard(shard, pass_, unit, trained.get(shard))
+                yield from self._read_shard(shard, pass_, unit, trained.get(shard), token)
 
-    def _read_shard(self, shard: int, pass_: int, unit: tuple | None, trained: set | None) -> Iterator[pa.Table]:
+    def _read_shard(self, shard: int, pass_: int, unit: tuple | None, trained: set | None,
+                    token: str | None) -> Iterator[pa.Table]:
         counts: Counter = Counter()
         io_counts: Counter = Counter()  # retries, counted by the reader as they happen
         bad: list[tuple[str, str, str]] = []  # (path, reason counted, why)
@@ -124,7 +126,7 @@ class ShardStream(Datasource):
             produced += _length(out)
             pending = _block(_untrained(out, trained) if trained else out)
             if self.report_name and time.monotonic() - flushed > REPORT_EVERY_S:
-                record(self.report_name, counts + _drain(io_counts), unit=unit and (*unit, None))
+                record(self.report_name, counts + _drain(io_counts), unit=unit and (*unit, None), token=token)
                 counts, flushed = Counter(), time.monotonic()
         counts.update(_drain(io_counts))
         counts.update(reason for _, reason, _ in bad)
@@ -132,7 +134,7 @@ class ShardStream(Datasource):
         # trip per shard, not per batch): whoever has consumed a whole pass also sees all of its counts
         if self.report_name:
             record(self.report_name, +counts, (bad[0][0], bad[0][2]) if bad else None,
-                   unit=unit and (*unit, produced))
+                   unit=unit and (*unit, produced), token=token)
         if pending is not None:
             yield pending
 
@@ -258,10 +260,11 @@ def read_shards(spec: str, *, image_size: int, crop_scale_min: float, train: boo
                 seed: int = 0, positioned: bool = False, threads: int = 1,
                 io: ReadPolicy = ReadPolicy()) -> ray.data.Dataset:
     """The streaming Ray Dataset of model inputs for a shard spec: ``passes`` passes over the shards, only
-    ``columns`` of the model inputs kept (all of them when None)."""
+    ``columns`` of the model inputs kept (all of them when None). ``seed`` draws each pass's shard order and each
+    row's crop and prompt (data/seeding.py)."""
     transform = partial(_transform, columns=columns, kw=dict(
         image_size=image_size, crop_scale_min=crop_scale_min, train=train, tokenizer_path=tokenizer_path,
-        max_tokens=max_tokens, bow=bow, ontology=ontology, prompts=prompts))
+        max_tokens=max_tokens, bow=bow, ontology=ontology, prompts=prompts, seed=seed))
     source = ShardStream(resolve_shards(spec), transform=transform, batch_size=transform_batch_size,
                          report_name=report_name, passes=passes, shuffle=shuffle_files, seed=seed,
                          positioned=positioned, threads=threads, io=io)

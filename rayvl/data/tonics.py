@@ -97,6 +97,31 @@ class Curriculum:
         self.history = list(state["history"])
 
 
+SAMPLER_COUNTS = ("tonics_node_root_batches", "tonics_node_object_batches", "tonics_fallback_batches",
+                  "tonics_fallback_rows")
+
+
+class SamplerTotals:
+    """The samplers' counts summed over ranks for the whole run, as a train-state component: what the checkpoint
+    resumed from (``offset``) plus what the ranks counted since they started (summed at each report). Rank 0 saves
+    the totals of the report its checkpoint is written with, so a resumed run counts on instead of from 0."""
+
+    def __init__(self):
+        self.offset = dict.fromkeys(SAMPLER_COUNTS, 0)
+        self.totals = dict(self.offset)
+
+    def add(self, since_start: dict) -> dict:
+        self.totals = {n: self.offset[n] + int(since_start[n]) for n in SAMPLER_COUNTS}
+        return self.totals
+
+    def state_dict(self) -> dict:
+        return {"counts": dict(self.totals)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.offset = {n: int(state["counts"].get(n, 0)) for n in SAMPLER_COUNTS}
+        self.totals = dict(self.offset)
+
+
 class BucketSampler:
     """One rank's bucket buffers over its Ray Data stream (numpy batches with an "object" column)."""
 

@@ -16,36 +16,46 @@ import torch
 
 from rayvl.config import RayvlConfig
 from rayvl.data.report import DataPlaneError
-from rayvl.data.tonics import BucketSampler
+from rayvl.data.seeding import shuffle_seed
+from rayvl.data.tonics import BucketSampler, SamplerTotals
 
 TRAIN_COLUMNS = ["image", "input_ids", "attention_mask", "label"]
 ROW = "row"  # the row id of the data position (data/position.py); training shards carry it, image-label data not
 _END = object()
 
 
-def batch_stream(shard, cfg: RayvlConfig, size: int | None = None, begin=None) -> Iterator[tuple[dict, float]]:
+def batch_stream(shard, cfg: RayvlConfig, size: int | None = None, begin=None, rank: int = 0,
+                 stream: int = 0) -> Iterator[tuple[dict, float]]:
     """(micro-batch of torch tensors, seconds waited for it), endlessly. ``begin(n)`` is called before the n-th
-    further execution of the dataset (``_epochs``)."""
+    further execution of the dataset (``_epochs``); the shuffle buffer is seeded per (rank, ``stream``, execution)."""
     t = cfg.train
+    seeds = _shuffle_seeds(cfg, rank, stream)
 
     def batches():
         for batch in _epochs(lambda: shard.iter_torch_batches(
                 batch_size=t.micro_batch_size if size is None else size, drop_last=True, prefetch_batches=cfg.data.prefetch_batches,
-                local_shuffle_buffer_size=cfg.data.local_shuffle_buffer or None,
+                local_shuffle_buffer_size=cfg.data.local_shuffle_buffer or None, local_shuffle_seed=next(seeds),
                 device="cuda" if t.use_gpu else "cpu"), begin):
             yield {k: batch[k] for k in TRAIN_COLUMNS + [ROW] if k in batch}
 
     return _prefetched(batches, cfg)
 
 
-def mixed_stream(text_shard, label_shard, cfg: RayvlConfig, begin=None) -> Iterator[tuple[dict, float]]:
+def mixed_stream(text_shard, label_shard, cfg: RayvlConfig, begin=None,
+                 rank: int = 0) -> Iterator[tuple[dict, float]]:
     """UniCL's balanced sampling ([UniCL] App. B.2): every micro-batch takes round(weight × size) rows from
     the image-label stream and the rest from the image-text stream — an exact ratio per batch; each stream is its
     own Ray Data pipeline and runs through its epochs at its own pace (the smaller set repeats more often)."""
     n_label = label_rows(cfg)
-    labels = batch_stream(label_shard, cfg, n_label)  # both start producing now
-    texts = batch_stream(text_shard, cfg, cfg.train.micro_batch_size - n_label, begin)
+    labels = batch_stream(label_shard, cfg, n_label, rank=rank, stream=1)  # both start producing now
+    texts = batch_stream(text_shard, cfg, cfg.train.micro_batch_size - n_label, begin, rank=rank)
     return _mixed(labels, texts)
+
+
+def _shuffle_seeds(cfg: RayvlConfig, rank: int, stream: int = 0) -> Iterator[int]:
+    """The local shuffle seed of each next execution of one of this rank's streams: ``_epochs`` calls its iterator
+    factory once per execution, which takes the next one."""
+    return (shuffle_seed(cfg.train.seed, rank, execution, stream) for execution in itertools.count())
 
 
 def label_rows(cfg: RayvlConfig) -> int:
@@ -70,9 +80,12 @@ class TonicsBatches:
         t, x = cfg.train, cfg.tonics
         self.device = "cuda" if t.use_gpu else "cpu"
         self.waited = 0.0
+        self.totals = SamplerTotals()  # the counts of self.sampler, over ranks and resumes (a train-state part)
+        seeds = _shuffle_seeds(cfg, rank)
         rows = _prefetched(lambda: _epochs(lambda: shard.iter_batches(
             batch_size=t.micro_batch_size, batch_format="numpy", prefetch_batches=cfg.data.prefetch_batches,
-            local_shuffle_buffer_size=cfg.data.local_shuffle_buffer or None), begin), cfg)
+            local_shuffle_buffer_size=cfg.data.local_shuffle_buffer or None, local_shuffle_seed=next(seeds)),
+            begin), cfg)
         self.sampler = BucketSampler(self._timed(rows), TRAIN_COLUMNS + ["object", ROW], t.micro_batch_size,
                                      x.buffer_rows, x.max_wait_rows, t.seed, rank)
 

@@ -170,17 +170,17 @@ def labeled_dataset(cfg: RayvlConfig, prompts: Prompts, report_name: str) -> ray
     d, il, t = cfg.data, cfg.image_label, cfg.train
     if fashion_mnist.is_fashion_mnist(il.data):
         pixels, labels = fashion_mnist.read(il.data, limit=il.limit)
-        order = np.random.default_rng(t.seed).permutation(len(labels))  # each seed its own draw of the photos
-        ds = fashion_mnist.rows(pixels, labels, order=order).map_batches(
-            prompt_batch, batch_size=d.transform_batch_size, batch_format="numpy", num_cpus=d.read_cpus,
-            fn_kwargs=dict(prompts=prompts, **_common(cfg, report_name)))
-        # given the map's CPUs, the column selection fuses into its tasks (alone it would ask for a whole CPU)
-        ds = ds.select_columns(TRAIN_COLUMNS, num_cpus=d.read_cpus)
         # the rows the run trains on (+ one micro-batch per rank of slack): without a limit the stream runs through
         # its whole epoch ahead of training, as fast as the object store takes it — measured: the 35,000 photos of
         # a 30-step run decoded and tokenized in 106 s beside the training workers, 2.9 s per step
         needed = (t.max_steps * t.grad_accumulation + 1) * t.num_workers * label_rows(cfg)
-        return ds.limit(needed) if needed < int(np.isin(labels, sorted(prompts.train_classes)).sum()) else ds
+        usable = max(1, int(np.isin(labels, sorted(prompts.train_classes)).sum()))
+        # every pass the run needs in one execution: each pass draws its own photo order, crops and prompts
+        ds = fashion_mnist.passes(pixels, labels, t.seed, -(-needed // usable), d.read_cpus).map_batches(
+            prompt_batch, batch_size=d.transform_batch_size, batch_format="numpy", num_cpus=d.read_cpus,
+            fn_kwargs=dict(prompts=prompts, seed=t.seed, **_common(cfg, report_name)))
+        # given the map's CPUs, the column selection fuses into its tasks (alone it would ask for a whole CPU)
+        return ds.select_columns(TRAIN_COLUMNS, num_cpus=d.read_cpus).limit(needed)
     return shards.read_shards(il.data, train=True, read_cpus=d.read_cpus, transform_batch_size=d.transform_batch_size,
                               shuffle_files=d.shuffle_files, prompts=prompts, columns=TRAIN_COLUMNS,
                               seed=cfg.train.seed, threads=d.read_threads, io=ReadPolicy.of(d),

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import os
-import time
 import uuid
-from dataclasses import dataclass, field
 
 import ray
 import ray.train
@@ -13,8 +11,8 @@ import torch.nn.functional as F
 
 from rayvl.config import RayvlConfig, from_dict
 from rayvl.data.position import DataPosition
-from rayvl.data.report import report_actor, snapshot
-from rayvl.data.tonics import Curriculum
+from rayvl.data.report import report_actor
+from rayvl.data.tonics import SAMPLER_COUNTS, Curriculum, SamplerTotals
 from rayvl.export import weights
 from rayvl.losses import clip_loss, gather_features, unicl_loss
 from rayvl.models.dual_encoder import build_model
@@ -25,6 +23,7 @@ from rayvl.train.engine import broadcast_buffers, build_engine
 from rayvl.train.faults import fail_here
 from rayvl.train.evaluation import evaluate, held_out_retrieval, load_eval_data
 from rayvl.train.state import Progress, TrainState
+from rayvl.train.window import Window
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -35,10 +34,10 @@ def train_loop_per_worker(config: dict) -> None:
     # the data position first (read tasks plan from it), then the data streams: Ray Data warms up while the
     # model and the engine are built
     position = DataPosition(config.get("train_shards", 0))
-    saved, begin = _restore_position(position, config.get("report_name"), rank)
+    saved, begin = _restore_position(position, config.get("report_name"), config.get("label_report"), rank)
     next_batch, curriculum, tonics = _batches(cfg, config.get("tonics_sizes"), rank, begin)
     engine, bank = _engine(cfg, world, config.get("init_from", "") if saved is None else "")
-    state = TrainState(Progress(), curriculum=curriculum, memory_bank=bank, data_position=position)
+    state = _train_state(config, position, curriculum, tonics, bank)
     if checkpoint.restore(engine, state, saved):
         state.progress.resumed_at.append(state.progress.step)
     if config.get("placement_registry") and rank == 0:  # a sweep removes what a stopped trial leaves behind
@@ -78,7 +77,7 @@ def train_loop_per_worker(config: dict) -> None:
             continue
         metrics = window.metrics(step, engine, config.get("report_name"))
         if curriculum is not None:
-            metrics.update(_tonics_metrics(curriculum, tonics))
+            metrics.update(_tonics_metrics(curriculum, tonics, engine.device))
         if do_eval:
             metrics.update(evaluate(engine.module, eval_data, **evaluating))
         state.progress.history.append(metrics)
@@ -87,6 +86,11 @@ def train_loop_per_worker(config: dict) -> None:
         else:
             ray.train.report(metrics)
         window = Window(first_step=step + 1)
+
+
+def _train_state(config: dict, position: DataPosition, curriculum, tonics, bank) -> TrainState:
+    return TrainState(Progress(), curriculum=curriculum, memory_bank=bank, data_position=position,
+                      tonics_sampler=tonics.totals if tonics is not None else None)
 
 
 def _engine(cfg: RayvlConfig, world: int, init_from: str = ""):
@@ -113,11 +117,11 @@ def _checkpoint(engine, state: TrainState, metrics: dict, config: dict, final: b
         ray.train.report(metrics, checkpoint=ckpt)
 
 
-def _restore_position(position: DataPosition, report_name: str | None, rank: int):
+def _restore_position(position: DataPosition, report_name: str | None, label_report: str | None, rank: int):
     """Before any stream starts: the data position of the checkpoint Ray Train restores (or none) goes to the
-    run's data report, where read tasks plan from it (data/position.py). Returns (that checkpoint's train state,
-    read once here for checkpoint.restore, or None; the callback that numbers the passes of a further Ray Data
-    execution, batches._epochs)."""
+    run's data report, where read tasks plan from it (data/position.py); the image-label report starts again.
+    Returns (that checkpoint's train state, read once here for checkpoint.restore, or None;
+    the callback that numbers the passes of a further Ray Data execution, batches._epochs)."""
     import torch.distributed as dist
 
     ckpt = ray.train.get_checkpoint()
@@ -127,9 +131,11 @@ def _restore_position(position: DataPosition, report_name: str | None, rank: int
         position.load_state_dict(restored)
     if not report_name:
         return saved, None
-    actor = report_actor(report_name)
+    actor, token = report_actor(report_name), uuid.uuid4().hex
     if rank == 0:  # a new token per worker group: what the lost group's reads counted is dropped
-        ray.get(actor.restore.remote(uuid.uuid4().hex, restored, position.n_shards))
+        ray.get(actor.restore.remote(token, restored, position.n_shards))
+        if label_report:  # no position: read again from its start, counted again from 0
+            ray.get(report_actor(label_report).restart.remote(token))
     if dist.is_initialized():
         dist.barrier()
     first = position.execution  # rank 0's position.execution moves on at checkpoints; the count starts here
@@ -152,7 +158,7 @@ def _gather_position(position: DataPosition, report_name: str | None, rank: int,
     actor = report_actor(report_name)
     position.merge(*parts)
     done = position.settle(ray.get(actor.unit_rows.remote(list(position.partial))))
-    position.report, position.execution = ray.get(actor.settle.remote(done))
+    position.report, position.execution = ray.get(actor.settle.remote(done, position.open_pass()))
 
 
 def _batches(cfg: RayvlConfig, tonics_sizes: list[int] | None, rank: int, begin=None):
@@ -164,9 +170,9 @@ def _batches(cfg: RayvlConfig, tonics_sizes: list[int] | None, rank: int, begin=
         source = TonicsBatches(shard, cfg, rank, begin)
         return (lambda step, micro: source.next(curriculum.node(step), step, micro)), curriculum, source
     if cfg.image_label.data and cfg.image_label.weight < 1.0:  # [UniCL] App. B.2: balanced batches
-        stream = mixed_stream(shard, ray.train.get_dataset_shard("labeled"), cfg, begin)
+        stream = mixed_stream(shard, ray.train.get_dataset_shard("labeled"), cfg, begin, rank=rank)
     else:
-        stream = batch_stream(shard, cfg, begin=begin)
+        stream = batch_stream(shard, cfg, begin=begin, rank=rank)
     return (lambda step, micro: next(stream)), None, None
 
 
@@ -188,7 +194,7 @@ def _refresh(curriculum: Curriculum, step: int, accuracy: float, cfg: RayvlConfi
 
 def training_labels(batch: dict, batch_index: int, tonics: bool) -> torch.Tensor:
     """TargetM ([UniCL] Algorithm 1): image-label rows keep their class id (≥ 0); every image-text row gets a label
-    of its own, unique across ranks, steps and so across the queue. TOnICS rows of one pair (one per aligned noun,
+    of its own, unique across ranks, steps and so across the queue. TOnICS rows of one pair (one per aligned class,
     the same image and caption) share their pair's label — the same pair twice in a batch is a positive, not a
     false negative; with no pair repeated this is the CLIP loss."""
     b = batch["label"].shape[0]
@@ -222,62 +228,21 @@ def _loss(engine, batch: dict, cfg, bank: MemoryBank | None, batch_index: int) -
     return loss
 
 
-def _tonics_metrics(curriculum: Curriculum, source: TonicsBatches) -> dict:
-    """P_S(root), the last refresh, and the sampler's counts summed over ranks (fallbacks happen per rank)."""
+def _tonics_metrics(curriculum: Curriculum, source: TonicsBatches, device) -> dict:
+    """P_S(root), the last refresh, and the sampler's counts summed over ranks (fallbacks happen per rank) and
+    over the run's resumes (SamplerTotals)."""
     import torch.distributed as dist
 
-    names = ["tonics_node_root_batches", "tonics_node_object_batches", "tonics_fallback_batches",
-             "tonics_fallback_rows"]
-    counts = torch.tensor([float(source.sampler.counts[n]) for n in names])
+    counts = torch.tensor([source.sampler.counts[n] for n in SAMPLER_COUNTS], dtype=torch.int64, device=device)
     if dist.is_initialized():
-        dist.all_reduce(counts)
-    out = {n: int(v) for n, v in zip(names, counts.tolist())}
+        dist.all_reduce(counts)  # a device tensor: NCCL refuses CPU tensors
+    out = dict(source.totals.add(dict(zip(SAMPLER_COUNTS, counts.tolist()))))
     out["tonics_p_root"] = float(curriculum.p[0])
     out["tonics_refreshes"] = sum(h["refreshed"] for h in curriculum.history)
     if curriculum.history:
         out["tonics_last_refresh_accuracy"] = curriculum.history[-1]["accuracy"]
         out["tonics_last_refresh_step"] = curriculum.history[-1]["step"]
     return out
-
-
-@dataclass
-class Window:
-    """What happened since the last report: summed loss, time waited for data, samples, image-label rows."""
-
-    loss: float = 0.0
-    wait: float = 0.0
-    samples: int = 0
-    label_rows: int = 0
-    steps: int = 0
-    first_step: int = 1
-    resumed_from: int | None = None
-    grad_norm: float | None = None
-    start: float = field(default_factory=time.perf_counter)
-
-    def add(self, loss: float, waited: float, batch: dict, world: int) -> None:
-        self.loss += loss
-        self.wait += waited
-        self.samples += batch["image"].shape[0] * world
-        self.label_rows += int((batch["label"] >= 0).sum()) * world  # image-label share of batches
-
-    def metrics(self, step: int, engine, report_name: str | None) -> dict:
-        elapsed = time.perf_counter() - self.start
-        metrics = {
-            "step": step,
-            "first_step": self.first_step,
-            "loss": self.loss / max(1, self.steps),
-            "lr": engine.get_lr()[0],
-            "logit_scale": engine.module.scale().item(),
-            "samples_per_s": self.samples / elapsed,
-            "data_wait_share": self.wait / elapsed,
-            "grad_norm": self.grad_norm,
-            "image_label_share": self.label_rows / max(1, self.samples),
-        }
-        if self.resumed_from is not None:
-            metrics["resumed_from"] = self.resumed_from
-        if report_name:  # the data report's counts so far (dropped samples by reason, truncated shards)
-            metrics.update(snapshot(report_name)["counts"])
-        return metrics
 
 
 def _step(engine) -> float | None:

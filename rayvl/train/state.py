@@ -1,8 +1,9 @@
 """One train state: everything a resumed run needs beside DeepSpeed's own files (model, optimizer, ZeRO
 partitions, LR scheduler), as one ``state_dict()`` / ``load_state_dict()`` object per component (torchtitan's
-``Stateful``). Components: the progress (step, metric history), the TOnICS curriculum, the memory bank, the data
-position (rayvl.data.position; every rank's rows are merged on rank 0 before a checkpoint). Each is identical on
-every rank or complete on rank 0, so rank 0 saves it (``rayvl.checkpoints.STATE_FILE``) and every rank loads it.
+``Stateful``). Components: the progress (step, metric history), the TOnICS curriculum and its samplers' counts,
+the memory bank, the data position (rayvl.data.position; every rank's rows are merged on rank 0 before a
+checkpoint). Each is identical on every rank or complete on rank 0, so rank 0
+saves it (``rayvl.checkpoints.STATE_FILE``) and every rank loads it.
 """
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ class Progress:
         self.resumed_at = list(state.get("resumed_at", []))  # absent in checkpoints written before it existed
 
 
+# components checkpoints written before them lack: such a checkpoint resumes them from their start
+ADDED_LATER = frozenset({"tonics_sampler"})
+
+
 class TrainState:
     """The run's progress and its other components by name (None = the run does not have that component)."""
 
@@ -44,9 +49,10 @@ class TrainState:
         return {name: c.state_dict() for name, c in self.components.items()}
 
     def load_state_dict(self, state: dict) -> None:
-        missing = sorted(set(self.components) - set(state))
+        missing = sorted(set(self.components) - set(state) - ADDED_LATER)
         if missing:  # e.g. resuming with a memory bank a run that trained without one
             raise ValueError(f"the checkpoint holds no state for {missing} (it has {sorted(state)}): resume with "
                              f"the settings the run was started with")
         for name, component in self.components.items():
-            component.load_state_dict(state[name])
+            if name in state:
+                component.load_state_dict(state[name])

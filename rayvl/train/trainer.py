@@ -61,7 +61,7 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
     run_log = RunLog(str(logs), run_record(cfg, run_dir, name), cfg.train.report_to,
                      mlflow_uri(cfg) if "mlflow" in cfg.train.report_to else "")
     trainer = _trainer(cfg, storage, name, sets, [run_log, *callbacks], {
-        "rayvl": cfg.to_dict(), "report_name": report_name, **data.files,
+        "rayvl": cfg.to_dict(), "report_name": report_name, "label_report": reports.get("image_label"), **data.files,
         "tokenizer_path": str(assets.text_model_path(cfg.model.text)), "tonics_sizes": sizes,
         "placement_registry": placement_registry, "train_shards": len(resolve_shards(data.train)),
         "init_from": init_weights})
@@ -133,4 +133,17 @@ def _trainer(cfg: RayvlConfig, storage: str, name: str, sets: dict, callbacks: l
                              checkpoint_config=CheckpointConfig(num_to_keep=t.checkpoints_to_keep),
                              failure_config=FailureConfig(max_failures=t.max_failures)),
         datasets=sets,
-        dataset_config=DataConfig(datasets_to_split=[k for k in ("train", "labeled") if k in sets]))
+        dataset_config=DataConfig(datasets_to_split=[k for k in ("train", "labeled") if k in sets],
+                                  execution_options=ingest_options(cfg)))
+
+
+def ingest_options(cfg: RayvlConfig):
+    """Ray Data's execution options for the run's datasets: Ray Train's defaults (None), in block order with
+    data.deterministic."""
+    if not cfg.data.deterministic:
+        return None
+    options = DataConfig.default_ingest_options()
+    # in order, the split to ranks is a function of the blocks' order and sizes alone (Ray's OutputSplitter
+    # then drops its locality hints), and each rank's iterator restores the order its format threads scramble
+    options.preserve_order = True
+    return options
