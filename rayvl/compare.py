@@ -3,9 +3,11 @@ the sweep machinery (``rayvl.tune``: trials share the cluster, fail alone, and a
 with ``--resume``), summarised per variant as mean ± std over the seeds of every metric, with a figure of bars
 and one of learning curves.
 
-Seeds are the grid dimension ``train.seed`` (0 … seeds − 1): it seeds the model's new layers, the crops, the shard
-order and the TOnICS sampler. The data — the shards, or the embedded demo dataset, which does not depend on the
-run's seed — are the same for every trial, so variants with the same seed differ only by their overrides.
+Seeds are the grid dimension ``train.seed`` (0 … seeds − 1): it seeds the model's new layers, each row's crop and
+prompt, the shard order, the shuffle buffers and the TOnICS sampler. The data — the shards, or the embedded demo
+dataset, which does not depend on the run's seed — are the same for every trial, and a comparison reads them in
+Ray Data's block order (``data.deterministic``, unless its overrides turn it off), so variants with the same seed
+differ only by their overrides (on GPU also by non-deterministic kernels).
 The spread is the sample standard deviation (n − 1) over the seeds whose trial finished; a variant with a failed
 trial shows its n.
 """
@@ -70,11 +72,16 @@ class Comparison:
         if seeds < 1:
             raise SweepError(f"{self.title}: --seeds: must be ≥ 1, got {seeds}")
         sweep = Sweep(path=self.title, recipe=self.recipe, metric=self.metric, mode=self.mode,
-                      space={"train.seed": {"grid": list(range(seeds))}}, fixed=self.fixed + list(overrides), name=name,
+                      space={"train.seed": {"grid": list(range(seeds))}},
+                      fixed=PAIRED + self.fixed + list(overrides), name=name,
                       variants=dict(self.variants), after=self.after, after_kwargs=dict(after_kwargs or {}),
                       after_metrics=tuple(self.after_metrics), rows=[list(r) for r in self.rows], parts=list(parts))
         validate(sweep)
         return sweep
+
+
+# a comparison's seeds pair its variants: same seed, same rows in the same order (a later override may undo it)
+PAIRED = ["data.deterministic=true"]
 
 
 def trial_results(sweep_dir: str, order: list[str] = ()) -> tuple[dict, list[dict]]:
