@@ -285,11 +285,11 @@ def test_a_stream_without_position_counts_the_reads_of_its_current_worker_group(
 
     name = f"labels-test-{uuid.uuid4().hex[:6]}"
     actor = report_actor(name)
-    ray.get(actor.restart.remote("group-1"))
+    ray.get(actor.restore.remote("group-1", None, 0))
     old = current_token(name)
     record(name, {"samples_seen": 10, "samples_kept": 8}, token=old)
-    ray.get(actor.restart.remote("group-2"))
-    ray.get(actor.restart.remote("group-2"))  # every rank may call it: once per group
+    ray.get(actor.restore.remote("group-2", None, 0))
+    ray.get(actor.restore.remote("group-2", None, 0))  # every rank may call it: once per group
     record(name, {"samples_seen": 5}, token=old)  # started before the restart
     record(name, {"samples_seen": 3, "samples_kept": 3}, token=current_token(name))
     assert snapshot(name)["counts"] == {"samples_seen": 3, "samples_kept": 3}

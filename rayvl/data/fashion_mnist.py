@@ -51,13 +51,16 @@ def to_rgb(pixels: np.ndarray, size: int, scale_min: float | None = None,
     return crop(Image.fromarray(np.asarray(pixels, np.uint8), "L").convert("RGB"), size, scale_min, rng)
 
 
-def rows(pixels: np.ndarray, labels: np.ndarray, split: str = "train", order: np.ndarray | None = None):
-    """A Ray Dataset of rows {index, key, pixels, cls} (from ``read``), in ``order`` (indices; default: file order)."""
+def row_key(split: str, index: int) -> str:
+    return f"fmnist-{split}-{index:05d}"
+
+
+def rows(pixels: np.ndarray, labels: np.ndarray, split: str = "train"):
+    """A Ray Dataset of rows {index, key, pixels, cls} (from ``read``) in file order."""
     import ray
 
-    order = range(len(labels)) if order is None else order
-    return ray.data.from_items([{"index": int(i), "key": f"fmnist-{split}-{i:05d}", "pixels": pixels[i],
-                                 "cls": int(labels[i])} for i in order])
+    return ray.data.from_items([{"index": i, "key": row_key(split, i), "pixels": pixels[i], "cls": int(labels[i])}
+                                for i in range(len(labels))])
 
 
 def passes(pixels: np.ndarray, labels: np.ndarray, seed: int, n_passes: int, num_cpus: float, split: str = "train"):
@@ -75,5 +78,5 @@ def passes(pixels: np.ndarray, labels: np.ndarray, seed: int, n_passes: int, num
 def _pass_rows(batch: dict, pixels: np.ndarray, labels: np.ndarray, seed: int, split: str) -> dict:
     pass_ = int(batch["pass"][0])
     order = np.random.default_rng([seed, pass_]).permutation(len(labels))
-    return {"index": order, "key": np.array([f"fmnist-{split}-{i:05d}" for i in order], dtype=object),
+    return {"index": order, "key": np.array([row_key(split, i) for i in order], dtype=object),
             "pixels": pixels[order], "cls": labels[order], "pass": np.full(len(order), pass_, np.int64)}

@@ -23,8 +23,9 @@ class DataReport:
     ``settled``: counts of shards that will not be read again (finished, or restored from a checkpoint);
     ``units``: the current counts of each shard being read, replaced when the shard is read again (a retried read
     task, a resumed run). A restore (one per worker group, ``token``) drops what the lost group's reads counted; a
-    stream without a position (image-label data) starts again (``restart``), its reads counted under the token they
-    started with (``add(token=…)``)."""
+    stream without a position (image-label data) is restored from the beginning (``restore(token, None, 0)``: it is
+    read again from its start, so its counts start again), its reads counted under the token they started with
+    (``add(token=…)``)."""
 
     def __init__(self):
         self.settled: Counter = Counter()
@@ -73,15 +74,6 @@ class DataReport:
         self.settled = Counter(self.position.report["counts"])
         self.bad_shards = dict(self.position.report["bad_shards"])
         self.execution = self.position.execution
-
-    def restart(self, token: str) -> None:
-        """A worker group starts reading a stream without a position (image-label data) from its beginning, so
-        the counts start again: they are the reads of this group, not those of the lost one plus the same rows
-        read again."""
-        if token == self.token:
-            return
-        self.token, self.units, self.running, self.rows = token, {}, Counter(), {}
-        self.settled, self.bad_shards = Counter(), {}
 
     def current_token(self) -> str | None:
         return self.token

@@ -135,7 +135,7 @@ def _restore_position(position: DataPosition, report_name: str | None, label_rep
     if rank == 0:  # a new token per worker group: what the lost group's reads counted is dropped
         ray.get(actor.restore.remote(token, restored, position.n_shards))
         if label_report:  # no position: read again from its start, counted again from 0
-            ray.get(report_actor(label_report).restart.remote(token))
+            ray.get(report_actor(label_report).restore.remote(token, None, 0))
     if dist.is_initialized():
         dist.barrier()
     first = position.execution  # rank 0's position.execution moves on at checkpoints; the count starts here
