@@ -252,6 +252,10 @@ class ModelConfig:
     """learn the temperature (CLIP) or keep it fixed at ``init_logit_scale``."""
     max_logit_scale: float = 100.0
     """clamp on exp(s), as in CLIP."""
+    activation_checkpointing: bool = False
+    """recompute layer activations in the backward pass instead of keeping them — the text tower's trained layers
+    and a transformer image tower (ViT; a BatchNorm tower is not recomputed, its statistics would move twice): less
+    GPU memory for a larger batch, about one more forward pass of compute."""
 
 
 @dataclass
@@ -284,6 +288,9 @@ class TrainConfig:
     """Ray Train workers (data-parallel ranks)."""
     use_gpu: bool = False
     """one GPU per worker, NCCL backend; CPU workers use gloo."""
+    wait_for_gpus: bool = False
+    """with ``use_gpu`` on a cluster that has no GPU now and no autoscaler config rayvl can read (KubeRay's
+    autoscaler runs beside the head, not on it): wait for GPU nodes instead of refusing the run."""
     cpus_per_worker: float = 0.5
     """CPUs reserved per worker; leave CPUs for Ray Data (DESIGN: starvation hangs silently)."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
@@ -295,9 +302,21 @@ class TrainConfig:
     """micro-batches per optimizer step."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage 0-3."""
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """fp32 or bf16 (GPUs, and CPUs through DeepSpeed's CPU accelerator; fp32 master weights either way);
-    fp16 only on GPUs."""
+    zero_overlap_comm: bool = True
+    """ZeRO ≥ 1 on GPUs: reduce gradients while the backward pass goes on (DeepSpeed's overlap_comm)."""
+    zero_bucket_size: int = 50_000_000
+    """elements per ZeRO gradient-reduction / all-gather bucket (and ZeRO-3's prefetch bucket): larger buckets mean
+    fewer, larger collectives and more memory."""
+    zero_offload: Literal["none", "optimizer", "optimizer_and_params"] = "none"
+    """ZeRO-Offload: keep the optimizer state (ZeRO ≥ 1), and with ZeRO-3 the parameters too, in pinned host
+    memory — for a model whose state does not fit the GPUs, at the cost of host-device traffic every step."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """auto = bf16 on GPUs, fp32 on CPUs; bf16 also runs on CPUs (DeepSpeed's CPU accelerator); fp16 only on GPUs.
+    fp32 master weights in every case; BatchNorm statistics stay fp32."""
+    tf32: bool = True
+    """on Ampere and later GPUs, fp32 matrix products and convolutions use TF32 tensor cores."""
+    compile: str = ""
+    """a torch.compile backend for the model ("inductor" on GPUs; '' = eager)."""
     lr: float = 1e-3
     """peak learning rate ([Paraphrase] Table B.1)."""
     weight_decay: float = 0.1
@@ -568,6 +587,13 @@ def parse_override(text: str) -> dict:
     return out
 
 
+def precision(t: TrainConfig) -> str:
+    """The precision a run trains in: ``train.precision``, with auto resolved by ``train.use_gpu``."""
+    if t.precision != "auto":
+        return t.precision
+    return "bf16" if t.use_gpu else "fp32"
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RayvlConfig:
     """Defaults ← recipe YAML ← ``--set`` overrides, then validated."""
     values: dict = {}
@@ -658,6 +684,18 @@ def _validate_pseudo_label(x: PseudoLabelConfig) -> None:
 def _validate_train(t: TrainConfig) -> None:
     if t.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"train.zero_stage: {t.zero_stage} is not a DeepSpeed ZeRO stage (0, 1, 2 or 3)")
+    if t.zero_offload == "optimizer" and t.zero_stage == 0:
+        raise ConfigError("train.zero_offload: offloading the optimizer state needs train.zero_stage ≥ 1")
+    if t.zero_offload == "optimizer_and_params" and t.zero_stage != 3:
+        raise ConfigError("train.zero_offload: offloading parameters needs train.zero_stage=3")
+    if t.compile:
+        import torch._dynamo
+
+        if t.compile not in torch._dynamo.list_backends(exclude_tags=()):
+            raise ConfigError(f"train.compile: {t.compile!r} is not a torch.compile backend (known: "
+                              f"{', '.join(torch._dynamo.list_backends(exclude_tags=()))})")
+    if t.zero_bucket_size < 1:
+        raise ConfigError(f"train.zero_bucket_size: must be ≥ 1, got {t.zero_bucket_size}")
     if not t.use_gpu and t.precision == "fp16":
         raise ConfigError("train.precision: fp16 needs GPUs (train.use_gpu=true); CPU workers train in fp32 or bf16")
     for name in ("num_workers", "micro_batch_size", "grad_accumulation", "max_steps", "log_every",

@@ -9,7 +9,7 @@ from collections import Counter
 from itertools import islice
 
 from rayvl import storage
-from rayvl.config import ConfigError, RayvlConfig
+from rayvl.config import ConfigError, RayvlConfig, precision
 from rayvl.data.images import decode
 from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
 from rayvl.data.shards import pass_size
@@ -98,7 +98,7 @@ def describe(cfg: RayvlConfig) -> str:
     lines += ["cluster:",
               f"  {t.num_workers} Ray Train workers of {{CPU: {t.cpus_per_worker:g}"
               + (", GPU: 1" if gpu else "") + f"}} (train.placement_strategy={t.placement_strategy}), DeepSpeed "
-              f"ZeRO-{t.zero_stage}, {t.precision}",
+              f"ZeRO-{t.zero_stage}, {precision(t)}",
               f"  Ray Data read tasks of data.read_cpus={d.read_cpus:g} CPU each, {d.read_threads} transform threads, "
               f"I/O: {d.io_retries} retries, unreadable shards: {d.unreadable_shards}",
               "storage:",

@@ -83,9 +83,44 @@ def check_resources(cfg: RayvlConfig, fixed_size: bool, node_cpus: list[float] |
         if fixed_size:
             raise ConfigError(problem)
         print(f"rayvl: warning: {problem} (waiting for the autoscaler)")
-    if t.use_gpu and ray.cluster_resources().get("GPU", 0) < t.num_workers:
-        print(f"rayvl: waiting for {t.num_workers} GPUs (cluster has "
-              f"{ray.cluster_resources().get('GPU', 0):g}; the autoscaler may add them)")
+
+
+def check_local_gpus(cfg: RayvlConfig) -> None:
+    """Before a local Ray starts: ``train.use_gpu`` on a machine whose torch sees fewer GPUs than workers (none at
+    all, or a CPU build of torch) is an error here, not a run waiting forever for GPUs no node will bring."""
+    t = cfg.train
+    if not t.use_gpu or cfg.ray_address or os.environ.get("RAY_ADDRESS") or ray.is_initialized():
+        return  # a cluster's GPUs are on its nodes (check_gpus); a Tune trial's driver holds none itself
+    import torch
+
+    seen = torch.cuda.device_count()
+    if seen < t.num_workers:
+        raise ConfigError(
+            f"train.use_gpu: train.num_workers={t.num_workers} GPU workers, but this machine's torch "
+            f"{torch.__version__} (CUDA {torch.version.cuda or 'none'}) sees {seen} GPU(s) and no cluster is named "
+            f"(ray_address / RAY_ADDRESS): " + ("install the GPU stack (`make install GPU=1`)" if torch.version.cuda
+                                                is None else "lower train.num_workers or join a cluster"))
+
+
+def check_gpus(cfg: RayvlConfig, fixed_size: bool, grown: tuple[dict, bool] | None = None) -> None:
+    """``train.use_gpu`` on a Ray that cannot bring the workers' GPUs is an error before any worker starts: a Ray
+    started here, a cluster whose autoscaler cannot grow to them, or a cluster with no GPU and no autoscaler
+    config on this node — unless ``train.wait_for_gpus`` says an autoscaler rayvl cannot read (KubeRay's) adds
+    them. ``grown``: (resources the cluster can grow to, whether an autoscaler config said so), as
+    ``largest_cluster`` returns it."""
+    t = cfg.train
+    if not t.use_gpu:
+        return
+    largest, autoscaled = grown if grown is not None else largest_cluster()
+    have = largest.get("GPU", 0.0)
+    if have >= t.num_workers:
+        return
+    where = ("the local Ray has" if fixed_size else "the cluster can grow to" if autoscaled else "the cluster has")
+    problem = f"train.use_gpu: train.num_workers={t.num_workers} workers need a GPU each, {where} {have:g} GPU(s)"
+    if fixed_size or autoscaled or (have == 0 and not t.wait_for_gpus):
+        raise ConfigError(problem + ("" if fixed_size or autoscaled else "; if an autoscaler rayvl cannot read "
+                                     "(KubeRay) adds GPU nodes on demand, set train.wait_for_gpus=true"))
+    print(f"rayvl: warning: {problem}; waiting for nodes to join")
 
 
 def place_workers(node_cpus: list[float], workers: int, cpus: float, strategy: str) -> list[float] | None:

@@ -414,8 +414,10 @@ def run_sweep(sweep: Sweep, overrides: list[str] = (), name: str = "", resume: b
     if not resume:
         save_settings(sweep, sweep_dir, overrides)
     fs, inner = storage.filesystem(store)
+    session.check_local_gpus(base)
     fixed_size = session.connect(base.ray_address, base.local_num_cpus)
     session.check_storage(base)
+    session.check_gpus(base, fixed_size)
     trainable = tune.with_resources(trial, base.tune.driver_bundle())
     # named after the sweep directory, so the trial configs and the callback a resumed sweep restores still find it
     registry_name = f"rayvl-placement-{hashlib.sha1(sweep_dir.encode()).hexdigest()[:12]}"

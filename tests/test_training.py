@@ -25,11 +25,14 @@ def test_zero_stage_trains_two_workers(ray_local, demo_dir, tmp_path, stage):
     # stage 1 also trains on BoW captions ([BoW] §2.2): statistics pass + deformation inside the real pipeline
     bow = ["bow.enabled=true", "bow.ops=[shuffle, rm_stop_nalpha, limit_to_base_vocab, {rm_top_freq: 3}, {keep: 3}]"]
     # stage 2 trains UniCL against an EMA memory bank of 40 keys ([BoW] §2.1): 3 steps × 16 keys wrap around; in
-    # bf16 (DeepSpeed's CPU accelerator), the precision every GPU user takes
+    # bf16 (DeepSpeed's CPU accelerator), the precision every GPU user takes, with the alignment layers recomputed
     bank = ["memory_bank.size=40", "loss.kind=unicl", "memory_bank.momentum=0.9", "train.precision=bf16",
-            "train.max_steps=4", "train.stop_at_step=3"]  # stops at 3 of 4: _check_memory_bank resumes it
-    # stage 0 logs to TensorBoard and MLflow (read back below); stage 1 starts from another run's weights
-    logs = ["train.report_to=[tensorboard, mlflow]", f"train.mlflow_uri=sqlite:///{tmp_path}/mlflow.db"]
+            "train.max_steps=4", "train.stop_at_step=3",  # stops at 3 of 4: _check_memory_bank resumes it
+            "model.activation_checkpointing=true"]
+    # stage 0 logs to TensorBoard and MLflow (read back below) and runs the model through torch.compile (its
+    # "eager" backend: Dynamo's graphs without code generation); stage 1 starts from another run's weights
+    logs = ["train.report_to=[tensorboard, mlflow]", f"train.mlflow_uri=sqlite:///{tmp_path}/mlflow.db",
+            "train.compile=eager"]
     seeded = [f"train.init_from={untrained_checkpoint(demo_dir, tmp_path, 5, 'seeded')}"] if stage == 1 else []
     extra = {0: logs, 1: bow + seeded, 2: bank}.get(stage, [])
     cfg = small_config(demo_dir, tmp_path, f"train.zero_stage={stage}", *extra)

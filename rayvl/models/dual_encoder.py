@@ -28,6 +28,12 @@ class DualEncoder(nn.Module):
             self.text = TextTower(cfg.text, cfg.text_strategy, cfg.alignment_layers, cfg.pooling,
                                   cfg.adapter_reduction, pretrained)
             self.text_proj = projection(cfg.text_projection, self.text.out_dim, cfg.embed_dim)
+        if cfg.activation_checkpointing:
+            # not a BatchNorm tower: recomputing its blocks would update the running statistics twice per step
+            if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.vision.modules()):
+                self.vision.backbone.set_grad_checkpointing(True)
+            if cfg.text_tower != "class_embedding":
+                self.text.use_checkpointing()
         # CLIP keeps log(1/τ) as the parameter and clamps exp() at 100; shape [1], not a 0-dim tensor, because
         # DeepSpeed broadcasts parameters as byte views, which 0-dim tensors do not allow
         self.logit_scale = nn.Parameter(torch.full((1,), math.log(cfg.init_logit_scale)),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from rayvl import assets
@@ -113,6 +114,14 @@ class TextTower(nn.Module):
                 layer.requires_grad_(True)
                 self.alignment.append(layer)
         self.out_dim = self.lm.config.hidden_size
+        self.checkpointing = False
+
+    def use_checkpointing(self) -> None:
+        """Recompute activations in the backward pass: the LM's layers when any of its weights train, and the
+        alignment layers."""
+        self.checkpointing = True
+        if not self.lm_frozen or self.adapters:
+            self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -130,7 +139,10 @@ class TextTower(nn.Module):
             mask4d = create_bidirectional_mask(config=self.lm.config, inputs_embeds=hidden,
                                                attention_mask=attention_mask)
             for layer in self.alignment:
-                out = layer(hidden, mask4d)
+                if self.checkpointing and self.training and torch.is_grad_enabled():
+                    out = torch.utils.checkpoint.checkpoint(layer, hidden, mask4d, use_reentrant=False)
+                else:
+                    out = layer(hidden, mask4d)
                 hidden = out[0] if isinstance(out, tuple) else out
         if self.pooling == "cls":
             return hidden[:, 0]

@@ -2,7 +2,8 @@
 
 Ray Data inside Ray Train can starve silently (operators stay "pending" when workers hold every CPU). A producer
 thread iterates the shard epoch after epoch; the training thread waits at most ``data.stall_timeout_s`` for a
-batch and then fails with an error that says what to change, instead of hanging.
+batch and then fails with an error that says what to change, instead of hanging. On a GPU the batches arrive on
+the worker's own device (rayvl.train.devices), copied from pinned host memory without blocking.
 """
 from __future__ import annotations
 
@@ -18,37 +19,44 @@ from rayvl.config import RayvlConfig
 from rayvl.data.report import DataPlaneError
 from rayvl.data.seeding import shuffle_seed
 from rayvl.data.tonics import BucketSampler, SamplerTotals
+from rayvl.train import devices
 
 TRAIN_COLUMNS = ["image", "input_ids", "attention_mask", "label"]
 ROW = "row"  # the row id of the data position (data/position.py); training shards carry it, image-label data not
 _END = object()
 
 
+CPU = torch.device("cpu")
+
+
 def batch_stream(shard, cfg: RayvlConfig, size: int | None = None, begin=None, rank: int = 0,
-                 stream: int = 0) -> Iterator[tuple[dict, float]]:
-    """(micro-batch of torch tensors, seconds waited for it), endlessly. ``begin(n)`` is called before the n-th
-    further execution of the dataset (``_epochs``); the shuffle buffer is seeded per (rank, ``stream``, execution)."""
+                 stream: int = 0, device: torch.device = CPU) -> Iterator[tuple[dict, float]]:
+    """(micro-batch of torch tensors on ``device``, seconds waited for it), endlessly. ``begin(n)`` is called
+    before the n-th further execution of the dataset (``_epochs``); the shuffle buffer is seeded per (rank,
+    ``stream``, execution). ``device`` carries its index: Ray Data moves batches in threads of its own, where a
+    bare "cuda" would mean GPU 0."""
     t = cfg.train
     seeds = _shuffle_seeds(cfg, rank, stream)
 
     def batches():
         for batch in _epochs(lambda: shard.iter_torch_batches(
-                batch_size=t.micro_batch_size if size is None else size, drop_last=True, prefetch_batches=cfg.data.prefetch_batches,
-                local_shuffle_buffer_size=cfg.data.local_shuffle_buffer or None, local_shuffle_seed=next(seeds),
-                device="cuda" if t.use_gpu else "cpu"), begin):
+                batch_size=t.micro_batch_size if size is None else size, drop_last=True,
+                prefetch_batches=cfg.data.prefetch_batches, local_shuffle_seed=next(seeds),
+                local_shuffle_buffer_size=cfg.data.local_shuffle_buffer or None, device=device,
+                pin_memory=device.type == "cuda"), begin):
             yield {k: batch[k] for k in TRAIN_COLUMNS + [ROW] if k in batch}
 
-    return _prefetched(batches, cfg)
+    return _prefetched(batches, cfg, device)
 
 
-def mixed_stream(text_shard, label_shard, cfg: RayvlConfig, begin=None,
-                 rank: int = 0) -> Iterator[tuple[dict, float]]:
+def mixed_stream(text_shard, label_shard, cfg: RayvlConfig, begin=None, rank: int = 0,
+                 device: torch.device = CPU) -> Iterator[tuple[dict, float]]:
     """UniCL's balanced sampling ([UniCL] App. B.2): every micro-batch takes round(weight × size) rows from
     the image-label stream and the rest from the image-text stream — an exact ratio per batch; each stream is its
     own Ray Data pipeline and runs through its epochs at its own pace (the smaller set repeats more often)."""
     n_label = label_rows(cfg)
-    labels = batch_stream(label_shard, cfg, n_label, rank=rank, stream=1)  # both start producing now
-    texts = batch_stream(text_shard, cfg, cfg.train.micro_batch_size - n_label, begin, rank=rank)
+    labels = batch_stream(label_shard, cfg, n_label, rank=rank, stream=1, device=device)  # both start now
+    texts = batch_stream(text_shard, cfg, cfg.train.micro_batch_size - n_label, begin, rank=rank, device=device)
     return _mixed(labels, texts)
 
 
@@ -76,16 +84,16 @@ class TonicsBatches:
     """TOnICS micro-batches (rayvl.data.tonics.BucketSampler) over this rank's stream of rows with an "object"
     column, as torch tensors, with the time spent waiting for the stream."""
 
-    def __init__(self, shard, cfg: RayvlConfig, rank: int, begin=None):
+    def __init__(self, shard, cfg: RayvlConfig, rank: int, begin=None, device: torch.device = CPU):
         t, x = cfg.train, cfg.tonics
-        self.device = "cuda" if t.use_gpu else "cpu"
+        self.device = device
         self.waited = 0.0
         self.totals = SamplerTotals()  # the counts of self.sampler, over ranks and resumes (a train-state part)
         seeds = _shuffle_seeds(cfg, rank)
         rows = _prefetched(lambda: _epochs(lambda: shard.iter_batches(
             batch_size=t.micro_batch_size, batch_format="numpy", prefetch_batches=cfg.data.prefetch_batches,
             local_shuffle_buffer_size=cfg.data.local_shuffle_buffer or None, local_shuffle_seed=next(seeds)),
-            begin), cfg)
+            begin), cfg, device)
         self.sampler = BucketSampler(self._timed(rows), TRAIN_COLUMNS + ["object", ROW], t.micro_batch_size,
                                      x.buffer_rows, x.max_wait_rows, t.seed, rank)
 
@@ -97,7 +105,14 @@ class TonicsBatches:
     def next(self, node: int, step: int, micro: int) -> tuple[dict, float]:
         before = self.waited
         batch = self.sampler.batch(node, step, micro)
-        return {k: torch.from_numpy(v).to(self.device) for k, v in batch.items()}, self.waited - before
+        return {k: to_device(torch.from_numpy(v), self.device) for k, v in batch.items()}, self.waited - before
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``: to a GPU through pinned memory and a copy that does not block the host."""
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _epochs(iterate, begin=None) -> Iterator:
@@ -117,15 +132,16 @@ def _epochs(iterate, begin=None) -> Iterator:
                                  "fewer samples than train.micro_batch_size × train.num_workers")
 
 
-def _prefetched(make, cfg: RayvlConfig) -> Iterator[tuple[object, float]]:
-    """Items of ``make()`` produced by a thread started now — the Ray Data execution starts while the caller
-    builds the model and the DeepSpeed engine, instead of at the first step (measured: its start-up was 37% of the
-    demo's first logged window); the consumer waits at most data.stall_timeout_s for each item."""
+def _prefetched(make, cfg: RayvlConfig, device: torch.device = CPU) -> Iterator[tuple[object, float]]:
+    """Items of ``make()`` produced by a thread started now, bound to ``device`` — the Ray Data execution starts
+    while the caller builds the model and the DeepSpeed engine, instead of at the first step; the consumer waits
+    at most data.stall_timeout_s for each item."""
     q: queue.Queue = queue.Queue(maxsize=max(1, cfg.data.prefetch_batches))
     failure: list[BaseException] = []
 
     def produce():
         try:
+            devices.bind(device)  # a new thread's CUDA device is GPU 0, whatever its worker's is
             for item in make():
                 q.put(item)
         except BaseException as e:  # handed to the training thread, which raises it
@@ -149,3 +165,21 @@ def _consume(q: queue.Queue, failure: list, stall_timeout_s: float) -> Iterator[
         if item is _END:
             raise failure[0]
         yield item, time.perf_counter() - started
+
+
+class TrainedRows:
+    """The row ids (and TOnICS objects) of the micro-batches trained since the last checkpoint, left where they
+    are until the data position needs them: a copy to the host per micro-step would wait for the GPU each time."""
+
+    def __init__(self):
+        self.parts: list[tuple[torch.Tensor, ...]] = []
+
+    def add(self, batch: dict) -> None:
+        if ROW in batch:
+            self.parts.append(tuple(batch[k] for k in (ROW, "object") if k in batch))
+
+    def flush(self, position) -> None:
+        """Hand every row since the last flush to ``position`` (rayvl.data.position.DataPosition.trained)."""
+        if self.parts:
+            position.trained(*(torch.cat(column).cpu().numpy() for column in zip(*self.parts)))
+        self.parts = []

@@ -10,29 +10,49 @@ import os
 
 import torch
 
-from rayvl.config import RayvlConfig
+from rayvl.config import RayvlConfig, TrainConfig, precision
 from rayvl.models.dual_encoder import param_groups
 
 
 def deepspeed_config(cfg: RayvlConfig, world_size: int) -> dict:
     t = cfg.train
+    mode = precision(t)
     return {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.grad_accumulation,
         "train_batch_size": t.micro_batch_size * t.grad_accumulation * world_size,
         "gradient_clipping": t.grad_clip,
-        "zero_optimization": {"stage": t.zero_stage},
-        "bf16": {"enabled": t.precision == "bf16"},
-        "fp16": {"enabled": t.precision == "fp16"},
-        # DeepSpeed casts parameters only; BatchNorm's running statistics must follow its weights (CPU and CUDA
-        # batch_norm refuse bf16 weights with fp32 statistics), the image normalisation constants stay fp32
-        **({"data_types": {"buffer_dtype": "bf16" if t.precision == "bf16" else "fp16",
-                           "keep_in_fp32_modules": [r"^vision\.(mean|std)$"]}} if t.precision != "fp32" else {}),
+        "zero_optimization": zero_config(t),
+        "bf16": {"enabled": mode == "bf16"},
+        "fp16": {"enabled": mode == "fp16"},
+        # buffers keep their fp32 (no data_types.buffer_dtype): BatchNorm's statistics and the image normalisation
+        # constants; BatchNorm computes with fp32 weights (rayvl.models.precision)
         # a plain torch AdamW: DeepSpeed's fused CPU Adam would JIT-compile for ~70 s on every new machine
         "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+def zero_config(t: TrainConfig) -> dict:
+    """DeepSpeed's zero_optimization section. Communication overlaps the backward pass on GPUs only (on CPUs
+    there is no second stream to overlap it on); offloaded state lives in pinned host memory."""
+    config: dict = {"stage": t.zero_stage}
+    if t.zero_stage == 0:
+        return config
+    config.update(overlap_comm=t.use_gpu and t.zero_overlap_comm, contiguous_gradients=True,
+                  reduce_bucket_size=t.zero_bucket_size)
+    if t.zero_stage < 3:
+        config["allgather_bucket_size"] = t.zero_bucket_size
+    else:
+        config["stage3_prefetch_bucket_size"] = t.zero_bucket_size
+    offload = {"device": "cpu", "pin_memory": t.use_gpu}
+    if t.zero_offload != "none":
+        config["offload_optimizer"] = offload
+    if t.zero_offload == "optimizer_and_params":
+        config["offload_param"] = offload
+    return config
 
 
 def lr_lambda(warmup: int, total: int):

@@ -9,16 +9,17 @@ import ray.train
 import torch
 import torch.nn.functional as F
 
-from rayvl.config import RayvlConfig, from_dict
+from rayvl.config import RayvlConfig, from_dict, precision
 from rayvl.data.position import DataPosition
 from rayvl.data.report import report_actor
 from rayvl.data.tonics import SAMPLER_COUNTS, Curriculum, SamplerTotals
 from rayvl.export import weights
 from rayvl.losses import clip_loss, gather_features, unicl_loss
 from rayvl.models.dual_encoder import build_model
+from rayvl.models.precision import keep_batchnorm_fp32
 from rayvl.models.memory_bank import MemoryBank
-from rayvl.train import checkpoint
-from rayvl.train.batches import ROW, TonicsBatches, batch_stream, mixed_stream
+from rayvl.train import checkpoint, devices
+from rayvl.train.batches import ROW, TonicsBatches, TrainedRows, batch_stream, mixed_stream
 from rayvl.train.engine import broadcast_buffers, build_engine
 from rayvl.train.faults import fail_here
 from rayvl.train.evaluation import evaluate, held_out_retrieval, load_eval_data
@@ -30,13 +31,13 @@ def train_loop_per_worker(config: dict) -> None:
     cfg = from_dict(config["rayvl"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    device = _device(cfg)
     # the data position first (read tasks plan from it), then the data streams: Ray Data warms up while the
     # model and the engine are built
     position = DataPosition(config.get("train_shards", 0))
     saved, begin = _restore_position(position, config.get("report_name"), config.get("label_report"), rank)
-    next_batch, curriculum, tonics = _batches(cfg, config.get("tonics_sizes"), rank, begin)
-    engine, bank = _engine(cfg, world, config.get("init_from", "") if saved is None else "")
+    next_batch, curriculum, tonics = _batches(cfg, config.get("tonics_sizes"), rank, begin, device)
+    engine, bank = _engine(cfg, world, config.get("init_from", "") if saved is None else "", device)
     state = _train_state(config, position, curriculum, tonics, bank)
     if checkpoint.restore(engine, state, saved):
         state.progress.resumed_at.append(state.progress.step)
@@ -47,18 +48,17 @@ def train_loop_per_worker(config: dict) -> None:
     # a restart record: the first window after a resume says which checkpoint step the group continued from
     window = Window(first_step=state.progress.step + 1,
                     resumed_from=state.progress.resumed_at[-1] if state.progress.resumed_at else None)
+    trained = TrainedRows()  # row ids stay on the device until a checkpoint needs them
 
     end = cfg.train.stop_at_step or cfg.train.max_steps  # a stop ends this invocation as the last step would
     while state.progress.step < end:
         for micro in range(cfg.train.grad_accumulation):
             batch, waited = next_batch(state.progress.step + 1, micro)
-            if ROW in batch:
-                position.trained(*(batch[k].cpu().numpy() for k in (ROW, "object") if k in batch))
+            trained.add(batch)
             loss = _loss(engine, batch, cfg, bank, (state.progress.step * cfg.train.grad_accumulation + micro)
                          * world + rank)
             engine.backward(loss)
-            window.grad_norm = _step(engine) or window.grad_norm
-            window.add(loss.item() / cfg.train.grad_accumulation, waited, batch, world)
+            window.add(loss.detach() / cfg.train.grad_accumulation, waited, batch, world, grad_norm=_step(engine))
         broadcast_buffers(engine.module)  # one set of BatchNorm statistics, as DDP keeps it
         if bank is not None:  # MoCo: the key encoders follow the trained ones once per optimizer step
             bank.update(engine.module)
@@ -82,10 +82,20 @@ def train_loop_per_worker(config: dict) -> None:
             metrics.update(evaluate(engine.module, eval_data, **evaluating))
         state.progress.history.append(metrics)
         if do_ckpt:
-            _checkpoint(engine, state, metrics, config, final=last)
+            _checkpoint(engine, state, metrics, config, final=last, trained=trained)
         else:
             ray.train.report(metrics)
         window = Window(first_step=step + 1)
+
+
+def _device(cfg: RayvlConfig) -> torch.device:
+    """This worker's device, bound in the training thread, with its fast-math settings."""
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    device = devices.worker_device(cfg.train.use_gpu)
+    devices.check_cuda(device)
+    devices.bind(device)
+    devices.fast_math(device, cfg.train.tf32)
+    return device
 
 
 def _train_state(config: dict, position: DataPosition, curriculum, tonics, bank) -> TrainState:
@@ -93,24 +103,31 @@ def _train_state(config: dict, position: DataPosition, curriculum, tonics, bank)
                       tonics_sampler=tonics.totals if tonics is not None else None)
 
 
-def _engine(cfg: RayvlConfig, world: int, init_from: str = ""):
+def _engine(cfg: RayvlConfig, world: int, init_from: str, device: torch.device):
     """The DeepSpeed engine over the dual encoder, and the memory bank (None without one) on its device.
     ``init_from``: a new run starts from those weights (train.init_from; a resumed run restores its own)."""
     model = build_model(cfg.model, cfg.train.seed)
     if init_from:
         model.load_state_dict(weights(init_from)[0], strict=True)
+    if precision(cfg.train) != "fp32":
+        keep_batchnorm_fp32(model)
+    if device.type == "cuda":  # NHWC images: cuDNN's convolutions run on tensor cores in that layout
+        model.vision.channels_last = True
     bank = MemoryBank(model, cfg.memory_bank.size, cfg.model.embed_dim, cfg.memory_bank.momentum) \
         if cfg.memory_bank.size else None
     engine = build_engine(model, cfg, world)
     if bank is not None:
         bank.to(engine.device)
+    if cfg.train.compile:
+        engine.compile(backend=cfg.train.compile)
     return engine, bank
 
 
-def _checkpoint(engine, state: TrainState, metrics: dict, config: dict, final: bool) -> None:
+def _checkpoint(engine, state: TrainState, metrics: dict, config: dict, final: bool, trained: TrainedRows) -> None:
     """Settle the data position (every rank's rows since the last checkpoint), then save and report."""
     ctx = ray.train.get_context()
     position = state.components["data_position"]
+    trained.flush(position)
     _gather_position(position, config.get("report_name"), ctx.get_world_rank(), ctx.get_world_size())
     metrics.update(position.summary())
     with checkpoint.saved(engine, state, config["rayvl"], final=final) as ckpt:
@@ -161,18 +178,19 @@ def _gather_position(position: DataPosition, report_name: str | None, rank: int,
     position.report, position.execution = ray.get(actor.settle.remote(done, position.open_pass()))
 
 
-def _batches(cfg: RayvlConfig, tonics_sizes: list[int] | None, rank: int, begin=None):
-    """(next_batch(step, micro) → (batch, seconds waited), TOnICS curriculum or None, TOnICS source or None)."""
+def _batches(cfg: RayvlConfig, tonics_sizes: list[int] | None, rank: int, begin, device: torch.device):
+    """(next_batch(step, micro) → (batch on ``device``, seconds waited), TOnICS curriculum or None, TOnICS source
+    or None)."""
     shard = ray.train.get_dataset_shard("train")
     if cfg.tonics.enabled:  # [TOnICS] §3: the node of step s is drawn from (seed, s), the same on every rank
         x = cfg.tonics
         curriculum = Curriculum(tonics_sizes, x.alpha, x.beta, x.threshold, cfg.train.seed, moves=x.curriculum)
-        source = TonicsBatches(shard, cfg, rank, begin)
+        source = TonicsBatches(shard, cfg, rank, begin, device)
         return (lambda step, micro: source.next(curriculum.node(step), step, micro)), curriculum, source
     if cfg.image_label.data and cfg.image_label.weight < 1.0:  # [UniCL] App. B.2: balanced batches
-        stream = mixed_stream(shard, ray.train.get_dataset_shard("labeled"), cfg, begin, rank=rank)
+        stream = mixed_stream(shard, ray.train.get_dataset_shard("labeled"), cfg, begin, rank=rank, device=device)
     else:
-        stream = batch_stream(shard, cfg, begin=begin, rank=rank)
+        stream = batch_stream(shard, cfg, begin=begin, rank=rank, device=device)
     return (lambda step, micro: next(stream)), None, None
 
 
@@ -245,15 +263,15 @@ def _tonics_metrics(curriculum: Curriculum, source: TonicsBatches, device) -> di
     return out
 
 
-def _step(engine) -> float | None:
-    """``engine.step()``; at an optimizer step, the global gradient norm before clipping. DeepSpeed keeps it for
-    ZeRO ≥ 1 and bf16; ZeRO-0 fp32 clips without keeping it, so there it is taken from the gradients, which are
-    all-reduced (identical on every rank) by then."""
+def _step(engine) -> torch.Tensor | float | None:
+    """``engine.step()``; at an optimizer step, the global gradient norm before clipping (a device tensor where it
+    is one: read at log steps only). DeepSpeed keeps it for ZeRO ≥ 1 and bf16; ZeRO-0 fp32 clips without keeping
+    it, so there it is taken from the gradients, which are all-reduced (identical on every rank) by then."""
     norm, boundary = None, engine.is_gradient_accumulation_boundary()
     if boundary and engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled():
         grads = [p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.stack(grads))) if grads else None
+        norm = torch.linalg.vector_norm(torch.stack(grads)) if grads else None
     engine.step()
-    if norm is None and boundary and engine.get_global_grad_norm() is not None:
-        norm = float(engine.get_global_grad_norm())
+    if norm is None and boundary:
+        norm = engine.get_global_grad_norm()
     return norm

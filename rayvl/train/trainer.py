@@ -36,8 +36,10 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
     if data.prompts is not None and cfg.model.text_tower == "class_embedding":
         # [UniCL] eq. (4): one learned class embedding per class of the image-label source
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_classes=len(data.prompts.classes)))
+    session.check_local_gpus(cfg)
     started_here = session.connect(cfg.ray_address, cfg.local_num_cpus, verbose=verbose)
     session.check_resources(cfg, fixed_size=started_here)
+    session.check_gpus(cfg, fixed_size=started_here)
     session.check_storage(cfg)
     report_name = f"rayvl-data-report-{name}-{uuid.uuid4().hex[:8]}"
     # a report per stream the run reads, no more: on 2 cores each idle actor process took 0.4% of the machine
@@ -116,7 +118,8 @@ def check_init_from(cfg: RayvlConfig) -> str:
 
 
 # model settings that do not change the weights' shapes or meaning
-ARCHITECTURE_FREE = ("vision_checkpoint", "init_logit_scale", "learn_logit_scale", "max_logit_scale")
+ARCHITECTURE_FREE = ("vision_checkpoint", "init_logit_scale", "learn_logit_scale", "max_logit_scale",
+                     "activation_checkpointing")
 
 
 def _trainer(cfg: RayvlConfig, storage: str, name: str, sets: dict, callbacks: list,

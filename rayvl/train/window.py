@@ -1,4 +1,7 @@
-"""What a report says about the steps since the previous one: loss, waiting, throughput — each over every rank."""
+"""What a report says about the steps since the previous one: loss, waiting, throughput — each over every rank.
+
+The loss, the image-label rows and the gradient norm stay device tensors between reports: reading one on the host
+waits for the GPU, which only a log step may do."""
 from __future__ import annotations
 
 import time
@@ -14,21 +17,29 @@ class Window:
     """What happened since the last report on this rank: summed loss, time waited for data, samples, image-label
     rows."""
 
-    loss: float = 0.0
+    loss: torch.Tensor | float = 0.0
     wait: float = 0.0
     samples: int = 0
-    label_rows: int = 0
+    label_rows: torch.Tensor | int = 0
     steps: int = 0
     first_step: int = 1
     resumed_from: int | None = None
-    grad_norm: float | None = None
+    grad_norm: torch.Tensor | float | None = None
     start: float = field(default_factory=time.perf_counter)
+    flops_per_sample: float = 0.0
+    """training FLOPs of one sample (rayvl.train.flops), 0 = unknown"""
+    peak_flops: float | None = None
+    """one device's peak FLOP/s at the run's precision (rayvl.train.flops), None = unknown: no MFU"""
 
-    def add(self, loss: float, waited: float, batch: dict, world: int) -> None:
-        self.loss += loss
+    def add(self, loss: torch.Tensor | float, waited: float, batch: dict, world: int,
+            grad_norm: torch.Tensor | float | None = None) -> None:
+        """One micro-batch; ``grad_norm``: the norm of an optimizer step that happened after it (None: none)."""
+        if grad_norm is not None:  # not `or`: the truth of a device tensor waits for the GPU
+            self.grad_norm = grad_norm
+        self.loss = self.loss + loss
         self.wait += waited
         self.samples += batch["image"].shape[0] * world
-        self.label_rows += int((batch["label"] >= 0).sum()) * world  # image-label share of batches
+        self.label_rows = self.label_rows + (batch["label"] >= 0).sum() * world  # image-label share of batches
 
     def over_ranks(self, device) -> dict:
         """The window's loss and data-wait share, each the mean over ranks: every rank computes the loss of its
@@ -37,12 +48,17 @@ class Window:
         import torch.distributed as dist
 
         elapsed = time.perf_counter() - self.start
-        values = [self.loss / max(1, self.steps), self.wait / elapsed]
+        values = torch.stack([torch.as_tensor(self.loss, dtype=torch.float64, device=device) / max(1, self.steps),
+                              torch.tensor(self.wait / elapsed, dtype=torch.float64, device=device)])
         if dist.is_initialized():
-            summed = torch.tensor(values, dtype=torch.float64, device=device)  # a device tensor: NCCL takes no other
-            dist.all_reduce(summed)
-            values = (summed / dist.get_world_size()).tolist()
-        return {"loss": values[0], "data_wait_share": values[1], "samples_per_s": self.samples / elapsed}
+            dist.all_reduce(values)  # a device tensor: NCCL takes no other
+            values = values / dist.get_world_size()
+        loss, wait = values.tolist()
+        out = {"loss": loss, "data_wait_share": wait, "samples_per_s": self.samples / elapsed}
+        if self.flops_per_sample and self.peak_flops:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            out["mfu"] = out["samples_per_s"] * self.flops_per_sample / (self.peak_flops * world)
+        return out
 
     def metrics(self, step: int, engine, report_name: str | None) -> dict:
         metrics = {
@@ -51,11 +67,13 @@ class Window:
             **self.over_ranks(engine.device),
             "lr": engine.get_lr()[0],
             "logit_scale": engine.module.scale().item(),
-            "grad_norm": self.grad_norm,
-            "image_label_share": self.label_rows / max(1, self.samples),
+            "grad_norm": None if self.grad_norm is None else float(self.grad_norm),
+            "image_label_share": int(self.label_rows) / max(1, self.samples),
         }
         if self.resumed_from is not None:
             metrics["resumed_from"] = self.resumed_from
+        if engine.device.type == "cuda":  # what a batch size needs (rank 0's peak since the start), to size it
+            metrics["gpu_memory_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
         if report_name:  # the data report's counts so far (dropped samples by reason, truncated shards)
             metrics.update(snapshot(report_name)["counts"])
         return metrics
