@@ -1,37 +1,78 @@
 # `make demo` and `make test` work on a fresh machine: they create .venv/ and install everything first.
+# On a machine with an NVIDIA GPU, `make install GPU=1` (and `make demo GPU=1`) installs torch's CUDA 12 build and
+# faiss for it instead; `make gpu-check GPU=1` then says whether torch and faiss use the GPU.
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 VENV := .venv
 PY := $(VENV)/bin/python
-# Every pip call is constrained to torch 2.13.0, so no later install can swap the CPU build for a CUDA one.
-export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
+GPU ?= 0
+TORCH := torch==2.13.0
+TORCHVISION := torchvision==0.28.0
+# torch 2.13's only CUDA 12 build (its others are CUDA 13): faiss-gpu-cu12 is built for CUDA 12, and the two load
+# the same nvidia-*-cu12 libraries. constraints-cuda.txt pins the same build (+cu126).
+TORCH_CUDA_INDEX := https://download.pytorch.org/whl/cu126
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # pip warns once per package about this machine's unused local index folders; keep the log readable
 # (grep exits 1 when it prints nothing; pip's own failure still fails the recipe through pipefail)
 QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
-TORCHVISION := torchvision==0.28.0
 
-.PHONY: install demo test benchmark clean
+ifeq ($(GPU),1)
+# faiss-gpu-cu12 has GPU kernels for compute capability 7.0–8.9 only (Volta to Ada); on any other GPU (H100 is 9.0)
+# its searches fail, so faiss-cpu is taken there, and where nvidia-smi cannot tell. FAISS=gpu or FAISS=cpu decides.
+ifeq ($(origin FAISS),undefined)
+FAISS := $(shell { nvidia-smi --query-gpu=compute_cap --format=csv,noheader || true; } 2>/dev/null \
+           | awk 'BEGIN {ok = 1} {n++; ok = ok && $$1 >= 7.0 && $$1 < 9.0} END {print (n && ok) ? "gpu" : "cpu"}')
+endif
+# every pip call is constrained to the CUDA build, so no later install can swap it for PyPI's torch
+export PIP_CONSTRAINT := $(CURDIR)/constraints-cuda.txt
+STAMP := $(VENV)/.installed-cuda-faiss-$(FAISS)
+DEMO_ARGS := --set train.use_gpu=true \
+             --set train.num_workers=$$($(PY) -c 'import torch; print(torch.cuda.device_count())')
+else
+# every pip call is constrained to torch 2.13.0, so no later install can swap the CPU build for a CUDA one
+export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
+STAMP := $(VENV)/.installed
+DEMO_ARGS :=
+endif
+# a venv holds one torch build and one faiss (faiss-cpu and faiss-gpu-cu12 are the same package `faiss`): installing
+# another build over it would leave both, so that is refused
+OTHER_BUILD := $(notdir $(filter-out $(STAMP),$(wildcard $(VENV)/.installed*)))
+REFUSED := $(VENV)/ holds another build ($(OTHER_BUILD)): give the GPU= and FAISS= it was installed with, or run \
+	make clean first
 
-install: $(VENV)/.installed
+.PHONY: install demo test gpu-check benchmark clean
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+install: $(STAMP)
+
+$(STAMP): pyproject.toml $(PIP_CONSTRAINT)
+	$(if $(OTHER_BUILD),@echo "$(REFUSED)" >&2; exit 2)
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0 2>&1 | $(QUIET)
-	$(PY) -m pip install -q -e ".[dev]" 2>&1 | $(QUIET)
+ifeq ($(GPU),1)
+	@echo "make install GPU=1: torch CUDA 12.6 build from $(TORCH_CUDA_INDEX), faiss-$(FAISS)"
+	$(PY) -m pip install -q --index-url $(TORCH_CUDA_INDEX) $(TORCH) $(TORCHVISION) 2>&1 | $(QUIET)
+	$(PY) -m pip install -q -e ".[$(FAISS),dev]" 2>&1 | $(QUIET)
+else
+	$(PY) -m pip install -q $(TORCH) 2>&1 | $(QUIET)
+	$(PY) -m pip install -q -e ".[cpu,dev]" 2>&1 | $(QUIET)
 	# timm needs torchvision; the registry's 0.28.0 is a CUDA build: take it without its deps (it would pull
 	# CUDA torch) — rayvl/compat.py makes it importable over CPU torch. See README "Install".
 	$(PY) -m pip install -q --no-deps $(TORCHVISION) 2>&1 | $(QUIET)
+endif
 	$(PY) -m rayvl.cli assets fetch
 	$(PY) -m rayvl.cli assets check
 	touch $@
 
+# GPU=1: one Ray Train worker per GPU
 demo: install
-	$(PY) jobs/laion_adapt.py
+	$(PY) jobs/laion_adapt.py $(DEMO_ARGS)
 
 # pytest exits 5 when it collected no test: that is a failure of the suite, not a pass
 test: install
 	$(PY) -m pytest -q -ra --durations=15 tests || { rc=$$?; [ $$rc -eq 5 ] && echo "make test: no tests ran" >&2; exit $$rc; }
+
+# exits non-zero, saying why, where torch or faiss cannot use a GPU
+gpu-check: install
+	$(PY) benchmarks/gpu_check.py
 
 benchmark: install
 	$(PY) -m pip install -q -e ".[bench]" 2>&1 | $(QUIET)

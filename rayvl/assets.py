@@ -180,6 +180,29 @@ def fashion_mnist_dir() -> Path | None:
     return None
 
 
+def _not_installed(what: str, package: str, used_by: str) -> MissingAssetError:
+    # a GPU cluster fetches these only when asked (cluster.yaml), so the message says how there too
+    return MissingAssetError(f"{what} is not installed in {data_root()} (Debian {package}, read by {used_by}): run "
+                             f"`rayvl assets fetch` (make install does; on a cluster built from cluster.yaml, set "
+                             f"FETCH_DEBIAN_ASSETS=1 in its setup_commands)")
+
+
+def require_wordnet() -> Path:
+    """nltk_data_dir(), or MissingAssetError naming the command that installs WordNet 3.0."""
+    root = nltk_data_dir()
+    if root is None:
+        raise _not_installed("WordNet 3.0", "wordnet-base", "TOnICS and the demo dataset's paraphrases")
+    return root
+
+
+def require_fashion_mnist() -> Path:
+    """fashion_mnist_dir(), or MissingAssetError naming the command that installs Fashion-MNIST."""
+    root = fashion_mnist_dir()
+    if root is None:
+        raise _not_installed("Fashion-MNIST", "dataset-fashion-mnist", "image-label data `fashion-mnist`")
+    return root
+
+
 def fetch_debian_packages(names=tuple(DEBIAN_PACKAGES)) -> list[str]:
     """``apt-get download`` + ``dpkg-deb -x`` into data_root(): no root, no system install."""
     root = data_root()
@@ -194,7 +217,10 @@ def fetch_debian_packages(names=tuple(DEBIAN_PACKAGES)) -> list[str]:
             r = subprocess.run(["apt-get", "download", name], cwd=tmp, capture_output=True, text=True)
             debs = list(Path(tmp).glob(f"{name}_*.deb"))
             if r.returncode != 0 or not debs:
-                print(f"rayvl assets: could not download {name}: {r.stderr.strip()[-300:]}")
+                # container images are usually built with apt's package lists deleted: apt then knows no package
+                hint = (" — apt knows no such package; if its package lists are empty (a container image), run "
+                        "`sudo apt-get update` first" if "Unable to locate package" in r.stderr else "")
+                print(f"rayvl assets: could not download {name}: {r.stderr.strip()[-300:]}{hint}")
                 continue
             root.mkdir(parents=True, exist_ok=True)
             subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(root)], check=True)

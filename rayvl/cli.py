@@ -24,20 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--eval-samples", type=int, default=500)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--shard-size", type=int, default=1000)
-    e = sub.add_parser("eval", help="evaluate a checkpoint: zero-shot, retrieval, paraphrase, STS, linear probe")
-    e.add_argument("--checkpoint", required=True, help="a checkpoint directory or a run directory (its latest)")
-    e.add_argument("--tasks", default="zeroshot,retrieval,paraphrase,sts,linear_probe")
-    e.add_argument("--data", default="", help="img2dataset shards, an ImageFolder tree or Fashion-MNIST IDX files "
-                                              "(default: the checkpoint's held-out data)")
-    e.add_argument("--kind", default="auto", choices=["auto", "shards", "imagefolder", "fashion-mnist"])
-    e.add_argument("--classes", default="", help="JSON {classes, templates} for zero-shot")
-    e.add_argument("--paraphrases", default="", help="JSON lines {caption, paraphrase[, expansions]}")
-    e.add_argument("--sts", default="", help="TSV sentence1, sentence2, score")
-    e.add_argument("--out", default="", help="output directory (default: <run>/eval)")
-    e.add_argument("--actors", type=int, default=1, help="embedding actors (Ray Data actor pool size)")
-    e.add_argument("--cpus-per-actor", type=float, default=0.5)
-    e.add_argument("--k", type=int, default=10, help="k of AO@k / JS@k")
-    e.add_argument("--limit", type=int, default=0, help="use only the first N Fashion-MNIST images")
+    _eval_parser(sub)
     b = sub.add_parser("bow", help="Bag-of-Words caption deformation").add_subparsers(dest="bow_command",
                                                                                          required=True)
     bp = b.add_parser("preview", help="print intact → deformed captions of the first N samples")
@@ -68,6 +55,31 @@ def _parser() -> argparse.ArgumentParser:
     a.add_parser("fetch", help="unpack Debian data packages (Fashion-MNIST) into the environment")
     a.add_parser("check", help="verify that the pretrained towers load offline")
     return p
+
+
+def _eval_parser(sub) -> None:
+    e = sub.add_parser("eval", help="evaluate a checkpoint: zero-shot, retrieval, paraphrase, STS, linear probe")
+    e.add_argument("--checkpoint", required=True, help="a checkpoint directory or a run directory (its latest)")
+    e.add_argument("--tasks", default="zeroshot,retrieval,paraphrase,sts,linear_probe")
+    e.add_argument("--data", default="", help="img2dataset shards, an ImageFolder tree or Fashion-MNIST IDX files "
+                                              "(default: the checkpoint's held-out data)")
+    e.add_argument("--kind", default="auto", choices=["auto", "shards", "imagefolder", "fashion-mnist"])
+    e.add_argument("--classes", default="", help="JSON {classes, templates} for zero-shot")
+    e.add_argument("--paraphrases", default="", help="JSON lines {caption, paraphrase[, expansions]}")
+    e.add_argument("--sts", default="", help="TSV sentence1, sentence2, score")
+    e.add_argument("--out", default="", help="output directory (default: <run>/eval)")
+    e.add_argument("--gpus", type=float, default=0.0, metavar="N",
+                   help="GPUs per embedding actor, at most 1 (0: embed on CPU in fp32; 1: an actor per GPU, in bf16 "
+                        "autocast; 0.5: two actors share a GPU). GPUs used = --actors × N. The tasks' "
+                        "nearest-neighbour searches run on every GPU this process sees")
+    e.add_argument("--actors", type=int, default=0,
+                   help="embedding actors (Ray Data actor pool size; default: 1 on CPU, with --gpus as many as "
+                        "the cluster's GPUs hold now)")
+    e.add_argument("--cpus-per-actor", type=float, default=0.5)
+    e.add_argument("--batch-size", type=int, default=128, help="images or texts per actor call")
+    e.add_argument("--k", type=int, default=10, help="k of AO@k / JS@k")
+    e.add_argument("--limit", type=int, default=0, help="use only the first N Fashion-MNIST images")
+    e.add_argument("--verbose", action="store_true", help="show Ray's and the actors' own output")
 
 
 def _pseudo_label_parser(sub) -> None:
@@ -109,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 def eval_main(args) -> int:
     from rayvl import session, storage
     from rayvl.checkpoints import checkpoint_uri, read_meta
+    from rayvl.eval.embed import check_gpus
     from rayvl.eval.runner import default_sources, run_eval
     from rayvl.eval.tables import format_tables
     from rayvl.eval.tasks import TASKS
@@ -119,19 +132,45 @@ def eval_main(args) -> int:
         print(f"--tasks: unknown {bad} (known: {', '.join(TASKS)})", file=sys.stderr)
         return 2
     try:
+        _check_pool_flags(args)
         ckpt = checkpoint_uri(args.checkpoint)  # a local path or a URL (s3://, gs://, file://, ...)
         sources = default_sources(read_meta(ckpt)["config"], args.data, args.kind, args.classes, args.paraphrases,
                                   args.sts)
+        started = session.connect(verbose=args.verbose, include_dashboard=False)
+        check_gpus(args.gpus, f"--gpus {args.gpus:g}", "--gpus 0", fixed_size=started)  # before any embedding
     except (FileNotFoundError, ValueError) as e:
         print(f"rayvl eval: {e}", file=sys.stderr)
         return 2
-    session.connect(include_dashboard=False)
-    results = run_eval(ckpt, tasks, sources, args.out or None, actors=args.actors,
-                       cpus_per_actor=args.cpus_per_actor, k=args.k, limit=args.limit)
+    results = _gpu_errors_in_one_line(lambda: run_eval(
+        ckpt, tasks, sources, args.out or None, actors=args.actors, cpus_per_actor=args.cpus_per_actor,
+        batch_size=args.batch_size, k=args.k, limit=args.limit, gpus_per_actor=args.gpus))
+    if results is None:
+        return 1
     print(f"checkpoint {ckpt}\ndata {sources.data} ({sources.kind})")
     print(format_tables(results))
     print(f"\nresults: {args.out or storage.join(storage.parent(ckpt), 'eval')}")
     return 0
+
+
+def _check_pool_flags(args) -> None:
+    if not 0 <= args.gpus <= 1:  # an actor's model runs on one GPU: more GPUs make more actors (--actors)
+        raise ValueError(f"--gpus {args.gpus:g}: GPUs per embedding actor, from 0 to 1 (more GPUs: more --actors)")
+    if args.actors < 0 or args.batch_size < 1 or args.cpus_per_actor < 0:
+        raise ValueError("--actors, --cpus-per-actor must be ≥ 0 and --batch-size ≥ 1")
+
+
+def _gpu_errors_in_one_line(job):
+    """``job()``, or None after printing in one line why an actor given a GPU could not use it (NoCudaError)."""
+    from rayvl.eval.embed import no_cuda_cause
+
+    try:
+        return job()
+    except Exception as e:  # anything else is re-raised as it was
+        cause = no_cuda_cause(e)
+        if cause is None:
+            raise
+        print(f"rayvl: error: {one_line(cause)}", file=sys.stderr)
+        return None
 
 
 def bow_main(args) -> int:
@@ -225,7 +264,7 @@ def pseudo_label_main(args) -> int:
         checked = pseudo_label.check(cfg)  # every path named by its key before Ray starts
         started = session.connect(cfg.ray_address, cfg.local_num_cpus, verbose=args.verbose,
                                   include_dashboard=False)
-        summary = pseudo_label.run(cfg, fixed_size=started, checked=checked)
+        summary = _gpu_errors_in_one_line(lambda: pseudo_label.run(cfg, fixed_size=started, checked=checked))
     except ConfigError as e:
         print(f"config error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
@@ -234,6 +273,8 @@ def pseudo_label_main(args) -> int:
         if cause is None:
             raise
         print(f"rayvl: error: {one_line(cause)}", file=sys.stderr)
+        return 1
+    if summary is None:  # an actor given a GPU that torch cannot use, said in one line
         return 1
     print(pseudo_label.format_summary(summary))
     print(f"train on them beside the aligned shards: --data {cfg.pseudo_label.aligned},"

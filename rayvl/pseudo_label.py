@@ -55,7 +55,7 @@ from rayvl.data.text import PSEUDO_FLAG, PSEUDO_MARKER, validate_caption, words
 from rayvl.data.word_rank import WordRanker, neighbour_counts
 from rayvl.eval import knn
 from rayvl.eval.data import IMAGE_EXTENSIONS
-from rayvl.eval.embed import RayDataEmbedder
+from rayvl.eval.embed import RayDataEmbedder, actor_device, check_gpus, inference
 
 log = logging.getLogger("rayvl")
 META, INDEX_DIR, FORMAT = PSEUDO_MARKER, "index", 1
@@ -149,7 +149,7 @@ def build_index(cfg: RayvlConfig, ckpt: str, folder: Path, expected: dict, units
     started = time.time()
     keys, captions = read_pool(x.aligned, cfg.data.read_cpus, ReadPolicy.of(cfg.data))
     log.info("caption pool: embedding %d captions of %s", len(captions), x.aligned)
-    vectors = RayDataEmbedder(ckpt, x.actors, x.cpus_per_actor, x.batch_size).texts(captions)
+    vectors = RayDataEmbedder(ckpt, x.actors, x.cpus_per_actor, x.batch_size, x.gpus_per_actor).texts(captions)
     index = knn.build_index(vectors, x.index, exact_max=x.index_exact_max, nlist=x.index_nlist,
                             nprobe=x.index_nprobe, seed=x.seed)
     kind = type(index).__name__
@@ -215,15 +215,18 @@ class Labeler:
     def __init__(self, checkpoint: str, index_dir: str, settings: dict, df: dict, out: str,
                  io: ReadPolicy = ReadPolicy()):
         import faiss
-        import torch
 
         from rayvl.export import load
 
         self.x = PseudoLabelConfig(**settings)
-        self.model = load(checkpoint, "cuda" if torch.cuda.is_available() else "cpu")
-        # NHWC only here: the evaluation embeds as training does, so `rayvl eval` reproduces its metrics exactly
+        self.device = actor_device()  # cuda only on the GPUs Ray gave this actor (pseudo_label.gpus_per_actor)
+        self.model = load(checkpoint, str(self.device))
+        # NHWC here and in GPU embedding actors; CPU evaluation embeds as training does, so `rayvl eval` on CPU
+        # reproduces its metrics exactly
         self.model.module.vision.to_channels_last()
-        self.index = knn.on_device(faiss.read_index(str(Path(index_dir) / "index.faiss")))
+        index = faiss.read_index(str(Path(index_dir) / "index.faiss"))
+        # on the actor's own GPU(s), the only ones it sees; a CPU actor on a GPU node keeps its index on CPU
+        self.index = knn.on_device(index) if self.device.type == "cuda" else index
         pool = pq.read_table(Path(index_dir) / "captions.parquet")
         self.keys, self.captions = pool["key"].to_pylist(), pool["caption"].to_pylist()
         self.ranker = WordRanker(df, self.x.words, self.x.top_t, self.x.seed)
@@ -240,7 +243,9 @@ class Labeler:
         for j in range(0, len(images), per):
             chunk = images[j:j + per]
             queries = np.concatenate([crops(img, key, x, size) for key, img, _ in chunk])
-            scores, ids = knn.search(self.index, self.model.encode_image(queries).cpu().numpy(), x.k)
+            with inference(self.device):
+                embedded = self.model.encode_image(queries).cpu().numpy()
+            scores, ids = knn.search(self.index, embedded, x.k)
             for b in range(len(chunk)):
                 s, i = scores[b * x.crops:(b + 1) * x.crops].ravel(), ids[b * x.crops:(b + 1) * x.crops].ravel()
                 order = np.argsort(-s, kind="stable")
@@ -295,10 +300,12 @@ def finished(out: Path, unit: Unit, rules: list[str]) -> bool:
 def check_cluster(cfg: RayvlConfig, fixed_size: bool, node_cpus: list[float] | None = None) -> None:
     """The actor pool must leave a CPU on some node for Ray Data's other tasks (reads, repartition): with
     pseudo_label.actors=2 × cpus_per_actor=1 on 2 CPUs the caption pool's embedding waited forever (measured). An
-    error on a Ray of fixed size, a warning on a cluster that may autoscale."""
+    error on a Ray of fixed size, a warning on a cluster that may autoscale. Likewise GPUs the cluster cannot have."""
     from rayvl.session import place_workers
 
     x = cfg.pseudo_label
+    check_gpus(x.gpus_per_actor, f"pseudo_label.gpus_per_actor={x.gpus_per_actor:g}", "pseudo_label.gpus_per_actor=0",
+               fixed_size)
     if node_cpus is None:
         node_cpus = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]]
     free = place_workers(node_cpus, x.actors, x.cpus_per_actor, "PACK")

@@ -243,3 +243,22 @@ def test_each_rank_and_its_batch_thread_use_the_ranks_own_gpu(no_session_ray, tm
     for s in seen:
         assert s["thread"] == s["main"] == s["device"]
         assert sorted(s["visible"].split(",")) == ["0", "1"]  # each worker sees both: the index is what matters
+
+
+def test_mfu_of_a_report(monkeypatch):
+    """A report's MFU: the samples' model FLOP/s over the devices' peak; the loop counts the FLOPs on the built
+    model only where a peak is known (a GPU of the table, or RAYVL_PEAK_TFLOPS)."""
+    from rayvl.train.loop import _speed
+    from rayvl.train.window import Window
+
+    cfg = load_config(None, [])
+    model = build_model(cfg.model)
+    assert _speed(model, cfg, torch.device("cpu")) == {}
+    monkeypatch.setenv("RAYVL_PEAK_TFLOPS", "2")
+    speed = _speed(model, cfg, torch.device("cpu"))
+    assert speed["peak_flops"] == 2e12 and speed["flops_per_sample"] > 0
+    window = Window(**speed)
+    window.add(torch.tensor(1.0), 0.0, {"image": torch.zeros(8, 3, 4, 4), "label": torch.full((8,), -1)}, 1)
+    window.steps = 1
+    out = window.over_ranks(torch.device("cpu"))
+    assert out["mfu"] == pytest.approx(out["samples_per_s"] * speed["flops_per_sample"] / 2e12)

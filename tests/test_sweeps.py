@@ -98,8 +98,16 @@ def test_an_evaluation_metric_without_held_out_shards_is_refused_before_ray_star
     assert time.perf_counter() - started < 10
 
 
-def test_cluster_yaml_passes_rays_schema_and_keeps_the_dashboard_private():
+def test_cluster_yaml_passes_rays_schema_and_keeps_the_dashboard_private(tmp_path):
+    """... and installs what `make install GPU=1` installs, on a current host: the pinned Ray's image for the CUDA of
+    torch's build (constraints-cuda.txt), that build from PyTorch's index under that file, faiss-gpu-cu12, one host
+    AMI for every node type and never `latest_dlami` (an Ubuntu 18.04 AMI in Ray 2.60); the Debian assets (apt) only
+    when FETCH_DEBIAN_ASSETS=1 — the setup line is run in bash with `sudo` and `rayvl` faked, both ways."""
+    import subprocess
+
+    import ray
     from ray.autoscaler._private.util import prepare_config, validate_config
+    from test_install import cuda_label
 
     raw = yaml.safe_load((REPO / "cluster.yaml").read_text())
     config = prepare_config(raw)
@@ -109,12 +117,29 @@ def test_cluster_yaml_passes_rays_schema_and_keeps_the_dashboard_private():
     assert head["resources"]["CPU"] == 0  # the head trains nothing
     gpu = [t for name, t in types.items() if "gpu" in name]
     assert gpu and all(t["min_workers"] == 0 for t in gpu)  # GPU workers come and go with demand
-    assert config["docker"]["image"].startswith("rayproject/ray:2.60") and "-gpu" in config["docker"]["image"]
+    assert config["docker"]["image"] == f"rayproject/ray:{ray.__version__}-py311-{cuda_label()}"
+    hosts = {t["node_config"]["ImageId"] for t in types.values()}
+    assert len(hosts) == 1 and hosts.pop().startswith("ami-")
     starts = " ".join(config["head_start_ray_commands"])
     assert "--dashboard-host=127.0.0.1" in starts and "0.0.0.0" not in starts
     ports = [(p["FromPort"], p["ToPort"]) for p in raw["provider"]["security_group"]["IpPermissions"]]
     assert ports == [(22, 22)]  # SSH is the only way in
-    assert any("rayvl[gpu]" in c for c in config["setup_commands"])
+    setup = config["setup_commands"]
+    pips = [c for c in setup if "pip install" in c]
+    assert all(c.startswith("PIP_CONSTRAINT=/home/ray/rayvl/constraints-cuda.txt pip install") for c in pips)
+    assert f"--index-url https://download.pytorch.org/whl/{cuda_label()} torch==2.13.0 torchvision==0.28.0" in pips[0]
+    assert pips[1].endswith('-e "/home/ray/rayvl[gpu]"') and len(pips) == 2
+    (assets_line,) = [c for c in setup if "apt" in c or "assets" in c]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("sudo", "rayvl"):
+        (bin_dir / name).write_text(f'#!/bin/sh\necho {name} "$@" >> {tmp_path}/ran\n')
+        (bin_dir / name).chmod(0o755)
+    for line, ran in ((assets_line, ""), (assets_line.replace("FETCH_DEBIAN_ASSETS=0", "FETCH_DEBIAN_ASSETS=1"),
+                                          "sudo apt-get update -qq\nrayvl assets fetch\nrayvl assets check\n")):
+        (tmp_path / "ran").write_text("")
+        subprocess.run(["bash", "-c", line], env={"PATH": f"{bin_dir}:/usr/bin:/bin"}, check=True)
+        assert (tmp_path / "ran").read_text() == ran
 
 
 def test_the_readmes_cluster_sweep_fits_cluster_yaml(monkeypatch):

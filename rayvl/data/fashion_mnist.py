@@ -17,11 +17,7 @@ def root_of(spec: str) -> Path:
     """"fashion-mnist" = the installed Debian copy; anything else is a folder of IDX files."""
     if spec != "fashion-mnist":
         return Path(spec).expanduser()
-    root = assets.fashion_mnist_dir()
-    if root is None:
-        raise FileNotFoundError("Fashion-MNIST is not installed: run `rayvl assets fetch` (Debian "
-                                "dataset-fashion-mnist)")
-    return root
+    return assets.require_fashion_mnist()
 
 
 def is_fashion_mnist(spec: str) -> bool:

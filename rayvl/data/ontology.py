@@ -43,9 +43,7 @@ def wordnet():
     """nltk's WordNet reader over the offline WordNet 3.0 (loaded once per process, ≈4 s)."""
     import nltk
 
-    root = assets.nltk_data_dir()
-    if root is None:
-        raise RuntimeError("WordNet 3.0 is not installed: run `rayvl assets fetch` (Debian wordnet-base)")
+    root = assets.require_wordnet()
     with NLTK_LOCK:
         if str(root) not in nltk.data.path:
             nltk.data.path.insert(0, str(root))

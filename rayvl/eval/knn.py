@@ -1,5 +1,9 @@
 """Inner-product nearest neighbours with faiss (faiss-gpu when CUDA is present, faiss-cpu otherwise — same code).
 
+Which GPUs an index goes to is one choice per process (``use_gpus``): every GPU the process sees where one process
+owns the node (the `rayvl eval` driver, a GPU actor, which sees only the GPUs Ray gave it), one GPU per Ray Train
+rank (its model's: ``device_gpus``), none on CPU workers — a rank on a GPU node sees every GPU of the node.
+
 Exact search (``IndexFlatIP``) for evaluation galleries and small caption pools; above a size an approximate index
 — IVF (k-means cells, ``nprobe`` of them searched) or HNSW (a graph) — with its recall against exact search
 measured on real queries (``recall``), since an approximate index's recall depends on the queries' distribution.
@@ -12,6 +16,7 @@ import math
 import numpy as np
 
 KINDS = ("auto", "flat", "ivf", "hnsw")
+_CHOICE: list[int] | None = None  # use_gpus: None = every visible GPU
 
 
 def _f32(a: np.ndarray) -> np.ndarray:
@@ -22,6 +27,35 @@ def _gpus() -> int:
     import faiss
 
     return getattr(faiss, "get_num_gpus", lambda: 0)()
+
+
+def use_gpus(ids: list[int] | None) -> None:
+    """This process's faiss GPUs from now on: None every GPU it sees (the default), [] none (CPU), [k, ...] those
+    (indices among the visible GPUs, as torch's ``cuda:k``)."""
+    global _CHOICE
+    _CHOICE = None if ids is None else [int(i) for i in ids]
+
+
+def device_gpus(device) -> list[int]:
+    """The faiss GPUs of a rank whose model is on ``device`` (a torch.device): ``cuda:3`` → [3], ``cpu`` → []."""
+    if device.type != "cuda":
+        return []
+    if device.index is None:  # plain "cuda": the current device, which torch keeps per thread
+        import torch
+
+        return [torch.cuda.current_device()]
+    return [device.index]
+
+
+def target_gpus(choice: list[int] | None, visible: int) -> list[int]:
+    """The GPUs an index goes to under ``use_gpus(choice)`` when faiss sees ``visible`` GPUs (0 with faiss-cpu,
+    which searches on CPU whatever the choice)."""
+    if choice is None or visible == 0:
+        return list(range(visible))
+    outside = [i for i in choice if not 0 <= i < visible]
+    if outside:  # faiss and torch see the same CUDA_VISIBLE_DEVICES, so this is a wrong index, not a setup
+        raise ValueError(f"faiss GPUs {outside} requested, but this process sees {visible} GPU(s)")
+    return list(choice)
 
 
 def build_index(vectors: np.ndarray, kind: str = "flat", *, exact_max: int = 100_000, nlist: int = 0,
@@ -50,12 +84,19 @@ def build_index(vectors: np.ndarray, kind: str = "flat", *, exact_max: int = 100
 
 
 def on_device(index):
-    """The index on every GPU when there are any (flat and IVF; faiss has no GPU HNSW), else itself."""
+    """The index replicated on this process's faiss GPUs (``use_gpus``; flat and IVF — faiss has no GPU HNSW), or
+    itself when there are none."""
     import faiss
 
-    if _gpus() > 0 and not isinstance(index, faiss.IndexHNSWFlat):
-        return faiss.index_cpu_to_all_gpus(index)
-    return index
+    if isinstance(index, faiss.IndexHNSWFlat) or _CHOICE == []:  # [] never asks faiss (faiss-gpu would init CUDA)
+        return index
+    ids = target_gpus(_CHOICE, _gpus())
+    if not ids:
+        return index
+    # resources per copy, not cached: the GPU index keeps them alive, and their scratch memory goes back (to a
+    # training rank's torch) with the index
+    resources = [faiss.StandardGpuResources() for _ in ids]
+    return faiss.index_cpu_to_gpu_multiple_py(resources, index, None, ids)  # one GPU: a plain GpuIndex
 
 
 def search(index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,4 +1,5 @@
-"""`rayvl eval`: every evaluation task on a checkpoint, embeddings computed by Ray Data actor pools.
+"""`rayvl eval`: every evaluation task on a checkpoint, embeddings computed by Ray Data actor pools (on CPU, or
+each actor on its GPUs), the nearest-neighbour searches of the tasks by faiss in this process (on every GPU it sees).
 
 Each task writes ``<out>/<task>.json``; embeddings are saved as ``.npy`` next to them.
 """
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import ray
 
 from rayvl import assets, storage
 from rayvl.checkpoints import checkpoint_uri, read_meta
@@ -71,16 +73,29 @@ def load(sources: Sources, config: dict, read_cpus: float, limit: int = 0) -> tu
     return data.with_text_sets(sources.classes, sources.paraphrases, sources.sts), counts
 
 
+def pool_size(actors: int, gpus_per_actor: float, cpus_per_actor: float) -> int:
+    """``actors``, or when 0: one CPU actor, or as many GPU actors as the cluster's GPUs hold now — and its CPUs,
+    less one for Ray Data's reads (DESIGN: starvation) — at least one, for an autoscaler to add GPUs for."""
+    if actors or not gpus_per_actor:
+        return actors or 1
+    have = ray.cluster_resources()
+    by_cpus = (have.get("CPU", 0.0) - 1) / cpus_per_actor if cpus_per_actor else float("inf")
+    return max(1, int(min(have.get("GPU", 0.0) / gpus_per_actor, by_cpus) + 1e-9))
+
+
 def run_eval(checkpoint: str, tasks=TASKS, sources: Sources | None = None, out: str | Path | None = None,
              actors: int = 1, cpus_per_actor: float = 0.5, batch_size: int = 128, k: int = 10,
-             limit: int = 0) -> dict:
+             limit: int = 0, gpus_per_actor: float = 0.0) -> dict:
     uri = checkpoint_uri(checkpoint)  # local or a URL; every embedding actor loads it on its own node
     config = read_meta(uri)["config"]
     sources = sources or default_sources(config)
     out = storage.normalize(out) if out else storage.join(storage.parent(uri), "eval")
     log.info(f"eval: reading {sources.data} ({sources.kind}) for {', '.join(tasks)}")
     data, counts = load(sources, config, cpus_per_actor, limit)
-    embedder = RayDataEmbedder(uri, actors, cpus_per_actor, batch_size)
+    actors = pool_size(actors, gpus_per_actor, cpus_per_actor)
+    if gpus_per_actor:
+        log.info(f"eval: {actors} embedding actor(s) of {gpus_per_actor:g} GPU(s) each")
+    embedder = RayDataEmbedder(uri, actors, cpus_per_actor, batch_size, gpus_per_actor)
     metrics, embeddings = evaluate(tasks, data, embedder, k)
     for name, array in embeddings.items():
         buffer = io.BytesIO()

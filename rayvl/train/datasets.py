@@ -66,6 +66,10 @@ def check_inputs(cfg: RayvlConfig, train: str, evalset: str) -> dict[str, specs.
         if cfg.model.text_tower == "lm":
             assets.text_model_path(cfg.model.text)
         assets.check_vision_name(cfg.model.vision)
+        if cfg.tonics.enabled:  # Debian assets a cluster fetches only when asked (cluster.yaml)
+            assets.require_wordnet()
+        if cfg.image_label.data == "fashion-mnist":
+            assets.require_fashion_mnist()
     except assets.MissingAssetError as e:
         raise ConfigError(str(e)) from None
     return checks

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -65,7 +66,9 @@ def lr_lambda(warmup: int, total: int):
     return f
 
 
-def build_engine(model: torch.nn.Module, cfg: RayvlConfig, world_size: int):
+def build_engine(model: torch.nn.Module, cfg: RayvlConfig, world_size: int, device: torch.device | None = None):
+    """``device``: the worker's GPU (rayvl.train.devices). DeepSpeed would otherwise put the model on
+    ``cuda:LOCAL_RANK``, which Ray Train does not promise to be the GPU it gave the worker."""
     if not cfg.train.use_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
@@ -74,7 +77,8 @@ def build_engine(model: torch.nn.Module, cfg: RayvlConfig, world_size: int):
     deepspeed.init_distributed(dist_backend="nccl" if t.use_gpu else "gloo")
     optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=t.betas, eps=t.eps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.warmup_steps, t.max_steps))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+    on = SimpleNamespace(device_rank=device.index) if device is not None and device.type == "cuda" else None
+    engine, _, _, _ = deepspeed.initialize(args=on, model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(cfg, world_size))
     return engine
 

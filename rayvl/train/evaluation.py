@@ -1,11 +1,14 @@
 """Evaluation inside the training loop: the tasks of ``rayvl.eval.tasks`` with the model being trained, every rank
 embedding an equal slice (``ModelEmbedder``). Every rank reads the whole held-out split, so all ranks evaluate the
-same data in the same (key) order, as ``rayvl eval`` does."""
+same data in the same (key) order, as ``rayvl eval`` does. Each rank searches with faiss on its own model's GPU
+(CPU on CPU ranks): a Ray Train worker sees every GPU of its node, and faiss would otherwise copy each rank's index
+to all of them."""
 from __future__ import annotations
 
 import torch
 
 from rayvl.config import RayvlConfig
+from rayvl.eval import knn
 from rayvl.eval.data import EvalData, from_batches
 from rayvl.eval.embed import ModelEmbedder
 from rayvl.eval.tasks import evaluate as evaluate_tasks
@@ -26,6 +29,7 @@ def evaluate(model, data: EvalData, cfg: RayvlConfig, tokenizer_path: str, rank:
     """Every task's metrics in one flat dict (their names do not collide), plus ``eval_images``."""
     was_training = model.training
     model.eval()
+    knn.use_gpus(knn.device_gpus(next(model.parameters()).device))  # the GPU this rank computes on, or CPU
     embedder = ModelEmbedder(model, tokenizer_path, cfg.data.max_text_tokens, cfg.eval.batch_size, rank, world)
     results, _ = evaluate_tasks(tasks or cfg.eval.tasks, data, embedder, cfg.eval.paraphrase_k)
     model.train(was_training)

@@ -18,7 +18,7 @@ from rayvl.losses import clip_loss, gather_features, unicl_loss
 from rayvl.models.dual_encoder import build_model
 from rayvl.models.precision import keep_batchnorm_fp32
 from rayvl.models.memory_bank import MemoryBank
-from rayvl.train import checkpoint, devices
+from rayvl.train import checkpoint, devices, flops
 from rayvl.train.batches import ROW, TonicsBatches, TrainedRows, batch_stream, mixed_stream
 from rayvl.train.engine import broadcast_buffers, build_engine
 from rayvl.train.faults import fail_here
@@ -37,7 +37,7 @@ def train_loop_per_worker(config: dict) -> None:
     position = DataPosition(config.get("train_shards", 0))
     saved, begin = _restore_position(position, config.get("report_name"), config.get("label_report"), rank)
     next_batch, curriculum, tonics = _batches(cfg, config.get("tonics_sizes"), rank, begin, device)
-    engine, bank = _engine(cfg, world, config.get("init_from", "") if saved is None else "", device)
+    engine, bank, speed = _engine(cfg, world, config.get("init_from", "") if saved is None else "", device)
     state = _train_state(config, position, curriculum, tonics, bank)
     if checkpoint.restore(engine, state, saved):
         state.progress.resumed_at.append(state.progress.step)
@@ -47,7 +47,7 @@ def train_loop_per_worker(config: dict) -> None:
     evaluating = dict(cfg=cfg, tokenizer_path=config["tokenizer_path"], rank=rank, world=world)
     # a restart record: the first window after a resume says which checkpoint step the group continued from
     window = Window(first_step=state.progress.step + 1,
-                    resumed_from=state.progress.resumed_at[-1] if state.progress.resumed_at else None)
+                    resumed_from=state.progress.resumed_at[-1] if state.progress.resumed_at else None, **speed)
     trained = TrainedRows()  # row ids stay on the device until a checkpoint needs them
 
     end = cfg.train.stop_at_step or cfg.train.max_steps  # a stop ends this invocation as the last step would
@@ -85,7 +85,7 @@ def train_loop_per_worker(config: dict) -> None:
             _checkpoint(engine, state, metrics, config, final=last, trained=trained)
         else:
             ray.train.report(metrics)
-        window = Window(first_step=step + 1)
+        window = Window(first_step=step + 1, **speed)
 
 
 def _device(cfg: RayvlConfig) -> torch.device:
@@ -104,8 +104,9 @@ def _train_state(config: dict, position: DataPosition, curriculum, tonics, bank)
 
 
 def _engine(cfg: RayvlConfig, world: int, init_from: str, device: torch.device):
-    """The DeepSpeed engine over the dual encoder, and the memory bank (None without one) on its device.
-    ``init_from``: a new run starts from those weights (train.init_from; a resumed run restores its own)."""
+    """The DeepSpeed engine over the dual encoder on ``device``, the memory bank (None without one) on it, and what
+    the MFU of a report needs (Window's fields). ``init_from``: a new run starts from those weights
+    (train.init_from; a resumed run restores its own)."""
     model = build_model(cfg.model, cfg.train.seed)
     if init_from:
         model.load_state_dict(weights(init_from)[0], strict=True)
@@ -115,12 +116,26 @@ def _engine(cfg: RayvlConfig, world: int, init_from: str, device: torch.device):
         model.vision.channels_last = True
     bank = MemoryBank(model, cfg.memory_bank.size, cfg.model.embed_dim, cfg.memory_bank.momentum) \
         if cfg.memory_bank.size else None
-    engine = build_engine(model, cfg, world)
+    speed = _speed(model, cfg, device)  # before DeepSpeed: ZeRO-3 partitions the weights away
+    engine = build_engine(model, cfg, world, device)
     if bank is not None:
         bank.to(engine.device)
     if cfg.train.compile:
         engine.compile(backend=cfg.train.compile)
-    return engine, bank
+    return engine, bank, speed
+
+
+def _speed(model, cfg: RayvlConfig, device: torch.device) -> dict:
+    """Window's MFU fields: the FLOPs of a sample and the device's peak at the run's precision ({} where the peak
+    is unknown — a CPU unless RAYVL_PEAK_TFLOPS names one)."""
+    mode = precision(cfg.train)
+    if mode == "fp32" and device.type == "cuda" and cfg.train.tf32:
+        mode = "tf32"
+    peak = flops.peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", mode)
+    if peak is None:
+        return {}
+    return {"peak_flops": peak, "flops_per_sample": flops.model_flops_per_sample(
+        model, cfg.data.image_size, cfg.data.max_text_tokens, key_encoders=cfg.memory_bank.size > 0)}
 
 
 def _checkpoint(engine, state: TrainState, metrics: dict, config: dict, final: bool, trained: TrainedRows) -> None:

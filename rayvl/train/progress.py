@@ -27,15 +27,18 @@ def duration(seconds: float) -> str:
 
 
 def progress_line(row: dict, total: int, started: float, rate: float | None, workers: int) -> str:
-    """``step 150/200 (75%) | 4m12s, ETA 1m24s | loss 2.314 | lr 6.2e-04 | scale 15.3 | 38.1 samples/s
-    (19.1/worker) | data wait 0.3% | grad norm 1.82 | dropped 0`` (+ `` | eval ...`` when an evaluation ran).
+    """``step 150/200 (75%) | 4m12s, ETA 1m24s | loss 2.314 | lr 6.2e-04 | scale 15.3 | 3810.4 samples/s
+    (1905.2/worker) | MFU 34.1% | data wait 0.3% | grad norm 1.82 | dropped 0`` (+ `` | eval ...`` when an
+    evaluation ran). ``MFU`` when the report has one (``mfu``, a share: GPUs of a known peak, rayvl.train.flops).
     ``rate``: seconds per step measured so far in this invocation (None before the second report)."""
     step = int(row["step"])
     eta = f", ETA {duration(rate * (total - step))}" if rate is not None else ""
     parts = [f"step {step}/{total} ({100 * step / total:.0f}%)", f"{duration(row['time'] - started)}{eta}",
              f"loss {row['loss']:.4f}", f"lr {row['lr']:.2e}", f"scale {row['logit_scale']:.1f}",
-             f"{row['samples_per_s']:.1f} samples/s ({row['samples_per_s'] / workers:.1f}/worker)",
-             f"data wait {100 * row['data_wait_share']:.1f}%"]
+             f"{row['samples_per_s']:.1f} samples/s ({row['samples_per_s'] / workers:.1f}/worker)"]
+    if row.get("mfu") is not None:
+        parts.append(f"MFU {100 * row['mfu']:.1f}%")
+    parts.append(f"data wait {100 * row['data_wait_share']:.1f}%")
     if row.get("grad_norm") is not None:
         parts.append(f"grad norm {row['grad_norm']:.3g}")
     parts.append(f"dropped {row.get('samples_seen', 0) - row.get('samples_kept', 0)}")

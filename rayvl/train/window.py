@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rayvl.data.report import snapshot
+from rayvl.train.flops import mfu
 
 
 @dataclass
@@ -56,8 +57,8 @@ class Window:
         loss, wait = values.tolist()
         out = {"loss": loss, "data_wait_share": wait, "samples_per_s": self.samples / elapsed}
         if self.flops_per_sample and self.peak_flops:
-            world = dist.get_world_size() if dist.is_initialized() else 1
-            out["mfu"] = out["samples_per_s"] * self.flops_per_sample / (self.peak_flops * world)
+            out["mfu"] = mfu(out["samples_per_s"], self.flops_per_sample, self.peak_flops,
+                             dist.get_world_size() if dist.is_initialized() else 1)
         return out
 
     def metrics(self, step: int, engine, report_name: str | None) -> dict:

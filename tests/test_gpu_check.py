@@ -1,0 +1,266 @@
+"""MFU's parts (rayvl.train.flops: FLOPs counted against hand counts, the peak table), the progress line's MFU, and
+what of benchmarks/gpu_check.py runs without a GPU: its configs, its measurements, its refusal on a CPU machine."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rayvl.train.flops import PEAK_ENV, mfu, model_flops_per_sample, peak_flops
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Toy(nn.Module):
+    """A dual encoder small enough to count by hand: image (uint8, 3×8×8) → conv 3→6 → BatchNorm → depthwise conv
+    6→6 → mean → linear 6→8; text (T tokens) → embedding 10×6 → qkv linear 6→18 → one-head attention → mean →
+    linear 6→8; and a logit scale."""
+
+    def __init__(self, text: str = "trained", checkpointed: bool = False):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.norm = nn.BatchNorm2d(6)
+        self.depthwise = nn.Conv2d(6, 6, 3, padding=1, groups=6)
+        self.image_out = nn.Linear(6, 8)
+        self.embed, self.qkv, self.text_out = nn.Embedding(10, 6), nn.Linear(6, 18), nn.Linear(6, 8)
+        self.scale = nn.Parameter(torch.ones(1))
+        if text != "trained":  # "frozen_layers": the embedding trains, the layers above it do not; "frozen": none
+            self.qkv.requires_grad_(False)
+            self.text_out.requires_grad_(False)
+            self.embed.requires_grad_(text == "frozen_layers")
+        self.grad_checkpointing = checkpointed  # timm's flag: activations recomputed in the backward
+
+    def image(self, x):
+        return self.depthwise(self.norm(self.conv(x)))
+
+    def forward(self, image, input_ids, attention_mask):
+        x = image.float()
+        x = checkpoint(self.image, x) if self.grad_checkpointing else self.image(x)
+        q, k, v = self.qkv(self.embed(input_ids)).unsqueeze(1).chunk(3, dim=-1)
+        text = F.scaled_dot_product_attention(q, k, v).squeeze(1).mean(1)
+        return self.image_out(x.mean((2, 3))), self.text_out(text), self.scale
+
+
+def checkpoint(fn, x):
+    from torch.utils.checkpoint import checkpoint as ckpt
+
+    return ckpt(fn, x, use_reentrant=False)
+
+
+# by hand, per sample (2 FLOPs per multiply-add; 8×8 image, T = 5 tokens, d = 6)
+CONV = 2 * 64 * 9 * 6 * 3  # 3→6, 3×3, 64 output positions
+DEPTHWISE = 2 * 64 * 9 * 6 * 1  # one input channel per output channel
+IMAGE_OUT = 2 * 6 * 8
+QKV, ATTENTION, TEXT_OUT = 2 * 5 * 6 * 18, 2 * (2 * 5 * 5 * 6), 2 * 6 * 8  # attention: q·kᵀ and weights·v
+FORWARD = CONV + DEPTHWISE + IMAGE_OUT + QKV + ATTENTION + TEXT_OUT
+# backward: the first conv's weight gradient only (uint8 images need none); input + weight gradients elsewhere
+IMAGE_BACKWARD = CONV + 2 * DEPTHWISE + 2 * IMAGE_OUT
+TEXT_BACKWARD = {"trained": 2 * QKV + 2 * ATTENTION + 2 * TEXT_OUT,
+                 "frozen_layers": QKV + 2 * ATTENTION + TEXT_OUT,  # input gradients only, down to the embedding
+                 "frozen": 0}
+
+
+@pytest.mark.parametrize("text", ["trained", "frozen_layers", "frozen"])
+def test_flops_of_a_small_model_match_a_hand_count(text):
+    """3× the forward for trained layers, 2× for frozen layers that gradients pass through, 1× for a frozen tower
+    nothing before it trains; a depthwise convolution's weight gradient costs its forward (torch's own formula
+    counts it × the channels)."""
+    count = model_flops_per_sample(Toy(text), image_size=8, text_tokens=5)
+    assert count == FORWARD + IMAGE_BACKWARD + TEXT_BACKWARD[text]
+    # the memory bank's EMA key encoders: one more forward of both towers
+    assert model_flops_per_sample(Toy(text), 8, 5, key_encoders=True) == count + FORWARD
+
+
+def test_counting_leaves_the_model_as_it_was_and_ignores_rematerialisation():
+    torch.manual_seed(0)
+    model = Toy(checkpointed=True).train()
+    model.norm.running_mean.fill_(0.5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    # activation checkpointing recomputes the forward in the backward: hardware FLOPs, not model FLOPs (PaLM App. B)
+    assert model_flops_per_sample(model, 8, 5) == FORWARD + IMAGE_BACKWARD + TEXT_BACKWARD["trained"]
+    assert model.training and model.norm.training and model.grad_checkpointing
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_the_demo_model_counts_a_frozen_text_tower_less():
+    """rayvl's dual encoder at the demo's 64 px and 24 tokens: the frozen LM is one forward (no graph), appended
+    alignment layers train (3×), a finetuned LM costs 3× its forward."""
+    from rayvl.config import load_config
+    from rayvl.models.dual_encoder import build_model
+
+    counts = {}
+    for strategy in ("frozen", "frozen_alignment", "finetune"):
+        cfg = load_config(None, [f"model.text_strategy={strategy}"])
+        counts[strategy] = model_flops_per_sample(build_model(cfg.model, 0), 64, 24)
+    assert 0 < counts["frozen"] < counts["frozen_alignment"] < counts["finetune"]
+    # the frozen MiniLM-L6 (6 layers, d 384, FFN 1536, 24 tokens): ≥ 2 × its linear layers' products, run once
+    lm = 2 * 24 * 6 * (4 * 384 * 384 + 2 * 384 * 1536)
+    assert counts["finetune"] - counts["frozen"] == pytest.approx(2 * lm, rel=0.05)
+
+
+@pytest.mark.parametrize("name, precision, tflops", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.4), ("NVIDIA H100 PCIe", "bf16", 756.5), ("NVIDIA H100 NVL", "fp16", 835.5),
+    ("NVIDIA H100 80GB HBM3", "tf32", 494.7), ("NVIDIA H200", "bf16", 989.4), ("NVIDIA GH200 480GB", "bf16", 989.4),
+    ("NVIDIA A100-SXM4-80GB", "bf16", 312.0), ("NVIDIA A100 80GB PCIe", "fp32", 19.5), ("NVIDIA A10G", "bf16", 125.0),
+    ("NVIDIA L4", "bf16", 121.0), ("NVIDIA L40S", "bf16", 362.0), ("NVIDIA L40", "bf16", 181.0),
+    ("Tesla V100-SXM2-16GB", "fp16", 125.0), ("Tesla V100-PCIE-32GB", "fp16", 112.0),
+    ("Tesla V100S-PCIE-32GB", "fp16", 130.0), ("Tesla T4", "fp32", 8.1),
+    ("Tesla V100-SXM2-16GB", "bf16", None),  # Volta has no bf16
+    ("NVIDIA GeForce RTX 4090", "bf16", None), ("NVIDIA RTX A1000", "bf16", None),  # not an A10
+])
+def test_peak_flops_from_the_device_name(monkeypatch, name, precision, tflops):
+    monkeypatch.delenv(PEAK_ENV, raising=False)
+    peak = peak_flops(name, precision)
+    assert peak == (None if tflops is None else pytest.approx(tflops * 1e12))
+
+
+def test_peak_flops_override_and_errors(monkeypatch):
+    monkeypatch.setenv(PEAK_ENV, "400")
+    assert peak_flops("NVIDIA GeForce RTX 4090", "bf16") == pytest.approx(400e12)
+    assert peak_flops("NVIDIA H100 80GB HBM3", "fp32") == pytest.approx(400e12)
+    for bad in ("fast", "0", "-3"):
+        monkeypatch.setenv(PEAK_ENV, bad)
+        with pytest.raises(ValueError, match=PEAK_ENV):
+            peak_flops("NVIDIA H100 80GB HBM3", "bf16")
+    monkeypatch.delenv(PEAK_ENV)
+    with pytest.raises(ValueError, match="precision"):
+        peak_flops("NVIDIA H100 80GB HBM3", "int8")
+
+
+def test_mfu_is_model_flops_over_the_peak_of_every_device():
+    # 8 GPUs at 1e15 FLOP/s, 4e4 samples/s of 6e10 FLOPs: 2.4e15 of 8e15
+    assert mfu(4e4, 6e10, 1e15, 8) == pytest.approx(0.3)
+
+
+def test_the_progress_line_shows_mfu_after_samples_per_second():
+    from rayvl.train.progress import progress_line
+
+    row = {"step": 150, "time": 252.0, "loss": 2.314, "lr": 6.2e-4, "logit_scale": 15.3, "samples_per_s": 3810.4,
+           "data_wait_share": 0.003, "grad_norm": 1.82, "samples_seen": 10, "samples_kept": 10}
+    line = progress_line({**row, "mfu": 0.3412}, 200, 0.0, 1.68, 2)
+    assert "3810.4 samples/s (1905.2/worker) | MFU 34.1% | data wait 0.3% |" in line
+    plain = progress_line(row, 200, 0.0, 1.68, 2)
+    assert "MFU" not in plain and "3810.4 samples/s (1905.2/worker) | data wait 0.3% |" in plain
+    assert "MFU" not in progress_line({**row, "mfu": None}, 200, 0.0, 1.68, 2)
+
+
+# ----------------------------------------------------------------------------- benchmarks/gpu_check.py
+
+def _gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _no_gpu_env(tmp_path) -> dict:
+    # no GPU on any machine; a Ray started by mistake would make its session folders under RAY_TMPDIR
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "RAY_TMPDIR": str(tmp_path / "ray"),
+            "PYTHONPATH": str(REPO)}
+
+
+def test_gpu_check_on_a_machine_without_gpu_says_so_and_starts_nothing(tmp_path):
+    started = time.time()
+    run = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--quick"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120, env=_no_gpu_env(tmp_path))
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert f"gpu_check: no CUDA GPU visible to torch (torch {torch.__version__}, built for CUDA " \
+           f"{torch.version.cuda or 'none'}) — run it on a GPU machine; see README 'GPU machine'" in run.stderr
+    assert "Traceback" not in run.stderr and not (tmp_path / "ray").exists()
+    assert time.time() - started < 60
+    # the same run, watched from inside: Ray was never imported
+    code = ("import runpy, sys\nsys.argv = ['benchmarks/gpu_check.py']\ntry:\n"
+            "    runpy.run_path('benchmarks/gpu_check.py', run_name='__main__')\n"
+            "finally:\n    print('ray imported:', 'ray' in sys.modules)\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env=_no_gpu_env(tmp_path))
+    assert run.returncode == 2 and "ray imported: False" in run.stdout, run.stdout + run.stderr[-2000:]
+
+
+def _check(gc, tmp_path, **args):
+    options = Namespace(**{**dict(quick=False, steps=0, batch=256, set=[], verbose=False), **args})
+    return gc.Check(options, tmp_path, gpus=1, device_name="NVIDIA H100 80GB HBM3")
+
+
+def test_every_training_case_of_the_gpu_check_has_a_valid_config(tmp_path):
+    """The configs are checked here, on CPU, where the check itself never runs."""
+    gc = _gpu_check()
+    check = _check(gc, tmp_path, quick=True)
+    trained = [c for c in gc.CASES if c.recipe]
+    assert [c.name for c in trained] == ["zero2", "zero3", "tonics", "memory_bank", "kill_resume"]
+    for case in trained:
+        cfg = gc.train_config(check, case)
+        t = cfg.train
+        assert (t.use_gpu, t.num_workers, t.precision, cfg.data.image_size, cfg.model.vision) == \
+            (True, 1, "bf16", 224, "vit_base_patch32_224")
+        assert t.max_steps == 30 and t.run_name == f"gpu-check-{case.name}"
+    zero = {c.name: gc.train_config(check, c).train.zero_stage for c in trained}
+    assert zero == {"zero2": 2, "zero3": 3, "tonics": 2, "memory_bank": 2, "kill_resume": 2}
+    assert gc.train_config(check, gc.CASES[2]).tonics.enabled
+    assert gc.train_config(check, gc.CASES[3]).memory_bank.size == 8192
+    # the kill falls between two checkpoints, after the first: the run must resume from that one
+    killed, resumed, rank = gc.kill_point(check)
+    assert gc.train_config(check, trained[-1]).train.checkpoint_every == resumed < killed < 2 * resumed
+    assert rank == 0
+    assert gc.train_config(_check(gc, tmp_path, set=["train.micro_batch_size=64"]), trained[0]).train \
+        .micro_batch_size == 64
+    assert gc.peak_precision(gc.train_config(check, trained[0])) == "bf16"
+
+
+def test_steady_state_leaves_out_the_first_window_and_a_restarts_first():
+    gc = _gpu_check()
+    rows = [{"step": 10, "first_step": 1, "samples_per_s": 100.0, "data_wait_share": 0.5},  # start-up
+            {"step": 20, "first_step": 11, "samples_per_s": 1000.0, "data_wait_share": 0.0, "mfu": 0.3},
+            {"step": 30, "first_step": 21, "samples_per_s": 500.0, "data_wait_share": 0.1, "mfu": 0.15},
+            {"step": 40, "first_step": 21, "samples_per_s": 50.0, "data_wait_share": 0.9, "resumed_from": 20}]
+    steady = gc.steady_state(rows[:3], per_step=100)
+    # 1000 samples in 1 s, 1000 in 2 s (0.2 s of them waiting)
+    assert steady == pytest.approx({"samples_per_s": 2000 / 3, "data_wait_share": 0.2 / 3, "windows": 2,
+                                    "mfu": (0.3 * 1 + 0.15 * 2) / 3})
+    assert gc.steady_state(rows, 100)["windows"] == 2
+    without = gc.steady_state([{k: v for k, v in r.items() if k != "mfu"} for r in rows[:3]], 100)
+    assert without["mfu"] is None
+
+
+def test_a_missing_cli_option_is_a_failed_case_named_not_a_crash():
+    gc = _gpu_check()
+    proc = subprocess.CompletedProcess(
+        [sys.executable, "-m", "rayvl.cli", "eval", "--checkpoint", "x", "--gpus", "1"], 2, "",
+        "usage: rayvl [-h] ...\nrayvl: error: unrecognized arguments: --gpus 1\n")
+    assert gc.cli_failure(proc, "--gpus") == "the CLI has no --gpus option (rayvl eval ... --gpus)"
+    other = subprocess.CompletedProcess(proc.args, 1, "", "loading\nrayvl: error: CUDA out of memory\n")
+    assert gc.cli_failure(other, "--gpus") == "exit status 1: rayvl: error: CUDA out of memory"
+
+
+def test_the_report_puts_each_goal_beside_its_measurement(tmp_path):
+    gc = _gpu_check()
+    rep = {"date": "2026-11-26 10:00:00 UTC", "command": "python benchmarks/gpu_check.py --quick",
+           "machine": {"gpu": "NVIDIA H100 80GB HBM3", "gpus": 1, "gpu_memory_gib": 79.2, "driver": "570.1",
+                       "torch": "2.13.0", "cuda": "12.8", "cudnn": 91000, "python": "3.11", "cpus": 16},
+           "settings": {"steps": 30, "micro_batch_size": 256}, "passed": False,
+           "cases": [asdict_outcome(gc, "zero2", passed=True, samples_per_s=3000.0, mfu=0.341, data_wait_share=0.031),
+                     asdict_outcome(gc, "eval", error="CaseFailed: the CLI has no --gpus option")]}
+    text = gc.format_text(rep)
+    assert "34.1% (goal ≥ 30%: met)" in text and "3.1% (goal < 2%: missed)" in text
+    assert "FAIL" in text and "the CLI has no --gpus option" in text and "FAILED: eval" in text
+    json_path, md_path = gc.write(rep, str(tmp_path / "report.md"))
+    assert json_path.name == "report.json" and md_path.read_text().count("\n| ") == 3  # header + 2 cases
+
+
+def asdict_outcome(gc, case: str, **values) -> dict:
+    from dataclasses import asdict
+
+    return asdict(gc.Outcome(case, case, cpus=16, gpus=1, **values))
