@@ -331,9 +331,9 @@ def pseudo_label_case(check: Check, case: Case, outcome: Outcome) -> None:
     outcome.notes = (f"{images} images labelled ({counts.get('success', 0)} written), index "
                      f"{summary['index']['kind']} over {summary['index']['captions']} captions, faiss GPUs {gpus}")
     outcome.run_dir = str(out)
-    if not gpus:
-        raise CaseFailed("labelled, but this faiss has no GPU support (faiss-cpu): the index searched on the CPU; "
-                         "install faiss-gpu-cu12 (README 'GPU machine')")
+    if not gpus:  # not a failure: make install GPU=1 takes faiss-cpu where faiss-gpu-cu12 has no kernels (H100)
+        outcome.notes += ("; faiss-cpu: the index searched on the CPU (faiss-gpu-cu12 has no kernels for compute "
+                          "capability 9.0+; README 'A GPU machine')")
 
 
 EMBEDDED = re.compile(r"eval: (\d+) images embedded \(([\d.]+) s\)")

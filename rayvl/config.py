@@ -677,8 +677,9 @@ def _validate_pseudo_label(x: PseudoLabelConfig) -> None:
             raise ConfigError(f"pseudo_label.{name}: must be ≥ 0, got {getattr(x, name)}")
     if not 0 < x.crop_scale_min <= 1:
         raise ConfigError(f"pseudo_label.crop_scale_min: must be in (0, 1], got {x.crop_scale_min}")
-    if x.cpus_per_actor < 0 or x.gpus_per_actor < 0:
-        raise ConfigError("pseudo_label.cpus_per_actor / gpus_per_actor: must be ≥ 0")
+    if x.cpus_per_actor < 0 or not 0 <= x.gpus_per_actor <= 1:
+        raise ConfigError(f"pseudo_label.cpus_per_actor / gpus_per_actor: must be ≥ 0 / in [0, 1] (an actor's model "
+                          f"runs on one GPU), got {x.cpus_per_actor:g} / {x.gpus_per_actor:g}")
 
 
 def _validate_train(t: TrainConfig) -> None:

@@ -26,7 +26,7 @@ import torch
 
 from rayvl import assets, storage
 from rayvl.checkpoints import METRICS_FILE, checkpoint_uri, load_weights, read_meta, resolve_checkpoint
-from rayvl.config import RayvlConfig, from_dict
+from rayvl.config import RayvlConfig, from_dict, precision
 from rayvl.data.images import crop
 from rayvl.data.text import load_tokenizer, tokenize
 from rayvl.eval.tasks import METRIC_PREFIXES
@@ -163,7 +163,7 @@ Exported by `rayvl export` from `{record["source"]}` (step {record["step"]} of {
 - Embedding dimension {m["embed_dim"]}; loss `{c["loss"]["kind"]}`{
     f", EMA memory bank of {c['memory_bank']['size']}" if c["memory_bank"]["size"] else ""}.
 - Training data: `{d["train"] or "the embedded demo dataset"}`; {t["num_workers"]} workers × micro-batch
-  {t["micro_batch_size"]} × {t["grad_accumulation"]} accumulation, lr {t["lr"]}, {t["precision"]}, ZeRO-{
+  {t["micro_batch_size"]} × {t["grad_accumulation"]} accumulation, lr {t["lr"]}, {precision(from_dict(c).train)}, ZeRO-{
     t["zero_stage"]}, seed {t["seed"]}.
 
 ## Evaluation (held-out split, during training)

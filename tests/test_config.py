@@ -143,3 +143,15 @@ def test_preflight_places_workers_then_ray_data_per_node(nodes, strategy, worker
     with pytest.raises(ConfigError) as err:
         check_resources(cfg, fixed_size=True, node_cpus=nodes)
     assert "train.cpus_per_worker" in str(err.value) and "train.num_workers" in str(err.value)
+
+
+def test_a_vit_gets_the_image_size_it_was_built_for():
+    """A timm ViT's patch embedding takes one image size: another data.image_size is refused before Ray starts,
+    naming the key and the size to set (instead of failing at the first forward in every worker)."""
+    from rayvl.train.datasets import check_inputs
+
+    with pytest.raises(ConfigError, match=r"data.image_size: 64 px, but model.vision='vit_base_patch32_224' takes "
+                                          r"224×224 px images: set data.image_size=224"):
+        check_inputs(load_config(RECIPE, ["model.vision=vit_base_patch32_224"]), "", "")
+    check_inputs(load_config(RECIPE, ["model.vision=vit_base_patch32_224", "data.image_size=224"]), "", "")
+    check_inputs(load_config(RECIPE, ["model.vision=resnet18"]), "", "")  # a CNN takes any size

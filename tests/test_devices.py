@@ -130,6 +130,28 @@ def test_batchnorm_statistics_stay_fp32_under_deepspeed_bf16(one_process_group):
     assert "data_types" not in deepspeed_config(cfg, 1)  # no buffer cast: the statistics are fp32 buffers
 
 
+def test_batchnorm_fp32_through_torch_compile():
+    """bf16 weights, BatchNorm on fp32 weights and statistics, through torch.compile's AOTAutograd (aot_eager, the
+    graphs inductor compiles): the running statistics move exactly as without compiling."""
+    from rayvl.models.precision import keep_batchnorm_fp32
+
+    model = build_model(load_config(None, []).model).train()
+    keep_batchnorm_fp32(model)
+    for p in model.parameters():
+        p.data = p.data.bfloat16()
+    eager = copy.deepcopy(model)
+    inputs = (torch.randint(0, 256, (4, 3, 64, 64), dtype=torch.uint8), torch.randint(1000, 2000, (4, 8)),
+              torch.ones(4, 8, dtype=torch.long))
+    for m in (torch.compile(model, backend="aot_eager"), eager):
+        image, text, _ = m(*inputs)
+        (image.float() @ text.float().T).sum().backward()
+    bn, reference = model.vision.backbone.bn1, eager.vision.backbone.bn1
+    assert bn.running_mean.dtype == torch.float32 and bn.weight.grad.dtype == torch.bfloat16
+    assert int(bn.num_batches_tracked) == 1
+    assert torch.allclose(bn.running_mean, reference.running_mean, atol=1e-6)
+    assert torch.allclose(bn.running_var, reference.running_var, atol=1e-5)
+
+
 def test_activation_checkpointing_recomputes_and_keeps_the_gradients():
     """The alignment layers and a ViT's blocks run again in the backward pass, the gradients equal a run without
     recomputation (float64); a BatchNorm image tower is not recomputed."""
@@ -161,10 +183,14 @@ def test_zero_config_precision_and_their_checks():
                                                "train.zero_bucket_size=1000"]), 8)["zero_optimization"]
     assert zero == {"stage": 2, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 1000,
                     "allgather_bucket_size": 1000}
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    DeepSpeedZeroConfig(**zero)  # DeepSpeed's own schema: a misspelt key is an error there
     cpu = deepspeed_config(load_config(None, ["train.zero_stage=1"]), 2)["zero_optimization"]
     assert cpu["overlap_comm"] is False  # no second stream on a CPU
     three = deepspeed_config(load_config(None, ["train.use_gpu=true", "train.zero_stage=3",
                                                 "train.zero_offload=optimizer_and_params"]), 8)
+    DeepSpeedZeroConfig(**three["zero_optimization"])
     assert three["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": True}
     assert three["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     assert three["bf16"] == {"enabled": True}
@@ -207,19 +233,25 @@ def test_use_gpu_on_this_machine_is_refused_before_ray_starts(no_session_ray, mo
 
 
 def _report_devices(config):
-    """A Ray Train worker: its device, the device its batch thread binds, and the one its training thread binds."""
+    """A Ray Train worker: its device, and the device each of its threads handed to torch.cuda.set_device (torch
+    here has no CUDA: the calls are recorded, as CUDA would receive them)."""
+    import threading
+
     import ray.train
 
     from rayvl.train.batches import _prefetched
 
+    calls = []
+    torch.cuda.is_available = lambda: True
+    torch.cuda.set_device = lambda d: calls.append((threading.current_thread().name, str(d)))
     cfg = load_config(None, ["train.use_gpu=true", "data.stall_timeout_s=60"])
     device = devices.worker_device(True)
     devices.bind(device)
-    thread_device, _ = next(_prefetched(lambda: iter([devices.bound()]), cfg, device))
+    next(_prefetched(lambda: iter([0]), cfg, device))
     rank = ray.train.get_context().get_world_rank()
     with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as f:
-        json.dump({"device": str(device), "thread": str(thread_device), "main": str(devices.bound()),
-                   "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}, f)
+        json.dump({"device": str(device), "set_device": calls, "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                   "main": threading.current_thread().name}, f)
 
 
 def test_each_rank_and_its_batch_thread_use_the_ranks_own_gpu(no_session_ray, tmp_path):
@@ -240,8 +272,8 @@ def test_each_rank_and_its_batch_thread_use_the_ranks_own_gpu(no_session_ray, tm
         ray.shutdown()
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert sorted(s["device"] for s in seen) == ["cuda:0", "cuda:1"]
-    for s in seen:
-        assert s["thread"] == s["main"] == s["device"]
+    for s in seen:  # the training thread, then the batch thread, each set to the rank's own GPU
+        assert s["set_device"] == [[s["main"], s["device"]], ["rayvl-batches", s["device"]]]
         assert sorted(s["visible"].split(",")) == ["0", "1"]  # each worker sees both: the index is what matters
 
 
@@ -262,3 +294,21 @@ def test_mfu_of_a_report(monkeypatch):
     window.steps = 1
     out = window.over_ranks(torch.device("cpu"))
     assert out["mfu"] == pytest.approx(out["samples_per_s"] * speed["flops_per_sample"] / 2e12)
+
+
+def test_a_batchnorm_of_another_kind_keeps_its_statistics_in_the_weights_dtype():
+    """A BatchNorm subclass with a forward of its own cannot compute on fp32 weights here: its statistics follow the
+    weights' dtype (the only mix torch's batch norm takes), and it is not counted as kept."""
+    from rayvl.models.precision import keep_batchnorm_fp32
+
+    class Own(torch.nn.BatchNorm2d):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    model = torch.nn.Sequential(torch.nn.BatchNorm2d(3), Own(3))
+    assert keep_batchnorm_fp32(model, torch.bfloat16) == 1
+    assert model[0].running_mean.dtype == torch.float32 and model[1].running_mean.dtype == torch.bfloat16
+    model.bfloat16()  # as DeepSpeed casts parameters (and here, unlike DeepSpeed, buffers too)
+    model[0].running_mean.data, model[0].running_var.data = model[0].running_mean.float(), model[0].running_var.float()
+    out = model(torch.randn(2, 3, 4, 4).bfloat16())
+    assert out.dtype == torch.bfloat16

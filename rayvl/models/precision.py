@@ -4,35 +4,62 @@ DeepSpeed casts every parameter to the training dtype. BatchNorm's running stati
 which a bf16 buffer (8 bits of mantissa) cannot hold apart from each other; PyTorch's batch norm takes a bf16 input
 with fp32 weights and fp32 statistics (the mixed form AMP uses), but refuses bf16 weights with fp32 statistics. So the
 statistics stay fp32 buffers and each BatchNorm computes with an fp32 view of its bf16 weights, whose gradients flow
-back to them.
+back to them. The forward reads the weights as attributes and never replaces them: ZeRO-3 gathers a partitioned
+parameter when its module reads it.
 """
 from __future__ import annotations
 
 import types
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
-def keep_batchnorm_fp32(model: nn.Module) -> int:
-    """Every BatchNorm of ``model`` (timm's BatchNormAct2d too) computes with fp32 weights and keeps fp32 running
-    statistics whatever dtype its parameters are cast to later. Returns how many modules it changed."""
-    changed = 0
+def keep_batchnorm_fp32(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Every BatchNorm of ``model`` (torch's and timm's BatchNormAct2d) computes with fp32 weights and keeps fp32
+    running statistics whatever ``dtype`` its parameters are cast to later; a BatchNorm of another kind, whose
+    forward this cannot stand in for, gets its statistics in ``dtype`` (the form torch accepts for them). Returns how
+    many modules keep fp32 statistics."""
+    kept = 0
     for module in model.modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not getattr(module, "_rayvl_fp32", False):
+        if not isinstance(module, nn.modules.batchnorm._BatchNorm) or getattr(module, "_rayvl_fp32", False):
+            continue
+        if type(module).forward in _forwards():
             # a bound method, not a closure: a deep copy (the memory bank's key encoders) rebinds it to the copy
-            module.forward = types.MethodType(_fp32_weights, module)
+            module.forward = types.MethodType(_fp32_forward, module)
             module._rayvl_fp32 = True
-            changed += 1
-    return changed
+            kept += 1
+        else:
+            for name in ("running_mean", "running_var"):
+                if getattr(module, name) is not None:
+                    setattr(module, name, getattr(module, name).to(dtype))
+    return kept
 
 
-def _fp32_weights(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    params = module._parameters
-    cast = {k: p for k, p in params.items() if p is not None and p.dtype in (torch.bfloat16, torch.float16)}
-    # the module's own forward (timm's adds its activation) over fp32 copies that carry the gradients back
-    params.update({k: p.float() for k, p in cast.items()})
-    try:
-        return type(module).forward(module, x, *args, **kwargs)
-    finally:
-        params.update(cast)
+def _forwards() -> tuple:
+    """The forwards ``_fp32_forward`` reproduces: torch's BatchNorm{1,2,3}d and timm's BatchNormAct2d (its batch
+    norm followed by its dropout and activation)."""
+    from rayvl.compat import ensure_torchvision_importable
+
+    ensure_torchvision_importable()
+    from timm.layers import BatchNormAct2d
+
+    return nn.modules.batchnorm._BatchNorm.forward, BatchNormAct2d.forward
+
+
+def _fp32_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """torch's _BatchNorm.forward (momentum, cumulative average, eval without statistics) over fp32 weights."""
+    momentum = 0.0 if module.momentum is None else module.momentum
+    if module.training and module.track_running_stats and module.num_batches_tracked is not None:
+        module.num_batches_tracked.add_(1)
+        if module.momentum is None:  # a cumulative moving average
+            momentum = 1.0 / float(module.num_batches_tracked)
+    use_batch = module.training or (module.running_mean is None and module.running_var is None)
+    track = not module.training or module.track_running_stats
+    weight, bias = (None if p is None else p.float() for p in (module.weight, module.bias))
+    y = F.batch_norm(x, module.running_mean if track else None, module.running_var if track else None,
+                     weight, bias, use_batch, momentum, module.eps)
+    if hasattr(module, "act") and hasattr(module, "drop"):  # timm's BatchNormAct2d
+        y = module.act(module.drop(y))
+    return y

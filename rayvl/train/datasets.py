@@ -66,6 +66,7 @@ def check_inputs(cfg: RayvlConfig, train: str, evalset: str) -> dict[str, specs.
         if cfg.model.text_tower == "lm":
             assets.text_model_path(cfg.model.text)
         assets.check_vision_name(cfg.model.vision)
+        _check_image_size(cfg.model.vision, cfg.data.image_size)
         if cfg.tonics.enabled:  # Debian assets a cluster fetches only when asked (cluster.yaml)
             assets.require_wordnet()
         if cfg.image_label.data == "fashion-mnist":
@@ -73,6 +74,23 @@ def check_inputs(cfg: RayvlConfig, train: str, evalset: str) -> dict[str, specs.
     except assets.MissingAssetError as e:
         raise ConfigError(str(e)) from None
     return checks
+
+
+def _check_image_size(vision: str, size: int) -> None:
+    """A timm tower that takes one image size only (a ViT's patch embedding is built for its size) gets that size,
+    or the run stops here instead of at its first forward in every worker."""
+    if vision in assets.VISION_ASSETS:
+        return
+    import timm
+    import torch
+
+    with torch.device("meta"):  # the architecture only: no memory, no weights
+        model = timm.create_model(vision, pretrained=False)
+    embed = getattr(model, "patch_embed", None)
+    fixed = tuple(embed.img_size) if getattr(embed, "strict_img_size", False) else None
+    if fixed is not None and fixed != (size, size):
+        raise ConfigError(f"data.image_size: {size} px, but model.vision={vision!r} takes {fixed[0]}×{fixed[1]} px "
+                          f"images: set data.image_size={fixed[0]}")
 
 
 def resolve_data(cfg: RayvlConfig) -> tuple[str, str, dict]:

@@ -13,6 +13,7 @@ import torch
 
 from rayvl.config import RayvlConfig, TrainConfig, precision
 from rayvl.models.dual_encoder import param_groups
+from rayvl.models.precision import keep_batchnorm_fp32
 
 
 def deepspeed_config(cfg: RayvlConfig, world_size: int) -> dict:
@@ -74,6 +75,8 @@ def build_engine(model: torch.nn.Module, cfg: RayvlConfig, world_size: int, devi
     import deepspeed
 
     t = cfg.train
+    if precision(t) != "fp32":  # before DeepSpeed casts the parameters: BatchNorm keeps fp32 statistics
+        keep_batchnorm_fp32(model, torch.bfloat16 if precision(t) == "bf16" else torch.float16)
     deepspeed.init_distributed(dist_backend="nccl" if t.use_gpu else "gloo")
     optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=t.betas, eps=t.eps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.warmup_steps, t.max_steps))

@@ -16,7 +16,6 @@ from rayvl.data.tonics import SAMPLER_COUNTS, Curriculum, SamplerTotals
 from rayvl.export import weights
 from rayvl.losses import clip_loss, gather_features, unicl_loss
 from rayvl.models.dual_encoder import build_model
-from rayvl.models.precision import keep_batchnorm_fp32
 from rayvl.models.memory_bank import MemoryBank
 from rayvl.train import checkpoint, devices, flops
 from rayvl.train.batches import ROW, TonicsBatches, TrainedRows, batch_stream, mixed_stream
@@ -110,8 +109,6 @@ def _engine(cfg: RayvlConfig, world: int, init_from: str, device: torch.device):
     model = build_model(cfg.model, cfg.train.seed)
     if init_from:
         model.load_state_dict(weights(init_from)[0], strict=True)
-    if precision(cfg.train) != "fp32":
-        keep_batchnorm_fp32(model)
     if device.type == "cuda":  # NHWC images: cuDNN's convolutions run on tensor cores in that layout
         model.vision.channels_last = True
     bank = MemoryBank(model, cfg.memory_bank.size, cfg.model.embed_dim, cfg.memory_bank.momentum) \
@@ -253,7 +250,8 @@ def _loss(engine, batch: dict, cfg, bank: MemoryBank | None, batch_index: int) -
     keys = [gather_features(k, with_grad=False) for k in (*bank.encode(batch["image"], batch["input_ids"],
                                                                         batch["attention_mask"]), labels)]
     mb = cfg.memory_bank
-    bank_scale = scale if mb.learn_temperature else torch.tensor(1.0 / mb.temperature, device=scale.device)
+    # a fill on the device, not a copy from the host: a pageable host-to-device copy waits for the GPU
+    bank_scale = scale if mb.learn_temperature else torch.full((), 1.0 / mb.temperature, device=scale.device)
     image_keys, text_keys, key_labels = bank.keys(*keys)  # [BoW] eq. (1)–(2): EMA positives + queue
     loss = unicl_loss(image_features, text_features, bank_scale, labels, image_keys=image_keys,
                       text_keys=text_keys, key_labels=key_labels)

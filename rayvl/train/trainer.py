@@ -39,7 +39,8 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
     session.check_local_gpus(cfg)
     started_here = session.connect(cfg.ray_address, cfg.local_num_cpus, verbose=verbose)
     session.check_resources(cfg, fixed_size=started_here)
-    session.check_gpus(cfg, fixed_size=started_here)
+    if not placement_registry:  # a sweep's driver checked the cluster; a trial's driver may sit on another node
+        session.check_gpus(cfg, fixed_size=started_here)
     session.check_storage(cfg)
     report_name = f"rayvl-data-report-{name}-{uuid.uuid4().hex[:8]}"
     # a report per stream the run reads, no more: on 2 cores each idle actor process took 0.4% of the machine
