@@ -187,7 +187,7 @@ def steady_state(rows: list[dict], per_step: int) -> dict:
 def measure(check: Check, cfg, rows: list[dict], outcome: Outcome) -> None:
     """The run's steady samples/s and data wait; its MFU from its reports when the training loop wrote one,
     else from this check's FLOPs count and the device's peak (none for a GPU the peak table lacks)."""
-    from rayvl.train.flops import mfu, peak_flops
+    from rayvl.train.flops import mfu, peak_flops, table_precision
 
     t = cfg.train
     steady = steady_state(rows, t.num_workers * t.micro_batch_size * t.grad_accumulation)
@@ -196,19 +196,10 @@ def measure(check: Check, cfg, rows: list[dict], outcome: Outcome) -> None:
     if steady["mfu"] is not None:
         outcome.mfu, outcome.mfu_source = steady["mfu"], "run's reports"
         return
-    peak = peak_flops(check.device_name, peak_precision(cfg))
+    peak = peak_flops(check.device_name, table_precision(cfg.train, on_gpu=True))
     if peak is not None:
         outcome.mfu = mfu(outcome.samples_per_s, flops_per_sample(check, cfg), peak, t.num_workers)
         outcome.mfu_source = "gpu_check"
-
-
-def peak_precision(cfg) -> str:
-    """The peak table's precision of a run: its train.precision, fp32 products on TF32 tensor cores where
-    train.tf32 says so (PyTorch's own default is plain fp32)."""
-    precision = cfg.train.precision
-    if precision == "auto":
-        precision = "bf16" if cfg.train.use_gpu else "fp32"
-    return "tf32" if precision == "fp32" and getattr(cfg.train, "tf32", False) else precision
 
 
 def flops_per_sample(check: Check, cfg) -> float:

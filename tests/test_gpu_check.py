@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rayvl.train import flops
 from rayvl.train.flops import PEAK_ENV, mfu, model_flops_per_sample, peak_flops
 
 REPO = Path(__file__).resolve().parent.parent
@@ -217,7 +218,7 @@ def test_every_training_case_of_the_gpu_check_has_a_valid_config(tmp_path):
     assert rank == 0
     assert gc.train_config(_check(gc, tmp_path, set=["train.micro_batch_size=64"]), trained[0]).train \
         .micro_batch_size == 64
-    assert gc.peak_precision(gc.train_config(check, trained[0])) == "bf16"
+    assert flops.table_precision(gc.train_config(check, trained[0]).train, on_gpu=True) == "bf16"
 
 
 def test_steady_state_leaves_out_the_first_window_and_a_restarts_first():

@@ -46,6 +46,15 @@ PEAK_TFLOPS: tuple[tuple[tuple[str, ...], dict[str, float]], ...] = (
 )
 
 
+def table_precision(t, on_gpu: bool) -> str:
+    """The peak table's precision of a run with train settings ``t``: its precision (``auto`` resolved), fp32
+    products on TF32 tensor cores where ``train.tf32`` turns them on (a GPU's; PyTorch's own default is fp32)."""
+    from rayvl.config import precision
+
+    mode = precision(t)
+    return "tf32" if mode == "fp32" and on_gpu and t.tf32 else mode
+
+
 def peak_flops(device_name: str, precision: str) -> float | None:
     """One device's dense peak FLOP/s at ``precision`` (bf16, fp16, tf32 or fp32 — fp32 is PyTorch's default for
     fp32 matrix products; pass tf32 when ``torch.backends.cuda.matmul.allow_tf32`` is on), from the device name

@@ -9,7 +9,7 @@ import ray.train
 import torch
 import torch.nn.functional as F
 
-from rayvl.config import RayvlConfig, from_dict, precision
+from rayvl.config import RayvlConfig, from_dict
 from rayvl.data.position import DataPosition
 from rayvl.data.report import report_actor
 from rayvl.data.tonics import SAMPLER_COUNTS, Curriculum, SamplerTotals
@@ -125,10 +125,8 @@ def _engine(cfg: RayvlConfig, world: int, init_from: str, device: torch.device):
 def _speed(model, cfg: RayvlConfig, device: torch.device) -> dict:
     """Window's MFU fields: the FLOPs of a sample and the device's peak at the run's precision ({} where the peak
     is unknown — a CPU unless RAYVL_PEAK_TFLOPS names one)."""
-    mode = precision(cfg.train)
-    if mode == "fp32" and device.type == "cuda" and cfg.train.tf32:
-        mode = "tf32"
-    peak = flops.peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", mode)
+    peak = flops.peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                            flops.table_precision(cfg.train, device.type == "cuda"))
     if peak is None:
         return {}
     return {"peak_flops": peak, "flops_per_sample": flops.model_flops_per_sample(
