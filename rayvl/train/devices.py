@@ -6,11 +6,7 @@ index among the visible ones) and every thread that allocates on it binds it fir
 """
 from __future__ import annotations
 
-import threading
-
 import torch
-
-_bound = threading.local()
 
 
 def worker_device(use_gpu: bool) -> torch.device:
@@ -25,14 +21,8 @@ def worker_device(use_gpu: bool) -> torch.device:
 def bind(device: torch.device) -> None:
     """Make ``device`` the calling thread's device: "cuda" tensors, NCCL's object collectives and CUDA streams
     of this thread then use it rather than GPU 0."""
-    _bound.device = device
     if device.type == "cuda" and torch.cuda.is_available():
         torch.cuda.set_device(device)
-
-
-def bound() -> torch.device | None:
-    """The device the calling thread bound (None: it bound none)."""
-    return getattr(_bound, "device", None)
 
 
 def check_cuda(device: torch.device) -> None:
