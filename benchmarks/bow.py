@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections import Counter
 import sys
 import tempfile
 import time
@@ -18,9 +19,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ray  # noqa: E402
 
 from rayvl import assets  # noqa: E402
-from rayvl.config import DEFAULT_BOW_OPS, parse_bow_ops  # noqa: E402
-from rayvl.data import bow  # noqa: E402
-from rayvl.data.pipeline import preprocess  # noqa: E402
+from rayvl.config import DEFAULT_BOW_OPS  # noqa: E402
+from rayvl.data.pipeline import Rows, preprocess  # noqa: E402
+from rayvl.methods.bow import deformation as bow  # noqa: E402
+from rayvl.methods.bow.check import parse_ops as parse_bow_ops  # noqa: E402
+from rayvl.methods.bow.rows import Deform  # noqa: E402
 from rayvl.data.specs import resolve_shards  # noqa: E402
 from rayvl.data.tar import COLUMNS, iter_tar_samples  # noqa: E402
 from rayvl.data.demo import write_demo  # noqa: E402
@@ -34,18 +37,18 @@ def _read(path: str):
         yield from iter_tar_samples(f)
 
 
-def _pipeline(paths, kw, deform) -> None:
-    """What one Ray Data read + map_batches task does per sample, without Ray's scheduling overhead (which would
-    only make the deformation's share smaller)."""
+def _pipeline(paths, rows: Rows) -> None:
+    """What one Ray Data read task does per sample, without Ray's scheduling overhead (which would only make the
+    deformation's share smaller)."""
     batch: list[dict] = []
     for path in paths:
         for sample in _read(path):
             batch.append(sample)
             if len(batch) == BATCH:
-                preprocess({c: [s.get(c) for s in batch] for c in COLUMNS}, **kw, bow=deform)
+                preprocess({c: [s.get(c) for s in batch] for c in COLUMNS}, Counter(), rows)
                 batch = []
     if batch:
-        preprocess({c: [s.get(c) for s in batch] for c in COLUMNS}, **kw, bow=deform)
+        preprocess({c: [s.get(c) for s in batch] for c in COLUMNS}, Counter(), rows)
 
 
 def main():
@@ -70,9 +73,9 @@ def main():
 
     samples = [s for path in paths for s in _read(path)]
     captions = [(s["key"], validate_caption(s.get("txt"))[0]) for s in samples]
-    kw = dict(image_size=64, crop_scale_min=0.6, train=True, tokenizer_path=str(assets.text_model_path("minilm-l6")),
-              max_tokens=24, report_name=None)
-    _pipeline(paths[:1], kw, deform)  # warm-up: page cache, tokenizer and stopword list load once
+    rows = Rows(image_size=64, crop_scale_min=0.6, train=True,
+                tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=24, transforms=(Deform(deform),))
+    _pipeline(paths[:1], rows)  # warm-up: page cache, tokenizer and stopword list load once
 
     deform_s, pipeline_s = [], []
     for _ in range(args.repeats):
@@ -81,7 +84,7 @@ def main():
             deform(key, text)
         deform_s.append(time.perf_counter() - t)
         t = time.perf_counter()
-        _pipeline(paths, kw, deform)
+        _pipeline(paths, rows)
         pipeline_s.append(time.perf_counter() - t)
     n = len(captions)
     d, full = min(deform_s), min(pipeline_s)

@@ -41,7 +41,7 @@ from PIL import Image  # noqa: E402
 from rayvl import assets  # noqa: E402
 from rayvl.config import DataConfig  # noqa: E402
 from rayvl.data import demo, shards  # noqa: E402
-from rayvl.data.pipeline import preprocess  # noqa: E402
+from rayvl.data.pipeline import Rows, preprocess  # noqa: E402
 from rayvl.data.report import report_actor  # noqa: E402
 from rayvl.data.specs import resolve_shards  # noqa: E402
 from rayvl.data.tar import COLUMNS, iter_tar_samples  # noqa: E402
@@ -83,7 +83,7 @@ def _batch_of(samples: list[dict]) -> dict:
     return {c: [s.get(c) for s in samples] for c in COLUMNS}
 
 
-def plain(paths: list[str], kw: dict) -> Iterator[int]:
+def plain(paths: list[str], kw: Rows) -> Iterator[int]:
     """One process, one batch at a time: the per-core ceiling of the per-sample work. Yields each batch's size."""
     batch = []
     for path in paths:
@@ -91,13 +91,13 @@ def plain(paths: list[str], kw: dict) -> Iterator[int]:
             for sample in iter_tar_samples(f):
                 batch.append(sample)
                 if len(batch) == BATCH:
-                    yield len(preprocess(_batch_of(batch), counts=Counter(), **kw)["key"])
+                    yield len(preprocess(_batch_of(batch), Counter(), kw)["key"])
                     batch = []
     if batch:
-        yield len(preprocess(_batch_of(batch), counts=Counter(), **kw)["key"])
+        yield len(preprocess(_batch_of(batch), Counter(), kw)["key"])
 
 
-def webdataset_loader(paths: list[str], kw: dict, workers: int):
+def webdataset_loader(paths: list[str], kw: Rows, workers: int):
     """webdataset + DataLoader as an open_clip user sets it up: shards split over loader workers, raw bytes,
     batches of 64 turned into model inputs in the worker by the same ``preprocess``."""
     import torch
@@ -105,7 +105,7 @@ def webdataset_loader(paths: list[str], kw: dict, workers: int):
 
     def to_inputs(samples):
         out = preprocess(_batch_of([{"key": s["__key__"], **{c: s.get(c) for c in COLUMNS[1:]}}
-                                    for s in samples]), counts=Counter(), **kw)
+                                    for s in samples]), Counter(), kw)
         return {c: torch.from_numpy(out[c]) for c in TRAIN_COLUMNS}
 
     ds = wds.WebDataset(paths, shardshuffle=False, empty_check=False, handler=wds.warn_and_continue,
@@ -143,7 +143,7 @@ def measure(spec: str, size: int, args, cores: int) -> list[tuple]:
     workers kept, one Ray Data execution for all passes). Readers take turns so that a slow spell of the machine
     (a VM's host taking CPU back) falls on all of them; the table gives each reader's median round."""
     paths = resolve_shards(spec)
-    kw = dict(image_size=size, crop_scale_min=0.6, train=True, max_tokens=24,
+    kw = Rows(image_size=size, crop_scale_min=0.6, train=True, max_tokens=24,
               tokenizer_path=str(assets.text_model_path("minilm-l6")))
     # the loader's persistent workers are forked (by the warm-up pass) before Ray starts its threads in this process
     loader = webdataset_loader(paths, kw, cores)
@@ -152,13 +152,13 @@ def measure(spec: str, size: int, args, cores: int) -> list[tuple]:
     ray.init(address="local", include_dashboard=False, num_cpus=cores)
     ray.data.DataContext.get_current().enable_progress_bars = False
     # one data report for all runs, made before any timing, as a training run makes it once: its actor's process
-    # start-up (≈1.2 s of CPU here) is not part of reading
+    # start-up is not part of reading
     report = report_actor_name()
 
     def ray_data(read_cpus: float, rows: int, k: int) -> Iterator[int]:
-        ds = shards.read_shards(spec, read_cpus=read_cpus, transform_batch_size=rows, shuffle_files=True,
-                                report_name=report, columns=TRAIN_COLUMNS, passes=k,
-                                threads=DataConfig().read_threads, **kw)
+        reading = shards.Reading(read_cpus=read_cpus, batch_size=rows, threads=DataConfig().read_threads,
+                                 shuffle=True, passes=k, report_name=report)
+        ds = shards.read_shards(spec, kw, reading, TRAIN_COLUMNS)
         return (len(b["image"]) for b in ds.iter_batches(batch_size=BATCH, batch_format="numpy"))
 
     readers = {"plain process (1 core)": lambda k: (n for _ in range(k) for n in plain(paths, kw)),

@@ -150,13 +150,14 @@ def _train_with_env(check: Check, cfg, env: dict):
 
     from rayvl.checkpoints import METRICS_FILE
     from rayvl.session import WORKER_ENV
-    from rayvl.train.progress import Progress
+    from rayvl.train.progress import ProgressPrinter
     from rayvl.train.trainer import train
 
     connect(check)
     # rayvl's own function, which every worker imports (a function of this script would not be, run as a module)
     task = ray.remote(num_cpus=0, max_retries=0, runtime_env={"env_vars": {**WORKER_ENV, **env}})(train)
-    printer = Progress(check.storage / cfg.train.run_name / METRICS_FILE, cfg.train.max_steps, cfg.train.num_workers)
+    printer = ProgressPrinter(check.storage / cfg.train.run_name / METRICS_FILE, cfg.train.max_steps,
+                              cfg.train.num_workers)
     printer.start()
     try:
         return ray.get(task.remote(cfg))
@@ -309,7 +310,7 @@ def pseudo_label_case(check: Check, case: Case, outcome: Outcome) -> None:
 
     aligned, unaligned = demo_halves()
     out = check.storage / "pseudo-label"
-    proc = run_cli(check, ["pseudo-label", "--checkpoint", base_run(check), "--aligned", aligned, "--unaligned",
+    proc = run_cli(check, ["pseudo-label", base_run(check), "--aligned", aligned, "--unaligned",
                            unaligned, "--out", str(out), "--set", "pseudo_label.gpus_per_actor=1",
                            "--set", f"pseudo_label.actors={check.gpus}", "--set", "pseudo_label.top_t=4"])
     if proc.returncode:
@@ -333,7 +334,7 @@ GPU_ACTORS = re.compile(r"eval: (\d+) embedding actor\(s\) of ([\d.]+) GPU")
 
 def eval_case(check: Check, case: Case, outcome: Outcome) -> None:
     out = check.storage / "eval"
-    proc = run_cli(check, ["eval", "--checkpoint", base_run(check), "--gpus", "1", "--out", str(out)])
+    proc = run_cli(check, ["eval", base_run(check), "--gpus", "1", "--out", str(out)])
     if proc.returncode:
         raise CaseFailed(cli_failure(proc, "--gpus"))
     embedded, actors = EMBEDDED.search(proc.stderr), GPU_ACTORS.search(proc.stderr)

@@ -11,6 +11,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -20,13 +21,14 @@ import torch  # noqa: E402
 
 from rayvl import assets  # noqa: E402
 from rayvl.config import load_config  # noqa: E402
-from rayvl.data.pipeline import preprocess  # noqa: E402
+from rayvl.data.pipeline import Rows, preprocess  # noqa: E402
 from rayvl.data import tar  # noqa: E402
 from rayvl.data.specs import resolve_shards  # noqa: E402
 from rayvl.data.tar import iter_tar_samples  # noqa: E402
 from rayvl.data.demo import SHAPES, write_demo  # noqa: E402
-from rayvl.data.ontology import Ontology  # noqa: E402
-from rayvl.data.tonics import BucketSampler, draw_node  # noqa: E402
+from rayvl.methods.tonics.ontology import Ontology  # noqa: E402
+from rayvl.methods.tonics.rows import Objects  # noqa: E402
+from rayvl.methods.tonics.sampler import BucketSampler, draw_node  # noqa: E402
 from rayvl.losses import clip_loss  # noqa: E402
 from rayvl.models.dual_encoder import build_model  # noqa: E402
 
@@ -35,14 +37,14 @@ COLUMNS = ["image", "input_ids", "attention_mask", "object"]
 
 def rows(paths, ontology, micro_batch: int) -> list[dict]:
     """The demo's training rows (one per aligned noun), preprocessed once, in micro-batch-sized stream batches."""
-    kw = dict(image_size=64, crop_scale_min=0.6, train=True, tokenizer_path=str(assets.text_model_path("minilm-l6")),
-              max_tokens=24, report_name=None, ontology=ontology)
+    kw = Rows(image_size=64, crop_scale_min=0.6, train=True, tokenizer_path=str(assets.text_model_path("minilm-l6")),
+              max_tokens=24, transforms=(Objects(ontology),))
     out = []
     for path in paths:
         with open(path, "rb") as f:
             samples = list(iter_tar_samples(f))
         for i in range(0, len(samples), 64):
-            batch = preprocess({c: [s.get(c) for s in samples[i:i + 64]] for c in tar.COLUMNS}, **kw)
+            batch = preprocess({c: [s.get(c) for s in samples[i:i + 64]] for c in tar.COLUMNS}, Counter(), kw)
             out.append({c: batch[c] for c in COLUMNS})
     flat = {c: np.concatenate([b[c] for b in out]) for c in COLUMNS}
     return [{c: v[i:i + micro_batch] for c, v in flat.items()} for i in range(0, len(flat["object"]), micro_batch)]

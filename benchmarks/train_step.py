@@ -149,8 +149,8 @@ def main():
     args = p.parse_args()
     cores = len(os.sched_getaffinity(0))
     cfg = load_config(args.config, args.set)
-    # the bare loop runs before and after rayvl's run and counts at their mean: this VM's speed drifts within minutes
-    # (one bare loop measured 43.7–49.6 samples/s across runs)
+    # the bare loop runs before and after rayvl's run and counts at their mean: a shared machine's speed drifts within
+    # minutes (docs/benchmarks.md, "The machine")
     before, batch = bare_loop(cfg, max(10, args.steps // 3), cores)
     run = rayvl_run(args.config, args.set, args.steps, tempfile.mkdtemp())
     ray.shutdown()  # the second bare loop must not share the cores with Ray's idle processes

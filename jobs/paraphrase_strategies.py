@@ -1,5 +1,5 @@
 """Seed paraphrase-alignment-layers Table 1: the four ways of adapting a pretrained text encoder, same data and steps,
-3 seeds each — one Ray Tune grid (rayvl.compare), mean ± std per metric.
+3 seeds each — one Ray Tune grid (rayvl.sweeps.comparison), mean ± std per metric.
 
     python jobs/paraphrase_strategies.py [--data SHARDS --eval-data SHARDS] [--seeds 3] [--variants A,B|all]
                                          [--set key=value ...] [--name NAME [--resume]] [--report DIR]
@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # `ray job submit --working-dir .` runs from a copy
 
-from rayvl.compare import Comparison, main  # noqa: E402
+from rayvl.sweeps.comparison import Comparison  # noqa: E402
 
 ROWS = [("zero-shot top-1 %", "zeroshot_top1", ".1f"),
         *((f"{label} R@{k} %", f"{d}_R@{k}", ".1f") for d, label in (("t2i", "text→image"), ("i2t", "image→text"))
@@ -34,11 +34,11 @@ COMPARISON = Comparison(
      "frozen_adapters": ["model.text_strategy=frozen_adapters"],
      **{f"alignment_m{m}": ["model.text_strategy=frozen_alignment", f"model.alignment_layers={m}"] for m in (1, 2, 4)}},
     ROWS, fixed=["train.report_to=[]"],
-    # one trial at a time on 2 cores (2 × 0.45 + its driver's 0.1 + Ray Data's 1). A trial costs ≈ 85 s besides
-    # its steps (workers, model and DeepSpeed start-up, the evaluation), so the demo runs Table 1's four strategies
-    # (alignment with the recipe's m = 2): 12 trials; --variants all adds m = 1 and 4 (18 trials)
+    # one trial at a time on 2 cores (2 × 0.45 + its driver's 0.1 + Ray Data's 1). A trial's start-up (workers, model,
+    # DeepSpeed) and evaluation cost more than its steps, so the demo runs Table 1's four strategies (alignment with
+    # the recipe's m = 2): 12 trials; --variants all adds m = 1 and 4 (18 trials)
     demo=["train.cpus_per_worker=0.45", "train.max_steps=40", "train.warmup_steps=5", "train.checkpoint_every=40"],
     demo_variants=("finetune", "frozen", "frozen_adapters", "alignment_m2"))
 
 if __name__ == "__main__":
-    sys.exit(main(COMPARISON))
+    sys.exit(COMPARISON.main())

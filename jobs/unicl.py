@@ -1,5 +1,5 @@
 """Seed unicl-image-text-label: a CE-style baseline vs UniCL, zero-shot on seen, held-out and all classes, 3 seeds
-each — one Ray Tune grid (rayvl.compare), mean ± std per metric.
+each — one Ray Tune grid (rayvl.sweeps.comparison), mean ± std per metric.
 
     python jobs/unicl.py [--set image_label.data=SHARDS_WITH_CLS --set image_label.classes=classes.json ...]
                          [--seeds 3] [--name NAME [--resume]] [--report DIR]
@@ -24,20 +24,27 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # `ray job submit --working-dir .` runs from a copy
 
-from rayvl.compare import Comparison, main  # noqa: E402
-from rayvl.eval.class_split import ROWS  # noqa: E402
+from rayvl.eval.class_split import ROWS, mean_confusion  # noqa: E402
+from rayvl.sweeps.comparison import Comparison  # noqa: E402
+
+
+class Unicl(Comparison):
+    def notes(self, trials: list[dict]) -> str:
+        """Each arm's mean confusion among the held-out classes (each trial's matrix is in its final_metrics.json)."""
+        return mean_confusion(trials)
+
 
 CE = ["model.text_tower=class_embedding", "loss.kind=ce", "image_label.weight=1.0", "eval.tasks=[]"]
-COMPARISON = Comparison(
+COMPARISON = Unicl(
     "unicl (UniCL vs CE)", str(REPO / "configs" / "unicl.yaml"),
     # [UniCL] Tables 2–3 compare the losses on the same image-label data: unicl_labels is UniCL (text tower) on
     # exactly CE's data; unicl adds the image-text pairs (the setting of its Tables 5–6)
     {"ce": CE, "unicl_labels": ["image_label.weight=1.0"], "unicl": []}, ROWS,
-    # one trial at a time on 2 cores (2 × 0.45 + its driver's 0.1 + Ray Data's 1); 9 trials in ≈ 30 min: 50 steps
+    # one trial at a time on 2 cores (2 × 0.45 + its driver's 0.1 + Ray Data's 1); 50 steps keep 9 trials within the
+    # demo's budget
     demo=["train.cpus_per_worker=0.45", "train.max_steps=50", "train.checkpoint_every=50", "train.warmup_steps=10"],
     after="rayvl.eval.class_split:fashion_mnist_split",
-    after_metrics=tuple(key for _, key, _ in ROWS if key.startswith("zs_")),
-    notes="rayvl.eval.class_split:mean_confusion")
+    after_metrics=tuple(key for _, key, _ in ROWS if key.startswith("zs_")))
 
 if __name__ == "__main__":
-    sys.exit(main(COMPARISON))
+    sys.exit(COMPARISON.main())

@@ -7,13 +7,15 @@ import tempfile
 from pathlib import Path
 
 from rayvl import session
-from rayvl.config import RayvlConfig, bow_needs_stats, parse_bow_ops
+from rayvl.config import RayvlConfig
 from rayvl.data.demo import DEMO_SEED, ensure_demo
 from rayvl.data.shard_io import open_shard
 from rayvl.data.specs import resolve_shards
 from rayvl.data.tar import iter_tar_samples
 from rayvl.data.text import validate_caption
-from rayvl.train.datasets import bow_deformer
+from rayvl.methods.bow.check import needs_stats as bow_needs_stats
+from rayvl.methods.bow.check import parse_ops as parse_bow_ops
+from rayvl.methods.bow.rows import deformer as bow_deformer
 
 
 def preview(cfg: RayvlConfig, data: str = "", n: int = 20, stats: str = "") -> None:

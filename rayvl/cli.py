@@ -1,38 +1,111 @@
-"""`rayvl ...` subcommands: parse the command line and dispatch (the work lives in the modules named here)."""
+"""`rayvl ...` subcommands: one argparse parser per command, built once; the work lives in the modules named here.
+An option that sets a config field defaults to None, so that the config's own default applies (the help shows it);
+every mistake a user can fix ends as ``rayvl: error: <one line>`` with exit status 2."""
 from __future__ import annotations
 
-import argparse
 import sys
 
-from rayvl.config import ConfigError, load_config
-from rayvl.recipes import CONFIGS, add_train_args, data_cause, dry_run, one_line, run_recipe
+from rayvl.config import DataConfig, EvalConfig, PseudoLabelConfig, load_config
+from rayvl.recipes import (CONFIGS, USER_ERRORS, RayvlParser, add_train_args, data_cause, dry_run, one_line,
+                           train_command, user_error)
+
+# commands that start no distributed work: a missing file or a bad value they raise comes from the command line
+LOCAL_COMMANDS = ("plot", "export")
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rayvl")
-    sub = p.add_subparsers(dest="command", required=True)
+def build_parser() -> RayvlParser:
+    p = RayvlParser(prog="rayvl", description="Train, evaluate and export CLIP-style dual encoders on Ray.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     t = sub.add_parser("train", help="train a dual encoder (default recipe: laion_adapt)")
     add_train_args(t, str(CONFIGS / "laion_adapt.yaml"))
-    data = sub.add_parser("data", help="dataset utilities").add_subparsers(dest="data_command", required=True)
+    _data_parser(sub)
+    _eval_parser(sub)
+    _bow_parser(sub)
+    _tune_parser(sub)
+    pl = sub.add_parser("plot", help="a run's dashboard PNG (also of a run still going); several runs: one "
+                                      "dashboard with a line per run")
+    pl.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
+    pl.add_argument("--out", default=None, help="output folder (default: <run>/plots; required for several runs)")
+    ex = sub.add_parser("export", help="write a run's model as safetensors + config + tokenizer + model card")
+    ex.add_argument("run", metavar="RUN", help="a run directory (its newest checkpoint) or a checkpoint")
+    ex.add_argument("--out", required=True, help="the export folder (rayvl.load reads it)")
+    _pseudo_label_parser(sub)
+    a = sub.add_parser("assets", help="offline assets").add_subparsers(dest="assets_command", required=True,
+                                                                       metavar="ACTION")
+    a.add_parser("fetch", help="unpack Debian data packages (Fashion-MNIST) into the environment")
+    a.add_parser("check", help="verify that the pretrained towers load offline")
+    return p
+
+
+def _data_parser(sub) -> None:
+    data = sub.add_parser("data", help="dataset utilities").add_subparsers(dest="data_command", required=True,
+                                                                           metavar="ACTION")
     dc = data.add_parser("check", help="what a shard spec holds: shard count, samples from img2dataset's files, "
                                        "the first samples decoded with the reasons any would be dropped")
     dc.add_argument("spec", help="shards as --data takes them, e.g. 's3://bucket/laion/{00000..41407}.tar'")
-    dc.add_argument("-n", type=int, default=8, help="samples of the first shard to decode")
+    dc.add_argument("-n", type=int, default=8, help="samples of the first shard to decode (default: 8)")
+    d = DataConfig()
     demo = data.add_parser("demo", help="write the embedded demo dataset in img2dataset layout")
-    demo.add_argument("--out", required=True)
-    demo.add_argument("--samples", type=int, default=4000)
-    demo.add_argument("--eval-samples", type=int, default=500)
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--shard-size", type=int, default=1000)
-    _eval_parser(sub)
+    demo.add_argument("--out", required=True, help="the folder to write (train/, eval/ and the text sets)")
+    demo.add_argument("--samples", type=int, default=None,
+                      help=f"training samples (default: data.demo_samples, {d.demo_samples})")
+    demo.add_argument("--eval-samples", type=int, default=None,
+                      help=f"held-out samples (default: data.demo_eval_samples, {d.demo_eval_samples})")
+    demo.add_argument("--seed", type=int, default=None, help="generator seed (default: the one every run's demo "
+                                                             "uses)")
+    demo.add_argument("--shard-size", type=int, default=None, help="samples per shard (default: 1000)")
+
+
+def _eval_parser(sub) -> None:
+    d = EvalConfig()
+    e = sub.add_parser("eval", help="evaluate a checkpoint: zero-shot, retrieval, paraphrase, STS, linear probe; "
+                                    "unset options take the run's eval section")
+    e.add_argument("run", metavar="RUN", help="a run directory (its newest checkpoint) or a checkpoint, local or a "
+                                              "URL")
+    e.add_argument("--tasks", default=None, metavar="A,B,...",
+                   help=f"comma list of tasks (default: eval.checkpoint_tasks, {','.join(d.checkpoint_tasks)})")
+    e.add_argument("--data", default="", help="img2dataset shards, an ImageFolder tree or Fashion-MNIST IDX files "
+                                              "(default: the checkpoint's held-out data)")
+    e.add_argument("--kind", default="auto", choices=["auto", "shards", "imagefolder", "fashion-mnist"],
+                   help="what --data holds (default: auto, told from the files)")
+    e.add_argument("--classes", default="", help="JSON {classes, templates} for zero-shot (default: the run's)")
+    e.add_argument("--paraphrases", default="", help="JSON lines {caption, paraphrase[, expansions]} (default: "
+                                                     "the run's)")
+    e.add_argument("--sts", default="", help="TSV sentence1, sentence2, score (default: the run's)")
+    e.add_argument("--out", default="", help="output directory (default: <run>/eval)")
+    e.add_argument("--gpus", type=float, default=None, metavar="N",
+                   help="GPUs per embedding actor, at most 1 (0: embed on CPU in fp32; 1: an actor per GPU, in bf16 "
+                        "autocast; 0.5: two actors share a GPU). GPUs used = --actors × N. The tasks' "
+                        "nearest-neighbour searches run on every GPU this process sees "
+                        f"(default: eval.gpus_per_actor, {d.gpus_per_actor:g})")
+    e.add_argument("--actors", type=int, default=None,
+                   help="embedding actors (Ray Data actor pool size; 0: 1 on CPU, with --gpus as many as the "
+                        f"cluster's GPUs hold now; default: eval.actors, {d.actors})")
+    e.add_argument("--cpus-per-actor", type=float, default=None,
+                   help=f"CPUs each embedding actor reserves (default: eval.cpus_per_actor, {d.cpus_per_actor:g})")
+    e.add_argument("--batch-size", type=int, default=None,
+                   help=f"images or texts per actor call (default: eval.batch_size, {d.batch_size})")
+    e.add_argument("--k", type=int, default=None, help=f"k of AO@k / JS@k (default: eval.paraphrase_k, "
+                                                       f"{d.paraphrase_k})")
+    e.add_argument("--limit", type=int, default=0, help="use only the first N Fashion-MNIST images (default: all)")
+    e.add_argument("--verbose", action="store_true", help="show Ray's and the actors' own output")
+
+
+def _bow_parser(sub) -> None:
     b = sub.add_parser("bow", help="Bag-of-Words caption deformation").add_subparsers(dest="bow_command",
-                                                                                         required=True)
+                                                                                         required=True,
+                                                                                         metavar="ACTION")
     bp = b.add_parser("preview", help="print intact → deformed captions of the first N samples")
-    bp.add_argument("--data", default="", help="img2dataset shards (default: the embedded demo's training split)")
-    bp.add_argument("-n", type=int, default=20, help="samples to show")
-    bp.add_argument("--config", default=str(CONFIGS / "bow_pretrain.yaml"), help="recipe with a bow section")
+    bp.add_argument("--data", default=None, help="img2dataset shards (default: the embedded demo's training split)")
+    bp.add_argument("-n", type=int, default=20, help="samples to show (default: 20)")
+    bp.add_argument("--config", default=str(CONFIGS / "bow_pretrain.yaml"),
+                    help="recipe with a bow section (default: bow_pretrain.yaml)")
     bp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="e.g. --set 'bow.ops=[shuffle]'")
-    bp.add_argument("--stats", default="", help="statistics artifact to reuse or write (default: computed, not saved)")
+    bp.add_argument("--stats", default=None, help="statistics artifact to reuse or write (default: computed, not "
+                                                  "saved)")
+
+
+def _tune_parser(sub) -> None:
     tu = sub.add_parser("tune", help="hyperparameter sweep over a tune_spaces/*.yaml search space (Ray Tune)")
     tu.add_argument("space", nargs="?", help="search-space YAML, e.g. tune_spaces/alignment_depth.yaml")
     tu.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -43,54 +116,23 @@ def _parser() -> argparse.ArgumentParser:
                                                                  "directory (finished or interrupted)")
     tu.add_argument("--dry-run", action="store_true", help="check the space, the config and the data and print "
                                                            "the plan, without starting Ray")
-    pl = sub.add_parser("plot", help="PNG plots of a run's metrics (also of a run still going); several runs: "
-                                      "one figure per metric with a line per run")
-    pl.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
-    pl.add_argument("--out", default="", help="output folder (default: <run>/plots; required for several runs)")
-    ex = sub.add_parser("export", help="write a run's model as safetensors + config + tokenizer + model card")
-    ex.add_argument("run", metavar="RUN", help="a run directory (its newest checkpoint) or a checkpoint")
-    ex.add_argument("--out", required=True, help="the export folder (rayvl.load reads it)")
-    _pseudo_label_parser(sub)
-    a = sub.add_parser("assets", help="offline assets").add_subparsers(dest="assets_command", required=True)
-    a.add_parser("fetch", help="unpack Debian data packages (Fashion-MNIST) into the environment")
-    a.add_parser("check", help="verify that the pretrained towers load offline")
-    return p
-
-
-def _eval_parser(sub) -> None:
-    e = sub.add_parser("eval", help="evaluate a checkpoint: zero-shot, retrieval, paraphrase, STS, linear probe")
-    e.add_argument("--checkpoint", required=True, help="a checkpoint directory or a run directory (its latest)")
-    e.add_argument("--tasks", default="zeroshot,retrieval,paraphrase,sts,linear_probe")
-    e.add_argument("--data", default="", help="img2dataset shards, an ImageFolder tree or Fashion-MNIST IDX files "
-                                              "(default: the checkpoint's held-out data)")
-    e.add_argument("--kind", default="auto", choices=["auto", "shards", "imagefolder", "fashion-mnist"])
-    e.add_argument("--classes", default="", help="JSON {classes, templates} for zero-shot")
-    e.add_argument("--paraphrases", default="", help="JSON lines {caption, paraphrase[, expansions]}")
-    e.add_argument("--sts", default="", help="TSV sentence1, sentence2, score")
-    e.add_argument("--out", default="", help="output directory (default: <run>/eval)")
-    e.add_argument("--gpus", type=float, default=0.0, metavar="N",
-                   help="GPUs per embedding actor, at most 1 (0: embed on CPU in fp32; 1: an actor per GPU, in bf16 "
-                        "autocast; 0.5: two actors share a GPU). GPUs used = --actors × N. The tasks' "
-                        "nearest-neighbour searches run on every GPU this process sees")
-    e.add_argument("--actors", type=int, default=0,
-                   help="embedding actors (Ray Data actor pool size; default: 1 on CPU, with --gpus as many as "
-                        "the cluster's GPUs hold now)")
-    e.add_argument("--cpus-per-actor", type=float, default=0.5)
-    e.add_argument("--batch-size", type=int, default=128, help="images or texts per actor call")
-    e.add_argument("--k", type=int, default=10, help="k of AO@k / JS@k")
-    e.add_argument("--limit", type=int, default=0, help="use only the first N Fashion-MNIST images")
-    e.add_argument("--verbose", action="store_true", help="show Ray's and the actors' own output")
 
 
 def _pseudo_label_parser(sub) -> None:
     ps = sub.add_parser("pseudo-label", help="pseudo-BoW captions for images without captions ([BoW] §2.3): "
                                               "new shards to train on beside the aligned ones")
-    ps.add_argument("--checkpoint", default=None, help="the labelling model: a run directory or a checkpoint")
-    ps.add_argument("--aligned", default=None, help="S_a: the aligned shards whose captions are retrieved")
-    ps.add_argument("--unaligned", default=None, help="the images to label: shards or a folder of image files")
-    ps.add_argument("--out", default=None, help="output folder: <out>/<rule>/ shards, <out>/index/")
+    ps.add_argument("run", nargs="?", default=None, metavar="RUN",
+                    help="the labelling model: a run directory, a checkpoint or an export; sets "
+                         "pseudo_label.checkpoint (default: the --config's)")
+    ps.add_argument("--aligned", default=None, help="S_a: the aligned shards whose captions are retrieved; sets "
+                                                    "pseudo_label.aligned")
+    ps.add_argument("--unaligned", default=None, help="the images to label: shards or a folder of image files; "
+                                                      "sets pseudo_label.unaligned")
+    ps.add_argument("--out", default=None, help="output folder: <out>/<rule>/ shards, <out>/index/; sets "
+                                                "pseudo_label.out")
     ps.add_argument("--rules", default=None, help="comma list of max_count, rm_top_max_count, rm_top_rand, "
-                                                  "weighted_count (default: weighted_count)")
+                                                  "weighted_count (default: pseudo_label.rules, "
+                                                  f"{','.join(PseudoLabelConfig().rules)})")
     ps.add_argument("--config", default=None, help="a YAML with a pseudo_label section (optional)")
     ps.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="any config field, e.g. --set pseudo_label.crops=10 --set pseudo_label.k=5")
@@ -100,50 +142,46 @@ def _pseudo_label_parser(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(argv if argv is not None else sys.argv[1:])
-    args = _parser().parse_args(argv)
-    if args.command == "train":
-        return run_recipe(args.config, argv[1:])
+    args = build_parser().parse_args(argv)
     from rayvl.session import setup_logging
 
     setup_logging(verbose=args.command == "tune" or getattr(args, "verbose", False))  # a sweep shows Tune's table
-    commands = {"eval": eval_main, "bow": bow_main, "data": data_main, "assets": assets_main, "tune": tune_main,
-                "plot": plot_main, "export": export_main, "pseudo-label": pseudo_label_main}
-    if args.command not in ("plot", "export"):
-        return commands[args.command](args)
+    commands = {"train": train_command, "eval": eval_main, "bow": bow_main, "data": data_main,
+                "assets": assets_main, "tune": tune_main, "plot": plot_main, "export": export_main,
+                "pseudo-label": pseudo_label_main}
     try:
         return commands[args.command](args)
-    except (FileNotFoundError, ValueError) as e:  # a path or a flag the user can fix: one line, status 2
-        print(f"rayvl {args.command}: {e}", file=sys.stderr)
-        return 2
+    except USER_ERRORS as e:  # a config key, a data spec, a missing asset: one line naming it, before Ray starts
+        return user_error(e)
+    except (FileNotFoundError, ValueError) as e:  # elsewhere these may be bugs: their traceback is kept
+        if args.command not in LOCAL_COMMANDS:
+            raise
+        return user_error(e)
 
 
 def eval_main(args) -> int:
     from rayvl import session, storage
     from rayvl.checkpoints import checkpoint_uri, read_meta
     from rayvl.eval.embed import check_gpus
-    from rayvl.eval.runner import default_sources, run_eval
+    from rayvl.eval.runner import default_sources, run_eval, settings
     from rayvl.eval.tables import format_tables
-    from rayvl.eval.tasks import TASKS
 
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    bad = [t for t in tasks if t not in TASKS]
-    if bad:
-        print(f"--tasks: unknown {bad} (known: {', '.join(TASKS)})", file=sys.stderr)
-        return 2
-    try:
-        _check_pool_flags(args)
-        ckpt = checkpoint_uri(args.checkpoint)  # a local path or a URL (s3://, gs://, file://, ...)
-        sources = default_sources(read_meta(ckpt)["config"], args.data, args.kind, args.classes, args.paraphrases,
-                                  args.sts)
+    try:  # everything the command line names, checked before any embedding
+        ckpt = checkpoint_uri(args.run)  # a local path or a URL (s3://, gs://, file://, ...)
+        config = read_meta(ckpt)["config"]
+        pool = settings(config, actors=args.actors, cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus,
+                        batch_size=args.batch_size, paraphrase_k=args.k)
+        tasks = _tasks(args.tasks, pool)
+        _check_pool(pool)
+        sources = default_sources(config, args.data, args.kind, args.classes, args.paraphrases, args.sts)
         started = session.connect(verbose=args.verbose, include_dashboard=False)
-        check_gpus(args.gpus, f"--gpus {args.gpus:g}", "--gpus 0", fixed_size=started)  # before any embedding
+        gpus = pool.gpus_per_actor
+        check_gpus(gpus, f"--gpus {gpus:g}", "--gpus 0", fixed_size=started)
     except (FileNotFoundError, ValueError) as e:
-        print(f"rayvl eval: {e}", file=sys.stderr)
-        return 2
+        return user_error(e)
     results = _gpu_errors_in_one_line(lambda: run_eval(
-        ckpt, tasks, sources, args.out or None, actors=args.actors, cpus_per_actor=args.cpus_per_actor,
-        batch_size=args.batch_size, k=args.k, limit=args.limit, gpus_per_actor=args.gpus))
+        ckpt, tasks, sources, args.out or None, actors=pool.actors, cpus_per_actor=pool.cpus_per_actor,
+        batch_size=pool.batch_size, k=pool.paraphrase_k, limit=args.limit, gpus_per_actor=gpus))
     if results is None:
         return 1
     print(f"checkpoint {ckpt}\ndata {sources.data} ({sources.kind})")
@@ -152,11 +190,25 @@ def eval_main(args) -> int:
     return 0
 
 
-def _check_pool_flags(args) -> None:
-    if not 0 <= args.gpus <= 1:  # an actor's model runs on one GPU: more GPUs make more actors (--actors)
-        raise ValueError(f"--gpus {args.gpus:g}: GPUs per embedding actor, from 0 to 1 (more GPUs: more --actors)")
-    if args.actors < 0 or args.batch_size < 1 or args.cpus_per_actor < 0:
-        raise ValueError("--actors, --cpus-per-actor must be ≥ 0 and --batch-size ≥ 1")
+def _tasks(given: str | None, pool: EvalConfig) -> list[str]:
+    """--tasks, else the run's eval.checkpoint_tasks — each one a task `rayvl eval` knows."""
+    from rayvl.eval.tasks import TASKS
+
+    source = "--tasks" if given is not None else "eval.checkpoint_tasks"
+    tasks = [t.strip() for t in given.split(",") if t.strip()] if given is not None else list(pool.checkpoint_tasks)
+    bad = [t for t in tasks if t not in TASKS]
+    if bad or not tasks:
+        raise ValueError(f"{source}: unknown {bad or 'none given'} (known: {', '.join(TASKS)})")
+    return tasks
+
+
+def _check_pool(pool: EvalConfig) -> None:
+    if not 0 <= pool.gpus_per_actor <= 1:  # an actor's model runs on one GPU: more GPUs make more actors (--actors)
+        raise ValueError(f"--gpus {pool.gpus_per_actor:g} (eval.gpus_per_actor): GPUs per embedding actor, from 0 "
+                         f"to 1 (more GPUs: more --actors)")
+    if pool.actors < 0 or pool.batch_size < 1 or pool.cpus_per_actor < 0:
+        raise ValueError("--actors, --cpus-per-actor (eval.actors, eval.cpus_per_actor) must be ≥ 0 and "
+                         "--batch-size (eval.batch_size) ≥ 1")
 
 
 def _gpu_errors_in_one_line(job):
@@ -175,54 +227,35 @@ def _gpu_errors_in_one_line(job):
 
 def bow_main(args) -> int:
     from rayvl.bow_preview import preview
-    from rayvl.data.report import DataPlaneError
 
-    try:
-        preview(load_config(args.config, list(args.set)), args.data, args.n, args.stats)
-    except (ConfigError, DataPlaneError) as e:
-        print(f"rayvl bow preview: {e}", file=sys.stderr)
-        return 2
+    preview(load_config(args.config, list(args.set)), args.data or "", args.n, args.stats or "")
     return 0
 
 
 def tune_main(args) -> int:
-    from rayvl import tune
+    from rayvl.sweeps.comparison_report import variants_report
+    from rayvl.sweeps.spaces import load_sweep
 
     if args.report:
         from rayvl import session
+        from rayvl.sweeps.reports import write_report
 
         session.connect("", 1, include_dashboard=False)  # Tune's ExperimentAnalysis reads trials through a session
-        print(tune.write_report(args.report)[0])
-        _comparison(args.report)
+        print(write_report(args.report)[0] + variants_report(args.report))
         return 0
     if not args.space:
-        print("rayvl tune: give a search-space file (tune_spaces/*.yaml) or --report DIR", file=sys.stderr)
-        return 2
+        return user_error("tune: give a search-space file (tune_spaces/*.yaml) or --report DIR")
     if args.dry_run:
         from rayvl import plan
 
-        return dry_run(lambda: plan.describe_sweep(tune.load_sweep(args.space, args.set)))
-    try:
-        sweep = tune.load_sweep(args.space, args.set)  # every key and domain checked before Ray starts
-        sweep_dir = tune.sweep_and_report(sweep, name=args.name, resume=args.resume)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    _comparison(sweep_dir)
+        return dry_run(lambda: plan.describe_sweep(load_sweep(args.space, args.set)))
+    from rayvl.sweeps.runner import sweep_and_report
+
+    sweep = load_sweep(args.space, args.set)  # every key and domain checked before Ray starts
+    variants = variants_report(sweep_and_report(sweep, name=args.name, resume=args.resume))
+    if variants:  # a space with variants is a comparison: mean ± std per variant over the other keys
+        print(variants)
     return 0
-
-
-def _comparison(sweep_dir: str) -> None:
-    """A space with variants is a comparison: mean ± std per variant over the other keys (rayvl.compare)."""
-    import json
-
-    from rayvl import compare, storage, tune
-
-    settings = json.loads(storage.read_text(storage.join(storage.normalize(sweep_dir), tune.SWEEP_FILE)))
-    if settings.get("variants"):
-        table, files = compare.write_report(sweep_dir)
-        print(f"\n== variants: mean ± std over {', '.join(settings['keys']) or 'one trial each'} ==\n{table}\n"
-              f"  files: {', '.join(files)}")
 
 
 def plot_main(args) -> int:
@@ -231,12 +264,13 @@ def plot_main(args) -> int:
     from rayvl.plots import history, plot_run, plot_runs
 
     if len(args.runs) == 1:
-        written = plot_run(args.runs[0], args.out or None)
+        drawn = plot_run(args.runs[0], args.out)
     elif not args.out:
-        raise ValueError("several runs need --out (the folder for the comparison figures)")
+        return user_error("plot: several runs need --out (the folder for their dashboard)")
     else:
-        written = plot_runs({Path(r.rstrip("/")).name: history(r) for r in args.runs}, args.out)
-    print(f"wrote {len(written)} plots to {written[0].parent if written else args.out}")
+        drawn = plot_runs({Path(r.rstrip("/")).name: history(r) for r in args.runs}, args.out)
+    print(f"wrote {drawn.path}: {len(drawn.panels)} curves"
+          + (f", {len(drawn.table)} metrics reported once in a table" if drawn.table else ""))
     return 0
 
 
@@ -251,7 +285,7 @@ def export_main(args) -> int:
 def pseudo_label_main(args) -> int:
     from rayvl import pseudo_label, session
 
-    flags = {"checkpoint": args.checkpoint, "aligned": args.aligned, "unaligned": args.unaligned, "out": args.out}
+    flags = {"checkpoint": args.run, "aligned": args.aligned, "unaligned": args.unaligned, "out": args.out}
     overrides = list(args.set) + [f"pseudo_label.{k}={v}" for k, v in flags.items() if v is not None]
     if args.rules:
         overrides.append(f"pseudo_label.rules=[{args.rules}]")
@@ -259,15 +293,11 @@ def pseudo_label_main(args) -> int:
         from rayvl import plan
 
         return dry_run(lambda: plan.describe_pseudo_label(load_config(args.config, overrides)))
+    cfg = load_config(args.config, overrides)
+    checked = pseudo_label.check(cfg)  # every path named by its key before Ray starts
+    started = session.connect(cfg.ray_address, cfg.local_num_cpus, verbose=args.verbose, include_dashboard=False)
     try:
-        cfg = load_config(args.config, overrides)
-        checked = pseudo_label.check(cfg)  # every path named by its key before Ray starts
-        started = session.connect(cfg.ray_address, cfg.local_num_cpus, verbose=args.verbose,
-                                  include_dashboard=False)
         summary = _gpu_errors_in_one_line(lambda: pseudo_label.run(cfg, fixed_size=started, checked=checked))
-    except ConfigError as e:
-        print(f"config error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
     except Exception as e:  # an unreadable shard (or another data failure) in one line, not an actor's traceback
         cause = data_cause(e)
         if cause is None:
@@ -283,14 +313,18 @@ def pseudo_label_main(args) -> int:
 
 
 def data_main(args) -> int:
-    from rayvl.data.demo import write_demo
-
     if args.data_command == "check":
         from rayvl import plan
 
         return dry_run(lambda: plan.check_data(args.spec, args.n))
-    out = write_demo(args.out, args.samples, args.eval_samples, args.seed, args.shard_size)
-    print(f"wrote demo dataset: {out} ({args.samples} train, {args.eval_samples} held-out)")
+    from rayvl.data.demo import DEMO_SEED, write_demo
+
+    d = DataConfig()
+    samples = d.demo_samples if args.samples is None else args.samples
+    eval_samples = d.demo_eval_samples if args.eval_samples is None else args.eval_samples
+    shards = {} if args.shard_size is None else {"shard_size": args.shard_size}
+    out = write_demo(args.out, samples, eval_samples, DEMO_SEED if args.seed is None else args.seed, **shards)
+    print(f"wrote demo dataset: {out} ({samples} train, {eval_samples} held-out)")
     return 0
 
 
@@ -304,13 +338,13 @@ def assets_main(args) -> int:
     lines, missing = assets.check()
     print("\n".join(lines))
     if not missing:  # and the language resources read through nltk's own readers
-        from rayvl.data.ontology import wordnet
+        from rayvl.methods.tonics.ontology import wordnet
         from rayvl.data.text import stopwords
 
         print(f"nltk English stopwords: {len(stopwords())} words; WordNet {wordnet().get_version()}: "
               f"puppies → {wordnet().morphy('puppies', 'n')}")
-    if missing:
-        print(f"rayvl assets check: missing {', '.join(missing)} — run `rayvl assets fetch` (make install does)",
+    if missing:  # a check that failed (status 1), not a mistake on the command line
+        print(f"rayvl: error: missing {', '.join(missing)} — run `rayvl assets fetch` (make install does)",
               file=sys.stderr)
     return 1 if missing else 0
 

@@ -16,12 +16,10 @@ from typing import Any, Literal
 
 import yaml
 
+from rayvl.errors import ConfigError  # raised here; callers import it from here too
+from rayvl.methods import checks
 
 REPORT_TO = ("tensorboard", "mlflow")
-
-
-class ConfigError(ValueError):
-    """A config key is unknown, mistyped or conflicts with another key."""
 
 
 @dataclass
@@ -113,49 +111,6 @@ class BowConfig:
 
 
 DEFAULT_BOW_OPS = ("shuffle", "rm_stop_nalpha", "limit_to_base_vocab", {"rm_top_freq": 1000}, {"keep": 4})
-
-
-@dataclass(frozen=True)
-class BowOp:
-    """One operator of the ``bow.ops`` cascade ([BoW] §2.2), its argument t or n where it takes one."""
-
-    name: str
-    arg: int | None = None
-
-
-_BOW_OP_TAKES_ARG = {"shuffle": False, "rm_stop_nalpha": False, "limit_to_base_vocab": False, "rm_top_freq": True,
-                     "keep": True}
-
-
-def parse_bow_ops(spec: list) -> list[BowOp]:
-    """``[shuffle, rm_stop_nalpha, {rm_top_freq: 1000}, {keep: 4}]`` → BowOps. Errors are ValueError("[i]: ...")."""
-    ops: list[BowOp] = []
-    for i, item in enumerate(spec):
-        if isinstance(item, str):
-            name, arg = item, None
-        elif isinstance(item, dict) and len(item) == 1:
-            name, arg = next(iter(item.items()))
-        else:
-            raise ValueError(f"[{i}]: expected an operator name or {{name: value}}, got {item!r}")
-        if name not in _BOW_OP_TAKES_ARG:
-            raise ValueError(f"[{i}]: unknown operator {name!r} (known: {', '.join(_BOW_OP_TAKES_ARG)})")
-        if _BOW_OP_TAKES_ARG[name]:
-            if isinstance(arg, bool) or not isinstance(arg, int) or arg < (1 if name == "keep" else 0):
-                raise ValueError(f"[{i}]: {name} needs a whole number{' ≥ 1' if name == 'keep' else ' ≥ 0'}, "
-                                 f"e.g. {{{name}: 4}}; got {arg!r}")
-        elif arg is not None:
-            raise ValueError(f"[{i}]: {name} takes no value, got {arg!r}")
-        ops.append(BowOp(name, arg))
-    names = [op.name for op in ops]
-    if "keep" in names and (names.count("keep") > 1 or names[-1] != "keep"):
-        raise ValueError(f"[{names.index('keep')}]: keep must come once and last — Keep(n) is always applied after "
-                         f"all other operations ([BoW] §2.2)")
-    return ops
-
-
-def bow_needs_stats(ops: list[BowOp]) -> bool:
-    """LimitToBaseVocab and RmTopFreq read the base split's statistics (a Ray Data pass before training)."""
-    return any(op.name in ("limit_to_base_vocab", "rm_top_freq") for op in ops)
 
 
 @dataclass
@@ -376,7 +331,18 @@ class EvalConfig:
     paraphrase_k: int = 10
     """k of AO@k / JS@k ([Paraphrase] §3 uses 10)."""
     batch_size: int = 128
-    """images/texts per forward pass during evaluation."""
+    """images/texts per forward pass during evaluation (and per `rayvl eval` actor call)."""
+    checkpoint_tasks: list[str] = field(
+        default_factory=lambda: ["zeroshot", "retrieval", "paraphrase", "sts", "linear_probe"])
+    """tasks `rayvl eval` runs on a checkpoint unless --tasks names others (the linear probe too)."""
+    actors: int = 0
+    """`rayvl eval`'s embedding actors (a Ray Data actor pool): 0 = one on CPU, or with gpus_per_actor as many as
+    the cluster's GPUs hold when it starts."""
+    cpus_per_actor: float = 0.5
+    """CPUs each `rayvl eval` embedding actor reserves."""
+    gpus_per_actor: float = 0.0
+    """GPUs each `rayvl eval` embedding actor reserves, at most 1 (0: embed on CPU in fp32; 1: an actor per GPU, in
+    bf16 autocast; 0.5: two actors share a GPU)."""
 
 
 @dataclass
@@ -619,11 +585,7 @@ def validate(cfg: RayvlConfig) -> None:
     """Impossible combinations, each naming the key to change."""
     _validate_train(cfg.train)
     _validate_data(cfg.data, cfg.train)
-    m, t = cfg.model, cfg.train
-    if m.alignment_layers < 0:  # 0 with frozen_alignment is [Paraphrase] Table 1(c)'s m = 0: the frozen LM alone
-        raise ConfigError(f"model.alignment_layers: must be ≥ 0, got {m.alignment_layers}")
-    if m.adapter_reduction < 1:
-        raise ConfigError(f"model.adapter_reduction: must be ≥ 1, got {m.adapter_reduction}")
+    m = cfg.model
     if m.embed_dim < 1:
         raise ConfigError(f"model.embed_dim: must be ≥ 1, got {m.embed_dim}")
     if m.init_logit_scale <= 0 or m.init_logit_scale > m.max_logit_scale:
@@ -637,20 +599,6 @@ def validate(cfg: RayvlConfig) -> None:
                               f"not inside training")
         if task not in EVAL_TASKS:
             raise ConfigError(f"eval.tasks[{i}]: unknown task {task!r} (known: {', '.join(EVAL_TASKS)})")
-    _validate_bow(cfg.bow)
-    _validate_image_label(cfg)
-    mb = cfg.memory_bank
-    if mb.size < 0:
-        raise ConfigError(f"memory_bank.size: must be ≥ 0, got {mb.size}")
-    if mb.size and t.zero_stage == 3:
-        raise ConfigError("memory_bank.size: the EMA memory bank needs every full parameter on every rank at every "
-                          "step, which ZeRO-3 partitions away; use train.zero_stage ≤ 2 with a memory bank")
-    if mb.size and not 0.0 <= mb.momentum < 1.0:
-        raise ConfigError(f"memory_bank.momentum: must be in [0, 1), got {mb.momentum}")
-    if mb.size and mb.temperature <= 0:
-        raise ConfigError(f"memory_bank.temperature: must be > 0, got {mb.temperature}")
-    _validate_tonics(cfg.tonics, cfg)
-    _validate_pseudo_label(cfg.pseudo_label)
     if cfg.eval.every_steps < 0:
         raise ConfigError(f"eval.every_steps: must be ≥ 0, got {cfg.eval.every_steps}")
     if (cfg.tune.driver_cpus or 0.0) < 0 or any(v <= 0 for v in cfg.tune.driver_resources.values()):
@@ -658,28 +606,7 @@ def validate(cfg: RayvlConfig) -> None:
     if cfg.tune.driver_cpus == 0 and not cfg.tune.driver_resources:
         raise ConfigError("tune.driver_cpus: a trial driver needs some resource (Ray schedules no empty bundle): "
                           "> 0, or name tune.driver_resources")
-
-
-PSEUDO_RULES = ("max_count", "rm_top_max_count", "rm_top_rand", "weighted_count")  # rayvl.data.word_rank.RULES
-
-
-def _validate_pseudo_label(x: PseudoLabelConfig) -> None:
-    for i, rule in enumerate(x.rules):
-        if rule not in PSEUDO_RULES:
-            raise ConfigError(f"pseudo_label.rules[{i}]: unknown rule {rule!r} (known: {', '.join(PSEUDO_RULES)})")
-    if len(set(x.rules)) != len(x.rules):
-        raise ConfigError(f"pseudo_label.rules: a rule is listed twice: {x.rules}")
-    for name in ("crops", "k", "words", "index_nprobe", "shard_size", "actors", "batch_size"):
-        if getattr(x, name) < 1:
-            raise ConfigError(f"pseudo_label.{name}: must be ≥ 1, got {getattr(x, name)}")
-    for name in ("top_t", "index_exact_max", "index_nlist", "recall_sample"):
-        if getattr(x, name) < 0:
-            raise ConfigError(f"pseudo_label.{name}: must be ≥ 0, got {getattr(x, name)}")
-    if not 0 < x.crop_scale_min <= 1:
-        raise ConfigError(f"pseudo_label.crop_scale_min: must be in (0, 1], got {x.crop_scale_min}")
-    if x.cpus_per_actor < 0 or not 0 <= x.gpus_per_actor <= 1:
-        raise ConfigError(f"pseudo_label.cpus_per_actor / gpus_per_actor: must be ≥ 0 / in [0, 1] (an actor's model "
-                          f"runs on one GPU), got {x.cpus_per_actor:g} / {x.gpus_per_actor:g}")
+    checks.check(cfg)  # each method's own constraints (rayvl.methods.checks)
 
 
 def _validate_train(t: TrainConfig) -> None:
@@ -740,62 +667,3 @@ def _validate_data(d: DataConfig, t: TrainConfig) -> None:
             f"data.demo_samples: {d.demo_samples} cannot fill one global batch of "
             f"{t.num_workers}×{t.micro_batch_size} (train.num_workers × train.micro_batch_size)"
         )
-
-
-def _validate_bow(b: BowConfig) -> None:
-    try:
-        ops = parse_bow_ops(b.ops)
-    except ValueError as e:
-        raise ConfigError(f"bow.ops{e}") from None
-    if not 0.0 <= b.base_fraction < 1.0:
-        raise ConfigError(f"bow.base_fraction: must be in [0, 1), got {b.base_fraction}")
-    if b.base_fraction == 0.0 and bow_needs_stats(ops):
-        raise ConfigError("bow.base_fraction: limit_to_base_vocab / rm_top_freq need a base split (> 0)")
-
-
-def _validate_tonics(x: TonicsConfig, cfg: RayvlConfig) -> None:
-    if not x.enabled:
-        return
-    if not x.classes:
-        raise ConfigError("tonics.classes: TOnICS needs object classes (WordNet nouns or synset ids)")
-    if x.overrides and not Path(x.overrides).expanduser().is_file():
-        raise ConfigError(f"tonics.overrides: {x.overrides!r} does not exist")
-    if not 0.0 < x.alpha < 1.0:
-        raise ConfigError(f"tonics.alpha: must be in (0, 1), got {x.alpha}")
-    if not 0.0 <= x.beta <= 1.0:
-        raise ConfigError(f"tonics.beta: must be in [0, 1], got {x.beta}")
-    for name in ("refresh_every", "refresh_instances", "buffer_rows", "min_instances"):
-        if getattr(x, name) < 1:
-            raise ConfigError(f"tonics.{name}: must be ≥ 1, got {getattr(x, name)}")
-    if x.buffer_rows < cfg.train.micro_batch_size:
-        raise ConfigError(f"tonics.buffer_rows: {x.buffer_rows} cannot hold one micro-batch of "
-                          f"train.micro_batch_size={cfg.train.micro_batch_size}")
-    if x.max_wait_rows < 0:
-        raise ConfigError(f"tonics.max_wait_rows: must be ≥ 0, got {x.max_wait_rows}")
-    if not cfg.eval.tasks:
-        raise ConfigError("eval.tasks: the TOnICS curriculum refresh needs the held-out split (eval.tasks empty)")
-
-
-def _validate_image_label(cfg: RayvlConfig) -> None:
-    il, m = cfg.image_label, cfg.model
-    if not 0.0 < il.weight <= 1.0:
-        raise ConfigError(f"image_label.weight: must be in (0, 1], got {il.weight}")
-    if (m.text_tower == "class_embedding") != (cfg.loss.kind == "ce"):
-        raise ConfigError("loss.kind: ce goes with model.text_tower=class_embedding (and only with it)")
-    if cfg.loss.kind == "ce" and (not il.data or il.weight < 1.0):
-        raise ConfigError("loss.kind: ce trains on image-label data only: set image_label.data and "
-                          "image_label.weight=1.0")
-    if cfg.loss.kind == "ce" and (cfg.eval.tasks or cfg.memory_bank.size):
-        raise ConfigError("eval.tasks: a class-embedding model has no text encoder; set eval.tasks=[] (and no "
-                          "memory bank) — evaluate it with its class embeddings")
-    if il.data and cfg.tonics.enabled:
-        raise ConfigError("tonics.enabled: TOnICS batches come from one image-text stream; it does not combine "
-                          "with image_label.data")
-    if il.data and il.weight < 1.0 and cfg.train.micro_batch_size * il.weight < 1:
-        raise ConfigError(f"image_label.weight: {il.weight} of train.micro_batch_size="
-                          f"{cfg.train.micro_batch_size} is less than one sample")
-    b = cfg.train.micro_batch_size  # a mixed micro-batch takes round(weight × B) image-label rows (train/batches.py)
-    if il.data and il.weight < 1.0 and round(b * il.weight) >= b:
-        raise ConfigError(f"image_label.weight: {il.weight} of train.micro_batch_size={b} leaves no image-text row "
-                          f"(round({il.weight} × {b}) = {b}); use 1.0 for image-label data only, or at most "
-                          f"{(b - 1) / b:.4g}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from itertools import islice
+from pathlib import Path
 
 from rayvl import storage
 from rayvl.config import ConfigError, RayvlConfig, precision
@@ -58,15 +59,16 @@ def data_lines(key: str, check: SpecCheck, policy: ReadPolicy) -> tuple[list[str
 
 def describe(cfg: RayvlConfig) -> str:
     """The plan of one training run (``--dry-run``); raises ConfigError for what would fail."""
+    from rayvl.methods import rows as methods
     from rayvl.train import datasets
-    from rayvl.train.batches import label_rows
+    from rayvl.methods.unicl.rows import label_rows
     from rayvl.train.run_dir import run_paths
     from rayvl.train.trainer import check_init_from
 
     d, t = cfg.data, cfg.train
     checks = datasets.check_inputs(cfg, d.train, d.eval)
-    datasets.tonics_ontology(cfg)
-    datasets.image_label_prompts(cfg)
+    # each enabled method's inputs (its data part, resolved as a run would: on the demo, with the demo's held-out split)
+    methods.parts(cfg, d.train, d.eval or ("" if d.train else str(Path(d.demo_dir).expanduser() / "eval")))
     check_init_from(cfg)
     store, name = run_paths(cfg)
     policy = ReadPolicy.of(d)
@@ -129,7 +131,7 @@ def check_data(spec: str, samples: int, policy: ReadPolicy = ReadPolicy()) -> st
 
 def describe_sweep(sweep) -> str:
     """The plan of a sweep (``rayvl tune --dry-run``): its trials, and one trial's run plan."""
-    from rayvl.tune import trial_config
+    from rayvl.sweeps.spaces import trial_config
 
     grid = [len(v["grid"]) for v in sweep.space.values() if "grid" in v]
     trials = math.prod(grid) * sweep.num_samples * max(1, len(sweep.variants))

@@ -1,9 +1,14 @@
-"""PNG plots of a run's ``metrics.jsonl`` (matplotlib): loss, learning rate, samples/s and every evaluation metric
-over steps — one run (``rayvl plot RUN``, also while it runs), or several runs on one figure per metric (the
-comparison jobs, ``rayvl plot RUN RUN ... --out DIR``)."""
+"""One PNG dashboard of a run's ``metrics.jsonl`` (matplotlib): training loss, learning rate, samples/s and data
+wait over steps, each evaluation metric that has more than one point as a curve, and the metrics with a single
+point (most evaluations of a short run) as a table in the same figure. One run (``rayvl plot RUN``, also while it
+runs; every finished run gets ``<run>/plots/run.png``), or several runs with a line per run (``rayvl plot RUN RUN
+... --out DIR``). TensorBoard and MLflow keep every scalar; this is the page a user opens first."""
 from __future__ import annotations
 
 import json
+import math
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rayvl import storage
@@ -11,8 +16,23 @@ from rayvl.checkpoints import METRICS_FILE
 from rayvl.eval.tasks import METRIC_PREFIXES
 
 PLOTS_DIR = "plots"
-TRAINING = {"loss": "training loss", "lr": "learning rate", "samples_per_s": "samples/s (all workers)"}
+DASHBOARD_FILE = "run.png"
+TRAINING = {"loss": "training loss", "lr": "learning rate", "samples_per_s": "samples/s (all workers)",
+            "data_wait_share": "data wait (% of step time)"}
+SCALE = {"data_wait_share": 100.0}  # a share in the file, a percentage on the axis
 SKIPPED = ("_chance_", "zeroshot_classes", "zeroshot_templates", "_images", "_captions", "_pairs")
+COLUMNS = 3
+
+
+@dataclass
+class Dashboard:
+    """What a dashboard drew, so that a caller (or a test) can tell without reading pixels: the curve panels'
+    titles in drawing order, and the table's single-point metrics as {metric: {run: (step, value)}}."""
+
+    path: Path
+    runs: list[str]
+    panels: list[str] = field(default_factory=list)
+    table: dict[str, dict[str, tuple[int, float]]] = field(default_factory=dict)
 
 
 def history(run: str) -> list[dict]:
@@ -32,12 +52,38 @@ def history(run: str) -> list[dict]:
 def plotted_metrics(rows: list[dict]) -> list[str]:
     """The training curves, then every evaluation metric the run reported (not chance levels or set sizes)."""
     keys = {k for r in rows for k in r}
-    evals = sorted(k for k in keys if k.startswith(METRIC_PREFIXES) and not any(s in k for s in SKIPPED))
+    evals = sorted((k for k in keys if k.startswith(METRIC_PREFIXES) and not any(s in k for s in SKIPPED)),
+                   key=lambda k: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", k)])  # R@5 before R@10
     return [k for k in TRAINING if k in keys] + evals
 
 
-def plot_runs(runs: dict[str, list[dict]], out_dir: str | Path) -> list[Path]:
-    """One PNG per metric in ``out_dir``, each run a line (a marker per point: evaluations are sparse)."""
+def title(metric: str) -> str:
+    return TRAINING.get(metric, metric)
+
+
+def points(rows: list[dict], metric: str) -> list[tuple[int, float]]:
+    """(step, value) of every row that reported ``metric`` as a number."""
+    return [(r["step"], float(r[metric]) * SCALE.get(metric, 1.0)) for r in rows
+            if isinstance(r.get(metric), (int, float)) and not isinstance(r.get(metric), bool)]
+
+
+def layout(runs: dict[str, list[dict]]) -> tuple[list[str], dict[str, dict[str, tuple[int, float]]]]:
+    """(metrics drawn as curves, the table): a metric is a curve where some run has more than one point of it —
+    a single evaluation drawn as a lone dot on its own axes says less than a number in a table."""
+    metrics = list(dict.fromkeys(m for rows in runs.values() for m in plotted_metrics(rows)))
+    curves, table = [], {}
+    for metric in metrics:
+        each = {name: points(rows, metric) for name, rows in runs.items()}
+        if any(len(p) > 1 for p in each.values()):
+            curves.append(metric)
+        elif any(each.values()):
+            table[metric] = {name: p[0] for name, p in each.items() if p}
+    return curves, table
+
+
+def plot_runs(runs: dict[str, list[dict]], out_dir: str | Path) -> Dashboard:
+    """``<out_dir>/run.png``: a panel per curve (a line per run, a marker per point where points are few) and the
+    table of single-point metrics below them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -45,34 +91,55 @@ def plot_runs(runs: dict[str, list[dict]], out_dir: str | Path) -> list[Path]:
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    written = []
-    metrics = list(dict.fromkeys(m for rows in runs.values() for m in plotted_metrics(rows)))
-    for metric in metrics:
-        fig, ax = plt.subplots(figsize=(6, 3.6))
-        for name, rows in runs.items():
-            points = [(r["step"], r[metric]) for r in rows if r.get(metric) is not None]
-            if points:
-                ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, markersize=3, label=name)
-        ax.set_xlabel("step")
-        ax.set_ylabel(TRAINING.get(metric, metric))
-        ax.grid(alpha=0.3)
-        if len(runs) > 1:
-            ax.legend(fontsize=8)
-        if metric == "lr":
-            ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
-        fig.tight_layout()
-        path = out / f"{metric.replace('@', '_at_').replace('/', '_')}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
-    return written
+    curves, table = layout(runs)
+    dashboard = Dashboard(out / DASHBOARD_FILE, list(runs), [title(m) for m in curves], table)
+    columns = max(1, min(COLUMNS, len(curves)))
+    rows = math.ceil(len(curves) / columns)
+    table_height = 0.4 + 0.28 * (len(table) + 1) if table or not curves else 0.0
+    fig = plt.figure(figsize=(5 * columns if curves else 8, 3.3 * rows + table_height), layout="constrained")
+    grid = fig.add_gridspec(rows + bool(table_height), columns,
+                            height_ratios=[3.3] * rows + ([table_height] if table_height else []))
+    for i, metric in enumerate(curves):
+        _curve(fig.add_subplot(grid[i // columns, i % columns]), metric, runs)
+    if table_height:
+        _table(fig.add_subplot(grid[rows, :]), table, list(runs))
+    fig.suptitle(", ".join(runs) if len(runs) <= 3 else f"{len(runs)} runs", fontsize=10)
+    fig.savefig(dashboard.path, dpi=90)
+    plt.close(fig)
+    return dashboard
 
 
-def plot_run(run: str, out_dir: str | Path | None = None) -> list[Path]:
-    """A run's PNGs, in ``<run>/plots/`` (or ``out_dir``; needed for a run on object storage)."""
+def _curve(ax, metric: str, runs: dict[str, list[dict]]) -> None:
+    for name, rows in runs.items():
+        found = points(rows, metric)
+        if found:
+            ax.plot(*zip(*found), marker="o" if len(found) < 30 else None, markersize=3, label=name)
+    ax.set_title(title(metric), fontsize=10)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    if len(runs) > 1:
+        ax.legend(fontsize=7)
+    if metric == "lr":
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+
+
+def _table(ax, table: dict[str, dict[str, tuple[int, float]]], names: list[str]) -> None:
+    ax.axis("off")
+    if not table:
+        ax.text(0.5, 0.5, "no metrics reported yet", ha="center", va="center")
+        return
+    cells = [[title(m), *(f"{v[1]:.4g} (step {v[0]})" if v else "-" for v in (row.get(n) for n in names))]
+             for m, row in table.items()]
+    drawn = ax.table(cellText=cells, colLabels=["reported once", *names], loc="upper center", cellLoc="left")
+    drawn.auto_set_font_size(False)
+    drawn.set_fontsize(8)
+
+
+def plot_run(run: str, out_dir: str | Path | None = None) -> Dashboard:
+    """A run's dashboard, ``<run>/plots/run.png`` (or in ``out_dir``; needed for a run on object storage)."""
     if out_dir is None:
         local = storage.local_path(run)
         if local is None:
-            raise ValueError(f"{run}: a run on object storage needs --out (a local folder for the PNGs)")
+            raise ValueError(f"{run}: a run on object storage needs --out (a local folder for the dashboard)")
         out_dir = local / PLOTS_DIR
     return plot_runs({Path(str(run).rstrip("/")).name: history(run)}, out_dir)

@@ -42,17 +42,18 @@ import ray
 
 from rayvl.checkpoints import checkpoint_uri, read_meta
 from rayvl.config import ConfigError, PseudoLabelConfig, RayvlConfig
-from rayvl.data import artifacts, bow
-from rayvl.data.bow import rm_stop_nalpha
+from rayvl.data import artifacts
 from rayvl.data.images import crop, decode
 from rayvl.data.report import DataPlaneError
-from rayvl.data.shards import ShardStream, read
+from rayvl.data.shards import Reading, ShardStream, read
 from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
 from rayvl.data import specs
 from rayvl.data.specs import resolve_shards
 from rayvl.data.tar import iter_tar_samples, write_img2dataset_shard
 from rayvl.data.text import PSEUDO_FLAG, PSEUDO_MARKER, validate_caption, words
-from rayvl.data.word_rank import WordRanker, neighbour_counts
+from rayvl.methods.bow import deformation as bow
+from rayvl.methods.bow.deformation import rm_stop_nalpha
+from rayvl.methods.bow.word_rank import WordRanker, neighbour_counts
 from rayvl.eval import knn
 from rayvl.eval.data import IMAGE_EXTENSIONS
 from rayvl.eval.embed import RayDataEmbedder, actor_device, check_gpus, inference
@@ -124,7 +125,8 @@ def claim(out: Path, expected: dict) -> None:
 def read_pool(spec: str, read_cpus: float, io: ReadPolicy = ReadPolicy()) -> tuple[list[str], list[str]]:
     """(keys, captions) of S_a's valid captions, sorted by key (a Ray Data read of the key and txt members)."""
     pairs = []
-    for batch in read(ShardStream(resolve_shards(spec), columns=("key", "txt"), io=io), read_cpus).iter_batches(
+    reading = Reading(read_cpus=read_cpus, io=io)
+    for batch in read(ShardStream(resolve_shards(spec), reading, columns=("key", "txt"))).iter_batches(
             batch_size=None, batch_format="numpy"):
         for key, txt in zip(batch["key"], batch["txt"]):
             text, reason = validate_caption(txt)
@@ -299,7 +301,7 @@ def finished(out: Path, unit: Unit, rules: list[str]) -> bool:
 
 def check_cluster(cfg: RayvlConfig, fixed_size: bool, node_cpus: list[float] | None = None) -> None:
     """The actor pool must leave a CPU on some node for Ray Data's other tasks (reads, repartition): with
-    pseudo_label.actors=2 × cpus_per_actor=1 on 2 CPUs the caption pool's embedding waited forever (measured). An
+    pseudo_label.actors=2 × cpus_per_actor=1 on 2 CPUs the caption pool's embedding waited forever. An
     error on a Ray of fixed size, a warning on a cluster that may autoscale. Likewise GPUs the cluster cannot have."""
     from rayvl.session import place_workers
 
@@ -330,7 +332,7 @@ def run(cfg: RayvlConfig, fixed_size: bool = False, checked: tuple[str, list[Uni
     index_fp, labelling_fp = fingerprints(x, ckpt, units)
     claim(out, labelling_fp)
     stats, reused = bow.load_or_compute(x.aligned, str(out / INDEX_DIR / "aligned_word_stats.json"), seed=0,
-                                        fraction=1.0, read_cpus=cfg.data.read_cpus, io=ReadPolicy.of(cfg.data))
+                                        fraction=1.0, reading=Reading.of(cfg, None))
     log.info("S_a word statistics %s: %d captions, %d words", "reused" if reused else "computed",
              stats.captions, len(stats.df))
     index = build_index(cfg, ckpt, out / INDEX_DIR, index_fp, units)
@@ -342,7 +344,7 @@ def run(cfg: RayvlConfig, fixed_size: bool = False, checked: tuple[str, list[Uni
         labels = ray.data.from_items([{"unit": json.dumps(asdict(u))} for u in todo],
                                      override_num_blocks=len(todo)).map_batches(
             # one unit in flight per actor: a unit is a whole shard, and Ray Data's default queues several on the
-            # first actor that is ready — measured: 2 actors, 2 shards, labelled one after the other (48 s + 46 s)
+            # first actor that is ready: 2 actors were given 2 shards one after the other
             Labeler, batch_size=1, num_cpus=x.cpus_per_actor, num_gpus=x.gpus_per_actor,
             compute=ray.data.ActorPoolStrategy(size=x.actors, max_tasks_in_flight_per_actor=1),
             fn_constructor_kwargs={"checkpoint": ckpt, "index_dir": str(out / INDEX_DIR), "settings": asdict(x),

@@ -1,6 +1,7 @@
-"""Recipes as programs: the jobs in ``jobs/`` train one recipe (``run_recipe``), or one run per variant with the
-evaluations side by side (``train_variants``; the paper comparisons run variants × seeds as a Tune grid, in
-rayvl.compare). Config errors exit with status 2 before Ray starts."""
+"""Recipes as programs: `rayvl train` and the jobs in ``jobs/`` train one recipe (``train_command``, reached from
+a job's own command line through ``run_recipe``); the paper comparisons run variants × seeds as a Tune grid
+(rayvl.sweeps.comparison). Their shared options and their one error style: a mistake the user can fix is
+``rayvl: error: <one line>``, exit status 2, before Ray starts."""
 from __future__ import annotations
 
 import argparse
@@ -11,24 +12,42 @@ from pathlib import Path
 from rayvl import plan, session, storage
 from rayvl.assets import MissingAssetError
 from rayvl.config import ConfigError, RayvlConfig, load_config
-from rayvl.data.report import DataPlaneError, caption_stats, format_data_report
-from rayvl.plots import PLOTS_DIR, history, plot_runs
-from rayvl.eval.tables import format_eval_table, format_side_by_side
+from rayvl.data.report import DataPlaneError, format_data_report
+from rayvl.eval.tables import format_eval_table
+from rayvl.plots import DASHBOARD_FILE, PLOTS_DIR
 
 CONFIGS = Path(str(importlib.resources.files("rayvl.configs")))  # configs/ of the checkout or the installed copy
 
 
+class RayvlParser(argparse.ArgumentParser):
+    """argparse with rayvl's one error style: a usage mistake ends as every user error does, ``rayvl: error: …``
+    and exit status 2 (argparse's own is ``<prog>: error: …``, the prog differing per subcommand and job)."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(2, f"rayvl: error: {one_line(message)}\n")
+
+
+def user_error(error: Exception | str) -> int:
+    """A mistake the user can fix (a config key, a path, a flag), in one line on stderr; the exit status 2."""
+    print(f"rayvl: error: {one_line(error)}", file=sys.stderr)
+    return 2
+
+
 def add_train_args(p: argparse.ArgumentParser, default_config: str | None) -> None:
-    p.add_argument("--config", default=default_config, help="recipe YAML (configs/*.yaml)")
+    """The options of `rayvl train` and of the jobs: each sets config fields, so none has a default of its own."""
+    recipe = Path(default_config).name if default_config else "none"
+    p.add_argument("--config", default=default_config, help=f"recipe YAML (configs/*.yaml; default: {recipe})")
     p.add_argument("--data", help="training shards (dir, glob, list file or URL); sets data.train")
     p.add_argument("--eval-data", help="held-out shards; sets data.eval")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set train.zero_stage=3 (repeatable)")
-    p.add_argument("--resume", nargs="?", const="latest", default="", metavar="RUN",
+    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="RUN",
                    help="continue a run from its latest checkpoint: RUN (a run name), or with no value (or "
                         "'latest') train.run_name if set, else the newest run of this recipe")
-    p.add_argument("--init-from", default="", metavar="RUN",
-                   help="start a new run from the weights of RUN (a run directory, checkpoint or export)")
+    p.add_argument("--init-from", default=None, metavar="RUN",
+                   help="start a new run from the weights of RUN (a run directory, checkpoint or export); sets "
+                        "train.init_from")
     p.add_argument("--verbose", action="store_true", help="show Ray's and the workers' own output")
     p.add_argument("--dry-run", action="store_true",
                    help="check the config and the data (shard counts, the first sample of the first and last "
@@ -67,18 +86,22 @@ def _train(cfg: RayvlConfig, verbose: bool):
 
 
 def run_recipe(default_config: str, argv: list[str] | None = None) -> int:
-    """Parse, validate (before Ray starts), train, print the evaluation table and where the run is."""
-    p = argparse.ArgumentParser(description=f"rayvl recipe {Path(default_config).stem}")
+    """A job's command line (jobs/laion_adapt.py): the options of `rayvl train`, parsed once, then train_command."""
+    p = RayvlParser(description=f"rayvl recipe {Path(default_config).stem}")
     add_train_args(p, default_config)
     args = p.parse_args(argv)
     session.setup_logging(args.verbose)
+    return train_command(args)
+
+
+def train_command(args: argparse.Namespace) -> int:
+    """Validate (before Ray starts), train, print the evaluation table and where the run is."""
     if args.dry_run:
         return dry_run(lambda: plan.describe(config_from_args(args)))
     try:
         result = _train(config_from_args(args), args.verbose)
     except USER_ERRORS as e:
-        print(f"config error: {one_line(e)}", file=sys.stderr)
-        return 2
+        return user_error(e)
     except Exception as e:  # a run that failed because of its data says so in one line, not a worker traceback
         cause = data_cause(e)
         if cause is None:
@@ -93,7 +116,8 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> int:
     print(f"  checkpoint:  {result.checkpoint_dir}")
     print(f"  metrics:     {storage.join(result.uri, 'metrics.jsonl')}")
     print(f"  evaluation:  {storage.join(result.uri, 'eval.json')}")
-    print(f"  plots:       {storage.join(result.uri, PLOTS_DIR)}/*.png   (tensorboard --logdir {result.uri})")
+    print(f"  dashboard:   {storage.join(result.uri, PLOTS_DIR, DASHBOARD_FILE)}   (tensorboard --logdir "
+          f"{result.uri})")
     print(f"  export:      rayvl export {result.uri} --out {Path(str(result.uri)).name}-export")
     return 0
 
@@ -103,12 +127,11 @@ def dry_run(describe) -> int:
     try:
         print(describe())
     except USER_ERRORS as e:
-        print(f"config error: {one_line(e)}", file=sys.stderr)
-        return 2
+        return user_error(e)
     return 0
 
 
-def one_line(e: Exception) -> str:
+def one_line(e: Exception | str) -> str:
     return " ".join(str(e).split())
 
 
@@ -130,29 +153,3 @@ def data_cause(error: BaseException) -> DataPlaneError | None:
             stack += [e.__cause__, e.__context__, *getattr(e, "worker_failures", {}).values()]
     return None
 
-
-def train_variants(configs: dict[str, RayvlConfig], after=None, verbose: bool = False) -> dict[str, dict]:
-    return {name: _variant(name, cfg, after, verbose) for name, cfg in configs.items()}
-
-
-def print_comparison(title: str, configs: dict[str, RayvlConfig], results: dict[str, dict],
-                     rows: list[tuple[str, str, str]], base_name: str) -> Path:
-    """The side-by-side table, where each run is, and one figure per metric with a line per variant."""
-    print(f"\n== {title}: held-out evaluation side by side ==")
-    print(format_side_by_side(results, rows))
-    for name, r in results.items():
-        print(f"{name}: {r['run_dir']}")
-    first = next(iter(configs.values()))
-    out = storage.local_path(storage.normalize(first.train.storage_path)) or Path(".")
-    out = out / f"{base_name}-comparison"
-    plot_runs({name: history(r["run_dir"]) for name, r in results.items()}, out)
-    print(f"plots of the variants on one figure per metric: {out}/*.png")
-    return out
-
-
-def _variant(name: str, cfg: RayvlConfig, after, verbose: bool) -> dict:
-    print(f"\n== {name}: training {cfg.train.run_name} ==", flush=True)
-    result = _train(cfg, verbose)
-    print(format_data_report(result.data_report))
-    return {**result.metrics, **caption_stats(result.data_report["counts"]), **(after(result) if after else {}),
-            "run_dir": result.uri}

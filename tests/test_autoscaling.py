@@ -223,7 +223,7 @@ def test_ray_job_submit_to_an_autoscaling_cluster_gets_its_nodes(cluster, demo_d
     # the job's terminal: rayvl's progress lines, not Ray's echo of every report or the workers' output
     assert "step 1/2 (50%)" in out and "step 2/2 (100%)" in out and "ETA" in out, out[-4000:]
     assert "Reporting training result" not in out and "(RayTrainWorker" not in out, out[-4000:]
-    assert (run / "plots" / "loss.png").is_file() and list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run / "plots" / "run.png").is_file() and list((run / "tensorboard").glob("events.out.tfevents.*"))
     # the recipe's report_to: [tensorboard, mlflow]
     assert (tmp_path / "runs" / "mlruns" / "mlflow.db").is_file() and "report_to" not in out, out[-4000:]
     workers = _worker_nodes()

@@ -12,8 +12,13 @@ import pytest
 import ray
 
 from rayvl import assets
-from rayvl.config import ConfigError, load_config, parse_bow_ops
-from rayvl.data import bow, shards
+from rayvl.config import ConfigError, load_config
+from rayvl.data import shards
+from rayvl.data.pipeline import Rows
+from rayvl.data.shards import Reading
+from rayvl.methods.bow import deformation as bow
+from rayvl.methods.bow.check import parse_ops as parse_bow_ops
+from rayvl.methods.bow.rows import Deform
 from rayvl.data.artifacts import ArtifactMismatch
 from rayvl.data.report import report_actor
 from rayvl.data.tar import iter_tar_samples
@@ -142,10 +147,10 @@ def test_stats_pass_equals_single_process_reference_and_artifact_is_reused(ray_l
 
 
 def _pipeline(spec: str, deform, report_name=None, shuffle_files=True):
-    return shards.read_shards(spec, image_size=32, crop_scale_min=0.5, train=True,
-                              tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=16,
-                              read_cpus=0.5, transform_batch_size=16, shuffle_files=shuffle_files,
-                              report_name=report_name, bow=deform)
+    return shards.read_shards(spec, Rows(image_size=32, crop_scale_min=0.5, train=True,
+                                         tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=16,
+                                         transforms=(Deform(deform),)),
+                              Reading(read_cpus=0.5, batch_size=16, shuffle=shuffle_files, report_name=report_name))
 
 
 @ray.remote(num_cpus=0)

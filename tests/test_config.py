@@ -49,7 +49,7 @@ def test_numbers_as_users_write_them_and_files_that_are_not_there(tmp_path):
         load_config(RECIPE, ["train.betas=[0.9"])
     with pytest.raises(ConfigError, match="^--config: cannot read .*nothing.yaml"):
         load_config(tmp_path / "nothing.yaml")
-    from rayvl.tune import load_sweep
+    from rayvl.sweeps.spaces import load_sweep
 
     space = tmp_path / "space.yaml"
     space.write_text(f"recipe: {RECIPE}\nmetric: loss\nmode: min\nspace:\n  train.lr: {{loguniform: [1e-4, 1e-2]}}\n")
@@ -103,7 +103,7 @@ def test_job_rejects_bad_key_before_starting_ray(tmp_path):
                        capture_output=True, text=True, timeout=120, env={"RAY_TMPDIR": str(tmp_path / "ray"),
                                                                           "PATH": "/usr/bin:/bin"})
     assert r.returncode == 2, r.stderr
-    assert "train.zero_stag" in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("rayvl: error: train.zero_stag"), r.stderr
     assert not (tmp_path / "ray").exists()
 
 
@@ -116,6 +116,7 @@ def test_job_refuses_to_starve_ray_data_on_a_local_ray(demo_dir, tmp_path):
                                                                           "HOME": str(tmp_path)})
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert "train.cpus_per_worker" in r.stderr and "data.read_cpus" in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("rayvl: error: "), r.stderr
 
 
 @pytest.mark.parametrize("nodes, strategy, worker_cpus, read_cpus, label, ok", [

@@ -71,7 +71,7 @@ def _reaches_on_meta(seen, call) -> None:
 
 
 def test_collectives_run_on_the_workers_device(nccl_like):
-    from rayvl.data.tonics import SAMPLER_COUNTS, SamplerTotals
+    from rayvl.methods.tonics.sampler import SAMPLER_COUNTS, SamplerTotals
     from rayvl.eval.embed import ModelEmbedder
     from rayvl.losses import gather_features
     from rayvl.train.engine import broadcast_buffers
@@ -239,7 +239,7 @@ def _report_devices(config):
 
     import ray.train
 
-    from rayvl.train.batches import _prefetched
+    from rayvl.train.batches import prefetched
 
     calls = []
     torch.cuda.is_available = lambda: True
@@ -247,7 +247,7 @@ def _report_devices(config):
     cfg = load_config(None, ["train.use_gpu=true", "data.stall_timeout_s=60"])
     device = devices.worker_device(True)
     devices.bind(device)
-    next(_prefetched(lambda: iter([0]), cfg, device))
+    next(prefetched(lambda: iter([0]), cfg, device))
     rank = ray.train.get_context().get_world_rank()
     with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as f:
         json.dump({"device": str(device), "set_device": calls, "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),

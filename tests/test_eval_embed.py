@@ -42,7 +42,7 @@ def test_ray_data_embedding_equals_single_process(ray_local, checkpoint, demo_di
 def test_rayvl_eval_prints_every_task(ray_local, checkpoint, tmp_path, capsys):
     from rayvl.cli import main
 
-    assert main(["eval", "--checkpoint", str(checkpoint.parent), "--out", str(tmp_path / "out")]) == 0
+    assert main(["eval", str(checkpoint.parent), "--out", str(tmp_path / "out")]) == 0
     printed = capsys.readouterr().out
     for table in ("== zeroshot ==", "== retrieval ==", "== paraphrase ==", "== sts ==", "== linear_probe =="):
         assert table in printed

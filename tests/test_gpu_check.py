@@ -239,7 +239,7 @@ def test_steady_state_leaves_out_the_first_window_and_a_restarts_first():
 def test_a_missing_cli_option_is_a_failed_case_named_not_a_crash():
     gc = _gpu_check()
     proc = subprocess.CompletedProcess(
-        [sys.executable, "-m", "rayvl.cli", "eval", "--checkpoint", "x", "--gpus", "1"], 2, "",
+        [sys.executable, "-m", "rayvl.cli", "eval", "x", "--gpus", "1"], 2, "",
         "usage: rayvl [-h] ...\nrayvl: error: unrecognized arguments: --gpus 1\n")
     assert gc.cli_failure(proc, "--gpus") == "the CLI has no --gpus option (rayvl eval ... --gpus)"
     other = subprocess.CompletedProcess(proc.args, 1, "", "loading\nrayvl: error: CUDA out of memory\n")

@@ -62,9 +62,9 @@ def test_rayvl_eval_gpus_on_a_ray_without_gpus_fails_in_one_line_before_embeddin
     assert not ray.is_initialized()
     try:
         # no Ray running: the command starts a local one (no GPUs on this machine), whose size is final
-        assert main(["eval", "--checkpoint", str(ckpt), "--gpus", "1", "--out", str(tmp_path / "out")]) == 2
+        assert main(["eval", str(ckpt), "--gpus", "1", "--out", str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err.strip()
-        assert err == ("rayvl eval: --gpus 1: each actor asks for 1 GPU(s), but the cluster has no GPUs, so they "
+        assert err == ("rayvl: error: --gpus 1: each actor asks for 1 GPU(s), but the cluster has no GPUs, so they "
                        "would wait forever; run on CPU (--gpus 0) or on a cluster with GPU nodes")
         assert ray.is_initialized() and not (tmp_path / "out").exists()  # nothing read, embedded or written
         cfg = load_config(None, ["pseudo_label.gpus_per_actor=0.5"])
@@ -73,7 +73,7 @@ def test_rayvl_eval_gpus_on_a_ray_without_gpus_fails_in_one_line_before_embeddin
         with caplog.at_level(logging.WARNING, logger="rayvl"):
             check_cluster(cfg, False, [2.0])  # a joined cluster without an autoscaler config here: a warning
         assert "no autoscaler config on this node" in caplog.text
-        assert main(["eval", "--checkpoint", str(ckpt), "--gpus", "2"]) == 2
+        assert main(["eval", str(ckpt), "--gpus", "2"]) == 2
         assert "from 0 to 1 (more GPUs: more --actors)" in capsys.readouterr().err
     finally:
         ray.shutdown()
@@ -106,7 +106,7 @@ def test_an_actor_given_a_gpu_without_cuda_names_the_fix(demo_dir, tmp_path, cap
 
         capsys.readouterr()
         # the whole command: 2 actors of 1 GPU (the pool fills the GPUs); each is given one and stops in __init__
-        assert main(["eval", "--checkpoint", str(ckpt), "--gpus", "1", "--tasks", "retrieval",
+        assert main(["eval", str(ckpt), "--gpus", "1", "--tasks", "retrieval",
                      "--out", str(tmp_path / "out")]) == 1
         err = capsys.readouterr().err
         lines = [line for line in err.splitlines() if line.startswith("rayvl: error: ")]

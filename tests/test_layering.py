@@ -1,6 +1,7 @@
 """The package's layering, read from its source with ``ast``: the import graph of ``rayvl/`` has no cycle, the data
-plane flows one way, and functions stay short enough to read."""
+plane flows one way, the parts that run every method name none of them, and functions stay short enough to read."""
 import ast
+import fnmatch
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,16 @@ FORBIDDEN = [("rayvl.data", "rayvl.models"), ("rayvl.data", "rayvl.train"), ("ra
              ("rayvl.checkpoints", "rayvl.eval"), ("rayvl.losses", "rayvl.data"),
              *(("rayvl.storage", f"rayvl.{m}") for m in ("config", "data", "models", "train", "eval", "checkpoints"))]
 MAX_FUNCTION_LINES = 60
+# the data plane: what Ray Data's read tasks import or unpickle — rayvl.data and the methods' row transforms, their
+# config checks (rayvl.config runs them) and the interfaces they implement
+DATA_PLANE = ("rayvl.data", "rayvl.data.*", "rayvl.methods.base", "rayvl.methods.rows", "rayvl.methods.checks",
+              "rayvl.methods.*.rows", "rayvl.methods.*.check")
+HEAVY = ("rayvl.models", "rayvl.train", "rayvl.losses", "rayvl.eval")
+# words that name a method ([BoW], [TOnICS], [UniCL], [Paraphrase]) or what only one of them has
+METHOD_WORDS = ("bow", "tonics", "unicl", "image_label", "prompts", "ontology", "pseudo", "memory_bank", "paraphrase")
+# (module, function or None = the whole module): code that runs every method and must name none of them; a
+# function includes the module's functions it calls, transitively (rayvl.config.validate and its helpers)
+METHOD_FREE = [("rayvl.data.pipeline", None), ("rayvl.config", "validate"), ("rayvl.train.loop", None)]
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -87,19 +98,61 @@ def test_data_plane_imports_no_torch_models_or_training():
     import sys
 
     modules = _modules()
-    for name, tree in modules.items():
-        if name.startswith("rayvl.data"):
-            imported = {t for t, _, _ in _imports(tree, set())}
-            assert not {t for t in imported if t.startswith(("rayvl.models", "rayvl.train", "rayvl.losses"))}, name
-    data = sorted(name for name in modules if name.startswith("rayvl.data"))
+    data = sorted(name for name in modules if any(fnmatch.fnmatchcase(name, p) for p in DATA_PLANE))
+    for name in data:
+        imported = {t for t, _, _ in _imports(modules[name], set())}
+        assert not {t for t in imported if t.startswith(HEAVY)}, name
     assert len(data) > 10
-    heavy = ("rayvl.models", "rayvl.train", "rayvl.losses", "rayvl.eval")
+    assert {"rayvl.methods.base", "rayvl.methods.tonics.rows", "rayvl.methods.bow.check"} <= set(data)
     code = (f"import importlib, sys\nfor name in {data!r}:\n    importlib.import_module(name)\n"
-            f"print(sorted({{m for m in sys.modules if m.startswith({heavy!r})}} | ({{'torch'}} & set(sys.modules))))")
+            f"print(sorted({{m for m in sys.modules if m.startswith({HEAVY!r})}} | ({{'torch'}} & set(sys.modules))))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        cwd=PACKAGE.parent)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip() == "[]", f"importing rayvl.data loads {r.stdout.strip()}"
+    assert r.stdout.strip() == "[]", f"importing the data plane loads {r.stdout.strip()}"
+
+
+def _named(node: ast.AST) -> list[tuple[str, int]]:
+    """(every identifier, attribute, argument, imported name and string constant — docstrings included — under
+    ``node``, its line)."""
+    out = []
+    for n in ast.walk(node):
+        for word in (getattr(n, "id", None), getattr(n, "attr", None), getattr(n, "arg", None),
+                     n.name if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.alias))
+                     else None, n.asname if isinstance(n, ast.alias) else None,
+                     n.module if isinstance(n, ast.ImportFrom) else None,
+                     n.value if isinstance(n, ast.Constant) and isinstance(n.value, str) else None):
+            if word:
+                out.append((word, getattr(n, "lineno", 0)))
+    return out
+
+
+def _with_callees(tree: ast.Module, name: str) -> list[ast.AST]:
+    """The module-level function ``name`` and every module-level function it calls, transitively."""
+    functions = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    assert name in functions, f"no function {name}"
+    found, todo = {}, [name]
+    while todo:
+        fn = functions[todo.pop()]
+        found[fn.name] = fn
+        todo += [n.func.id for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                 and n.func.id in functions and n.func.id not in found]
+    return list(found.values())
+
+
+def method_names(tree: ast.Module, function: str | None) -> list[str]:
+    """Where ``tree`` (or ``function`` with its callees) names a method: "line: word"."""
+    nodes = [tree] if function is None else _with_callees(tree, function)
+    return [f"{line}: {word!r}" for node in nodes for word, line in _named(node)
+            if any(m in word.lower() for m in METHOD_WORDS)]
+
+
+@pytest.mark.parametrize("module, function", METHOD_FREE)
+def test_what_runs_every_method_names_none(module, function):
+    """The data pipeline, the config check and the training loop iterate over the enabled methods' parts
+    (rayvl.methods): a method's name, setting or data kind appearing there means a missing interface."""
+    found = method_names(_modules()[module], function)
+    assert not found, f"{module}{'.' + function if function else ''} names a method: " + ", ".join(found)
 
 
 def test_functions_are_short():
@@ -118,3 +171,9 @@ def test_the_checker_sees_what_it_should(tmp_path):
     tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rayvl.train import loop\n"
                      "def f():\n    from rayvl.models import towers\n")
     assert _imports(tree, {"rayvl.models.towers"}) == [("rayvl.models.towers", 5, True)]
+    named = ast.parse('def check(cfg):\n    """The rows."""\n    _helper(cfg.data)\n\n\ndef _helper(d):\n'
+                      '    return d.Prompts\n\n\ndef unused():\n    return "TOnICS"\n')
+    assert method_names(named, "check") == ["7: 'Prompts'"]
+    assert method_names(named, None) == ["7: 'Prompts'", "11: 'TOnICS'"]
+    assert method_names(ast.parse("from rayvl.methods.bow import rows\nx = f(memory_bank=1)\n"), None) == [
+        "1: 'rayvl.methods.bow'", "2: 'memory_bank'"]

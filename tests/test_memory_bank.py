@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from rayvl.config import ConfigError, load_config
-from rayvl.models.memory_bank import MemoryBank
+from rayvl.methods.bow.memory_bank import MemoryBank
 
 
 def test_ema_update_math():

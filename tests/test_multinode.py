@@ -138,7 +138,8 @@ def test_asha_sweep_on_the_cluster_stops_trials_early_and_gives_resources_back(c
     from ray.util import placement_group_table
 
     from rayvl.checkpoints import latest_checkpoint_dir, read_meta
-    from rayvl.tune import load_sweep, sweep_and_report
+    from rayvl.sweeps.runner import sweep_and_report
+    from rayvl.sweeps.spaces import load_sweep
 
     space = tmp_path / "lr.yaml"
     space.write_text(yaml.safe_dump({

@@ -131,7 +131,7 @@ def test_dry_run_of_the_laion_recipe_at_laion_scale(s3, demo_dir, tmp_path, caps
                           (["--config", str(tmp_path / "missing.yaml")], "--config: cannot read"),
                           (["--data", "s3://rayvl-test/laion400m/{00000..41408}.tar"], "41408.tar' does not exist")):
         code, out, err = _cli(capsys, "train", "--dry-run", *argv)
-        assert code == 2 and err.startswith("config error: ") and message in err and len(err.splitlines()) == 1
+        assert code == 2 and err.startswith("rayvl: error: ") and message in err and len(err.splitlines()) == 1
 
     code, out, err = _cli(capsys, "data", "check", f"{held_out}/{{00000..00000}}.tar", "-n", "5")
     assert code == 0, err
@@ -156,7 +156,7 @@ def test_dry_runs_of_a_sweep_a_comparison_and_a_labelling_job(demo_dir, tmp_path
                          text=True, timeout=300)
     assert job.returncode == 0 and "9 trials over train.seed × variants ce, unicl_labels, unicl" in job.stdout
     ckpt = untrained_checkpoint(demo_dir, tmp_path)
-    code, out, err = _cli(capsys, "pseudo-label", "--dry-run", "--checkpoint", str(ckpt), "--aligned",
+    code, out, err = _cli(capsys, "pseudo-label", "--dry-run", str(ckpt), "--aligned",
                           f"{demo_dir}/train/{{00000..00001}}.tar", "--unaligned", f"{demo_dir}/train/00002.tar",
                           "--out", str(tmp_path / "pseudo"))
     assert code == 0, err

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from rayvl.data.pipeline import Rows
 from rayvl.data.position import DataPosition, RowSet, row_ids, unit_of
+from rayvl.data.shards import Reading
 
 
 def test_row_ids_name_pass_shard_and_row():
@@ -53,10 +55,10 @@ def test_a_resumed_read_skips_finished_shards_and_trained_rows_and_continues_the
     from rayvl.data.report import report_actor, snapshot
 
     def read(name):
-        ds = shards.read_shards(str(demo_dir / "train"), image_size=16, crop_scale_min=0.5, train=True,
-                                tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=8,
-                                read_cpus=0.5, transform_batch_size=32, shuffle_files=True, report_name=name,
-                                columns=["row", "key"], passes=1, seed=1, positioned=True)
+        ds = shards.read_shards(str(demo_dir / "train"), Rows(image_size=16, crop_scale_min=0.5, train=True, seed=1,
+                                tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=8),
+                                Reading(read_cpus=0.5, batch_size=32, shuffle=True, report_name=name,
+                                        passes=1, seed=1, positioned=True), columns=["row", "key"])
         return {int(r["row"]): r["key"] for r in ds.take_all()}
 
     first_name, second_name = (f"position-test-{uuid.uuid4().hex[:6]}" for _ in range(2))
@@ -107,10 +109,10 @@ def test_a_stream_resumed_on_two_ranks_and_read_to_its_end_trains_every_row_of_e
 
     def consume(name, token, position, limit):
         ray.get(report_actor(name).restore.remote(token, position, 3))
-        ds = shards.read_shards(str(demo_dir / "train"), image_size=16, crop_scale_min=0.5, train=True,
-                                tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=8,
-                                read_cpus=0.5, transform_batch_size=32, shuffle_files=True, report_name=name,
-                                columns=["row", "image"], passes=2, seed=3, positioned=True)
+        ds = shards.read_shards(str(demo_dir / "train"), Rows(image_size=16, crop_scale_min=0.5, train=True, seed=3,
+                                tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=8),
+                                Reading(read_cpus=0.5, batch_size=32, shuffle=True, report_name=name,
+                                        passes=2, seed=3, positioned=True), columns=["row", "image"])
         splits, got = ds.streaming_split(2, equal=True), [[], []]
 
         def rank(i):
@@ -152,10 +154,11 @@ def test_a_caption_naming_one_class_twice_is_one_row_through_sampler_position_se
     from rayvl import assets
     from rayvl.data import shards
     from rayvl.data.demo import SHAPES
-    from rayvl.data.ontology import Ontology
+    from rayvl.methods.tonics.ontology import Ontology
+    from rayvl.methods.tonics.rows import Objects
     from rayvl.data.report import report_actor
     from rayvl.data.text import validate_caption
-    from rayvl.data.tonics import BucketSampler
+    from rayvl.methods.tonics.sampler import BucketSampler
 
     ontology = Ontology.build(SHAPES)
     expected, repeated = 0, 0
@@ -171,10 +174,11 @@ def test_a_caption_naming_one_class_twice_is_one_row_through_sampler_position_se
 
     def consume(name, token, position, limit):
         ray.get(report_actor(name).restore.remote(token, position, 3))
-        ds = shards.read_shards(str(demo_dir / "train"), image_size=16, crop_scale_min=0.5, train=True,
+        ds = shards.read_shards(str(demo_dir / "train"), Rows(image_size=16, crop_scale_min=0.5, train=True, seed=3,
                                 tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=8,
-                                read_cpus=0.5, transform_batch_size=32, shuffle_files=True, report_name=name,
-                                ontology=ontology, columns=["row", "object"], passes=1, seed=3, positioned=True)
+                                transforms=(Objects(ontology),)),
+                                Reading(read_cpus=0.5, batch_size=32, shuffle=True, report_name=name,
+                                        passes=1, seed=3, positioned=True), columns=["row", "object"])
         sampler = BucketSampler(iter(ds.iter_batches(batch_size=16, batch_format="numpy")), ["row", "object"], 8,
                                 buffer_rows=48, max_wait_rows=32, seed=0, rank=0)
         got = []
@@ -202,7 +206,7 @@ def test_a_caption_naming_one_class_twice_is_one_row_through_sampler_position_se
 
 
 def test_a_checkpoint_taken_as_the_next_execution_starts_resumes_the_rows_still_queued(ray_local, demo_dir):
-    """batches._epochs calls begin(k) as soon as Ray Data execution k − 1's reads end, while its last batch still
+    """batches.epochs calls begin(k) as soon as Ray Data execution k − 1's reads end, while its last batch still
     waits in the prefetch queue. A checkpoint in that window — held open here: begin waits until it is taken —
     resumes in execution k − 1, whose finished shards are skipped and whose queued rows are read again; saving k
     would lose them. Passes 0 and 1 (one pass per execution) each have their 384 rows exactly once."""
@@ -220,10 +224,10 @@ def test_a_checkpoint_taken_as_the_next_execution_starts_resumes_the_rows_still_
 
     def stream(name, token, position, begin):
         ray.get(report_actor(name).restore.remote(token, position, 3))
-        ds = shards.read_shards(str(demo_dir / "train"), image_size=16, crop_scale_min=0.5, train=True,
-                                tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=8,
-                                read_cpus=0.5, transform_batch_size=32, shuffle_files=True, report_name=name,
-                                columns=["row"], passes=1, seed=5, positioned=True)
+        ds = shards.read_shards(str(demo_dir / "train"), Rows(image_size=16, crop_scale_min=0.5, train=True, seed=5,
+                                tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=8),
+                                Reading(read_cpus=0.5, batch_size=32, shuffle=True, report_name=name,
+                                        passes=1, seed=5, positioned=True), columns=["row"])
         return batch_stream(ds, cfg, begin=begin)
 
     first_name, second_name = (f"position-test-{uuid.uuid4().hex[:6]}" for _ in range(2))

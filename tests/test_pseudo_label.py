@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from conftest import REPO, untrained_checkpoint
-from rayvl.data.bow import shuffle
-from rayvl.data.word_rank import WordRanker, neighbour_counts
+from rayvl.methods.bow.deformation import shuffle
+from rayvl.methods.bow.word_rank import WordRanker, neighbour_counts
 
 # retrieved captions, best first, and S_a's document frequencies
 NN = ["a red circle left of a blue square", "the red circle", "a large red star", "two blue squares and a red circle"]
@@ -105,12 +105,13 @@ def test_pseudo_label_job_writes_shards_that_train_reads_and_resumes_after_a_kil
     import pyarrow.parquet as pq
 
     from rayvl.assets import text_model_path
-    from rayvl.data.shards import expected_samples, read_shards
+    from rayvl.data.pipeline import Rows
+    from rayvl.data.shards import Reading, expected_samples, read_shards
 
     ckpt, unaligned = untrained_checkpoint(demo_dir, tmp_path), _unaligned(demo_dir, tmp_path)
     out = tmp_path / "pseudo"
     aligned = f"{demo_dir / 'train' / '00000.tar'},{demo_dir / 'train' / '00001.tar'}"
-    command = [sys.executable, "-m", "rayvl.cli", "pseudo-label", "--checkpoint", str(ckpt), "--aligned", aligned,
+    command = [sys.executable, "-m", "rayvl.cli", "pseudo-label", str(ckpt), "--aligned", aligned,
                "--unaligned", str(unaligned), "--out", str(out), "--rules", "max_count,weighted_count",
                "--set", "pseudo_label.crops=6", "--set", "pseudo_label.k=4", "--set", "pseudo_label.top_t=3",
                "--set", "pseudo_label.cpus_per_actor=0.5", "--set", "pseudo_label.batch_size=64",
@@ -168,9 +169,9 @@ def test_pseudo_label_job_writes_shards_that_train_reads_and_resumes_after_a_kil
     assert summary["index"]["recall_at_4"] == pytest.approx(recall, abs=1e-12) and 0 < recall < 1
 
     # read back through rayvl's training reader: every written sample arrives, its caption as written
-    ds = read_shards(str(out / "weighted_count"), image_size=32, crop_scale_min=0.6, train=False,
-                     tokenizer_path=str(text_model_path("minilm-l6")), max_tokens=16, read_cpus=0.5,
-                     transform_batch_size=64, shuffle_files=False, report_name=None, columns=["key", "caption"])
+    ds = read_shards(str(out / "weighted_count"), Rows(image_size=32, crop_scale_min=0.6, train=False,
+                                                       tokenizer_path=str(text_model_path("minilm-l6")), max_tokens=16),
+                     Reading(read_cpus=0.5, batch_size=64), columns=["key", "caption"])
     rows = ds.take_all()
     written = {}
     for shard in sorted((out / "weighted_count").glob("*.parquet")):
@@ -182,7 +183,7 @@ def test_pseudo_label_job_writes_shards_that_train_reads_and_resumes_after_a_kil
     assert 1 <= len(one["caption"].split()) <= 4 and one["pseudo_bow"] is True
 
     # S_a + pseudo has S_a's BoW statistics: the labelled folders are not counted, nor fingerprinted
-    from rayvl.data import bow
+    from rayvl.methods.bow import deformation as bow
 
     both = f"{aligned},{out / 'max_count'},{out / 'weighted_count'}"
     assert bow.counted_shards(both) == aligned.split(",")
@@ -206,7 +207,8 @@ def test_pseudo_label_job_writes_shards_that_train_reads_and_resumes_after_a_kil
     labeler.io = ReadPolicy(**fast, unreadable="skip")
     assert "exited with status 3" in labeler.label(broken)["unreadable_shard"]
     assert not (tmp_path / "again").exists() and not finished(tmp_path / "again", broken, cfg.pseudo_label.rules)
-    summary = summarize(out, cfg.pseudo_label.rules, [*plan_units(str(unaligned), 1000), broken], summary["index"], 0, 1.0)
+    summary = summarize(out, cfg.pseudo_label.rules, [*plan_units(str(unaligned), 1000), broken], summary["index"],
+                        0, 1.0)
     assert summary["not_labelled"] == broken.paths and "a rerun tries them again" in format_summary(summary)
 
 
@@ -245,7 +247,7 @@ def test_a_labeller_whose_nearest_caption_is_the_images_own_writes_that_captions
     import pyarrow.parquet as pq
 
     from rayvl.config import PseudoLabelConfig
-    from rayvl.data.bow import rm_stop_nalpha
+    from rayvl.methods.bow.deformation import rm_stop_nalpha
     from rayvl.data.demo import write_shard
     from rayvl.data.images import decode
     from rayvl.data.tar import iter_tar_samples
@@ -293,17 +295,17 @@ def test_bad_inputs_are_named_before_ray_starts(demo_dir, tmp_path, capsys):
 
     ckpt, train = untrained_checkpoint(demo_dir, tmp_path), str(demo_dir / "train")
     capsys.readouterr()  # building the model prints transformers' loading bar
-    flags = {"--checkpoint": str(ckpt), "--aligned": train, "--unaligned": train, "--out": str(tmp_path / "o")}
-    cases = [({"--checkpoint": str(tmp_path / "nothing")}, "pseudo_label.checkpoint"),
+    flags = {"RUN": str(ckpt), "--aligned": train, "--unaligned": train, "--out": str(tmp_path / "o")}
+    cases = [({"RUN": str(tmp_path / "nothing")}, "pseudo_label.checkpoint"),
              ({"--unaligned": str(tmp_path / "none-*.tar")}, "pseudo_label.unaligned"),
              ({"--aligned": str(tmp_path / "none-*.tar")}, "pseudo_label.aligned"),
              ({"--rules": "maxcount"}, "pseudo_label.rules[0]: unknown rule 'maxcount'")]
     was_running = ray.is_initialized()
     for change, key in cases:
-        argv = [x for k, v in {**flags, **change}.items() for x in (k, v)]
+        argv = [x for k, v in {**flags, **change}.items() for x in ((v,) if k == "RUN" else (k, v))]
         assert main(["pseudo-label", *argv]) == 2
         err = capsys.readouterr().err
-        assert err.startswith("config error: ") and key in err and "Traceback" not in err
+        assert err.startswith("rayvl: error: ") and key in err and "Traceback" not in err
     assert ray.is_initialized() == was_running  # no Ray was started for any of them
     from rayvl.config import load_config
     from rayvl.pseudo_label import check_cluster
@@ -322,9 +324,10 @@ def test_a_pseudo_caption_is_trained_as_it_is_and_kept_out_of_the_bow_statistics
     from collections import Counter as C
 
     from rayvl.assets import text_model_path
-    from rayvl.config import parse_bow_ops
-    from rayvl.data.bow import BowStats, Deformer, base_word_counts
-    from rayvl.data.pipeline import preprocess
+    from rayvl.data.pipeline import Rows, preprocess
+    from rayvl.methods.bow.check import parse_ops as parse_bow_ops
+    from rayvl.methods.bow.deformation import BowStats, Deformer, base_word_counts
+    from rayvl.methods.bow.rows import Deform
     from rayvl.data.tar import iter_tar_samples
 
     with open(demo_dir / "train" / "00000.tar", "rb") as f:
@@ -334,9 +337,10 @@ def test_a_pseudo_caption_is_trained_as_it_is_and_kept_out_of_the_bow_statistics
              "json": [pseudo, s["json"]]}
     ops = parse_bow_ops(["shuffle", "rm_stop_nalpha", {"keep": 1}])
     counts = C()
-    out = preprocess(batch, counts=counts, image_size=32, crop_scale_min=0.6, train=False,
-                     tokenizer_path=str(text_model_path("minilm-l6")), max_tokens=16,
-                     bow=Deformer(ops, seed=0, base_fraction=0.0, stats=BowStats({}, 0, 0, {})))
+    out = preprocess(batch, counts, Rows(image_size=32, crop_scale_min=0.6, train=False,
+                                         tokenizer_path=str(text_model_path("minilm-l6")), max_tokens=16,
+                                         transforms=(Deform(Deformer(ops, seed=0, base_fraction=0.0,
+                                                                     stats=BowStats({}, 0, 0, {}))),)))
     assert list(out["caption"]) == ["circle star large", out["caption"][1]] and len(out["caption"][1].split()) == 1
     assert counts["pseudo_bow_captions"] == 1 and counts["bow_captions_in"] == 1
     from rayvl.data.report import format_data_report
@@ -390,3 +394,85 @@ def test_a_folder_of_image_files_is_labelled_in_shards_of_shard_size(demo_dir, t
     assert [(r["key"], Path(r["source"]).name, r["status"]) for r in rows] == [
         ("000010000", "2.jpg", "success"), ("000010001", "broken.JPG", "failed_to_decode")]
     assert set(rows[0]["neighbours"]) <= {s["key"] for s in samples} and len(rows[0]["neighbours"]) == 6
+
+
+def _table_7_job():
+    """jobs/pseudo_label.py as a module."""
+    import importlib
+
+    sys.path.insert(0, str(REPO / "jobs"))
+    try:
+        return importlib.import_module("pseudo_label")
+    finally:
+        sys.path.remove(str(REPO / "jobs"))
+
+
+def test_the_table_7_job_is_a_comparison_checked_before_ray_starts(demo_dir, tmp_path, capsys):
+    """jobs/pseudo_label.py is a comparison like the paper jobs: its labeller and the labelling run first, then its
+    arms (aligned only, + each rule's pseudo-labelled shards) × seeds as one Tune grid. Before Ray starts: --data
+    without --unaligned is one line naming the option, an arm that is no rule names --variants, and --dry-run
+    prints the labeller's plan, where the labelled shards go and the grid, writing nothing."""
+    import ray
+
+    job = _table_7_job()
+    sets = [x for s in (f"data.demo_dir={demo_dir}", "data.demo_samples=384", "data.demo_eval_samples=64",
+                        f"train.storage_path={tmp_path}") for x in ("--set", s)]
+    was_running = ray.is_initialized()
+    capsys.readouterr()
+    assert job.COMPARISON.main(["--data", str(demo_dir / "train"), *sets]) == 2
+    assert capsys.readouterr().err == "rayvl: error: --unaligned: required with --data\n"
+    assert job.COMPARISON.main(["--variants", "aligned_only,+maxcount", *sets]) == 2
+    assert "--variants: unknown +maxcount; known: aligned_only, +max_count," in capsys.readouterr().err
+    argv = ["--dry-run", "--name", "t", "--seeds", "2", "--variants", "aligned_only,+weighted_count",
+            "--teacher-steps", "10", "--steps", "5"]
+    assert job.COMPARISON.main(argv + sets) == 0
+    out = capsys.readouterr().out
+    assert "labeller (10 steps on the aligned shards):" in out and f"run directory {tmp_path}/t-labeller" in out
+    halves = [str(demo_dir / "train" / f"0000{i}.tar") for i in range(3)]  # the demo's 3 shards: 1 aligned, 2 not
+    assert "data.train: 1 shard" in out
+    assert f"then: pseudo-label {halves[1]},{halves[2]} with weighted_count into {tmp_path}/t-pseudo/" in out
+    assert ("then: 4 trials, arms aligned_only, +weighted_count × seeds 0…1, 5 steps each from the labeller's "
+            "weights") in out
+    assert ray.is_initialized() == was_running and not list(tmp_path.iterdir())
+
+
+def test_the_table_7_job_labels_then_trains_its_arms_as_a_grid(ray_local, demo_dir, tmp_path, capsys):
+    """The job end to end at the smallest budget that checks its wiring: a 2-step labeller on the demo's first
+    shard, its second and third labelled with max_count, then aligned only and + max_count, one seed each, as one
+    grid of 2-step trials continued from the labeller with its BoW statistics. Each arm trained what it names and
+    counted the pseudo-captioned images it held (the labelling summary's) and their word precision; --resume then
+    reuses the finished labeller, labels nothing again and finds the grid finished."""
+    import csv
+
+    job = _table_7_job()
+    sets = [f"data.demo_dir={demo_dir}", "data.demo_samples=384", "data.demo_eval_samples=64",
+            f"train.storage_path={tmp_path / 'runs'}", f"tune.storage_path={tmp_path / 'sweeps'}",
+            "train.num_workers=1", "data.image_size=32", "data.max_text_tokens=16", "train.micro_batch_size=8",
+            "model.embed_dim=64", "model.alignment_layers=1", "eval.batch_size=32", "train.report_to=[]",
+            "pseudo_label.crops=2", "pseudo_label.k=2", "pseudo_label.actors=1"]
+    argv = ["--name", "t7", "--seeds", "1", "--variants", "aligned_only,+max_count", "--teacher-steps", "2",
+            "--steps", "2", *(x for s in sets for x in ("--set", s))]
+    assert job.COMPARISON.main(argv) == 0, capsys.readouterr().err[-3000:]
+    printed = capsys.readouterr().out
+    labeller, pseudo = tmp_path / "runs" / "t7-labeller", tmp_path / "runs" / "t7-pseudo"
+    summary = json.loads((pseudo / "summary.json").read_text())
+    assert list(summary["rules"]) == ["max_count"] and summary["rules"]["max_count"]["success"] > 0
+    with open(tmp_path / "sweeps" / "t7" / "comparison.csv") as f:
+        trials = {t["variant"]: t for t in csv.DictReader(f)}
+    assert set(trials) == {"aligned_only", "+max_count"} and all(t["status"] == "TERMINATED" for t in trials.values())
+    aligned = str(demo_dir / "train" / "00000.tar")
+    for variant, t in trials.items():
+        run = tmp_path / "sweeps" / "t7" / "runs" / f"trial-{t['trial']}"
+        config = json.loads((run / "run.json").read_text())["config"]
+        assert config["data"]["train"] == aligned + ("" if variant == "aligned_only" else f",{pseudo}/max_count")
+        assert config["train"]["init_from"] == str(labeller) and config["train"]["max_steps"] == 2
+        assert config["bow"]["stats_path"] == str(labeller / "bow_stats.json")
+        metrics = json.loads((run / "final_metrics.json").read_text())["metrics"]
+        held = summary["rules"]["max_count"]["success"] if variant == "+max_count" else 0
+        assert metrics["pseudo_images"] == held and ("pseudo_word_precision" in metrics) == bool(held)
+    assert "pseudo-labelled images" in printed and "== pseudo_label (BoW Table 7): mean ± std over 1 seeds" in printed
+
+    labelled = {p: p.stat().st_mtime_ns for p in pseudo.glob("max_count/*")}
+    assert job.COMPARISON.main(argv + ["--resume"]) == 0, capsys.readouterr().err[-3000:]
+    assert f"labeller: {labeller} (finished before, reused)" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in pseudo.glob("max_count/*")} == labelled  # not labelled again

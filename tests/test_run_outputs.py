@@ -14,7 +14,7 @@ import pytest
 
 from conftest import REPO, small_config
 from rayvl.config import ConfigError
-from rayvl.train.progress import Progress, duration, progress_line
+from rayvl.train.progress import ProgressPrinter, duration, progress_line
 from rayvl.train.run_log import mlflow_name, scalars
 
 ROW = {"step": 150, "first_step": 101, "loss": 2.31412, "lr": 6.2e-4, "logit_scale": 15.31, "samples_per_s": 38.2,
@@ -36,7 +36,7 @@ def test_progress_line_format():
 def test_progress_follows_a_growing_metrics_file_and_restarts(tmp_path, caplog):
     path = tmp_path / "metrics.jsonl"
     path.write_text(json.dumps({**ROW, "step": 1}) + "\n")  # a resumed run's earlier rows are not shown again
-    printer = Progress(path, total=10, workers=2, poll_s=0.05)
+    printer = ProgressPrinter(path, total=10, workers=2, poll_s=0.05)
     printer.start()
     t = time.time()
     with caplog.at_level(logging.INFO, logger="rayvl"):
@@ -63,26 +63,62 @@ def test_run_log_scalars_group_metrics_and_fit_mlflow_names():
     assert mlflow_name("eval/t2i_R@1") == "eval/t2i_R_at_1"
 
 
-def test_plots_of_a_run_and_of_a_comparison(tmp_path):
-    from rayvl.cli import main
-    from rayvl.plots import history
-
+def _runs(tmp_path) -> None:
+    """Runs a and b: 3 steps of training curves, t2i_R@1 evaluated at steps 2 and 3, zero-shot only at step 2 —
+    and in b only, i2t_R@1 twice."""
     for name, offset in (("a", 0.0), ("b", 0.5)):
         run = tmp_path / name
         run.mkdir()
-        rows = [{"step": s, "loss": 3 - s / 10 + offset, "lr": 1e-3, "samples_per_s": 30.0} for s in (1, 2, 3)]
-        rows[1]["t2i_R@1"] = 5.0 + offset
-        rows[1]["t2i_chance_R@1"] = 1.0
+        rows = [{"step": s, "loss": 3 - s / 10 + offset, "lr": 1e-3, "samples_per_s": 30.0, "data_wait_share": 0.01}
+                for s in (1, 2, 3)]
+        rows[1].update({"t2i_R@1": 5.0 + offset, "t2i_chance_R@1": 1.0, "zeroshot_top1": 40.0 + offset,
+                        "eval_images": 64})
+        rows[2].update({"t2i_R@1": 7.0 + offset, "t2i_chance_R@1": 1.0})
+        if name == "b":
+            rows[1]["i2t_R@1"], rows[2]["i2t_R@1"] = 4.0, 6.0
         rows.append({**rows[2], "loss": 9.0})  # step 3 again after a restart: the later row counts
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_a_run_has_one_dashboard_and_several_runs_share_one(tmp_path, capsys):
+    """One PNG per run (not one per metric): curves where a metric has more than one point, the metrics reported
+    once in a table of the same figure; several runs: the same panels, a line per run."""
+    from PIL import Image
+
+    from rayvl.cli import main
+    from rayvl.plots import history, plot_run
+
+    _runs(tmp_path)
     assert [r["loss"] for r in history(str(tmp_path / "a"))] == [2.9, 2.8, 9.0]
     assert main(["plot", str(tmp_path / "a")]) == 0
-    assert sorted(p.name for p in (tmp_path / "a" / "plots").iterdir()) == [
-        "loss.png", "lr.png", "samples_per_s.png", "t2i_R_at_1.png"]
-    assert (tmp_path / "a" / "plots" / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert [p.name for p in (tmp_path / "a" / "plots").iterdir()] == ["run.png"]
+    with Image.open(tmp_path / "a" / "plots" / "run.png") as png:
+        assert png.format == "PNG" and png.width > 0 and png.height > 0
+    drawn = plot_run(str(tmp_path / "a"))
+    assert drawn.path == tmp_path / "a" / "plots" / "run.png" and drawn.runs == ["a"]
+    assert drawn.panels == ["training loss", "learning rate", "samples/s (all workers)",
+                            "data wait (% of step time)", "t2i_R@1"]
+    assert drawn.table == {"zeroshot_top1": {"a": (2, 40.0)}}  # chance levels and set sizes are not plotted
+    capsys.readouterr()
     assert main(["plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "cmp")]) == 0
-    assert len(list((tmp_path / "cmp").glob("*.png"))) == 4
+    assert capsys.readouterr().out.strip() == (f"wrote {tmp_path / 'cmp' / 'run.png'}: 6 curves, 1 metrics reported "
+                                               f"once in a table")
+    assert [p.name for p in (tmp_path / "cmp").iterdir()] == ["run.png"]
+    with Image.open(tmp_path / "cmp" / "run.png") as png:
+        assert png.format == "PNG" and png.width > 0
+
+
+def test_plot_mistakes_are_one_line_and_exit_2(tmp_path, capsys):
+    from rayvl.cli import main
+
+    _runs(tmp_path)
+    capsys.readouterr()
     assert main(["plot", str(tmp_path / "nothing")]) == 2
+    assert capsys.readouterr().err == f"rayvl: error: {tmp_path / 'nothing'}: no metrics.jsonl (not a rayvl run " \
+                                      f"directory, or no report yet)\n"
+    assert main(["plot", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    assert capsys.readouterr().err == "rayvl: error: plot: several runs need --out (the folder for their dashboard)\n"
+    assert not (tmp_path / "a" / "plots").exists()
 
 
 def test_resume_without_a_name_continues_the_newest_run_of_the_recipe(demo_dir, tmp_path):
@@ -133,7 +169,7 @@ def test_bad_input_is_one_line_and_exit_2_before_ray(demo_dir, tmp_path, capsys,
         base += ["--data", str(demo_dir / "train")]
     assert run_recipe(str(CONFIGS / "laion_adapt.yaml"), base + args) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"config error: {key}") and "\n" not in err, err
+    assert err.startswith(f"rayvl: error: {key}") and "\n" not in err, err
     assert ray.is_initialized() == was_running  # refused before Ray started
 
 
@@ -154,12 +190,90 @@ def test_evaluation_tasks_log_progress_lines(caplog):
 
 
 def test_missing_checkpoint_is_one_line_and_exit_2_in_a_fresh_process(tmp_path):
-    for command in (["eval", "--checkpoint", str(tmp_path / "gone")], ["export", str(tmp_path / "gone"), "--out",
-                                                                         str(tmp_path / "x")]):
+    for command in (["eval", str(tmp_path / "gone")], ["export", str(tmp_path / "gone"), "--out",
+                                                         str(tmp_path / "x")]):
         r = subprocess.run([sys.executable, "-m", "rayvl.cli", *command], capture_output=True, text=True, cwd=REPO)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-        assert f"{tmp_path / 'gone'}: neither a rayvl checkpoint nor a run directory" in r.stderr
+        assert r.stderr.startswith(f"rayvl: error: {tmp_path / 'gone'}: neither a rayvl checkpoint nor a run "
+                                   "directory"), r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def _options(parser, path=("rayvl",)):
+    """(command path, option) for every option of every (sub)command."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _options(child, (*path, name))
+        elif not isinstance(action, argparse._HelpAction):
+            yield path, action
+
+
+def test_every_option_has_help_and_config_fields_keep_their_config_default():
+    """An option that sets a config field defaults to None, so the config's default applies; its help shows the
+    dataclass's value (read from it, not a copy)."""
+    from rayvl.cli import build_parser
+    from rayvl.config import EvalConfig
+
+    options = list(_options(build_parser()))
+    assert len(options) > 50
+    assert not [f"{' '.join(p)} {a.dest}" for p, a in options if not (a.help or "").strip()]
+    by_flag = {(p[-1], a.option_strings[-1] if a.option_strings else a.dest): a for p, a in options}
+    e = EvalConfig()
+    for flag, key in (("--gpus", "gpus_per_actor"), ("--actors", "actors"), ("--cpus-per-actor", "cpus_per_actor"),
+                      ("--batch-size", "batch_size"), ("--k", "paraphrase_k"), ("--tasks", "checkpoint_tasks")):
+        action = by_flag["eval", flag]
+        shown = ",".join(getattr(e, key)) if key == "checkpoint_tasks" else format(getattr(e, key), "g")
+        assert action.default is None and f"eval.{key}, {shown})" in action.help, (flag, action.help)
+    for flag in ("--data", "--eval-data", "--resume", "--init-from"):
+        assert by_flag["train", flag].default is None
+    assert by_flag["pseudo-label", "run"].default is None and "weighted_count)" in by_flag["pseudo-label",
+                                                                                             "--rules"].help
+
+
+def test_train_is_parsed_once_and_usage_errors_read_as_every_error(monkeypatch, capsys):
+    """`rayvl train` hands its parsed options to the recipe runner (no second parse); argparse's own mistakes end
+    as `rayvl: error: …`, exit 2, like the ones rayvl finds."""
+    import rayvl.cli as cli
+
+    seen = []
+    monkeypatch.setattr(cli, "train_command", lambda args: seen.append(args) or 7)
+    assert cli.main(["train", "--data", "s", "--set", "a.b=1", "--resume"]) == 7
+    assert [(a.data, a.set, a.resume, a.init_from) for a in seen] == [("s", ["a.b=1"], "latest", None)]
+    for argv, message in ((["eval"], "the following arguments are required: RUN"),
+                          (["plot", "--bogus", "x"], "unrecognized arguments: --bogus"),
+                          (["eval", "run", "--gpus", "one"], "argument --gpus: invalid float value: 'one'")):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1] == f"rayvl: error: {message}"
+
+
+def test_rayvl_eval_refuses_unknown_tasks_and_pool_settings_naming_them(demo_dir, tmp_path, capsys):
+    """RUN is positional; --tasks and the actor pool are checked against the known tasks and their ranges, each
+    named by flag and config key, before Ray starts."""
+    import ray
+
+    from rayvl.cli import main
+
+    cfg = small_config(demo_dir, tmp_path)
+    folder = tmp_path / "run" / "checkpoint_000001"
+    folder.mkdir(parents=True)
+    (folder / "rayvl.json").write_text(json.dumps({"step": 1, "config": cfg.to_dict(), "final": False}))
+    was_running = ray.is_initialized()
+    capsys.readouterr()
+    for flags, message in (
+            (["--tasks", "zeroshot,bogus"], "rayvl: error: --tasks: unknown ['bogus'] (known: zeroshot, retrieval, "
+                                            "paraphrase, sts, linear_probe)"),
+            (["--gpus", "2"], "rayvl: error: --gpus 2 (eval.gpus_per_actor): GPUs per embedding actor, from 0 to 1 "
+                              "(more GPUs: more --actors)"),
+            (["--batch-size", "0"], "rayvl: error: --actors, --cpus-per-actor (eval.actors, eval.cpus_per_actor) "
+                                    "must be ≥ 0 and --batch-size (eval.batch_size) ≥ 1")):
+        assert main(["eval", str(tmp_path / "run"), *flags]) == 2
+        assert capsys.readouterr().err == message + "\n"
+    assert ray.is_initialized() == was_running
 
 
 def test_without_held_out_shards_a_run_trains_unevaluated_and_tonics_is_refused(demo_dir, tmp_path, caplog):

@@ -12,7 +12,8 @@ from conftest import small_config
 from rayvl import assets
 from rayvl.data import fashion_mnist
 from rayvl.data.demo import SHAPES
-from rayvl.data.pipeline import preprocess, prompt_batch
+from rayvl.data.pipeline import Rows, preprocess
+from rayvl.methods.unicl.rows import Prompted, prompt_batch
 from rayvl.data.position import row_ids
 from rayvl.data.prompts import Prompts
 from rayvl.data.prompts import templates as prompt_templates
@@ -58,11 +59,11 @@ def _split_reversed(batch: dict, fn) -> dict:
 
 def test_a_shard_rows_crop_and_prompt_depend_on_seed_key_and_pass_only():
     prompts = Prompts(("cat", "dog", "bird"), prompt_templates(), frozenset({0, 1, 2}))
-    kw = dict(image_size=16, crop_scale_min=0.3, train=True, max_tokens=16, prompts=prompts,
+    kw = dict(image_size=16, crop_scale_min=0.3, train=True, max_tokens=16, transforms=(Prompted(prompts),),
               tokenizer_path=str(assets.text_model_path("minilm-l6")))
 
     def run(batch, seed=0):
-        return preprocess(batch, counts=Counter(), seed=seed, **kw)
+        return preprocess(batch, Counter(), Rows(seed=seed, **kw))
 
     rows = _shard_rows(12, pass_=0)
     whole = _by_key(run(rows))

@@ -11,6 +11,8 @@ from PIL import Image
 
 from rayvl import assets
 from rayvl.data import shards
+from rayvl.data.pipeline import Rows
+from rayvl.data.shards import Reading
 from rayvl.data.report import DataPlaneError, report_actor
 from rayvl.data.specs import resolve_shards
 
@@ -31,10 +33,10 @@ def _write(path, samples):
 
 
 def _read(spec, report_name, train=True):
-    ds = shards.read_shards(spec, image_size=32, crop_scale_min=0.5, train=train,
-                            tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=16,
-                            read_cpus=0.5, transform_batch_size=4, shuffle_files=False, report_name=report_name,
-                            threads=2)  # 3 batches of 4, transformed side by side (data.read_threads)
+    ds = shards.read_shards(spec, Rows(image_size=32, crop_scale_min=0.5, train=train,
+                                       tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=16),
+                            Reading(read_cpus=0.5, batch_size=4, report_name=report_name,
+                                    threads=2))  # 3 batches of 4, transformed side by side (data.read_threads)
     return ds.take_all()
 
 
@@ -102,10 +104,10 @@ def test_passes_stream_in_one_fused_operator(ray_local, demo_dir):
     map/Project operators and no SplitBlocks (each would copy every row through the object store again)."""
     spec = str(demo_dir / "train")
     paths = resolve_shards(spec)
-    ds = shards.read_shards(spec, image_size=16, crop_scale_min=0.5, train=True,
-                            tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=8, read_cpus=0.5,
-                            transform_batch_size=32, shuffle_files=True, report_name=None,
-                            columns=["image", "key"], passes=3, seed=5)
+    ds = shards.read_shards(spec, Rows(image_size=16, crop_scale_min=0.5, train=True, seed=5,
+                                       tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=8),
+                            Reading(read_cpus=0.5, batch_size=32, shuffle=True, seed=5, passes=3),
+                            columns=["image", "key"])
     rows = ds.take_all()
     assert set(rows[0]) == {"image", "key"}
     keys = [r["key"] for r in rows]
@@ -113,10 +115,10 @@ def test_passes_stream_in_one_fused_operator(ray_local, demo_dir):
     stats = ds.stats()
     assert "ReadShardStream:" in stats and "SplitBlocks" not in stats and "Project" not in stats
     assert f"{3 * len(paths)} tasks executed" in stats
-    source = shards.ShardStream(paths, shuffle=True, seed=5)
+    source = shards.ShardStream(paths, Reading(shuffle=True, seed=5))
     orders = [source.order(p) for p in range(3)]
     assert all(sorted(o) == list(range(len(paths))) for o in orders) and len({tuple(o) for o in orders}) > 1
-    assert source.order(1) == shards.ShardStream(paths, shuffle=True, seed=5).order(1)
+    assert source.order(1) == shards.ShardStream(paths, Reading(shuffle=True, seed=5)).order(1)
 
 
 def test_threaded_transform_keeps_order_rows_and_counts(bad_shard):
@@ -125,9 +127,10 @@ def test_threaded_transform_keeps_order_rows_and_counts(bad_shard):
     from functools import partial
 
     def read(threads):
-        source = shards.ShardStream(resolve_shards(str(bad_shard)), batch_size=2, threads=threads, transform=partial(
-            shards._transform, columns=None, kw=dict(image_size=32, crop_scale_min=0.5, train=False, max_tokens=16,
-                                                     tokenizer_path=str(assets.text_model_path("minilm-l6")))))
+        source = shards.ShardStream(resolve_shards(str(bad_shard)), Reading(batch_size=2, threads=threads),
+                                    transform=partial(shards._transform, columns=None, rows=Rows(
+                                        image_size=32, crop_scale_min=0.5, train=False, max_tokens=16,
+                                        tokenizer_path=str(assets.text_model_path("minilm-l6")))))
         bad: list = []
         out = list(source._transformed_ahead(0, 0, bad, Counter()))
         return [b for b, _ in out], sum((c for _, c in out), Counter())

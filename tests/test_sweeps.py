@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from conftest import REPO
-from rayvl.tune import SweepError, load_sweep
+from rayvl.sweeps.spaces import SweepError, load_sweep
 
 SPACES = sorted((REPO / "tune_spaces").glob("*.yaml"))
 
@@ -90,12 +90,10 @@ def test_an_evaluation_metric_without_held_out_shards_is_refused_before_ray_star
 
     was_running = ray.is_initialized()
     capsys.readouterr()
-    started = time.perf_counter()
     assert main(["tune", str(space), "--set", shards]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("config error: ") and "'t2i_R@1' is an evaluation metric" in err and "data.eval" in err
+    assert err.startswith("rayvl: error: ") and "'t2i_R@1' is an evaluation metric" in err and "data.eval" in err
     assert "Traceback" not in err and ray.is_initialized() == was_running  # no Ray was started
-    assert time.perf_counter() - started < 10
 
 
 def test_cluster_yaml_passes_rays_schema_and_keeps_the_dashboard_private(tmp_path):
@@ -152,7 +150,8 @@ def test_the_readmes_cluster_sweep_fits_cluster_yaml(monkeypatch):
     from test_autoscaling import readme_command
 
     from rayvl import session
-    from rayvl.tune import _concurrency, _grace_period
+    from rayvl.sweeps.capacity import trials_at_once
+    from rayvl.sweeps.spaces import grace_period
 
     command = readme_command("jobs/sweep.py")
     job = command[command.index("--") + 1:]  # python jobs/sweep.py SPACE --set ...
@@ -162,7 +161,7 @@ def test_the_readmes_cluster_sweep_fits_cluster_yaml(monkeypatch):
     assert (t.max_steps, t.checkpoint_every, t.warmup_steps, t.micro_batch_size, t.cpus_per_worker, t.precision,
             cfg.data.image_size) == (20000, 2000, 2000, 256, 0.5, "bf16", 224)
     assert load_sweep(REPO / job[2]).base_config().train.checkpoint_every == 10  # the demo's budget, on the demo
-    assert _grace_period(sweep.scheduler, cfg) == 2000
+    assert grace_period(sweep.scheduler, cfg) == 2000
     config = yaml.safe_load((REPO / "cluster.yaml").read_text())
     types = config["available_node_types"]
     head = types[config["head_node_type"]]["resources"]
@@ -170,11 +169,11 @@ def test_the_readmes_cluster_sweep_fits_cluster_yaml(monkeypatch):
     assert not any("on_demand" in (t["resources"] or {}) for t in types.values() if t["resources"] is not head)
     types["gpu_worker"]["resources"], types["cpu_worker"]["resources"] = {"CPU": 48, "GPU": 4}, {"CPU": 32}
     monkeypatch.setattr(session, "largest_cluster", lambda: (session.grown_resources(config, head), True))
-    assert _concurrency(sweep, cfg, fixed_size=False) == 8
+    assert trials_at_once(sweep, cfg, fixed_size=False) == 8
     del types["gpu_worker"]
     with pytest.raises(SweepError, match=r"8 × \{CPU 0.5, GPU 1\} for its Train workers .* can grow to: "
                                          r"\{CPU 256, on_demand 1000\}"):
-        _concurrency(sweep, cfg, fixed_size=False)
+        trials_at_once(sweep, cfg, fixed_size=False)
 
 
 def test_local_storage_on_several_nodes_is_refused_naming_the_key():

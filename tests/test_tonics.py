@@ -11,12 +11,12 @@ from scipy.stats import chisquare
 
 from conftest import REPO, small_config
 from rayvl.config import ConfigError
-from rayvl.data import ontology as onto
+from rayvl.methods.tonics import ontology as onto
 from rayvl.data.tar import iter_tar_samples
 from rayvl.data.artifacts import ArtifactMismatch
 from rayvl.data.demo import SHAPES
 from rayvl.data.text import validate_caption
-from rayvl.data.tonics import Curriculum, draw_node, refresh, saturation_threshold
+from rayvl.methods.tonics.sampler import Curriculum, draw_node, refresh, saturation_threshold
 
 
 # ----------------------------------------------------------------------------- ontology (WordNet, offline)
@@ -66,7 +66,7 @@ def test_only_nouns_make_rows_and_classes_take_physical_senses():
 
 
 def test_bad_class_is_a_config_error_before_ray():
-    from rayvl.train.datasets import tonics_ontology
+    from rayvl.methods.tonics.rows import resolve_ontology as tonics_ontology
     from rayvl.config import load_config
 
     cfg = load_config(None, ["tonics.enabled=true", "tonics.classes=[dog, qwertyuiop]"])
@@ -196,7 +196,7 @@ def test_threshold_from_the_control_learning_curves(tmp_path, capsys):
 
     def plan(variants, threshold_from="", sets=()):
         args = argparse.Namespace(threshold_from=threshold_from, set=list(sets))
-        return job.staged(args, job.COMPARISON.chosen(variants, demo=True))
+        return job.COMPARISON.chosen(variants, demo=True).stages(args)
 
     assert plan("") == (["control"], job.threshold_from)
     assert plan("", threshold_from=str(tmp_path / "cmp")) is None
@@ -210,8 +210,9 @@ def test_the_control_arm_trains_the_same_rows_and_never_leaves_the_root():
     import torch
 
     from rayvl.config import load_config
-    from rayvl.train.datasets import tonics_ontology
-    from rayvl.train.loop import training_labels
+    from rayvl.methods.tonics.rows import resolve_ontology as tonics_ontology
+    from rayvl.methods.tonics.train import pair_labels
+    from rayvl.methods.unicl.train import class_labels
 
     arms = {name: load_config(REPO / "configs" / "tonics.yaml", [f"tonics.curriculum={flag}"])
             for name, flag in (("tonics", "true"), ("control", "false"))}
@@ -232,16 +233,16 @@ def test_the_control_arm_trains_the_same_rows_and_never_leaves_the_root():
     assert tonics.p[0] == pytest.approx(x.alpha ** 2)
 
     batch = {"label": torch.full((4,), -1), "row": torch.tensor([5, 5, 9, 0])}
-    labels = training_labels(batch, batch_index=3, tonics=True)
+    labels = pair_labels(batch)
     assert labels[0] == labels[1] and len(set(labels.tolist())) == 3 and (labels < 0).all()
-    plain = training_labels({"label": torch.tensor([-1, -1, 2])}, batch_index=3, tonics=False)
+    plain = class_labels({"label": torch.tensor([-1, -1, 2])}, batch_index=3)
     assert plain.tolist() == [-1 - 9, -1 - 10, 2]
 
 
 def test_bucket_sampler_fills_from_its_bucket_and_counts_every_fallback_row():
     """An object node's micro-batch comes from that object's bucket, reading up to max_wait_rows past the buffer;
     when the bucket is still short, the rest is random buffered rows, each one counted."""
-    from rayvl.data.tonics import BucketSampler
+    from rayvl.methods.tonics.sampler import BucketSampler
 
     def stream():  # batches of 4 rows: object 0 in every batch, object 1 once in every 8 batches
         for i in range(10_000):
@@ -266,7 +267,7 @@ def _sample_nodes(config):
     import ray.train
 
     from rayvl.config import from_dict
-    from rayvl.train.batches import TonicsBatches
+    from rayvl.methods.tonics.train import TonicsBatches
 
     cfg = from_dict(config["rayvl"])
     rank = ray.train.get_context().get_world_rank()
@@ -286,12 +287,15 @@ def test_two_workers_draw_the_same_node_and_object_batches_share_it(ray_local, d
     from ray.train import DataConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from rayvl.train.datasets import build_datasets, tonics_counts, tonics_ontology
+    from rayvl.methods.tonics.rows import Objects
+    from rayvl.methods.tonics.rows import class_counts as tonics_counts
+    from rayvl.methods.tonics.rows import resolve_ontology as tonics_ontology
+    from rayvl.train.datasets import shard_datasets
 
     cfg = small_config(demo_dir, tmp_path, "tonics.enabled=true", f"tonics.classes={json.dumps(SHAPES)}",
                        "tonics.min_instances=20", "tonics.buffer_rows=64", "tonics.max_wait_rows=1024")
     kept, sizes = tonics_counts(cfg, tonics_ontology(cfg), str(demo_dir / "train"), str(tmp_path / "run"))
-    datasets = build_datasets(cfg, str(demo_dir / "train"), "", "tonics-test", ontology=kept)
+    datasets = shard_datasets(cfg, str(demo_dir / "train"), "", "tonics-test", (Objects(kept),))
     p = [0.3] + [0.7 / len(SHAPES)] * len(SHAPES)
     TorchTrainer(_sample_nodes, train_loop_config={"rayvl": cfg.to_dict(), "sizes": sizes, "p": p,
                                                    "out": str(tmp_path)},

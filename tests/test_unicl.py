@@ -12,7 +12,9 @@ from conftest import small_config
 from rayvl import assets
 from rayvl.config import ConfigError, load_config
 from rayvl.data import fashion_mnist, shards
-from rayvl.data.pipeline import prompt_batch
+from rayvl.data.pipeline import Rows
+from rayvl.data.shards import Reading
+from rayvl.methods.unicl.rows import Prompted, prompt_batch
 from rayvl.data.prompts import Prompts, load_prompts
 from rayvl.data.prompts import templates as prompt_templates
 from rayvl.data.report import report_actor
@@ -58,10 +60,10 @@ def test_image_label_shards_get_prompts_and_labels(ray_local, tmp_path):
                 tar.addfile(info, io.BytesIO(payload))
     prompts = Prompts(("cat", "dog", "bird"), prompt_templates(), frozenset({0, 1}))
     report_actor("test-labels")
-    rows = shards.read_shards(str(tmp_path), image_size=32, crop_scale_min=0.5, train=True,
-                              tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=16, read_cpus=0.5,
-                              transform_batch_size=4, shuffle_files=False, report_name="test-labels",
-                              prompts=prompts).take_all()
+    rows = shards.read_shards(str(tmp_path), Rows(image_size=32, crop_scale_min=0.5, train=True,
+                                                  tokenizer_path=str(assets.text_model_path("minilm-l6")),
+                                                  max_tokens=16, transforms=(Prompted(prompts),)),
+                              Reading(read_cpus=0.5, batch_size=4, report_name="test-labels")).take_all()
     counts = ray.get(report_actor("test-labels").snapshot.remote())["counts"]
     assert sorted(r["label"] for r in rows) == [0] * 4 + [1] * 4
     assert all(("cat" if r["label"] == 0 else "dog") in r["caption"] for r in rows)
@@ -85,7 +87,8 @@ def test_the_image_label_stream_reads_what_the_run_needs_in_a_seeded_order(ray_l
     """The Fashion-MNIST stream stops after the rows the run trains on (steps × accumulation × ranks × image-label
     rows per micro-batch, + one micro-batch per rank), not a whole epoch ahead of training; each seed draws its
     own photos, every one of a training class."""
-    from rayvl.train.datasets import image_label_prompts, labeled_dataset
+    from rayvl.methods.unicl.rows import labeled_dataset
+    from rayvl.methods.unicl.rows import resolve_prompts as image_label_prompts
 
     def keys(seed: int) -> list[str]:
         cfg = load_config(None, ["image_label.data=fashion-mnist", "image_label.train_classes=[0, 2, 4]",

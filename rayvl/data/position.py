@@ -183,7 +183,7 @@ class DataPosition:
         self.partial_rows = RowSet()
         self.rows_per_pass: Counter = Counter()  # distinct rows trained on, per pass
         self.duplicates = 0  # rows trained on twice within a pass (a resume that restarted would make them)
-        self.execution = 0  # the Ray Data execution a resume reads first (batches._epochs, DataReport.settle)
+        self.execution = 0  # the Ray Data execution a resume reads first (batches.epochs, DataReport.settle)
         self.report: dict = {"counts": {}, "bad_shards": {}}  # the settled data report
         self.pending: list[np.ndarray] = []
 

@@ -107,7 +107,7 @@ class DataReport:
         report = {"counts": dict(+self.settled), "bad_shards": dict(self.bad_shards)}
         if open_pass is None or not self.passes:
             return report, self.execution
-        # execution k starts (batches._epochs' begin) as soon as k − 1's reads end, while its last rows still wait
+        # execution k starts (batches.epochs' begin) as soon as k − 1's reads end, while its last rows still wait
         # in the prefetch queue or a TOnICS bucket: while a pass of k − 1 is open, a resume must read k − 1 again
         # (its finished shards are skipped unopened)
         return report, min(self.execution, open_pass // self.passes)

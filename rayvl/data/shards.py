@@ -25,6 +25,7 @@ import uuid
 import zlib
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from functools import lru_cache, partial
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -35,7 +36,7 @@ from ray.data.block import BlockAccessor, BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from rayvl import storage
-from rayvl.data.pipeline import preprocess
+from rayvl.data.pipeline import Rows, preprocess
 from rayvl.data.position import row_ids
 from rayvl.data.report import current_token, record, report_actor
 from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
@@ -43,40 +44,64 @@ from rayvl.data.specs import is_pipe, resolve_shards
 from rayvl.data.tar import COLUMNS, iter_tar_samples
 
 if TYPE_CHECKING:
-    from rayvl.data.bow import Deformer
-    from rayvl.data.ontology import Ontology
-    from rayvl.data.prompts import Prompts
+    from rayvl.config import RayvlConfig
 
 RAW_ROWS_PER_BLOCK = 256
 MAX_TASKS_PER_PASS = 200  # Ray Data's default read parallelism; LAION's 41k shards → ≈200 shards a task
 REPORT_EVERY_S = 10.0  # counts reach the report at the end of each shard and at least this often within one
 
 
-class ShardStream(Datasource):
-    """Samples of img2dataset / webdataset tar shards over ``passes`` passes, as raw ``columns`` (bytes) or, with
-    ``transform``, as its output: ``transform(raw batch, counts) -> dict of arrays`` on batches of ``batch_size``.
-    ``positioned``: the run's training stream — counted per shard in its report and resumed from the data position
-    the report holds (data/position.py); other streams (held-out, image-label) are counted as a whole.
-    ``threads``: batches a read task transforms side by side (``_transformed_ahead``); ``io``: how I/O errors are
-    met (shard_io.py)."""
+@dataclass(frozen=True)
+class Reading:
+    """How a shard stream is read (what its rows become is ``pipeline.Rows``)."""
 
-    def __init__(self, paths: list[str], *, columns: tuple[str, ...] = COLUMNS, transform: Callable | None = None,
-                 batch_size: int = RAW_ROWS_PER_BLOCK, report_name: str | None = None, passes: int = 1,
-                 shuffle: bool = False, seed: int = 0, positioned: bool = False, threads: int = 1,
-                 io: ReadPolicy = ReadPolicy()):
+    read_cpus: float = 0.5
+    """CPUs each read task reserves (data.read_cpus)."""
+    batch_size: int = RAW_ROWS_PER_BLOCK
+    """rows a read task transforms in one call, and the rows of each block it emits (data.transform_batch_size)."""
+    threads: int = 1
+    """batches a read task transforms side by side (data.read_threads, ``ShardStream._transformed_ahead``)."""
+    io: ReadPolicy = ReadPolicy()
+    """how I/O errors are met (shard_io.py)."""
+    shuffle: bool = False
+    """each pass reads the shards in its own order, drawn from (``seed``, pass) (data.shuffle_files)."""
+    seed: int = 0
+    """seed of the shard orders (train.seed)."""
+    passes: int = 1
+    """passes over the shards one Ray Data execution lists."""
+    positioned: bool = False
+    """the run's training stream: counted per shard in its report and resumed from the data position the report
+    holds (data/position.py); other streams (held-out, image-label) are counted as a whole."""
+    report_name: str | None = None
+    """the data report the stream's counts go to (rayvl.data.report; None = not counted)."""
+
+    @classmethod
+    def of(cls, cfg: RayvlConfig, report_name: str | None, **changes) -> Reading:
+        """How ``cfg``'s data settings read a stream counted in ``report_name``; ``changes``: fields set otherwise."""
+        d = cfg.data
+        return replace(cls(read_cpus=d.read_cpus, batch_size=d.transform_batch_size, threads=d.read_threads,
+                           io=ReadPolicy.of(d), shuffle=d.shuffle_files, seed=cfg.train.seed,
+                           report_name=report_name), **changes)
+
+
+class ShardStream(Datasource):
+    """Samples of img2dataset / webdataset tar shards over ``reading.passes`` passes, as raw ``columns`` (bytes)
+    or, with ``transform``, as its output: ``transform(raw batch, counts) -> dict of arrays`` on batches of
+    ``reading.batch_size``."""
+
+    def __init__(self, paths: list[str], reading: Reading = Reading(), *, columns: tuple[str, ...] = COLUMNS,
+                 transform: Callable | None = None):
         super().__init__()
-        self.threads, self.io = threads, io
-        self.positioned = positioned and report_name is not None
-        self.paths, self.columns, self.transform = list(paths), tuple(columns), transform
-        self.batch_size, self.report_name = batch_size, report_name
-        self.passes, self.shuffle, self.seed = passes, shuffle, seed
+        self.paths, self.reading, self.columns, self.transform = list(paths), reading, tuple(columns), transform
+        self.report_name = reading.report_name
+        self.positioned = reading.positioned and reading.report_name is not None
 
     def order(self, epoch: int) -> list[int]:
         """Indices of the shards of pass ``epoch`` in reading order: a permutation drawn from (seed, epoch) when
         shuffled."""
-        if not self.shuffle:
+        if not self.reading.shuffle:
             return list(range(len(self.paths)))
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.paths)).tolist()
+        return np.random.default_rng([self.reading.seed, epoch]).permutation(len(self.paths)).tolist()
 
     def estimate_inmemory_data_size(self) -> int | None:
         return None
@@ -84,15 +109,15 @@ class ShardStream(Datasource):
     @property
     def num_tasks(self) -> int:
         """Read tasks of all passes: each pass in at most MAX_TASKS_PER_PASS groups of consecutive shards."""
-        return self.passes * min(len(self.paths), MAX_TASKS_PER_PASS)
+        return self.reading.passes * min(len(self.paths), MAX_TASKS_PER_PASS)
 
     def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
                        data_context=None) -> list[ReadTask]:
         # ``parallelism`` is num_tasks (read() asks for it): fewer tasks than Ray's default of 200 would make Ray
-        # split every block into tiny ones (SplitBlocks(50) on 4 shards: 10-row blocks, 1.5× slower)
+        # split every block into tiny ones (SplitBlocks), each paying Ray Data's per-block costs
         groups = min(len(self.paths), MAX_TASKS_PER_PASS)
         tasks = []
-        for epoch in range(self.passes):
+        for epoch in range(self.reading.passes):
             order = self.order(epoch)
             for g in range(groups):
                 part = order[g * len(order) // groups:(g + 1) * len(order) // groups]
@@ -105,7 +130,7 @@ class ShardStream(Datasource):
         # the run's data position (data/position.py): finished shards are skipped unopened, rows of a shard
         # trained on before a restore are dropped after decoding
         token, pass_, skip, trained = ray.get(report_actor(self.report_name).plan.remote(
-            listed_pass, self.passes, shards)) if self.positioned else (
+            listed_pass, self.reading.passes, shards)) if self.positioned else (
             current_token(self.report_name), listed_pass, set(), {})
         for shard in shards:
             if shard not in skip:
@@ -140,43 +165,44 @@ class ShardStream(Datasource):
 
     def _transformed_ahead(self, shard: int, pass_: int, bad: list,
                            io_counts: Counter) -> Iterator[tuple[dict | pa.Table, Counter]]:
-        """(transformed batch, its counts) in shard order, up to ``threads`` batches transformed side by side while
-        the task emits the one before. JPEG decode, resize and the Rust tokenizer release the GIL, so one read task
-        keeps more than its one core busy and covers what Ray leaves idle around its tasks (the second task's late
-        start, the gap between one task's end and the next one's start, the last task of a run): on 2 cores at
-        224 px, 663–686 → 732–765 samples/s in a probe alternating 1 and 2 threads (README, "Data plane")."""
+        """(transformed batch, its counts) in shard order, up to ``reading.threads`` batches transformed side by
+        side while the task emits the one before. JPEG decode, resize and the Rust tokenizer release the GIL, so one
+        read task keeps more than its one core busy and covers what Ray leaves idle around its tasks (the second
+        task's late start, the gap between one task's end and the next one's start, the last task of a run); the
+        measurement is in the README, "Data plane"."""
         def transform(first: int, rows: list[dict]):
             batch_counts: Counter = Counter()
             return self._transformed(rows, row_ids(pass_, shard, first, len(rows)), batch_counts), batch_counts
 
         raw = self._raw_batches(self.paths[shard], bad, io_counts)
-        if self.threads <= 1 or self.transform is None:
+        threads = self.reading.threads
+        if threads <= 1 or self.transform is None:
             yield from (transform(first, rows) for first, rows in raw)
             return
-        pool, ahead = _pool(self.threads), deque()
+        pool, ahead = _pool(threads), deque()
         for first, rows in raw:
             ahead.append(pool.submit(transform, first, rows))
-            if len(ahead) > self.threads:
+            if len(ahead) > threads:
                 yield ahead.popleft().result()
         while ahead:
             yield ahead.popleft().result()
 
     def _raw_batches(self, path: str, bad: list, io_counts: Counter) -> Iterator[tuple[int, list[dict]]]:
-        """(index of the first row in the shard, rows) batches of ``batch_size``; I/O retries counted in
+        """(index of the first row in the shard, rows) batches of ``reading.batch_size``; I/O retries counted in
         ``io_counts``."""
         rows: list[dict] = []
         read = 0
         try:
-            with open_shard(path, self.io, io_counts) as f:
+            with open_shard(path, self.reading.io, io_counts) as f:
                 for sample in iter_tar_samples(f, self.columns):
                     rows.append(sample)
-                    if len(rows) == self.batch_size:
+                    if len(rows) == self.reading.batch_size:
                         yield read, rows
                         read += len(rows)
                         rows = []
         except ShardIOError as e:
             # not the data's fault (shard_io.py): the run fails naming the shard, unless the user chose to skip
-            if self.io.unreadable == "fail":
+            if self.reading.io.unreadable == "fail":
                 raise
             bad.append((path, "unreadable_shards", f"{e.reason}: {e.detail} after {read + len(rows)} samples"))
         except (tarfile.TarError, EOFError, zlib.error) as e:
@@ -209,7 +235,8 @@ def _length(out: dict | pa.Table) -> int:
 
 
 def _untrained(out: dict, trained: set[tuple[int, int]]) -> dict:
-    """The rows of a transform batch not trained on before the restore (TOnICS: (sample, object) rows)."""
+    """The rows of a transform batch not trained on before the restore: (row id, object) pairs, the object −1 for
+    a stream whose rows carry none (data/position.py)."""
     objects = out["object"] if "object" in out else np.full(len(out["row"]), -1)
     keep = np.array([(r, o) not in trained for r, o in zip(out["row"].tolist(), objects.tolist())], dtype=bool)
     return {k: v[keep] for k, v in out.items()}
@@ -234,54 +261,45 @@ def outside_placement_group(fn: Callable, *args):
     return ray.get(ray.remote(fn).options(num_cpus=0, scheduling_strategy=anywhere, max_retries=0).remote(*args))
 
 
-def group_over_shards(paths: list[str], columns: tuple[str, ...], fn, fn_kwargs: dict, key: str, read_cpus: float,
-                      aggregate: Callable, io: ReadPolicy = ReadPolicy()):
-    """Corpus statistics as a Ray Data aggregation over resolved shard ``paths``: only ``columns`` are read, ``fn``
-    turns each batch into rows with a ``key`` column, the rows are grouped by it, and ``aggregate(grouped)`` makes
-    the result (a sum or count) — never collecting the rows on the driver. Runs outside the caller's placement group
-    (``outside_placement_group``: the groupby's shuffle tasks cannot run in a Tune trial's)."""
-    return outside_placement_group(_grouped, paths, columns, fn, fn_kwargs, key, read_cpus, aggregate, io)
+def group_over_shards(paths: list[str], columns: tuple[str, ...], fn, fn_kwargs: dict, key: str,
+                      aggregate: Callable, reading: Reading = Reading()):
+    """Corpus statistics as a Ray Data aggregation over resolved shard ``paths``: only ``columns`` are read (with
+    ``reading``'s CPUs and I/O policy), ``fn`` turns each batch into rows with a ``key`` column, the rows are grouped
+    by it, and ``aggregate(grouped)`` makes the result (a sum or count) — never collecting the rows on the driver.
+    Runs outside the caller's placement group (``outside_placement_group``: the groupby's shuffle tasks cannot run
+    in a Tune trial's)."""
+    reading = Reading(read_cpus=reading.read_cpus, io=reading.io)  # one pass, raw batches, counted nowhere
+    return outside_placement_group(_grouped, paths, columns, fn, fn_kwargs, key, aggregate, reading)
 
 
-def _grouped(paths, columns, fn, fn_kwargs, key, read_cpus, aggregate, io):
-    rows = read(ShardStream(paths, columns=columns, io=io), read_cpus).map_batches(
-        fn, batch_format="numpy", num_cpus=read_cpus, fn_kwargs=fn_kwargs)
-    # hash partitions of the keys: Ray's default (200) costs ~15 s of task overhead on a few demo shards; one per
-    # 8 shards keeps LAION's 41k shards at the default cap
+def _grouped(paths, columns, fn, fn_kwargs, key, aggregate, reading: Reading):
+    rows = read(ShardStream(paths, reading, columns=columns)).map_batches(
+        fn, batch_format="numpy", num_cpus=reading.read_cpus, fn_kwargs=fn_kwargs)
+    # hash partitions of the keys: Ray's default (200) is mostly task overhead on a few shards; one per 8 shards
+    # keeps LAION's 41k shards at the default cap
     return aggregate(rows.groupby(key, num_partitions=max(1, min(200, len(paths) // 8))))
 
 
 # ----------------------------------------------------------------------------- datasets
 
-def read_shards(spec: str, *, image_size: int, crop_scale_min: float, train: bool, tokenizer_path: str,
-                max_tokens: int, read_cpus: float, transform_batch_size: int, shuffle_files: bool,
-                report_name: str | None, bow: Deformer | None = None, ontology: Ontology | None = None,
-                prompts: Prompts | None = None, columns: list[str] | None = None, passes: int = 1,
-                seed: int = 0, positioned: bool = False, threads: int = 1,
-                io: ReadPolicy = ReadPolicy()) -> ray.data.Dataset:
-    """The streaming Ray Dataset of model inputs for a shard spec: ``passes`` passes over the shards, only
-    ``columns`` of the model inputs kept (all of them when None). ``seed`` draws each pass's shard order and each
-    row's crop and prompt (data/seeding.py)."""
-    transform = partial(_transform, columns=columns, kw=dict(
-        image_size=image_size, crop_scale_min=crop_scale_min, train=train, tokenizer_path=tokenizer_path,
-        max_tokens=max_tokens, bow=bow, ontology=ontology, prompts=prompts, seed=seed))
-    source = ShardStream(resolve_shards(spec), transform=transform, batch_size=transform_batch_size,
-                         report_name=report_name, passes=passes, shuffle=shuffle_files, seed=seed,
-                         positioned=positioned, threads=threads, io=io)
-    ds = read(source, read_cpus)
+def read_shards(spec: str, rows: Rows, reading: Reading, columns: list[str] | None = None) -> ray.data.Dataset:
+    """The streaming Ray Dataset of model inputs for a shard spec: the shards read as ``reading`` says, each row
+    made what ``rows`` says, only ``columns`` of the model inputs kept (all of them when None)."""
+    source = ShardStream(resolve_shards(spec), reading, transform=partial(_transform, rows=rows, columns=columns))
+    ds = read(source)
     # Ray merges a task's output into blocks of up to 128 MiB: a 1,000-sample shard at 64 px became one block, so the
-    # first batch waited for a whole shard (41% of the demo's first window waiting for data). One transform batch
-    # of uint8 images + tokens per block reaches the trainer as soon as it is made.
-    ds.context.target_max_block_size = transform_batch_size * (3 * image_size ** 2 + 16 * max_tokens)
+    # first batch waited for a whole shard. One transform batch of uint8 images + tokens per block reaches the
+    # trainer as soon as it is made.
+    ds.context.target_max_block_size = reading.batch_size * (3 * rows.image_size ** 2 + 16 * rows.max_tokens)
     return ds
 
 
-def read(source: ShardStream, read_cpus: float) -> ray.data.Dataset:
-    return ray.data.read_datasource(source, num_cpus=read_cpus, override_num_blocks=source.num_tasks)
+def read(source: ShardStream) -> ray.data.Dataset:
+    return ray.data.read_datasource(source, num_cpus=source.reading.read_cpus, override_num_blocks=source.num_tasks)
 
 
-def _transform(batch: dict, counts: Counter, columns: list[str] | None, kw: dict) -> dict:
-    out = preprocess(batch, counts=counts, **kw)
+def _transform(batch: dict, counts: Counter, rows: Rows, columns: list[str] | None) -> dict:
+    out = preprocess(batch, counts, rows)
     return {c: out[c] for c in columns} if columns else out
 
 
@@ -305,8 +323,8 @@ STATS_SAMPLE = 64  # remote shards whose stats file is read; the pass size is ex
 
 def pass_size(paths: list[str]) -> tuple[int | None, str]:
     """(successful samples a pass holds, how that was found). Local shards: pyarrow's threaded scan of the
-    ``status`` column of img2dataset's parquet files on the driver (as a Ray Data job the same count took 15 s on a
-    busy 2-core machine, task start-up, not reading). Object storage: the ``successes`` of img2dataset's
+    ``status`` column of img2dataset's parquet files on the driver (as a Ray Data job the same count is mostly task
+    start-up, not reading). Object storage: the ``successes`` of img2dataset's
     ``<shard>_stats.json`` — of every shard up to STATS_SAMPLE, else of STATS_SAMPLE spread over the list,
     extrapolated (reading 41k files one by one would cost minutes before every run). None when absent."""
     import pyarrow.compute as pc

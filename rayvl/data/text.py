@@ -15,8 +15,8 @@ TOKEN_PATTERN = r"\w+(?:[-'’]\w+)*|[^\w\s]+"
 PSEUDO_FLAG = "pseudo_bow"  # in a sample's JSON: its caption is a pseudo-BoW caption (rayvl.pseudo_label)
 PSEUDO_MARKER = "pseudo_label.json"  # in a `rayvl pseudo-label` output folder, beside its <rule>/ shard folders
 # nltk's RegexpTokenizer(TOKEN_PATTERN) gives the same tokens (tested) but routes every call through its ReDoS guard
-# (the `regex` engine with a timeout), 5× slower (21 vs 4 µs a caption, measured): this fixed pattern cannot
-# backtrack catastrophically, so the BoW deformation's share of the pipeline stays under its 2% goal with `re`.
+# (the `regex` engine with a timeout), several times slower: this fixed pattern cannot backtrack catastrophically,
+# so `re` is safe here and keeps the BoW deformation a small share of the pipeline (docs/benchmarks.md).
 _TOKENS = re.compile(TOKEN_PATTERN)
 
 
@@ -47,8 +47,8 @@ def load_tokenizer(path: str):
 def fixed_length_tokenizer(path: str, max_tokens: int):
     """The model folder's own fast tokenizer (``tokenizer.json``, HF ``tokenizers``) set once to truncate and pad
     to ``max_tokens`` with the folder's pad token — what ``AutoTokenizer(..., padding="max_length",
-    truncation=True)`` does (tested equal), without importing transformers and torch: 0.13 s instead of 2.4 s in
-    every new Ray Data worker process, and thread-safe (nothing is reconfigured per call, so the read tasks' threads
+    truncation=True)`` does (tested equal), without importing transformers and torch in every new Ray Data worker
+    process, and thread-safe (nothing is reconfigured per call, so the read tasks' threads
     share it). None when the folder has no ``tokenizer.json`` or names no pad token: then AutoTokenizer."""
     folder = Path(path)
     pad = _pad_token(folder)

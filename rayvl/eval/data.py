@@ -19,7 +19,8 @@ import ray
 from rayvl.data import fashion_mnist
 from rayvl.data.images import decode_and_crop
 from rayvl.data.prompts import read_class_file, templates
-from rayvl.data.shards import read_shards
+from rayvl.data.pipeline import Rows
+from rayvl.data.shards import Reading, read_shards
 from rayvl.eval.sts import read_sts
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
@@ -88,9 +89,8 @@ def _add_index(batch: dict, index_of: dict) -> dict:
 def load_shards(spec: str, image_size: int, tokenizer_path: str, max_tokens: int, read_cpus: float,
                 report_name: str | None = None, threads: int = 1) -> EvalData:
     """Dropped samples are counted in the DataReport ``report_name`` (created by the caller)."""
-    ds = read_shards(spec, image_size=image_size, crop_scale_min=1.0, train=False, tokenizer_path=tokenizer_path,
-                     max_tokens=max_tokens, read_cpus=read_cpus, transform_batch_size=64, shuffle_files=False,
-                     report_name=report_name, threads=threads).materialize()
+    reading = Reading(read_cpus=read_cpus, batch_size=64, threads=threads, report_name=report_name)
+    ds = read_shards(spec, Rows(image_size, 1.0, False, tokenizer_path, max_tokens), reading).materialize()
     meta = sorted(ds.select_columns(["key", "caption", "cls"]).take_all(), key=lambda r: r["key"])
     index_of = {r["key"]: i for i, r in enumerate(meta)}
     images = ds.map_batches(_add_index, fn_kwargs={"index_of": index_of}, batch_format="numpy",

@@ -9,7 +9,7 @@ import io
 import json
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -17,11 +17,11 @@ import ray
 
 from rayvl import assets, storage
 from rayvl.checkpoints import checkpoint_uri, read_meta
-from rayvl.config import from_dict
+from rayvl.config import EvalConfig, from_dict
 from rayvl.data.report import report_actor, snapshot
 from rayvl.eval import data as eval_data
 from rayvl.eval.embed import RayDataEmbedder
-from rayvl.eval.tasks import SKIP_REASONS, TASKS, evaluate
+from rayvl.eval.tasks import SKIP_REASONS, evaluate
 
 log = logging.getLogger("rayvl")
 
@@ -83,20 +83,33 @@ def pool_size(actors: int, gpus_per_actor: float, cpus_per_actor: float) -> int:
     return max(1, int(min(have.get("GPU", 0.0) / gpus_per_actor, by_cpus) + 1e-9))
 
 
-def run_eval(checkpoint: str, tasks=TASKS, sources: Sources | None = None, out: str | Path | None = None,
-             actors: int = 1, cpus_per_actor: float = 0.5, batch_size: int = 128, k: int = 10,
-             limit: int = 0, gpus_per_actor: float = 0.0) -> dict:
+def settings(config: dict, **given) -> EvalConfig:
+    """The checkpoint's ``eval`` section (the config's defaults where its run set nothing), with each value given
+    (not None) in its place: ``actors``, ``cpus_per_actor``, ``gpus_per_actor``, ``batch_size``,
+    ``paraphrase_k``."""
+    return replace(from_dict(config).eval, **{k: v for k, v in given.items() if v is not None})
+
+
+def run_eval(checkpoint: str, tasks: list[str] | None = None, sources: Sources | None = None,
+             out: str | Path | None = None, actors: int | None = None, cpus_per_actor: float | None = None,
+             batch_size: int | None = None, k: int | None = None, limit: int = 0,
+             gpus_per_actor: float | None = None) -> dict:
+    """Every task of ``tasks`` on a checkpoint; ``tasks`` and the actor pool's settings left None come from its
+    config (``eval.checkpoint_tasks``, ``settings``)."""
     uri = checkpoint_uri(checkpoint)  # local or a URL; every embedding actor loads it on its own node
     config = read_meta(uri)["config"]
     sources = sources or default_sources(config)
     out = storage.normalize(out) if out else storage.join(storage.parent(uri), "eval")
+    pool = settings(config, actors=actors, cpus_per_actor=cpus_per_actor, gpus_per_actor=gpus_per_actor,
+                    batch_size=batch_size, paraphrase_k=k)
+    tasks = pool.checkpoint_tasks if tasks is None else tasks
     log.info(f"eval: reading {sources.data} ({sources.kind}) for {', '.join(tasks)}")
-    data, counts = load(sources, config, cpus_per_actor, limit)
-    actors = pool_size(actors, gpus_per_actor, cpus_per_actor)
-    if gpus_per_actor:
-        log.info(f"eval: {actors} embedding actor(s) of {gpus_per_actor:g} GPU(s) each")
-    embedder = RayDataEmbedder(uri, actors, cpus_per_actor, batch_size, gpus_per_actor)
-    metrics, embeddings = evaluate(tasks, data, embedder, k)
+    data, counts = load(sources, config, pool.cpus_per_actor, limit)
+    actors = pool_size(pool.actors, pool.gpus_per_actor, pool.cpus_per_actor)
+    if pool.gpus_per_actor:
+        log.info(f"eval: {actors} embedding actor(s) of {pool.gpus_per_actor:g} GPU(s) each")
+    embedder = RayDataEmbedder(uri, actors, pool.cpus_per_actor, pool.batch_size, pool.gpus_per_actor)
+    metrics, embeddings = evaluate(tasks, data, embedder, pool.paraphrase_k)
     for name, array in embeddings.items():
         buffer = io.BytesIO()
         np.save(buffer, array)
@@ -114,8 +127,8 @@ def run_eval(checkpoint: str, tasks=TASKS, sources: Sources | None = None, out: 
 
 
 def after_training(result, data: str = "", tasks: tuple[str, ...] = ("retrieval",), prefix: str = "heldout_") -> dict:
-    """A finished run's evaluation (a comparison's ``after``, rayvl.compare) on ``data`` — by default its own
-    held-out data, with the files found as `rayvl eval` finds them: the numeric metrics of ``tasks``, each name
+    """A finished run's evaluation (a comparison's ``after``, rayvl.sweeps.comparison) on ``data`` — by default its
+    own held-out data, with the files found as `rayvl eval` finds them: the numeric metrics of ``tasks``, each name
     prefixed; the files in ``<run>/eval-<prefix>``."""
     config = read_meta(checkpoint_uri(result.checkpoint_dir))["config"]
     out = run_eval(result.checkpoint_dir, list(tasks), default_sources(config, data),

@@ -11,15 +11,17 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from rayvl.config import EVAL_TASKS
 from rayvl.eval.data import EvalData
 from rayvl.eval.linear_probe import linear_probe as fit_linear_probe
 from rayvl.eval.linear_probe import split_indices
-from rayvl.eval.paraphrase import expand_queries, paraphrase_metrics
+from rayvl.methods.paraphrase.metrics import expand_queries, paraphrase_metrics
 from rayvl.eval.retrieval import retrieval_metrics
 from rayvl.eval.sts import sts_metrics
 from rayvl.eval.zeroshot import class_embeddings, zeroshot_metrics
 
-TASKS = ("zeroshot", "retrieval", "paraphrase", "sts", "linear_probe")
+# the tasks training runs (config.EVAL_TASKS) and the linear probe, which fits a classifier: `rayvl eval` only
+TASKS = (*EVAL_TASKS, "linear_probe")
 SKIP_REASONS = {"zeroshot": "no class names or labels", "retrieval": "the data has no captions",
                 "paraphrase": "no paraphrase file", "sts": "no STS file",
                 "linear_probe": "fewer than 10 labelled images"}

@@ -1,14 +1,13 @@
 """Image tower (timm) and text tower (HF encoder + the text strategies of [Paraphrase] §4)."""
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.utils.checkpoint
 from torch import nn
 
 from rayvl import assets
 from rayvl.compat import ensure_torchvision_importable
+from rayvl.methods.paraphrase.text_strategies import alignment_layers_for, insert_adapters
 
 
 class VisionTower(nn.Module):
@@ -47,33 +46,6 @@ class VisionTower(nn.Module):
         return self.backbone(x.to(next(self.backbone.parameters()).dtype))
 
 
-class BottleneckAdapter(nn.Module):
-    """x + up(ReLU(down(x))) with hidden size d / reduction ([Paraphrase] §4 "Frozen Text Encoder with Bottleneck
-    Adapter", refs [6, 28]: reduction factor 2). ``up`` starts at zero: the adapted LM starts as the pretrained one."""
-
-    def __init__(self, dim: int, reduction: int):
-        super().__init__()
-        self.down = nn.Linear(dim, dim // reduction)
-        self.up = nn.Linear(dim // reduction, dim)
-        nn.init.zeros_(self.up.weight)
-        nn.init.zeros_(self.up.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.up(torch.relu(self.down(x)))
-
-
-class _AdaptedOutput(nn.Module):
-    """A layer's feed-forward output projection followed by its adapter, before the residual + LayerNorm
-    (the sequential bottleneck placement of Pfeiffer et al. / AdapterHub's default)."""
-
-    def __init__(self, dense: nn.Linear, adapter: BottleneckAdapter):
-        super().__init__()
-        self.dense, self.adapter = dense, adapter
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.adapter(self.dense(x))
-
-
 class TextTower(nn.Module):
     """A pretrained HF encoder used by one of four strategies ([Paraphrase] §4, Fig. 3 b–e):
 
@@ -99,20 +71,10 @@ class TextTower(nn.Module):
         self.lm_frozen = strategy != "finetune"
         if self.lm_frozen:
             self.lm.requires_grad_(False)
-        self.adapters: list[BottleneckAdapter] = []  # a plain list: the modules live (once) inside the LM's layers
-        if strategy == "frozen_adapters":
-            for layer in self.lm.encoder.layer:
-                adapter = BottleneckAdapter(self.lm.config.hidden_size, adapter_reduction)
-                layer.output.dense = _AdaptedOutput(layer.output.dense, adapter)
-                self.adapters.append(adapter)
-        self.alignment = nn.ModuleList()
-        if strategy == "frozen_alignment":
-            template = self.lm.encoder.layer[-1]
-            for _ in range(alignment_layers):
-                layer = copy.deepcopy(template)
-                layer.apply(self.lm._init_weights)  # same shape as the LM's layers, random init ([Paraphrase] §4)
-                layer.requires_grad_(True)
-                self.alignment.append(layer)
+        # a plain list: the adapters live (once) inside the LM's layers
+        self.adapters = insert_adapters(self.lm, adapter_reduction) if strategy == "frozen_adapters" else []
+        self.alignment = nn.ModuleList(alignment_layers_for(self.lm, alignment_layers)
+                                       if strategy == "frozen_alignment" else [])
         self.out_dim = self.lm.config.hidden_size
         self.checkpointing = False
 

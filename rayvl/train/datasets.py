@@ -1,48 +1,92 @@
-"""Dataset building per recipe: what the config's data settings resolve to (demo data, files, the TOnICS ontology,
-image-label prompts — all checked before Ray starts), and the Ray Datasets a run trains and evaluates on."""
+"""A run's data, in two steps: ``plan`` before Ray starts (demo data, files, the checks a typo fails, each enabled
+method's data part — rayvl.methods.rows) and ``build`` once Ray is up (the methods' corpus passes and the Ray
+Datasets the run trains and evaluates on). Methods enter only through their data parts: this module names none."""
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import ray
 
 from rayvl import assets
-from rayvl.config import ConfigError, RayvlConfig, bow_needs_stats, parse_bow_ops
-from rayvl.data import bow, fashion_mnist, shards, specs
-from rayvl.data.artifacts import ArtifactMismatch
+from rayvl.config import ConfigError, RayvlConfig
+from rayvl.data import shards, specs
 from rayvl.data.demo import DEMO_SEED, ensure_demo
-from rayvl.data.ontology import Ontology, keep_frequent, load_or_count
-from rayvl.data.pipeline import prompt_batch
-from rayvl.data.report import DataPlaneError
-from rayvl.data.prompts import Prompts, load_prompts
-from rayvl.data.shard_io import ReadPolicy
+from rayvl.data.pipeline import Rows
+from rayvl.data.shards import Reading
 from rayvl.data.specs import resolve_shards
-from rayvl.train.batches import ROW, TRAIN_COLUMNS, label_rows
+from rayvl.methods import rows as methods
+from rayvl.methods.base import DataPart, RowTransform, RunData
+from rayvl.data.pipeline import TRAIN_COLUMNS
+from rayvl.train.batches import ROW
 
 log = logging.getLogger("rayvl")
 EVAL_FILES = {"classes_file": "classes", "paraphrases_file": "paraphrases", "sts_file": "sts"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataPlan:
     """What a run reads, resolved before Ray starts."""
 
+    cfg: RayvlConfig
+    """the run's config as its data adjusts it: evaluation off without held-out shards, what a method's data
+    sets (e.g. model.num_classes)."""
     train: str
     eval: str
-    files: dict[str, str]  # classes_file, paraphrases_file, sts_file ('' = none)
-    ontology: Ontology | None
-    prompts: Prompts | None
+    files: dict[str, str]
+    """classes_file, paraphrases_file, sts_file ('' = none)."""
+    parts: tuple[DataPart, ...] = ()
+    """the enabled methods' data parts (rayvl.methods.rows)."""
+
+    def reports(self, report_name: str) -> dict[str, str]:
+        """The data report of each stream the run reads, by stream: "train" is ``report_name``; the held-out
+        stream and a method's own streams get theirs. A report per stream, no more: each is an idle actor
+        process for the whole run."""
+        held_out = eval_report(self.cfg, self.eval, report_name)
+        return {"train": report_name, **({"eval": held_out} if held_out else {}),
+                **{stream: f"{report_name}-{suffix}" for part in self.parts for stream, suffix in part.streams.items()}}
+
+
+@dataclass(frozen=True)
+class Built:
+    """A run's data once Ray is up."""
+
+    datasets: dict[str, ray.data.Dataset]
+    """by name: "train", "eval" (held-out, when evaluating), "labeled" (a second training stream)."""
+    pass_size: int | None
+    """successful samples a pass over the training shards holds, by img2dataset's files (None: unknown)."""
+    train_shards: int
+    """shards a pass over the training data holds (the data position's size)."""
+    worker_inputs: dict[str, dict]
+    """what each method's training part needs on the workers, by method name."""
 
 
 def plan(cfg: RayvlConfig) -> DataPlan:
+    """Everything about a run's data that can be wrong, found before Ray starts (ConfigError naming the key)."""
     train, evalset, files = resolve_data(cfg)
     check_inputs(cfg, train, evalset)
-    return DataPlan(train, evalset, files, tonics_ontology(cfg), image_label_prompts(cfg))
+    parts = methods.parts(cfg, train, evalset)
+    cfg = evaluation_or_off(cfg, evalset)
+    for part in parts:
+        cfg = part.run_config(cfg)
+    return DataPlan(cfg, train, evalset, files, parts)
+
+
+def build(plan: DataPlan, run_dir: str, report_name: str) -> Built:
+    """The run's Ray Datasets and the methods' worker inputs; the methods' corpus passes (Ray Data) run here, their
+    artifacts under ``run_dir``. The data reports ``plan.reports(report_name)`` names must exist."""
+    cfg = plan.cfg
+    run = RunData(cfg, plan.train, run_dir, plan.reports(report_name))
+    made = {part.name: part.build(run) for part in plan.parts}
+    pass_size = shards.expected_samples(plan.train)
+    transforms = tuple(c.transform for c in made.values() if c.transform is not None)
+    sets = shard_datasets(cfg, plan.train, plan.eval, report_name, transforms, train_passes(plan, pass_size))
+    for contribution in made.values():
+        sets.update(contribution.datasets)
+    return Built(sets, pass_size, len(resolve_shards(plan.train)),
+                 {name: c.worker for name, c in made.items() if c.worker})
 
 
 def evaluation_or_off(cfg: RayvlConfig, evalset: str) -> RayvlConfig:
@@ -58,19 +102,13 @@ def evaluation_or_off(cfg: RayvlConfig, evalset: str) -> RayvlConfig:
 def check_inputs(cfg: RayvlConfig, train: str, evalset: str) -> dict[str, specs.SpecCheck]:
     """What a typo makes wrong, as a config error naming the key before Ray starts: shards that match nothing,
     a text tower that is neither an asset nor a local HF folder, a vision tower timm does not know. Returns what
-    the checks of the data specs found, by key."""
+    the checks of the data specs found, by key. (Each method's own inputs: rayvl.methods.rows.)"""
     checks = {key: specs.checked(key, spec) for key, spec in (("data.train", train), ("data.eval", evalset)) if spec}
-    if not evalset and cfg.tonics.enabled:
-        raise ConfigError("data.eval: the TOnICS curriculum refresh needs held-out shards (--eval-data)")
     try:
         if cfg.model.text_tower == "lm":
             assets.text_model_path(cfg.model.text)
         assets.check_vision_name(cfg.model.vision)
         _check_image_size(cfg.model.vision, cfg.data.image_size)
-        if cfg.tonics.enabled:  # Debian assets a cluster fetches only when asked (cluster.yaml)
-            assets.require_wordnet()
-        if cfg.image_label.data == "fashion-mnist":
-            assets.require_fashion_mnist()
     except assets.MissingAssetError as e:
         raise ConfigError(str(e)) from None
     return checks
@@ -101,7 +139,8 @@ def resolve_data(cfg: RayvlConfig) -> tuple[str, str, dict]:
     if not train:
         log.info(f"demo dataset: {d.demo_dir} (generated on first use: {d.demo_samples} + {d.demo_eval_samples} "
                  f"scenes, ≈1 min)")
-        # the same dataset whatever train.seed is: the seeds of a comparison (rayvl.compare) train on identical data
+        # the same dataset whatever train.seed is: the seeds of a comparison (rayvl.sweeps.comparison) train on
+        # identical data
         root = ensure_demo(d.demo_dir, d.demo_samples, d.demo_eval_samples, seed=DEMO_SEED)
         train = str(root / "train")
         evalset = evalset or str(root / "eval")
@@ -114,125 +153,30 @@ def resolve_data(cfg: RayvlConfig) -> tuple[str, str, dict]:
     return train, evalset, {k: str(Path(v).expanduser()) if v else "" for k, v in files.items()}
 
 
-def tonics_ontology(cfg: RayvlConfig) -> Ontology | None:
-    """The TOnICS ontology resolved against WordNet (before Ray starts: a bad class name is a config error)."""
-    x = cfg.tonics
-    if not x.enabled:
-        return None
-    try:
-        return Ontology.build(x.classes, x.overrides, x.tags_field)
-    except ValueError as e:
-        raise ConfigError(f"tonics.classes{e}" if str(e).startswith("[") else f"tonics.{e}") from None
-
-
-def image_label_prompts(cfg: RayvlConfig) -> Prompts | None:
-    """Class names and templates of the image-label source (before Ray starts: a bad file is a config error)."""
-    il = cfg.image_label
-    if not il.data:
-        return None
-    try:
-        default = fashion_mnist.CLASSES if fashion_mnist.is_fashion_mnist(il.data) else None
-        return load_prompts(il.classes, il.templates, il.train_classes, default)
-    except (ValueError, OSError, KeyError) as e:
-        raise ConfigError(str(e) if str(e).startswith("image_label") else f"image_label.classes: {e}") from None
-
-
-def bow_deformer(cfg: RayvlConfig, train: str, run_dir: str) -> bow.Deformer | None:
-    """The configured BoW cascade with its base-split statistics (reused from the artifact when it matches)."""
-    b = cfg.bow
-    if not b.enabled:
-        return None
-    ops = parse_bow_ops(b.ops)
-    stats = None
-    if bow_needs_stats(ops):
-        path = b.stats_path or f"{run_dir.rstrip('/')}/bow_stats.json"
-        log.info(f"BoW statistics of the base split: reading {path} or a Ray Data pass over {train}")
-        start = time.perf_counter()
-        try:
-            stats, reused = bow.load_or_compute(train, path, seed=b.seed, fraction=b.base_fraction,
-                                                read_cpus=cfg.data.read_cpus, io=ReadPolicy.of(cfg.data))
-        except ArtifactMismatch as e:
-            raise ConfigError(str(e)) from None
-        log.info(f"BoW statistics {'reused from' if reused else 'computed with Ray Data →'} {path} "
-                 f"({time.perf_counter() - start:.0f} s): {stats.base_captions} base captions of {stats.captions}, "
-                 f"base vocabulary {len(stats.df)} words")
-    return bow.Deformer(ops, b.seed, b.base_fraction, stats, b.top_freq_words, b.keep_base_intact)
-
-
-def tonics_counts(cfg: RayvlConfig, ontology: Ontology, train: str, run_dir: str) -> tuple[Ontology, list[int]]:
-    """|X(η_o)| per class (Ray Data groupby, reused from the artifact when it matches); rare classes dropped."""
-    x = cfg.tonics
-    path = x.counts_path or f"{run_dir.rstrip('/')}/tonics_counts.json"
-    log.info(f"TOnICS rows per class: reading {path} or a Ray Data pass over {train}")
-    start = time.perf_counter()
-    try:
-        counts, reused = load_or_count(train, path, ontology, cfg.data.read_cpus, ReadPolicy.of(cfg.data))
-    except ArtifactMismatch as e:
-        raise ConfigError(str(e)) from None
-    kept, sizes = keep_frequent(ontology, counts, x.min_instances)
-    log.info(f"TOnICS rows per class {'reused from' if reused else 'counted with Ray Data →'} {path} "
-             f"({time.perf_counter() - start:.0f} s): "
-             + ", ".join(f"{c} {counts.get(i, 0)}{'' if sizes[i] else ' (dropped)'}"
-                         for i, c in enumerate(ontology.classes))
-             + f"; {counts.get(-1, 0)} pairs without an aligned noun")
-    if not kept.kept:
-        raise ConfigError(f"tonics.min_instances: no object class has {x.min_instances} rows")
-    return kept, sizes
-
-
-def _common(cfg: RayvlConfig, report_name: str) -> dict:
-    d = cfg.data
-    return dict(image_size=d.image_size, crop_scale_min=d.crop_scale_min,
-                tokenizer_path=str(assets.text_model_path(cfg.model.text)), max_tokens=d.max_text_tokens,
-                report_name=report_name)
-
-
-def labeled_dataset(cfg: RayvlConfig, prompts: Prompts, report_name: str) -> ray.data.Dataset:
-    """The image-label stream: Fashion-MNIST IDX rows or img2dataset shards with ``cls``, prompts as captions."""
-    d, il, t = cfg.data, cfg.image_label, cfg.train
-    if fashion_mnist.is_fashion_mnist(il.data):
-        pixels, labels = fashion_mnist.read(il.data, limit=il.limit)
-        # the rows the run trains on (+ one micro-batch per rank of slack): without a limit the stream runs through
-        # its whole epoch ahead of training, as fast as the object store takes it — measured: the 35,000 photos of
-        # a 30-step run decoded and tokenized in 106 s beside the training workers, 2.9 s per step
-        needed = (t.max_steps * t.grad_accumulation + 1) * t.num_workers * label_rows(cfg)
-        usable = max(1, int(np.isin(labels, sorted(prompts.train_classes)).sum()))
-        # every pass the run needs in one execution: each pass draws its own photo order, crops and prompts
-        ds = fashion_mnist.passes(pixels, labels, t.seed, -(-needed // usable), d.read_cpus).map_batches(
-            prompt_batch, batch_size=d.transform_batch_size, batch_format="numpy", num_cpus=d.read_cpus,
-            fn_kwargs=dict(prompts=prompts, seed=t.seed, **_common(cfg, report_name)))
-        # given the map's CPUs, the column selection fuses into its tasks (alone it would ask for a whole CPU)
-        return ds.select_columns(TRAIN_COLUMNS, num_cpus=d.read_cpus).limit(needed)
-    return shards.read_shards(il.data, train=True, read_cpus=d.read_cpus, transform_batch_size=d.transform_batch_size,
-                              shuffle_files=d.shuffle_files, prompts=prompts, columns=TRAIN_COLUMNS,
-                              seed=cfg.train.seed, threads=d.read_threads, io=ReadPolicy.of(d),
-                              **_common(cfg, report_name))
-
-
-def train_passes(cfg: RayvlConfig, train: str, samples_per_pass: int | None) -> int:
-    """Passes over the training shards one Ray Data execution lists (shards.passes_needed)."""
+def train_passes(plan: DataPlan, samples_per_pass: int | None) -> int:
+    """Passes over the training shards one Ray Data execution lists (shards.passes_needed): each micro-batch
+    takes from them what the methods' own streams do not fill."""
+    cfg = plan.cfg
     t = cfg.train
-    needed = t.max_steps * t.grad_accumulation * t.num_workers * (t.micro_batch_size - label_rows(cfg))
-    return shards.passes_needed(needed, samples_per_pass, len(resolve_shards(train)))
+    rows = t.micro_batch_size - sum(part.batch_rows(cfg) for part in plan.parts)
+    needed = t.max_steps * t.grad_accumulation * t.num_workers * rows
+    return shards.passes_needed(needed, samples_per_pass, len(resolve_shards(plan.train)))
 
 
-def build_datasets(cfg: RayvlConfig, train: str, evalset: str, report_name: str,
-                   deformer: bow.Deformer | None = None, ontology: Ontology | None = None, passes: int = 1) -> dict:
-    """{"train": ``passes`` passes over the training shards, "eval": … (held-out, counted in its own report
-    "<report_name>-eval")}."""
-    d = cfg.data
-    common = dict(read_cpus=d.read_cpus, transform_batch_size=d.transform_batch_size, threads=d.read_threads,
-                  io=ReadPolicy.of(d), **_common(cfg, report_name))
+def shard_datasets(cfg: RayvlConfig, train: str, evalset: str, report_name: str,
+                   transforms: tuple[RowTransform, ...] = (), passes: int = 1) -> dict:
+    """{"train": ``passes`` passes over the training shards, their rows changed by ``transforms``, "eval": … (the
+    held-out rows as they are, counted in their own report "<report_name>-eval")}."""
     # only tensor columns go to the training iterator (keys and captions are strings)
-    columns = TRAIN_COLUMNS + [ROW] + (["object"] if ontology is not None else [])
-    datasets = {"train": shards.read_shards(train, train=True, shuffle_files=d.shuffle_files, bow=deformer,
-                                            ontology=ontology, columns=columns, passes=passes, seed=cfg.train.seed,
-                                            positioned=True, **common)}
+    columns = list(dict.fromkeys(TRAIN_COLUMNS + [ROW] + [c for t in transforms for c in t.columns]))
+    reading = Reading.of(cfg, report_name)
+    datasets = {"train": shards.read_shards(train, Rows.of(cfg, True, transforms),
+                                            dataclasses.replace(reading, passes=passes, positioned=True), columns)}
     held_out = eval_report(cfg, evalset, report_name)
     if held_out:
         # held-out samples are counted in their own report, so training counts stay per pass over training data
-        datasets["eval"] = shards.read_shards(evalset, train=False, shuffle_files=False,
-                                              **{**common, "report_name": held_out})
+        datasets["eval"] = shards.read_shards(evalset, Rows.of(cfg, False),
+                                              dataclasses.replace(reading, shuffle=False, report_name=held_out))
     return datasets
 
 

@@ -29,7 +29,7 @@ def deepspeed_config(cfg: RayvlConfig, world_size: int) -> dict:
         "fp16": {"enabled": mode == "fp16"},
         # buffers keep their fp32 (no data_types.buffer_dtype): BatchNorm's statistics and the image normalisation
         # constants; BatchNorm computes with fp32 weights (rayvl.models.precision)
-        # a plain torch AdamW: DeepSpeed's fused CPU Adam would JIT-compile for ~70 s on every new machine
+        # a plain torch AdamW: DeepSpeed's fused CPU Adam would JIT-compile on every new machine
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 10**9,

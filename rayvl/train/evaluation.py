@@ -41,3 +41,28 @@ def held_out_retrieval(model, data: EvalData, n: int, cfg: RayvlConfig, tokenize
     """Text→image R@1 (%) over the first n held-out instances: TOnICS' refresh signal ([TOnICS] §3, App. A.2:
     100 instances). Split across ranks and gathered, so every rank gets the same number."""
     return evaluate(model, data.head(n), cfg, tokenizer_path, rank, world, ["retrieval"])["t2i_R@1"]
+
+
+class Evaluation:
+    """The held-out evaluation of one worker: loaded once from its "eval" dataset shard (``load``), run every
+    ``eval.every_steps`` and at the last step (``due``), or on its first instances only (``retrieval``)."""
+
+    def __init__(self, cfg: RayvlConfig, files: dict, tokenizer_path: str, rank: int, world: int):
+        self.cfg, self.files, self.rank, self.world = cfg, files, rank, world
+        self.tokenizer_path = tokenizer_path
+        self.data: EvalData | None = None
+
+    def load(self, shard) -> None:
+        if self.cfg.eval.tasks:
+            self.data = load_eval_data(shard, self.files, self.cfg)
+
+    def due(self, step: int, last: bool) -> bool:
+        every = self.cfg.eval.every_steps
+        return self.data is not None and (last or bool(every and step % every == 0))
+
+    def run(self, model) -> dict:
+        return evaluate(model, self.data, self.cfg, self.tokenizer_path, self.rank, self.world)
+
+    def retrieval(self, model, n: int) -> float:
+        """Text→image R@1 (%) over the first ``n`` held-out instances (held_out_retrieval)."""
+        return held_out_retrieval(model, self.data, n, self.cfg, self.tokenizer_path, self.rank, self.world)

@@ -142,3 +142,15 @@ def _conv_backward(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _
     c_out, c_in_per_group, *kernel = w_shape
     forward = 2 * x_shape[0] * prod(spatial) * prod(kernel) * c_out * c_in_per_group
     return forward * (int(bool(output_mask[0])) + int(bool(output_mask[1])))
+
+
+def speed_fields(model: nn.Module, cfg, device: torch.device) -> dict:
+    """Window's MFU fields for a run: the FLOPs of a sample (with a memory bank's key encoders) and the device's
+    peak at the run's precision ({} where the peak is unknown — a CPU unless RAYVL_PEAK_TFLOPS names one). Called
+    before DeepSpeed: ZeRO-3 partitions the weights away."""
+    peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                      table_precision(cfg.train, device.type == "cuda"))
+    if peak is None:
+        return {}
+    return {"peak_flops": peak, "flops_per_sample": model_flops_per_sample(
+        model, cfg.data.image_size, cfg.data.max_text_tokens, key_encoders=cfg.memory_bank.size > 0)}

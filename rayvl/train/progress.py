@@ -50,7 +50,7 @@ def progress_line(row: dict, total: int, started: float, rate: float | None, wor
     return " | ".join(parts)
 
 
-class Progress(threading.Thread):
+class ProgressPrinter(threading.Thread):
     """Follows ``metrics.jsonl`` from its current end and logs a progress line per new report."""
 
     def __init__(self, metrics_file: Path, total: int, workers: int, poll_s: float = 0.5):

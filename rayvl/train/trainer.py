@@ -1,7 +1,6 @@
 """Driver side, wiring only: the config's data plan → Ray Datasets → TorchTrainer(DeepSpeed) → the run directory."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import uuid
 from pathlib import Path
@@ -13,14 +12,13 @@ from rayvl import assets, session
 from rayvl import storage as store
 from rayvl.config import ConfigError, RayvlConfig
 from rayvl.data.report import caption_stats, position_report, report_actor, snapshot
-from rayvl.data.shards import expected_samples
-from rayvl.data.specs import resolve_shards
 from rayvl.train import datasets
-from rayvl.train.checkpoint import restored_state
+from rayvl.train.resume import restored_state
 from rayvl.train.loop import train_loop_per_worker
-from rayvl.train.progress import Progress, log
+from rayvl.train.progress import ProgressPrinter, log
 from rayvl.train.run_dir import RunResult, finish, log_dir, mlflow_uri, run_paths, run_record
 from rayvl.train.run_log import RunLog
+from rayvl.train.worker import WorkerPlan
 
 
 def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", progress: bool = False,
@@ -30,12 +28,9 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
     placement groups in; ``progress``: log a progress line per report (rayvl.train.progress); ``verbose=False``:
     the workers' and Ray's own output stay in Ray's log files."""
     data = datasets.plan(cfg)
-    cfg = datasets.evaluation_or_off(cfg, data.eval)
+    cfg = data.cfg  # as the run's data adjusts it (evaluation off without held-out shards, the methods' values)
     storage, name = run_paths(cfg)
     init_weights = check_init_from(cfg)
-    if data.prompts is not None and cfg.model.text_tower == "class_embedding":
-        # [UniCL] eq. (4): one learned class embedding per class of the image-label source
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_classes=len(data.prompts.classes)))
     session.check_local_gpus(cfg)
     started_here = session.connect(cfg.ray_address, cfg.local_num_cpus, verbose=verbose)
     session.check_resources(cfg, fixed_size=started_here)
@@ -43,31 +38,20 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
         session.check_gpus(cfg, fixed_size=started_here)
     session.check_storage(cfg)
     report_name = f"rayvl-data-report-{name}-{uuid.uuid4().hex[:8]}"
-    # a report per stream the run reads, no more: on 2 cores each idle actor process took 0.4% of the machine
-    held_out = datasets.eval_report(cfg, data.eval, report_name)
-    reports = {"train": report_name, **({"eval": held_out} if held_out else {}),
-               **({"image_label": f"{report_name}-labels"} if data.prompts is not None else {})}
+    reports = data.reports(report_name)
     for r in reports.values():
         report_actor(r)  # created by the driver, so they live as long as it does
     run_dir = store.join(storage, name)
-    ontology, sizes = data.ontology, None
-    if ontology is not None:
-        ontology, sizes = datasets.tonics_counts(cfg, ontology, data.train, run_dir)
-    expected = expected_samples(data.train)
-    sets = datasets.build_datasets(cfg, data.train, data.eval, report_name,
-                                   datasets.bow_deformer(cfg, data.train, run_dir), ontology,
-                                   passes=datasets.train_passes(cfg, data.train, expected))
-    if data.prompts is not None:  # [UniCL] App. B.2: image-label data next to (or instead of) image-text data
-        labeled = datasets.labeled_dataset(cfg, data.prompts, reports["image_label"])
-        sets["labeled" if cfg.image_label.weight < 1.0 else "train"] = labeled
+    built = datasets.build(data, run_dir, report_name)
+    sets, expected = built.datasets, built.pass_size
     logs = log_dir(storage, name)
     run_log = RunLog(str(logs), run_record(cfg, run_dir, name), cfg.train.report_to,
                      mlflow_uri(cfg) if "mlflow" in cfg.train.report_to else "")
-    trainer = _trainer(cfg, storage, name, sets, [run_log, *callbacks], {
-        "rayvl": cfg.to_dict(), "report_name": report_name, "label_report": reports.get("image_label"), **data.files,
-        "tokenizer_path": str(assets.text_model_path(cfg.model.text)), "tonics_sizes": sizes,
-        "placement_registry": placement_registry, "train_shards": len(resolve_shards(data.train)),
-        "init_from": init_weights})
+    plan = WorkerPlan(cfg.to_dict(), report_name=report_name, label_report=reports.get("image_label") or "",
+                      tokenizer_path=str(assets.text_model_path(cfg.model.text)),
+                      train_shards=built.train_shards, init_from=init_weights, eval_files=data.files,
+                      placement_registry=placement_registry, method_inputs=built.worker_inputs)
+    trainer = _trainer(cfg, storage, name, sets, [run_log, *callbacks], plan)
     result = _fit(trainer, logs, cfg) if progress else trainer.fit()
     report = {**snapshot(reports["train"]), "img2dataset_successes_per_pass": expected,
               **{stream: snapshot(name) for stream, name in reports.items() if stream != "train"}}
@@ -82,7 +66,8 @@ def _fit(trainer: TorchTrainer, logs, cfg: RayvlConfig):
     """fit() with a progress line per report on this driver's terminal."""
     from rayvl.checkpoints import METRICS_FILE
 
-    printer = Progress(logs / METRICS_FILE, cfg.train.stop_at_step or cfg.train.max_steps, cfg.train.num_workers)
+    printer = ProgressPrinter(logs / METRICS_FILE, cfg.train.stop_at_step or cfg.train.max_steps,
+                              cfg.train.num_workers)
     log.info(f"training {cfg.recipe} → {logs} ({cfg.train.num_workers} workers, {cfg.train.max_steps} steps)")
     printer.start()
     try:
@@ -124,11 +109,11 @@ ARCHITECTURE_FREE = ("vision_checkpoint", "init_logit_scale", "learn_logit_scale
 
 
 def _trainer(cfg: RayvlConfig, storage: str, name: str, sets: dict, callbacks: list,
-             loop_config: dict) -> TorchTrainer:
+             plan: WorkerPlan) -> TorchTrainer:
     t = cfg.train
     fs, inner = store.filesystem(storage)
     return TorchTrainer(
-        train_loop_per_worker, train_loop_config=loop_config,
+        train_loop_per_worker, train_loop_config={"plan": plan},
         scaling_config=ScalingConfig(
             num_workers=t.num_workers, use_gpu=t.use_gpu, placement_strategy=t.placement_strategy,
             resources_per_worker={"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {})}),

@@ -29,7 +29,8 @@ def draw_node(p: np.ndarray, seed: int, step: int) -> int:
 
 
 def refresh(p: np.ndarray, sizes: np.ndarray, alpha: float, beta: float) -> np.ndarray:
-    """One curriculum refresh (§3): move (1 − α)·P_S(root) to the object nodes ∝ |X(η_o)|, keeping P_S(root) ≥ β."""
+    """One curriculum refresh ([TOnICS] §3): move (1 − α)·P_S(root) to the object nodes ∝ |X(η_o)|, keeping
+    P_S(root) ≥ β."""
     p = p.astype(np.float64).copy()
     root = p[ROOT]
     new_root = max(alpha * root, beta) if root > beta else root

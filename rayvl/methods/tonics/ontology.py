@@ -1,5 +1,5 @@
-"""The TOnICS ontology ([TOnICS] §3 "Ontology Construction", App. A.1): object classes, the nouns that
-name them, and one training row per (image-text pair, aligned class) — the paper's triplets, one per class (``aligned``).
+"""The TOnICS ontology ([TOnICS] §3 "Ontology Construction", App. A.1): object classes, the nouns that name them,
+and one training row per (image-text pair, aligned class) — the paper's triplets, one per class (``aligned``).
 
 A caption's nouns are told apart from its adjectives and verbs without a tagger model (none ships offline):
 a word is a noun where WordNet's sense-tagged counts (SemCor, ``cntlist``) make the noun reading its most frequent
@@ -29,8 +29,7 @@ import numpy as np
 
 from rayvl import assets
 from rayvl.data import artifacts
-from rayvl.data.shards import group_over_shards
-from rayvl.data.shard_io import ReadPolicy
+from rayvl.data.shards import Reading, group_over_shards
 from rayvl.data.specs import resolve_shards
 from rayvl.data.text import NLTK_LOCK, is_alphabetical, stopwords, validate_caption, words
 
@@ -40,7 +39,7 @@ UNALIGNED = -1
 
 @lru_cache(maxsize=1)
 def wordnet():
-    """nltk's WordNet reader over the offline WordNet 3.0 (loaded once per process, ≈4 s)."""
+    """nltk's WordNet reader over the offline WordNet 3.0 (loaded once per process: it takes seconds)."""
     import nltk
 
     root = assets.require_wordnet()
@@ -269,23 +268,22 @@ def fingerprint(spec: str, ontology: Ontology) -> dict:
             "format": COUNTS_FORMAT}
 
 
-def count_rows(spec: str, ontology: Ontology, read_cpus: float = 0.5, io: ReadPolicy = ReadPolicy()
-               ) -> dict[int, int]:
+def count_rows(spec: str, ontology: Ontology, reading: Reading = Reading()) -> dict[int, int]:
     """Rows per object id over the shards: map to objects, then groupby("object").count() on Ray Data."""
     return group_over_shards(resolve_shards(spec), ("key", "txt", "json"), batch_objects, {"ontology": ontology},
-                             "object", read_cpus, _object_counts, io)
+                             "object", _object_counts, reading)
 
 
 def _object_counts(grouped) -> dict[int, int]:
     return {int(r["object"]): int(r["count()"]) for r in grouped.count().iter_rows()}
 
 
-def load_or_count(spec: str, path: str, ontology: Ontology, read_cpus: float = 0.5,
-                  io: ReadPolicy = ReadPolicy()) -> tuple[dict[int, int], bool]:
+def load_or_count(spec: str, path: str, ontology: Ontology,
+                  reading: Reading = Reading()) -> tuple[dict[int, int], bool]:
     """(rows per object id, reused). A saved artifact is reused only if its fingerprint still matches."""
     content, reused = artifacts.load_or_make(
         path, fingerprint(spec, ontology), "tonics.counts_path",
-        lambda: {"counts": {str(k): v for k, v in sorted(count_rows(spec, ontology, read_cpus, io).items())}})
+        lambda: {"counts": {str(k): v for k, v in sorted(count_rows(spec, ontology, reading).items())}})
     return {int(k): v for k, v in content["counts"].items()}, reused
 
 

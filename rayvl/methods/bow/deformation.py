@@ -25,13 +25,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rayvl import storage
-from rayvl.config import BowOp, bow_needs_stats
 from rayvl.data import artifacts
-from rayvl.data.shards import group_over_shards
-from rayvl.data.shard_io import ReadPolicy
+from rayvl.data.shards import Reading, group_over_shards
 from rayvl.data.specs import resolve_shards
 from rayvl.data.text import (PSEUDO_FLAG, PSEUDO_MARKER, TOKEN_PATTERN, is_alphabetical, stopwords, validate_caption,
                              words)
+from rayvl.methods.bow.check import BowOp, needs_stats
 
 STATS_FORMAT = 1
 # reserved aggregation keys: the tokenizer never joins "<" to a word, so no caption word can collide with these
@@ -42,8 +41,8 @@ BASE_CAPTIONS, ALL_CAPTIONS = "<base captions>", "<captions>"
 
 def shuffle(ws: list[str], key: str, seed: int) -> list[str]:
     """Shuffle: remove word order (syntax). The permutation sorts the words by random 32-bit keys drawn from
-    SHAKE-128 of (seed, sample key): the same on every worker and Python version, and ~4× cheaper than seeding a
-    random.Random per caption (the Mersenne Twister set-up alone costs 4 µs, measured)."""
+    SHAKE-128 of (seed, sample key): the same on every worker and Python version, and cheaper than seeding a
+    random.Random per caption (the Mersenne Twister's set-up alone outweighs the hash)."""
     draws = memoryview(hashlib.shake_128(f"{seed}/shuffle/{key}".encode()).digest(4 * len(ws))).cast("I")
     return [w for _, _, w in sorted(zip(draws, range(len(ws)), ws))]
 
@@ -145,10 +144,10 @@ def _fingerprint(shards: list[str], seed: int, fraction: float) -> dict:
             "token_pattern": TOKEN_PATTERN, "format": STATS_FORMAT}
 
 
-def _count(shards: list[str], seed: int, fraction: float, read_cpus: float, io: ReadPolicy) -> dict:
+def _count(shards: list[str], seed: int, fraction: float, reading: Reading) -> dict:
     """The statistics pass: shards streamed by Ray Data → per-batch partial counts → groupby("word").sum("df")."""
     df = group_over_shards(shards, ("key", "txt", "json"), base_word_counts, {"seed": seed, "fraction": fraction},
-                           "word", read_cpus, _document_frequencies, io)
+                           "word", _document_frequencies, reading)
     captions, base = df.pop(ALL_CAPTIONS, 0), df.pop(BASE_CAPTIONS, 0)
     return {"captions": captions, "base_captions": base, "df": dict(sorted(df.items()))}
 
@@ -157,18 +156,18 @@ def _document_frequencies(grouped) -> dict[str, int]:
     return {row["word"]: int(row["sum(df)"]) for row in grouped.sum("df").iter_rows()}
 
 
-def compute_stats(spec: str, *, seed: int, fraction: float, read_cpus: float = 0.5,
-                  io: ReadPolicy = ReadPolicy()) -> BowStats:
+def compute_stats(spec: str, *, seed: int, fraction: float, reading: Reading = Reading()) -> BowStats:
+    """The statistics of the shards ``spec`` names, read as ``reading`` says (its read_cpus and io)."""
     shards = counted_shards(spec)
-    return BowStats(_fingerprint(shards, seed, fraction), **_count(shards, seed, fraction, read_cpus, io))
+    return BowStats(_fingerprint(shards, seed, fraction), **_count(shards, seed, fraction, reading))
 
 
-def load_or_compute(spec: str, path: str, *, seed: int, fraction: float, read_cpus: float = 0.5,
-                    io: ReadPolicy = ReadPolicy()) -> tuple[BowStats, bool]:
+def load_or_compute(spec: str, path: str, *, seed: int, fraction: float,
+                    reading: Reading = Reading()) -> tuple[BowStats, bool]:
     """(stats, reused). A saved artifact is reused only if its fingerprint matches the data and split now."""
     shards = counted_shards(spec)  # listed once: on object storage a listing is a round trip per folder
     content, reused = artifacts.load_or_make(path, _fingerprint(shards, seed, fraction), "bow.stats_path",
-                                             lambda: _count(shards, seed, fraction, read_cpus, io))
+                                             lambda: _count(shards, seed, fraction, reading))
     return BowStats(**content), reused
 
 
@@ -179,7 +178,7 @@ class Deformer:
 
     def __init__(self, ops: list[BowOp], seed: int, base_fraction: float, stats: BowStats | None,
                  top_freq_words: str = "content", keep_base_intact: bool = True):
-        if bow_needs_stats(ops) and stats is None:
+        if needs_stats(ops) and stats is None:
             raise ValueError("limit_to_base_vocab / rm_top_freq need the base-split statistics")
         self.ops, self.seed, self.base_fraction = ops, seed, base_fraction
         self.keep_base_intact = keep_base_intact

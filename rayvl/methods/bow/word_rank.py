@@ -19,11 +19,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence
 
-from rayvl.config import PSEUDO_RULES
-from rayvl.data.bow import rm_stop_nalpha, shuffle
 from rayvl.data.text import is_alphabetical, stopwords, words
-
-RULES = PSEUDO_RULES
+from rayvl.methods.bow.check import RULES
+from rayvl.methods.bow.deformation import rm_stop_nalpha, shuffle
 
 
 def neighbour_counts(captions: Sequence[str]) -> tuple[Counter, dict[str, int]]:

@@ -1,0 +1,97 @@
+"""[TOnICS]'s data: one training row per (image-text pair, aligned object class), App. A.1, and what the driver
+resolves for it — the ontology (before Ray starts: a bad class is a config error) and the rows per class
+|X(η_o)| (a Ray Data groupby once Ray is up, reused from its artifact when that matches)."""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from rayvl import assets
+from rayvl.data.artifacts import ArtifactMismatch
+from rayvl.data.shards import Reading
+from rayvl.errors import ConfigError
+from rayvl.methods.base import Contribution, DataPart, RowTransform, RunData
+from rayvl.methods.tonics.ontology import UNALIGNED, Ontology, keep_frequent, load_or_count
+
+if TYPE_CHECKING:
+    from rayvl.data.pipeline import Sample
+
+log = logging.getLogger("rayvl")
+
+
+class Objects(RowTransform):
+    """A pair becomes one row per aligned class (its ``object``); a pair without one is a single root-only row
+    (object −1: drawn in random minibatches only), counted as tonics_unaligned_pairs."""
+
+    columns = {"object": UNALIGNED}
+
+    def __init__(self, ontology: Ontology):
+        self.ontology = ontology
+
+    def expand(self, text: str, sample: Sample, counts: Counter) -> list[dict[str, int]]:
+        objects = self.ontology.row_objects(text, sample.meta)
+        if objects == [UNALIGNED]:
+            counts["tonics_unaligned_pairs"] += 1
+        counts["tonics_rows"] += len(objects)
+        return [{"object": o} for o in objects]
+
+
+class TonicsData(DataPart):
+    """The ontology, restricted to the classes with tonics.min_instances rows once they are counted; the workers'
+    curriculum gets |X(η_o)| per class ("sizes")."""
+
+    name = "tonics"
+
+    def __init__(self, ontology: Ontology):
+        self.ontology = ontology
+
+    def build(self, run: RunData) -> Contribution:
+        kept, sizes = class_counts(run.cfg, self.ontology, run.train, run.run_dir)
+        return Contribution(transform=Objects(kept), worker={"sizes": sizes})
+
+
+def plan(cfg, train: str, evalset: str) -> TonicsData | None:
+    """TOnICS's data part when tonics.enabled: its refresh needs held-out shards, its ontology WordNet."""
+    if not cfg.tonics.enabled:
+        return None
+    if not evalset:
+        raise ConfigError("data.eval: the TOnICS curriculum refresh needs held-out shards (--eval-data)")
+    try:
+        assets.require_wordnet()  # a Debian asset a cluster fetches only when asked (cluster.yaml)
+    except assets.MissingAssetError as e:
+        raise ConfigError(str(e)) from None
+    return TonicsData(resolve_ontology(cfg))
+
+
+def resolve_ontology(cfg) -> Ontology | None:
+    """The TOnICS ontology resolved against WordNet (before Ray starts: a bad class name is a config error)."""
+    x = cfg.tonics
+    if not x.enabled:
+        return None
+    try:
+        return Ontology.build(x.classes, x.overrides, x.tags_field)
+    except ValueError as e:
+        raise ConfigError(f"tonics.classes{e}" if str(e).startswith("[") else f"tonics.{e}") from None
+
+
+def class_counts(cfg, ontology: Ontology, train: str, run_dir: str) -> tuple[Ontology, list[int]]:
+    """|X(η_o)| per class (Ray Data groupby, reused from the artifact when it matches); rare classes dropped."""
+    x = cfg.tonics
+    path = x.counts_path or f"{run_dir.rstrip('/')}/tonics_counts.json"
+    log.info(f"TOnICS rows per class: reading {path} or a Ray Data pass over {train}")
+    start = time.perf_counter()
+    try:
+        counts, reused = load_or_count(train, path, ontology, Reading.of(cfg, None))
+    except ArtifactMismatch as e:
+        raise ConfigError(str(e)) from None
+    kept, sizes = keep_frequent(ontology, counts, x.min_instances)
+    log.info(f"TOnICS rows per class {'reused from' if reused else 'counted with Ray Data →'} {path} "
+             f"({time.perf_counter() - start:.0f} s): "
+             + ", ".join(f"{c} {counts.get(i, 0)}{'' if sizes[i] else ' (dropped)'}"
+                         for i, c in enumerate(ontology.classes))
+             + f"; {counts.get(-1, 0)} pairs without an aligned noun")
+    if not kept.kept:
+        raise ConfigError(f"tonics.min_instances: no object class has {x.min_instances} rows")
+    return kept, sizes

@@ -1,0 +1,237 @@
+"""Search spaces: a ``tune_spaces/*.yaml`` file read into a typed ``Sweep`` and checked against the config tree before
+Ray starts — every key, every value of a domain (both ends of a range), every grid combination, the metric and the
+scheduler — so a wrong key fails naming the file and the key."""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from rayvl.config import ConfigError, RayvlConfig, load_config, parse_override, read_yaml
+
+DOMAINS = ("grid", "choice", "uniform", "loguniform", "randint")
+SCHEDULERS = ("asha", "fifo")
+FILE_KEYS = {"recipe", "metric", "mode", "num_samples", "scheduler", "set", "demo", "space",
+             "max_concurrent_trials", "name", "variants"}
+SCHEDULER_KEYS = {"kind", "grace_period", "reduction_factor", "max_t"}
+MAX_GRID_CHECKED = 1000  # grid combinations validated one by one before Ray starts
+
+
+class SweepError(ConfigError):
+    """A search space is wrong; the message names the file (or the comparison) and the key."""
+
+
+@dataclass
+class Sweep:
+    """A search space, validated: what Tune searches and how it ranks and stops trials."""
+
+    path: str  # the space file, or the title of the comparison that made this grid
+    recipe: str  # the recipe YAML the trials apply to
+    metric: str
+    mode: str  # "max" or "min"
+    space: dict[str, dict]  # dotted config key → {domain: arguments}
+    fixed: list[str] = field(default_factory=list)  # "key=value" overrides every trial gets (set, demo, --set)
+    num_samples: int = 1
+    scheduler: dict = field(default_factory=lambda: {"kind": "fifo"})
+    max_concurrent_trials: int = 0  # 0 = as many as the cluster holds at its largest (its autoscaler's max_workers)
+    name: str = ""
+    # named sets of "key=value" overrides, one more grid dimension (each trial gets one set, after ``fixed``)
+    variants: dict[str, list[str]] = field(default_factory=dict)
+
+    def base_config(self, overrides: list[str] = ()) -> RayvlConfig:
+        return load_config(self.recipe, self.fixed + list(overrides))
+
+
+def trial_config(recipe: str, fixed: list[str], values: dict, variant: list[str] = ()) -> RayvlConfig:
+    """The full config of one trial: the recipe, the sweep's fixed overrides, its variant's, then its values."""
+    return load_config(recipe, list(fixed) + list(variant) + [f"{k}={as_yaml(v)}" for k, v in values.items()])
+
+
+def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:
+    """Read and validate a space file. Every trial gets its ``set`` (what the question fixes, on any data), then
+    on the embedded demo only its ``demo`` (the per-trial budget that fits a laptop), then ``overrides``
+    ("key=value", e.g. from --set), which win over both."""
+    path = str(path)
+    try:
+        raw = read_yaml(path, "search space") or {}  # 1e-3 is a number here too
+    except ConfigError as e:
+        raise SweepError(str(e)) from None
+    if not isinstance(raw, dict):
+        raise SweepError(f"{path}: a search space is a mapping (recipe, metric, mode, space, ...)")
+    unknown = sorted(set(raw) - FILE_KEYS)
+    if unknown:
+        raise SweepError(f"{path}: unknown key {unknown[0]!r} (known: {', '.join(sorted(FILE_KEYS))})")
+    for key in ("recipe", "metric", "space"):
+        if key not in raw:
+            raise SweepError(f"{path}: {key}: missing")
+    recipe = _recipe_path(path, raw["recipe"])
+    fixed = [f"{k}={as_yaml(v)}" for k, v in (raw.get("set") or {}).items()]
+    if on_demo(recipe, fixed + list(overrides)):
+        fixed += [f"{k}={as_yaml(v)}" for k, v in (raw.get("demo") or {}).items()]
+    sweep = Sweep(path, recipe, str(raw["metric"]), str(raw.get("mode", "max")), raw["space"],
+                  fixed + list(overrides), int(raw.get("num_samples", 1)),
+                  dict(raw.get("scheduler") or {"kind": "fifo"}), int(raw.get("max_concurrent_trials", 0)),
+                  str(raw.get("name", "")), _variants(path, raw))
+    validate(sweep)
+    return sweep
+
+
+def on_demo(recipe: str, overrides: list[str]) -> bool:
+    """Whether trials read the embedded demo dataset: neither the recipe nor the overrides give data.train."""
+    train = ((read_yaml(recipe, "recipe") or {}).get("data") or {}).get("train", "")
+    for text in overrides:
+        train = parse_override(text).get("data", {}).get("train", train)
+    return not train
+
+
+def _variants(path: str, raw: dict) -> dict[str, list[str]]:
+    variants = raw.get("variants") or {}
+    if not isinstance(variants, dict) or not all(isinstance(v, dict) or v is None for v in variants.values()):
+        raise SweepError(f"{path}: variants: a mapping of names to config overrides, e.g. "
+                         f"{{tonics: {{tonics.enabled: true}}, random: {{tonics.enabled: false}}}}")
+    return {str(name): [f"{k}={as_yaml(v)}" for k, v in (overrides or {}).items()]
+            for name, overrides in variants.items()}
+
+
+def _recipe_path(space_file: str, recipe: str) -> str:
+    """A recipe path as written: absolute, relative to the working directory, or to the repository root."""
+    for candidate in (Path(recipe).expanduser(), Path(space_file).resolve().parent.parent / recipe):
+        if candidate.is_file():
+            return str(candidate.resolve())  # trials run with their trial directory as working directory
+    raise SweepError(f"{space_file}: recipe: {recipe!r} not found")
+
+
+def as_yaml(value) -> str:
+    """A value as the right-hand side of a "key=value" override."""
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def validate(s: Sweep, extra_metrics: tuple[str, ...] = ()) -> None:
+    """Every key, value, variant and grid combination against the config tree; the metric (one training reports,
+    or one of ``extra_metrics``, what each trial adds when it ends), the scheduler."""
+    where = s.path
+    if s.mode not in ("max", "min"):
+        raise SweepError(f"{where}: mode: {s.mode!r} is not max or min")
+    if s.num_samples < 1:
+        raise SweepError(f"{where}: num_samples: must be ≥ 1, got {s.num_samples}")
+    try:
+        base = s.base_config()
+    except ConfigError as e:
+        raise SweepError(f"{where}: set: {e}") from None
+    for name, overrides in s.variants.items():
+        _check(s, {}, f"variants.{name}", overrides)
+    reported = reported_metrics(base) | set(extra_metrics)
+    if s.metric not in reported:
+        raise SweepError(f"{where}: metric: {s.metric!r} is not reported by this recipe's training (eval.tasks "
+                         f"{base.eval.tasks}); one of: {', '.join(sorted(reported))}")
+    check_evaluated(s, {s.metric: "metric"})
+    _validate_scheduler(s, base)
+    if not isinstance(s.space, dict) or not (s.space or s.variants):
+        raise SweepError(f"{where}: space: a mapping of config keys to domains, e.g. "
+                         f"model.alignment_layers: {{grid: [0, 2, 4]}}")
+    _check_values(s, {key: _domain_values(where, key, domain) for key, domain in s.space.items()})
+
+
+def _check_values(s: Sweep, values: dict[str, list]) -> None:
+    """Each value on its own, on top of the recipe, the fixed overrides and each variant; then every combination of
+    the grid keys (one key: its values were checked already), up to MAX_GRID_CHECKED of them."""
+    variants = s.variants or {"": []}
+    for key, candidates in values.items():
+        for value in candidates:
+            for name, overrides in variants.items():
+                _check(s, {key: value}, f"space.{key}" + (f" (variant {name})" if name else ""), overrides)
+    grid = {k: v for k, v in values.items() if "grid" in s.space[k]}
+    if 1 < len(grid) and math.prod(len(v) for v in grid.values()) * len(variants) <= MAX_GRID_CHECKED:
+        for combo in itertools.product(*grid.values()):
+            for name, overrides in variants.items():
+                _check(s, dict(zip(grid, combo)), "space (" + ", ".join(grid) + ")"
+                       + (f" (variant {name})" if name else ""), overrides)
+
+
+def reported_metrics(cfg: RayvlConfig) -> set[str]:
+    """Metric names a training run of this config reports that a sweep can optimise."""
+    k = cfg.eval.paraphrase_k
+    by_task = {"zeroshot": ["zeroshot_top1", "zeroshot_top5", "zeroshot_mean_per_class_recall"],
+               "retrieval": [f"{d}_R@{n}" for d in ("t2i", "i2t") for n in (1, 5, 10)],
+               "paraphrase": [f"paraphrase_AO@{k}", f"paraphrase_JS@{k}"], "sts": ["sts_spearman", "sts_pearson"]}
+    return {"loss", "lr", "logit_scale", *(m for task in cfg.eval.tasks for m in by_task[task])}
+
+
+def check_evaluated(s: Sweep, wanted: dict[str, str]) -> None:
+    """``wanted``: metric → what asks for it ("metric", a comparison's "row 'label'"). An evaluation metric needs
+    held-out shards: given data.train and no data.eval, training switches its evaluation off
+    (rayvl.train.datasets.evaluation_or_off; only the embedded demo brings its own held-out split), so Tune would
+    never get the metric and a table would show "-". Checked for the recipe and each variant (a variant may name
+    its own data)."""
+    base = s.base_config()
+    for name, overrides in (s.variants or {"": []}).items():
+        cfg = trial_config(s.recipe, s.fixed, {}, overrides) if overrides else base
+        if cfg.data.eval or not cfg.data.train or not cfg.eval.tasks:
+            continue
+        from rayvl.eval.tasks import METRIC_PREFIXES  # what the evaluation's metric names start with (loads torch)
+
+        evaluated = [m for m in wanted if m.startswith(METRIC_PREFIXES)]
+        if not evaluated:
+            return
+        variant = f" (variant {name})" if cfg.data.train != base.data.train else ""
+        raise SweepError(f"{s.path}: {wanted[evaluated[0]]}: {evaluated[0]!r} is an evaluation metric, but "
+                         f"data.train is given without data.eval{variant}: training would not evaluate and never "
+                         f"report it; give held-out shards (--eval-data, or --set data.eval=SHARDS)")
+
+
+def _domain_values(where: str, key: str, domain) -> list:
+    """The values a domain can take that are worth checking: every listed value, or both ends of a range."""
+    if not isinstance(domain, dict) or len(domain) != 1 or next(iter(domain)) not in DOMAINS:
+        raise SweepError(f"{where}: space.{key}: expected one of {{{', '.join(DOMAINS)}: ...}}, got {domain!r}")
+    kind, args = next(iter(domain.items()))
+    if kind in ("grid", "choice"):
+        if not isinstance(args, list) or not args:
+            raise SweepError(f"{where}: space.{key}: {kind} takes a non-empty list, got {args!r}")
+        return args
+    if not (isinstance(args, list) and len(args) == 2 and all(isinstance(a, (int, float)) and not isinstance(a, bool)
+                                                               for a in args) and args[0] < args[1]):
+        raise SweepError(f"{where}: space.{key}: {kind} takes [low, high] with low < high, got {args!r}")
+    if kind == "loguniform" and args[0] <= 0:
+        raise SweepError(f"{where}: space.{key}: loguniform needs low > 0, got {args!r}")
+    if kind == "randint":
+        if not all(isinstance(a, int) for a in args):
+            raise SweepError(f"{where}: space.{key}: randint takes whole numbers [low, high), got {args!r}")
+        return [args[0], args[1] - 1]
+    return list(args)
+
+
+def _check(s: Sweep, values: dict, label: str, variant: list[str] = ()) -> None:
+    try:
+        trial_config(s.recipe, s.fixed, values, variant)
+    except ConfigError as e:
+        shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
+        raise SweepError(f"{s.path}: {label}: {shown}: {e}") from None
+
+
+def _validate_scheduler(s: Sweep, base: RayvlConfig) -> None:
+    sch = s.scheduler
+    unknown = sorted(set(sch) - SCHEDULER_KEYS)
+    if unknown:
+        raise SweepError(f"{s.path}: scheduler.{unknown[0]}: unknown key (known: {', '.join(sorted(SCHEDULER_KEYS))})")
+    if sch.get("kind", "fifo") not in SCHEDULERS:
+        raise SweepError(f"{s.path}: scheduler.kind: {sch.get('kind')!r} is not one of {', '.join(SCHEDULERS)}")
+    if sch.get("kind") == "asha":
+        max_t = int(sch.get("max_t", base.train.max_steps))
+        grace = grace_period(sch, base)
+        if not 1 <= grace <= max_t:
+            raise SweepError(f"{s.path}: scheduler.grace_period: must be in [1, max_t={max_t}], got {grace}")
+        if float(sch.get("reduction_factor", 2)) <= 1:
+            raise SweepError(f"{s.path}: scheduler.reduction_factor: must be > 1")
+        if not base.eval.every_steps and s.metric not in ("loss",):
+            raise SweepError(f"{s.path}: scheduler.kind: ASHA stops trials on {s.metric!r}, which training reports "
+                             f"only when it evaluates: set eval.every_steps (--set eval.every_steps=N)")
+
+
+def grace_period(scheduler: dict, base: RayvlConfig) -> int:
+    """ASHA's first rung in steps: as the space gives it, else the first evaluation (the metric's first value), so
+    the rungs follow the budget a run is given."""
+    return int(scheduler.get("grace_period") or base.eval.every_steps or 1)

@@ -1,0 +1,77 @@
+"""One Tune trial. Train V2's pattern: each trial runs a small driver function that builds and fits the same
+TorchTrainer `rayvl train` builds (``rayvl.train.trainer.train``), with a Train run named after the trial id (so a
+restored sweep finds the trial's checkpoints and resumes it) and a report callback that hands rank 0's reports
+carrying the sweep metric to Tune. When the run ends the trial writes its final numbers next to it."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from rayvl import storage
+from rayvl.sweeps.directory import FINAL_METRICS
+from rayvl.sweeps.spaces import trial_config
+
+
+@dataclass(frozen=True)
+class After:
+    """What each trial calls on its finished run for more metrics (e.g. a held-out evaluation): a "module:function"
+    — a name, because the trial runs in another process, and a resumed sweep in another Ray session — called with
+    the run's result and ``kwargs``."""
+
+    function: str = ""
+    kwargs: dict = field(default_factory=dict)
+
+
+def trial(config: dict) -> None:
+    """The trial's driver: the sweep's recipe with this trial's values (``config``: Tune's parameter space, as
+    rayvl.sweeps.runner builds it), trained by the trainer `rayvl train` runs."""
+    import dataclasses
+
+    from ray import tune
+
+    from rayvl.checkpoints import latest_checkpoint_dir
+    from rayvl.train.trainer import train
+
+    variant = config.get("variant", "")
+    cfg = trial_config(config["recipe"], config["fixed"], config["set"], config.get("variants", {}).get(variant, []))
+    name = f"trial-{tune.get_context().get_trial_id()}"
+    resume = latest_checkpoint_dir(storage.join(config["storage"], name)) is not None
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_name=name, resume=resume,
+                                                             storage_path=config["storage"]))
+    result = train(cfg, callbacks=[_metric_report(config["metric"])], placement_registry=config["registry"])
+    after = After(config.get("after", ""), config.get("after_kwargs", {}))
+    write_final_metrics(result, variant, config["set"], after)
+
+
+def hook(spec: str):
+    """The function a "module:function" name names."""
+    import importlib
+
+    module, function = spec.split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def write_final_metrics(result, variant: str, values: dict, after: After = After()) -> dict:
+    """The trial's final numbers in its run directory: the last report's metrics, the caption statistics of its data
+    report and what ``after`` adds."""
+    metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    metrics.update(result.data_report["captions"])  # caption_stats, computed by train()
+    metrics["samples_kept"] = result.data_report["counts"].get("samples_kept", 0)
+    if after.function:
+        metrics.update(hook(after.function)(result, **after.kwargs))
+    record = {"variant": variant, "values": values, "metrics": metrics, "checkpoint": result.checkpoint_dir}
+    storage.write_text(storage.join(result.uri, FINAL_METRICS), json.dumps(record, indent=2))
+    return record
+
+
+def _metric_report(metric: str):
+    """Tune's TuneReportCallback for the reports that carry the sweep metric (Tune checks every result for it;
+    eval metrics come only every eval.every_steps)."""
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    class MetricReport(TuneReportCallback):
+        def after_report(self, run_context, metrics, checkpoint):
+            if metrics and metric in metrics[0]:
+                super().after_report(run_context, metrics, checkpoint)
+
+    return MetricReport()

@@ -1,0 +1,32 @@
+"""The loss of a micro-batch, chosen once from the enabled methods' parts (open_clip's ``create_loss``): the step
+never asks which loss it has."""
+from __future__ import annotations
+
+import torch
+
+from rayvl.losses import clip_loss, unicl_loss
+from rayvl.methods.base import TrainPart
+from rayvl.methods.unicl.train import unique_labels
+
+
+class Objective:
+    """InfoNCE over the gathered batch; label-aware InfoNCE ([UniCL] eq. (1)–(3)) where a part gives the targets;
+    a part's own loss (a memory bank's keys, UniCL's class embeddings) where one gives it."""
+
+    def __init__(self, parts: list[TrainPart], gather_with_grad: bool):
+        self.parts, self.gather_with_grad = parts, gather_with_grad
+
+    def __call__(self, engine, batch: dict, batch_index: int) -> torch.Tensor:
+        # the loss in fp32 whatever the towers' precision: bf16 logits lose the ranking between near keys, and a
+        # memory bank's EMA keys and queue are fp32
+        features = tuple(t.float() for t in engine(batch["image"], batch["input_ids"], batch["attention_mask"]))
+        labels = next((y for y in (p.targets(batch, batch_index) for p in self.parts) if y is not None), None)
+        given = labels is not None
+        labels = labels if given else unique_labels(batch, batch_index)
+        for part in self.parts:
+            loss = part.loss(features, batch, labels)
+            if loss is not None:
+                return loss
+        if not given:  # every row its own positive: the CLIP loss
+            return clip_loss(*features, self.gather_with_grad)
+        return unicl_loss(*features, labels, self.gather_with_grad)

@@ -1,0 +1,54 @@
+"""What every training worker gets from the driver (``WorkerPlan``, frozen, typed) and what it knows of itself once
+started (``Worker``): the two things a method's training part is built from."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from rayvl.config import RayvlConfig, from_dict
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """The driver's plan for a run's workers, beside the Ray Datasets it hands them.
+
+    ``config``: the validated config tree as a dict (rebuilt and checked again on the worker); ``report_name``:
+    the run's training data report (rayvl.data.report), ``label_report`` the image-label stream's ('' = none);
+    ``tokenizer_path``: the text tower's tokenizer on the workers' disk; ``train_shards``: shards a pass holds (the
+    data position's size); ``init_from``: weights a new run starts from ('' = none); ``eval_files``: the held-out
+    task files (classes_file, paraphrases_file, sts_file); ``placement_registry``: the sweep's named actor that
+    collects the trials' placement groups ('' = not in a sweep); ``method_inputs``: what each enabled method's
+    training part needs from the driver, by method name (e.g. the TOnICS class sizes)."""
+
+    config: dict
+    report_name: str = ""
+    label_report: str = ""
+    tokenizer_path: str = ""
+    train_shards: int = 0
+    init_from: str = ""
+    eval_files: dict[str, str] = field(default_factory=dict)
+    placement_registry: str = ""
+    method_inputs: dict[str, dict] = field(default_factory=dict)
+
+    def rayvl(self) -> RayvlConfig:
+        return from_dict(self.config)
+
+
+@dataclass
+class Worker:
+    """One training worker of a run: its plan, config, place in the group and device, ``begin`` (the callback that
+    numbers the passes of a further Ray Data execution, rayvl.train.resume) and the held-out evaluation."""
+
+    plan: WorkerPlan
+    cfg: RayvlConfig
+    rank: int
+    world: int
+    device: torch.device
+    begin: Callable[[int], None] | None
+    evaluation: object  # rayvl.train.evaluation.Evaluation
+
+    def inputs(self, method: str) -> dict:
+        """What the driver resolved for ``method`` (WorkerPlan.method_inputs)."""
+        return self.plan.method_inputs.get(method, {})
