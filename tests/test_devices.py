@@ -75,7 +75,7 @@ def test_collectives_run_on_the_workers_device(nccl_like):
     from rayvl.eval.embed import ModelEmbedder
     from rayvl.losses import gather_features
     from rayvl.train.engine import broadcast_buffers
-    from rayvl.train.loop import _tonics_metrics
+    from rayvl.methods.tonics.train import TonicsPart
     from rayvl.train.window import Window
 
     window = Window()  # the loss as a device tensor, as the loop accumulates it
@@ -84,7 +84,9 @@ def test_collectives_run_on_the_workers_device(nccl_like):
     _reaches_on_meta(nccl_like, lambda: window.over_ranks(META))
     source = types.SimpleNamespace(sampler=types.SimpleNamespace(counts={n: 1 for n in SAMPLER_COUNTS}),
                                    totals=SamplerTotals())
-    _reaches_on_meta(nccl_like, lambda: _tonics_metrics(types.SimpleNamespace(p=[0.5], history=[]), source, META))
+    part = TonicsPart.__new__(TonicsPart)  # its counts and curriculum only: no stream
+    part.source, part.curriculum = source, types.SimpleNamespace(p=[0.5], history=[])
+    _reaches_on_meta(nccl_like, lambda: part.metrics(META))
     model = build_model(load_config(None, []).model).to(META)
     _reaches_on_meta(nccl_like, lambda: broadcast_buffers(model))
     embedder = ModelEmbedder(model, "", 8, batch_size=4, rank=0, world=2)
@@ -280,7 +282,7 @@ def test_each_rank_and_its_batch_thread_use_the_ranks_own_gpu(no_session_ray, tm
 def test_mfu_of_a_report(monkeypatch):
     """A report's MFU: the samples' model FLOP/s over the devices' peak; the loop counts the FLOPs on the built
     model only where a peak is known (a GPU of the table, or RAYVL_PEAK_TFLOPS)."""
-    from rayvl.train.loop import _speed
+    from rayvl.train.flops import speed_fields as _speed
     from rayvl.train.window import Window
 
     cfg = load_config(None, [])
