@@ -1,4 +1,5 @@
-"""Shared fixtures: one real local Ray for the whole session (start-up costs ≈3 s and 1.3 GiB per instance)."""
+"""Shared fixtures: one real local Ray for the whole session (each start costs seconds and a GiB of memory), the
+session's S3-compatible server, the demo data set, and the training runs several tests read."""
 from __future__ import annotations
 
 import os
@@ -46,11 +47,19 @@ def s3():
     store.faults.clear()
 
 
+# Ray Train's controller polls its workers every 2 s (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S), and a worker's report
+# waits until its previous one is polled: a toy run's steps would wait on the polls, not on the training. Only the
+# session's Ray polls sooner: a test whose point is timing (a node lost mid-run, a sweep stopped mid-trial) runs on
+# a cluster or in a process of its own, at Ray's default.
+QUICK_POLLS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
+
+
 def start_session_ray():
     import ray
 
     # 4 logical CPUs on 2 cores: 2 train workers × 0.5 CPU leave room for Ray Data tasks (DESIGN: starvation)
-    ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={"env_vars": worker_env()})
+    ray.init(address="local", num_cpus=4, include_dashboard=False,
+             runtime_env={"env_vars": {**worker_env(), **QUICK_POLLS}})
     ray.data.DataContext.get_current().enable_progress_bars = False
     return ray
 
@@ -63,17 +72,28 @@ def ray_local():
     ray.shutdown()
 
 
+def pytest_collection_modifyitems(items):
+    """Modules that run Ray clusters of their own (no_session_ray) run after the others: the session's Ray is then
+    shut down once, instead of being started again — and its worker processes warmed up again by the next test
+    that reads data — after each of them."""
+    own = {item.module for item in items if "no_session_ray" in item.fixturenames}
+    items[:] = [i for i in items if i.module not in own] + [i for i in items if i.module in own]
+
+
 @pytest.fixture(scope="module")
-def no_session_ray():
+def no_session_ray(request):
     """For a module that runs clusters of its own: the session's Ray is shut down before and started again after
-    (a driver connects to one Ray at a time)."""
+    (a driver connects to one Ray at a time) — if a later test uses it."""
     import ray
 
     was_running = ray.is_initialized()
     ray.shutdown()
     yield
     ray.shutdown()
-    if was_running:
+    items = request.session.items
+    last = max(i for i, item in enumerate(items) if item.module is request.module)
+    if was_running and any("ray_local" in item.fixturenames and "no_session_ray" not in item.fixturenames
+                           for item in items[last + 1:]):
         start_session_ray()
 
 
@@ -97,6 +117,30 @@ def small_config(demo_dir, tmp_path, *overrides):
         "model.alignment_layers=1", "model.embed_dim=64", "eval.batch_size=32", "train.report_to=[tensorboard]",
     ]
     return load_config(REPO / "configs" / "laion_adapt.yaml", base + list(overrides))
+
+
+# [UniCL] App. B.2 at toy size: every micro-batch half image-label rows (Fashion-MNIST prompts of 4 training
+# classes), against a memory bank of 32 keys in bf16; deterministic, so that its seed fixes its loss curve
+UNICL_MIXED = ["image_label.data=fashion-mnist", "image_label.train_classes=[0, 2, 4, 6]", "image_label.limit=1000",
+               "loss.kind=unicl", "image_label.weight=0.5", "memory_bank.size=32", "train.precision=bf16",
+               "eval.tasks=[retrieval]", "data.deterministic=true", "train.checkpoint_every=100"]
+
+
+@pytest.fixture(scope="session")
+def unicl_mixed_run(ray_local, demo_dir, tmp_path_factory):
+    """The RunResult of one UNICL_MIXED run of seed 0 (3 steps), read by test_unicl (what the mixed batches
+    trained on) and trained again by test_seeds (the same seed, the same loss curve)."""
+    from rayvl.train.trainer import train
+
+    cfg = small_config(demo_dir, tmp_path_factory.mktemp("unicl"), *UNICL_MIXED, "train.seed=0")
+    return train(cfg, verbose=False)
+
+
+@pytest.fixture(scope="session")
+def tonics_counts_path(tmp_path_factory) -> str:
+    """tonics.counts_path for the session's TOnICS runs on the demo's shapes: the first of them counts the rows
+    per shape (a Ray Data pass), the others reuse that artifact (test_tonics checks the counting and the reuse)."""
+    return str(tmp_path_factory.mktemp("tonics") / "tonics_counts.json")
 
 
 def untrained_checkpoint(demo_dir, tmp_path, seed: int = 0, name: str = "model") -> Path:

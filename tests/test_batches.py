@@ -1,4 +1,5 @@
 """The per-worker batch stream fails with a clear error instead of hanging or spinning on empty epochs."""
+import os
 import time
 
 import numpy as np
@@ -9,18 +10,25 @@ from rayvl.data.report import DataPlaneError
 from rayvl.train.batches import batch_stream
 
 
-def _slow(row):
-    time.sleep(60)
+def _held(row, release: str):
+    """A map task that produces nothing until ``release`` exists (a minute at most)."""
+    deadline = time.time() + 60
+    while not os.path.exists(release) and time.time() < deadline:
+        time.sleep(0.1)
     return row
 
 
-def test_starved_pipeline_raises_instead_of_hanging(ray_local):
-    ds = ray_local.data.range(4).map(_slow)
+def test_starved_pipeline_raises_instead_of_hanging(ray_local, tmp_path):
+    release = tmp_path / "release"
+    ds = ray_local.data.range(4).map(_held, fn_kwargs={"release": str(release)})
     cfg = load_config(None, ["data.stall_timeout_s=3", "train.micro_batch_size=2"])
     started = time.time()
-    with pytest.raises(DataPlaneError, match="data.stall_timeout_s"):
-        next(batch_stream(ds.iterator(), cfg))
-    assert time.time() - started < 30
+    try:
+        with pytest.raises(DataPlaneError, match="data.stall_timeout_s"):
+            next(batch_stream(ds.iterator(), cfg))
+        assert time.time() - started < 30
+    finally:  # the held tasks end now: each holds one of the session's CPUs, and the next tests' pipelines wait
+        release.touch()
 
 
 def test_epoch_without_a_full_batch_is_an_error(ray_local):

@@ -125,9 +125,9 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_from_its_checkpoint(cluster
 
 
 def test_asha_sweep_on_the_cluster_stops_trials_early_and_gives_resources_back(cluster, demo_dir, tmp_path, capsys):
-    """3 trials of the real trainer (2 workers each; one at a time: a trial needs 2.1 of the cluster's 4 CPUs).
+    """2 trials of the real trainer (2 workers each; one at a time: a trial needs 2.1 of the cluster's 4 CPUs).
     ASHA judges them at step 2 on the reported learning rate, which makes its decisions deterministic: the
-    grid runs from the largest lr down, so every later trial is below the rung's median and is stopped at step 2.
+    grid runs from the larger lr down, so the later trial is below the rung's median and is stopped at step 2.
     Every trial's placement group is removed afterwards (Ray issue #54305: an early-stopped Train V2 trial once
     leaked its placement group). The sweep lives in storage given as a URL."""
     import csv
@@ -144,7 +144,7 @@ def test_asha_sweep_on_the_cluster_stops_trials_early_and_gives_resources_back(c
     space = tmp_path / "lr.yaml"
     space.write_text(yaml.safe_dump({
         "recipe": str(REPO / "configs" / "laion_adapt.yaml"), "metric": "lr", "mode": "max",
-        "space": {"train.lr": {"grid": [3e-3, 1e-3, 3e-4]}},
+        "space": {"train.lr": {"grid": [3e-3, 1e-3]}},
         "scheduler": {"kind": "asha", "grace_period": 2, "reduction_factor": 2, "max_t": 4},
         "set": {"train.max_steps": 4, "eval.every_steps": 2, "eval.tasks": ["retrieval"],
                 "train.checkpoint_every": 2, "train.shared_storage": True}}))
@@ -160,10 +160,10 @@ def test_asha_sweep_on_the_cluster_stops_trials_early_and_gives_resources_back(c
 
     with open(sweep_dir / "trials.csv") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 3 and {float(r["train.lr"]) for r in rows} == {3e-4, 1e-3, 3e-3}
+    assert len(rows) == 2 and {float(r["train.lr"]) for r in rows} == {1e-3, 3e-3}
     by_lr = {float(r["train.lr"]): r for r in rows}
     assert by_lr[3e-3]["status"] == "TERMINATED" and int(by_lr[3e-3]["steps"]) == 4
-    assert all(by_lr[lr]["status"] == "STOPPED EARLY" and int(by_lr[lr]["steps"]) == 2 for lr in (1e-3, 3e-4))
+    assert by_lr[1e-3]["status"] == "STOPPED EARLY" and int(by_lr[1e-3]["steps"]) == 2
     finals = [float(r["final"]) for r in rows]
     assert finals == sorted(finals, reverse=True)  # best final value first (mode max)
     assert "final lr" in printed and "STOPPED EARLY" in printed

@@ -6,9 +6,8 @@ import json
 from collections import Counter
 
 import numpy as np
-import pytest
 
-from conftest import small_config
+from conftest import UNICL_MIXED, small_config
 from rayvl import assets
 from rayvl.data import fashion_mnist
 from rayvl.data.demo import SHAPES
@@ -112,27 +111,38 @@ def test_the_shuffle_buffer_is_seeded_per_rank(ray_local):
     assert labels(0) == first and labels(1) != first
 
 
-RECIPES = {
-    "tonics": ["tonics.enabled=true", f"tonics.classes={json.dumps(SHAPES)}", "tonics.min_instances=20",
-               "tonics.buffer_rows=64", "eval.tasks=[retrieval]"],  # the curriculum needs a held-out task
-    "unicl": ["image_label.data=fashion-mnist", "image_label.train_classes=[0, 2, 4, 6]", "image_label.limit=1000",
-              "loss.kind=unicl", "image_label.weight=0.5", "eval.tasks=[]"],
-}
+TONICS = ["tonics.enabled=true", f"tonics.classes={json.dumps(SHAPES)}", "tonics.min_instances=20",
+          "tonics.buffer_rows=64", "eval.tasks=[retrieval]",  # the curriculum needs a held-out task
+          "data.deterministic=true", "train.checkpoint_every=100"]
 
 
-@pytest.mark.parametrize("recipe", list(RECIPES))
-def test_one_seed_gives_one_loss_curve(ray_local, demo_dir, tmp_path, recipe):
+def _losses(run_dir) -> list[float]:
+    history = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == [1, 2, 3]
+    return [h["loss"] for h in history]
+
+
+def _one_seed_one_curve(first: list[float], demo_dir, tmp_path, recipe: list[str]) -> None:
+    """A run of ``recipe`` with seed 0 logs ``first`` again, exactly (the same crops, prompts, rows, batches and
+    init); one with seed 1 differs at every step."""
     from rayvl.train.trainer import train
 
     def losses(seed: int, name: str) -> list[float]:
-        cfg = small_config(demo_dir, tmp_path, *RECIPES[recipe], "data.deterministic=true", f"train.seed={seed}",
-                           f"train.run_name={name}", "train.checkpoint_every=100",
-                           f"tonics.counts_path={tmp_path / 'tonics_counts.json'}")  # counted once, then reused
-        run_dir = train(cfg, verbose=False).run_dir
-        history = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert [h["step"] for h in history] == [1, 2, 3]
-        return [h["loss"] for h in history]
+        cfg = small_config(demo_dir, tmp_path, *recipe, f"train.seed={seed}", f"train.run_name={name}")
+        return _losses(train(cfg, verbose=False).run_dir)
 
-    first = losses(0, "first")
-    assert losses(0, "again") == first  # exactly: the same crops, prompts, rows, batches and init
+    assert losses(0, "again") == first
     assert all(a != b for a, b in zip(losses(1, "other"), first))
+
+
+def test_one_seed_gives_one_tonics_loss_curve(ray_local, demo_dir, tmp_path, tonics_counts_path):
+    from rayvl.train.trainer import train
+
+    recipe = [*TONICS, f"tonics.counts_path={tonics_counts_path}"]  # counted once for the session
+    first = train(small_config(demo_dir, tmp_path, *recipe, "train.seed=0", "train.run_name=first"), verbose=False)
+    _one_seed_one_curve(_losses(first.run_dir), demo_dir, tmp_path, recipe)
+
+
+def test_one_seed_gives_one_unicl_loss_curve(unicl_mixed_run, demo_dir, tmp_path):
+    """With image-label rows in every batch and a memory bank: the session's run (test_unicl reads it) again."""
+    _one_seed_one_curve(_losses(unicl_mixed_run.run_dir), demo_dir, tmp_path, UNICL_MIXED)

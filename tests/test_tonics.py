@@ -83,7 +83,9 @@ class TrialDriver:
 
 def test_class_counts_are_a_ray_data_aggregation(ray_local, demo_dir, tmp_path):
     o = onto.Ontology.build(SHAPES)
-    counts = onto.count_rows(str(demo_dir / "train"), o)
+    saved = str(tmp_path / "counts.json")
+    counts, reused = onto.load_or_count(str(demo_dir / "train"), saved, o)  # counted (a Ray Data pass), then saved
+    assert not reused and onto.load_or_count(str(demo_dir / "train"), saved, o) == (counts, True)
     reference: Counter = Counter()
     for path in sorted(glob.glob(str(demo_dir / "train" / "*.tar"))):
         with open(path, "rb") as f:
@@ -109,11 +111,8 @@ def test_class_counts_are_a_ray_data_aggregation(ray_local, demo_dir, tmp_path):
     finally:
         remove_placement_group(group)
 
-    path = str(tmp_path / "counts.json")
-    assert onto.load_or_count(str(demo_dir / "train"), path, o) == (counts, False)
-    assert onto.load_or_count(str(demo_dir / "train"), path, o) == (counts, True)
     with pytest.raises(ArtifactMismatch, match="classes: saved"):
-        onto.load_or_count(str(demo_dir / "train"), path, onto.Ontology.build(SHAPES[:4]))
+        onto.load_or_count(str(demo_dir / "train"), saved, onto.Ontology.build(SHAPES[:4]))
     m = sorted(counts.values())[2]
     kept, sizes = onto.keep_frequent(o, counts, min_instances=m)
     assert kept.kept == {i for i, n in counts.items() if n >= m} and 0 < len(kept.kept) < 8
@@ -283,7 +282,8 @@ def _sample_nodes(config):
         {"log": log, "fallback_rows": source.sampler.counts["tonics_fallback_rows"]}))
 
 
-def test_two_workers_draw_the_same_node_and_object_batches_share_it(ray_local, demo_dir, tmp_path):
+def test_two_workers_draw_the_same_node_and_object_batches_share_it(ray_local, demo_dir, tmp_path,
+                                                                    tonics_counts_path):
     from ray.train import DataConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -293,7 +293,8 @@ def test_two_workers_draw_the_same_node_and_object_batches_share_it(ray_local, d
     from rayvl.train.datasets import shard_datasets
 
     cfg = small_config(demo_dir, tmp_path, "tonics.enabled=true", f"tonics.classes={json.dumps(SHAPES)}",
-                       "tonics.min_instances=20", "tonics.buffer_rows=64", "tonics.max_wait_rows=1024")
+                       "tonics.min_instances=20", "tonics.buffer_rows=64", "tonics.max_wait_rows=1024",
+                       f"tonics.counts_path={tonics_counts_path}")  # counted once for the session
     kept, sizes = tonics_counts(cfg, tonics_ontology(cfg), str(demo_dir / "train"), str(tmp_path / "run"))
     datasets = shard_datasets(cfg, str(demo_dir / "train"), "", "tonics-test", (Objects(kept),))
     p = [0.3] + [0.7 / len(SHAPES)] * len(SHAPES)

@@ -182,7 +182,7 @@ def _check_memory_bank(cfg, result, state, demo_dir, tmp_path):
     for changed in ("train.max_steps=5", "train.warmup_steps=2", "train.lr=0.01"):  # refused before Ray starts
         with pytest.raises(ConfigError, match=rf"^{changed.split('=')[0]}: .* the value the run started with"):
             train(small_config(demo_dir, tmp_path, *same, changed))
-    resumed = train(small_config(demo_dir, tmp_path, *same, "train.max_steps=4"))
+    resumed = train(small_config(demo_dir, tmp_path, *same, "train.max_steps=4", "eval.tasks=[]"))  # as above
     after = read_train_state(resumed.checkpoint_dir)["memory_bank"]
     assert (after["ptr"], after["filled"]) == (64 % 40, 40)  # restored queue + one step (a fresh one: 16, 16)
     assert torch.equal(after["labels"][24:40], saved["labels"][24:40])  # entries not yet overwritten survive
@@ -216,7 +216,7 @@ def _check_restore(config):
         }))
 
 
-def test_checkpoint_round_trip_and_resume(ray_local, demo_dir, tmp_path):
+def test_checkpoint_round_trip_and_resume(ray_local, demo_dir, tmp_path, tonics_counts_path):
     """ZeRO-3 with TOnICS: (1) a worker killed while the step-3 checkpoint is written — the run resumes from step 2
     and writes step 3 again; (2) the checkpoint restores the engine bit for bit; (3) a new driver resumes the run,
     and across both resumes no TOnICS row is trained on twice."""
@@ -228,7 +228,8 @@ def test_checkpoint_round_trip_and_resume(ray_local, demo_dir, tmp_path):
 
     # with TOnICS refreshing at every step (threshold 0): P_S(root) = 0.8^step only if the curriculum resumes too
     tonics = ["tonics.enabled=true", f"tonics.classes={json.dumps(SHAPES)}", "tonics.min_instances=20",
-              "tonics.refresh_every=1", "tonics.threshold=0", "tonics.alpha=0.8", "tonics.buffer_rows=64"]
+              "tonics.refresh_every=1", "tonics.threshold=0", "tonics.alpha=0.8", "tonics.buffer_rows=64",
+              f"tonics.counts_path={tonics_counts_path}"]  # counted once for the session (test_tonics checks it)
     cfg = small_config(demo_dir, tmp_path, "train.zero_stage=3", "train.max_steps=4", "train.stop_at_step=3",
                        *tonics)
     # rank 1 is killed (SIGKILL) after writing its DeepSpeed files of step 3, before reporting them
@@ -255,8 +256,9 @@ def test_checkpoint_round_trip_and_resume(ray_local, demo_dir, tmp_path):
 
     with pytest.raises(Exception, match="already has checkpoints"):
         train(small_config(demo_dir, tmp_path, "train.zero_stage=3", "train.max_steps=4", *tonics))
+    # held-out retrieval is what the curriculum refreshes on; every task was evaluated at step 3
     resumed = train(small_config(demo_dir, tmp_path, "train.zero_stage=3", "train.max_steps=4", "train.resume=true",
-                                 *tonics))
+                                 "eval.tasks=[retrieval]", *tonics))
     history = [json.loads(x) for x in (resumed.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == [1, 2, 3, 4]  # continued at step 4, nothing repeated
     assert [h["tonics_p_root"] for h in history] == pytest.approx([0.8, 0.64, 0.512, 0.4096])
@@ -271,7 +273,7 @@ def test_checkpoint_round_trip_and_resume(ray_local, demo_dir, tmp_path):
     position = read_train_state(resumed.checkpoint_dir)["data_position"]
     assert position["rows_per_pass"] == {0: 64} and position["duplicates"] == 0
     assert last["data_rows_trained"] == 64 and last["data_duplicate_rows"] == 0
-    assert (resumed.run_dir / "tonics_counts.json").is_file()
+    assert Path(tonics_counts_path).is_file()
     assert "TOnICS:" in format_data_report(resumed.data_report)
     assert json.loads((Path(resumed.checkpoint_dir) / "rayvl.json").read_text())["step"] == 4
 

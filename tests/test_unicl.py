@@ -106,26 +106,33 @@ def test_the_image_label_stream_reads_what_the_run_needs_in_a_seeded_order(ray_l
     assert len(set(a) & set(b)) < len(a) // 4  # other photos (the same few by chance at most)
 
 
-@pytest.mark.parametrize("variant", ["unicl_mixed", "ce"])
-def test_unicl_mix_and_ce_baseline_train_two_workers(ray_local, demo_dir, tmp_path, variant):
+def _check_image_label_stream(result, share: float, steps: list[int]) -> None:
+    """Every micro-batch of the run holds exactly ``share`` image-label rows ([UniCL] App. B.2), and its data report
+    counts what that stream read."""
     from rayvl.data.report import format_data_report
-    from rayvl.train.trainer import train
 
-    common = ["image_label.data=fashion-mnist", "image_label.train_classes=[0, 2, 4, 6]", "train.max_steps=2",
-              "image_label.limit=1000"]
-    # UniCL with image-label mixing and a memory bank in bf16; the CE baseline in fp32
-    extra = {"unicl_mixed": ["loss.kind=unicl", "image_label.weight=0.5", "memory_bank.size=32",
-                             "train.precision=bf16"],
-             "ce": ["loss.kind=ce", "model.text_tower=class_embedding", "image_label.weight=1.0", "eval.tasks=[]"]}
-    result = train(small_config(demo_dir, tmp_path, *common, *extra[variant]))
     history = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [h["step"] for h in history] == [1, 2] and all(np.isfinite(h["loss"]) for h in history)
-    # every micro-batch: exactly half image-label rows ([UniCL] App. B.2), or all of them for CE
-    assert all(h["image_label_share"] == (0.5 if variant == "unicl_mixed" else 1.0) for h in history)
+    assert [h["step"] for h in history] == steps and all(np.isfinite(h["loss"]) for h in history)
+    assert all(h["image_label_share"] == share for h in history)
     lab = result.data_report["image_label"]["counts"]
     assert lab["samples_kept"] > 0 and lab["excluded_held_out_class"] > 0
     assert "image-label: seen" in format_data_report(result.data_report)
-    assert ("eval" in result.data_report) == (variant == "unicl_mixed")  # the CE run reads no held-out split
+
+
+def test_unicl_mixes_half_image_label_rows_into_every_batch(unicl_mixed_run):
+    """The session's UniCL run (conftest.UNICL_MIXED: 2 workers, a memory bank, bf16)."""
+    _check_image_label_stream(unicl_mixed_run, 0.5, [1, 2, 3])
+    assert "eval" in unicl_mixed_run.data_report
+
+
+def test_ce_baseline_trains_two_workers_on_image_label_rows_only(ray_local, demo_dir, tmp_path):
+    from rayvl.train.trainer import train
+
+    result = train(small_config(demo_dir, tmp_path, "image_label.data=fashion-mnist", "image_label.limit=1000",
+                                "image_label.train_classes=[0, 2, 4, 6]", "train.max_steps=2", "loss.kind=ce",
+                                "model.text_tower=class_embedding", "image_label.weight=1.0", "eval.tasks=[]"))
+    _check_image_label_stream(result, 1.0, [1, 2])
+    assert "eval" not in result.data_report  # the CE run reads no held-out split
 
 
 def test_held_out_confusion_and_recall_against_a_loop():

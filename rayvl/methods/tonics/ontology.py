@@ -21,6 +21,7 @@ counts |X(η_o)| are a Ray Data groupby over the shards, saved as a run artifact
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -39,17 +40,23 @@ UNALIGNED = -1
 
 @lru_cache(maxsize=1)
 def wordnet():
-    """nltk's WordNet reader over the offline WordNet 3.0 (loaded once per process: it takes seconds)."""
+    """nltk's WordNet reader over the offline WordNet 3.0 (loaded once per process: it takes a second)."""
     import nltk
+    from nltk.corpus.reader.wordnet import WordNetCorpusReader
+
+    class Reader(WordNetCorpusReader):
+        def map_wn(self, version="wordnet"):
+            # no Open Multilingual Wordnet here: nltk's own reader maps the loaded WordNet onto "wordnet" (itself)
+            # at every load, reading index.sense twice — most of the load's time, in every read task's process
+            return None
 
     root = assets.require_wordnet()
     with NLTK_LOCK:
-        if str(root) not in nltk.data.path:
+        if str(root) not in nltk.data.path:  # nltk reads corpora only from folders on its path
             nltk.data.path.insert(0, str(root))
-        from nltk.corpus import wordnet as wn
-
-        wn.ensure_loaded()
-        return wn
+        with warnings.catch_warnings():  # that it has no multilingual functions: none are used
+            warnings.filterwarnings("ignore", "The multilingual functions")
+            return Reader(nltk.data.find("corpora/wordnet"), None)
 
 
 def _hypernyms(synset):
