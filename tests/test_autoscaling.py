@@ -14,7 +14,7 @@ import time
 import pytest
 import yaml
 
-from conftest import QUICK_POLLS, REPO, object_store_server
+from conftest import REPO, object_store_server
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -78,7 +78,7 @@ def cluster(no_session_ray):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
         fake = _autoscaling_cluster()
-        fake.start(override_env={**ENV, **object_store_server().env, **QUICK_POLLS})  # every node's Ray Train
+        fake.start(override_env={**ENV, **object_store_server().env})
         try:
             ray.init(address="auto")
             yield fake
