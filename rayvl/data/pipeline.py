@@ -91,9 +91,10 @@ def preprocess(batch: dict, counts: Counter, rows: Rows) -> dict:
     kept = 0
     ids = batch.get("row", np.full(len(batch["key"]), -1))  # data/position.py
     passes = unit_of(np.asarray(ids, dtype=np.int64))[0]
+    draws = rows.draws
     for key, jpg, txt, meta, row, pass_ in zip(batch["key"], batch["jpg"], batch["txt"], batch["json"], ids, passes):
         info = _meta(meta)
-        sample = Sample(key, meta, info, _cls(info), row_rng(rows.seed, key, pass_) if rows.draws else None)
+        sample = Sample(key, meta, info, _cls(info), row_rng(rows.seed, key, pass_) if draws else None)
         text, reason = _caption(rows, txt, sample, counts)
         image = None
         if not reason:

@@ -80,13 +80,14 @@ def build(plan: DataPlan, run_dir: str, report_name: str) -> Built:
     cfg = plan.cfg
     run = RunData(cfg, plan.train, run_dir, plan.reports(report_name))
     made = {part.name: part.build(run) for part in plan.parts}
-    pass_size = shards.expected_samples(plan.train)
+    paths = resolve_shards(plan.train)  # listed once: on object storage each listing is a request per folder
+    pass_size = shards.pass_size(paths)[0]
     transforms = tuple(c.transform for c in made.values() if c.transform is not None)
-    sets = shard_datasets(cfg, plan.train, plan.eval, report_name, transforms, train_passes(plan, pass_size))
+    passes = train_passes(plan, pass_size, len(paths))
+    sets = shard_datasets(cfg, plan.train, plan.eval, report_name, transforms, passes)
     for contribution in made.values():
         sets.update(contribution.datasets)
-    return Built(sets, pass_size, len(resolve_shards(plan.train)),
-                 {name: c.worker for name, c in made.items() if c.worker})
+    return Built(sets, pass_size, len(paths), {name: c.worker for name, c in made.items() if c.worker})
 
 
 def evaluation_or_off(cfg: RayvlConfig, evalset: str) -> RayvlConfig:
@@ -153,14 +154,14 @@ def resolve_data(cfg: RayvlConfig) -> tuple[str, str, dict]:
     return train, evalset, {k: str(Path(v).expanduser()) if v else "" for k, v in files.items()}
 
 
-def train_passes(plan: DataPlan, samples_per_pass: int | None) -> int:
+def train_passes(plan: DataPlan, samples_per_pass: int | None, shard_count: int) -> int:
     """Passes over the training shards one Ray Data execution lists (shards.passes_needed): each micro-batch
     takes from them what the methods' own streams do not fill."""
     cfg = plan.cfg
     t = cfg.train
     rows = t.micro_batch_size - sum(part.batch_rows(cfg) for part in plan.parts)
     needed = t.max_steps * t.grad_accumulation * t.num_workers * rows
-    return shards.passes_needed(needed, samples_per_pass, len(resolve_shards(plan.train)))
+    return shards.passes_needed(needed, samples_per_pass, shard_count)
 
 
 def shard_datasets(cfg: RayvlConfig, train: str, evalset: str, report_name: str,
