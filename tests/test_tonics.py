@@ -81,9 +81,10 @@ class TrialDriver:
         return onto.count_rows(spec, ontology)
 
 
-def test_class_counts_are_a_ray_data_aggregation(ray_local, demo_dir, tmp_path):
+def test_class_counts_are_a_ray_data_aggregation(ray_local, demo_dir, tmp_path, caplog):
     o = onto.Ontology.build(SHAPES)
-    saved = str(tmp_path / "counts.json")
+    (tmp_path / "run").mkdir()
+    saved = str(tmp_path / "run" / "tonics_counts.json")  # where a run without tonics.counts_path keeps them
     counts, reused = onto.load_or_count(str(demo_dir / "train"), saved, o)  # counted (a Ray Data pass), then saved
     assert not reused and onto.load_or_count(str(demo_dir / "train"), saved, o) == (counts, True)
     reference: Counter = Counter()
@@ -119,6 +120,16 @@ def test_class_counts_are_a_ray_data_aggregation(ray_local, demo_dir, tmp_path):
     assert sizes == [counts[i] if counts[i] >= m else 0 for i in range(8)]
     every = "a " + ", a ".join(SHAPES[:-1]) + " and a " + SHAPES[-1]  # "a circle, a square, ... and a ring"
     assert kept.row_objects(every, json.dumps({"objects": [[s] for s in SHAPES]})) == sorted(kept.kept)
+
+    # a run without tonics.counts_path reuses the counts in its run directory
+    from rayvl.methods.tonics.rows import class_counts
+
+    cfg = small_config(demo_dir, tmp_path, "tonics.enabled=true", f"tonics.classes={json.dumps(SHAPES)}",
+                       "tonics.min_instances=20")
+    with caplog.at_level("INFO", logger="rayvl"):
+        assert class_counts(cfg, o, str(demo_dir / "train"), str(tmp_path / "run"))[1] == [
+            counts.get(i, 0) if counts.get(i, 0) >= 20 else 0 for i in range(len(SHAPES))]
+    assert f"reused from {saved}" in caplog.text
 
 
 # ----------------------------------------------------------------------------- sampler and curriculum

@@ -182,7 +182,8 @@ def _check_memory_bank(cfg, result, state, demo_dir, tmp_path):
     for changed in ("train.max_steps=5", "train.warmup_steps=2", "train.lr=0.01"):  # refused before Ray starts
         with pytest.raises(ConfigError, match=rf"^{changed.split('=')[0]}: .* the value the run started with"):
             train(small_config(demo_dir, tmp_path, *same, changed))
-    resumed = train(small_config(demo_dir, tmp_path, *same, "train.max_steps=4", "eval.tasks=[]"))  # as above
+    # no evaluation: only the bank's queue is checked
+    resumed = train(small_config(demo_dir, tmp_path, *same, "train.max_steps=4", "eval.tasks=[]"))
     after = read_train_state(resumed.checkpoint_dir)["memory_bank"]
     assert (after["ptr"], after["filled"]) == (64 % 40, 40)  # restored queue + one step (a fresh one: 16, 16)
     assert torch.equal(after["labels"][24:40], saved["labels"][24:40])  # entries not yet overwritten survive
