@@ -10,7 +10,7 @@ import yaml
 
 from conftest import REPO
 from rayvl.sweeps.comparison import Comparison, Stages
-from rayvl.sweeps.comparison_report import format_summary, summarize, write_report
+from rayvl.sweeps.comparison_report import format_summary, seed_curve, summarize, write_report
 from rayvl.sweeps.spaces import SweepError, load_sweep
 
 RECIPE = str(REPO / "configs" / "laion_adapt.yaml")
@@ -32,6 +32,11 @@ def test_mean_and_sample_std_per_variant_against_float64():
     assert table.splitlines()[-1].split()[-2:] == ["-", "-"]
     one = summarize([{"variant": "a", "seed": 0, "metrics": {"m": 1.5}}], ["m"])
     assert format_summary(one, [("m", "m", ".2f")], seeds=1).splitlines()[1].split()[-1] == "1.50"
+    # the learning curves: each step's mean and std over the seeds that reported it, a share as a percentage
+    seeds = [[{"step": 1, "loss": 2.0, "data_wait_share": 0.25}, {"step": 2, "loss": 1.0}],
+             [{"step": 1, "loss": 4.0, "data_wait_share": 0.75}, {"step": 2, "loss": None}]]
+    assert seed_curve(seeds, "loss") == ([1, 2], [3.0, 1.0], [pytest.approx(np.std([2, 4], ddof=1)), 0.0])
+    assert seed_curve(seeds, "data_wait_share")[:2] == ([1], [50.0])
 
 
 @pytest.mark.parametrize("variants, seeds, metric, match", [

@@ -39,6 +39,39 @@ def test_ray_data_embedding_equals_single_process(ray_local, checkpoint, demo_di
     np.testing.assert_allclose(ray_txt, local.texts(data.captions), atol=1e-5)
 
 
+def test_the_tasks_texts_are_embedded_in_one_call_and_score_as_each_tasks_own(ray_local, checkpoint, demo_dir):
+    """`evaluate` embeds every text the tasks name in one call (under `rayvl eval`: one actor pool, each actor
+    loading the checkpoint, not one pool per task); each task's metrics are those of embedding its own texts."""
+    from dataclasses import replace
+
+    from rayvl import assets
+    from rayvl.eval import tasks as eval_tasks
+
+    model, config = load_model(checkpoint)
+    tokenizer, max_tokens = str(assets.text_model_path("minilm-l6")), config["data"]["max_text_tokens"]
+    data = datasets.load_shards(str(demo_dir / "eval"), config["data"]["image_size"], tokenizer, max_tokens, 0.5)
+    rows = sorted(data.images.take_all(), key=lambda r: r["index"])
+    data = replace(data, images=np.stack([r["image"] for r in rows])).with_text_sets(
+        str(demo_dir / "classes.json"), str(demo_dir / "paraphrases.jsonl"), str(demo_dir / "sts.tsv"))
+
+    class Counted(ModelEmbedder):
+        calls: list[int] = []
+
+        def texts(self, texts):
+            self.calls.append(len(texts))
+            return super().texts(texts)
+
+    tasks = ["zeroshot", "retrieval", "paraphrase", "sts"]
+    results, embeddings = eval_tasks.evaluate(tasks, data, Counted(model, tokenizer, max_tokens))
+    named = {*eval_tasks.zeroshot_texts(data), *data.captions, *eval_tasks.paraphrase_texts(data),
+             *eval_tasks.sts_texts(data)}
+    assert Counted.calls == [len(named)] and set(results) == set(tasks)
+    alone = ModelEmbedder(model, tokenizer, max_tokens)  # each task embedding its own texts
+    for task in tasks:
+        own = getattr(eval_tasks, task)(data, {"image": embeddings["image"]}, alone, 10)
+        assert results[task] == pytest.approx(own, abs=1e-6), task
+
+
 def test_rayvl_eval_prints_every_task(ray_local, checkpoint, tmp_path, capsys):
     from rayvl.cli import main
 

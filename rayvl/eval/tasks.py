@@ -1,6 +1,7 @@
 """The five evaluation tasks, written once. Training-time evaluation and ``rayvl eval`` call ``evaluate`` with the
-same data and differ only in the embedder (``rayvl.eval.embed``): each task asks it for the embeddings it needs and
-turns them into metrics with the functions of zeroshot / retrieval / paraphrase / sts / linear_probe."""
+same data and differ only in the embedder (``rayvl.eval.embed``): the images and every text the tasks name are
+embedded once, then each task turns the embeddings it needs into metrics with the functions of zeroshot /
+retrieval / paraphrase / sts / linear_probe."""
 from __future__ import annotations
 
 import logging
@@ -41,6 +42,10 @@ def evaluate(tasks, data: EvalData, embedder: Embedder, k: int = 10) -> tuple[di
     start = time.perf_counter()
     embeddings = {"image": embedder.images(data.images)}
     log.info(f"eval: {len(embeddings['image'])} images embedded ({time.perf_counter() - start:.1f} s)")
+    start = time.perf_counter()
+    embedder = TextsOnce(embedder, [t for task in tasks for t in _TEXTS[task](data)])
+    if embedder.rows:
+        log.info(f"eval: {len(embedder.rows)} texts embedded ({time.perf_counter() - start:.1f} s)")
     results = {}
     for i, task in enumerate(tasks):
         start = time.perf_counter()
@@ -52,12 +57,28 @@ def evaluate(tasks, data: EvalData, embedder: Embedder, k: int = 10) -> tuple[di
     return results, embeddings
 
 
+class TextsOnce:
+    """Every text the tasks will ask for, embedded in one call: with Ray Data actors, one actor pool (each actor
+    loading the checkpoint) instead of one per task."""
+
+    def __init__(self, embedder: Embedder, texts: list[str]):
+        self.embedder = embedder
+        self.rows = {t: i for i, t in enumerate(dict.fromkeys(texts))}
+        self.embeddings = embedder.texts(list(self.rows)) if self.rows else None
+
+    def images(self, images) -> np.ndarray:
+        return self.embedder.images(images)
+
+    def texts(self, texts: list[str]) -> np.ndarray:
+        return self.embeddings[[self.rows[t] for t in texts]]
+
+
 def zeroshot(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | None:
     """Template-ensemble class embeddings (CLIP) and the first template alone."""
     known = data.labels >= 0
-    if not data.classes or not known.any():
+    prompts = zeroshot_texts(data)
+    if not prompts:
         return None
-    prompts = [t.format(c) for c in data.classes for t in data.templates]
     per_template = embedder.texts(prompts).reshape(len(data.classes), len(data.templates), -1)
     images, labels = torch.from_numpy(emb["image"][known]), torch.from_numpy(data.labels[known])
     out = zeroshot_metrics(images, labels, torch.from_numpy(class_embeddings(per_template)))
@@ -65,6 +86,13 @@ def zeroshot(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | No
     out.update({f"single_template_{name}": v for name, v in single.items() if "chance" not in name})
     out["zeroshot_classes"], out["zeroshot_templates"] = len(data.classes), len(data.templates)
     return out
+
+
+def zeroshot_texts(data: EvalData) -> list[str]:
+    """Every class name in every template (none when no image has a known class)."""
+    if not data.classes or not (data.labels >= 0).any():
+        return []
+    return [t.format(c) for c in data.classes for t in data.templates]
 
 
 def retrieval(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | None:
@@ -79,9 +107,8 @@ def paraphrase(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | 
     pairs = data.paraphrases
     if not pairs:
         return None
-    n, n_exp = len(pairs), min(len(p.get("expansions", [])) for p in pairs)
-    texts = embedder.texts([p["caption"] for p in pairs] + [p["paraphrase"] for p in pairs]
-                           + [e for p in pairs for e in p.get("expansions", [])[:n_exp]])
+    n, n_exp = len(pairs), _expansions(pairs)
+    texts = embedder.texts(paraphrase_texts(data))
     queries, paraphrases = texts[:n], texts[n:2 * n]
     out = paraphrase_metrics(emb["image"], queries, paraphrases, k)
     if n_exp:  # the query is replaced by eq. (5)'s average of itself and its expansions
@@ -91,11 +118,26 @@ def paraphrase(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | 
     return out
 
 
+def _expansions(pairs: list[dict]) -> int:
+    return min(len(p.get("expansions", [])) for p in pairs)
+
+
+def paraphrase_texts(data: EvalData) -> list[str]:
+    """The queries, then their paraphrases, then each query's expansions (as many per query as every pair has)."""
+    pairs, n_exp = data.paraphrases, _expansions(data.paraphrases) if data.paraphrases else 0
+    return ([p["caption"] for p in pairs] + [p["paraphrase"] for p in pairs]
+            + [e for p in pairs for e in p.get("expansions", [])[:n_exp]])
+
+
+def sts_texts(data: EvalData) -> list[str]:
+    return data.sts[0] + data.sts[1] if data.sts is not None else []
+
+
 def sts(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | None:
     if data.sts is None:
         return None
     first, second, gold = data.sts
-    texts = embedder.texts(first + second)
+    texts = embedder.texts(sts_texts(data))
     return sts_metrics(texts[:len(first)], texts[len(first):], gold)
 
 
@@ -110,3 +152,6 @@ def linear_probe(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict 
 
 _RUN = {"zeroshot": zeroshot, "retrieval": retrieval, "paraphrase": paraphrase, "sts": sts,
         "linear_probe": linear_probe}
+# the texts each task embeds (evaluate embeds them all at once, TextsOnce)
+_TEXTS = {"zeroshot": zeroshot_texts, "retrieval": lambda data: list(data.captions), "paraphrase": paraphrase_texts,
+          "sts": sts_texts, "linear_probe": lambda data: []}

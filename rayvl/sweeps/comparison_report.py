@@ -192,6 +192,22 @@ def _bars(path: Path, summary: dict, rows: list[Row], title: str) -> None:
     plt.close(fig)
 
 
+def seed_curve(histories: list[list[dict]], metric: str) -> tuple[list[int], list[float], list[float]]:
+    """(steps, mean over the seeds, std over the seeds) of one variant's ``metric``, valued as the run's dashboard
+    draws it (a share as a percentage)."""
+    import numpy as np
+
+    from rayvl.plots import points
+
+    by_step: dict[int, list[float]] = {}
+    for h in histories:
+        for step, value in points(h, metric):
+            by_step.setdefault(step, []).append(value)
+    steps = sorted(by_step)
+    return (steps, [float(np.mean(by_step[s])) for s in steps],
+            [float(np.std(by_step[s], ddof=1)) if len(by_step[s]) > 1 else 0.0 for s in steps])
+
+
 def _curves(out: Path, trials: list[dict]) -> None:
     """Per metric of the runs' histories: each variant's mean over its seeds at each step, ± std shaded."""
     import matplotlib
@@ -200,7 +216,7 @@ def _curves(out: Path, trials: list[dict]) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from rayvl.plots import TRAINING, history, plotted_metrics
+    from rayvl.plots import history, plotted_metrics, title
 
     histories: dict[str, list[list[dict]]] = {}
     for t in trials:
@@ -212,20 +228,13 @@ def _curves(out: Path, trials: list[dict]) -> None:
     for metric in metrics:
         fig, ax = plt.subplots(figsize=(6, 3.6))
         for i, (variant, hs) in enumerate(histories.items()):
-            by_step: dict[int, list[float]] = {}
-            for h in hs:
-                for r in h:
-                    if r.get(metric) is not None:
-                        by_step.setdefault(r["step"], []).append(float(r[metric]))
-            if not by_step:
+            steps, mean, std = map(np.array, seed_curve(hs, metric))
+            if not len(steps):
                 continue
-            steps = sorted(by_step)
-            mean = np.array([np.mean(by_step[s]) for s in steps])
-            std = np.array([np.std(by_step[s], ddof=1) if len(by_step[s]) > 1 else 0.0 for s in steps])
             ax.plot(steps, mean, marker="o" if len(steps) < 30 else None, markersize=3, color=f"C{i}",
                     label=f"{variant} (n={len(hs)})")
             ax.fill_between(steps, mean - std, mean + std, color=f"C{i}", alpha=0.2)
-        ax.set(xlabel="step", ylabel=TRAINING.get(metric, metric))
+        ax.set(xlabel="step", ylabel=title(metric))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
