@@ -36,6 +36,14 @@ def connect(address: str = "", num_cpus: int = 0, verbose: bool = True, **init_k
     return False
 
 
+def planned_local_cpus(cfg: RayvlConfig) -> float | None:
+    """The CPUs of the local Ray that ``connect`` will start (``local_num_cpus``), known before it starts; None
+    when it joins a running Ray or a cluster, or when Ray will count this machine's CPUs itself."""
+    if ray.is_initialized() or cfg.ray_address or os.environ.get("RAY_ADDRESS") or not cfg.local_num_cpus:
+        return None
+    return float(cfg.local_num_cpus)
+
+
 def _quiet_data() -> None:
     ray.data.DataContext.get_current().enable_progress_bars = False
 

@@ -108,15 +108,18 @@ def test_job_rejects_bad_key_before_starting_ray(tmp_path):
 
 
 def test_job_refuses_to_starve_ray_data_on_a_local_ray(demo_dir, tmp_path):
-    """On a Ray it starts itself (fixed size), reserving every CPU for training is refused, naming the keys."""
+    """On a Ray it starts itself (fixed size: local_num_cpus), reserving every CPU for training is refused, naming
+    the keys, before that Ray starts (its session folder, under RAY_TMPDIR, is never made)."""
     r = subprocess.run([sys.executable, str(REPO / "jobs" / "laion_adapt.py"), "--data", str(demo_dir / "train"),
                         "--set", "local_num_cpus=2", "--set", "train.cpus_per_worker=1",
                         "--set", f"train.storage_path={tmp_path}"],
                        capture_output=True, text=True, timeout=300, env={"PATH": "/usr/bin:/bin",
-                                                                          "HOME": str(tmp_path)})
+                                                                          "HOME": str(tmp_path),
+                                                                          "RAY_TMPDIR": str(tmp_path / "ray")})
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert "train.cpus_per_worker" in r.stderr and "data.read_cpus" in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("rayvl: error: "), r.stderr
+    assert not (tmp_path / "ray").exists()
 
 
 @pytest.mark.parametrize("nodes, strategy, worker_cpus, read_cpus, label, ok", [

@@ -32,6 +32,9 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
     storage, name = run_paths(cfg)
     init_weights = check_init_from(cfg)
     session.check_local_gpus(cfg)
+    local_cpus = session.planned_local_cpus(cfg)
+    if local_cpus is not None:  # the local Ray's size is final and known: an impossible plan fails before it starts
+        session.check_resources(cfg, fixed_size=True, node_cpus=[local_cpus])
     started_here = session.connect(cfg.ray_address, cfg.local_num_cpus, verbose=verbose)
     session.check_resources(cfg, fixed_size=started_here)
     if not placement_registry:  # a sweep's driver checked the cluster; a trial's driver may sit on another node
