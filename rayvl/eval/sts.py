@@ -6,7 +6,6 @@ import csv
 from pathlib import Path
 
 import numpy as np
-from scipy.stats import pearsonr, spearmanr
 
 
 def read_sts(path: str | Path) -> tuple[list[str], list[str], np.ndarray]:
@@ -29,6 +28,8 @@ def read_sts(path: str | Path) -> tuple[list[str], list[str], np.ndarray]:
 
 
 def sts_metrics(emb1: np.ndarray, emb2: np.ndarray, gold: np.ndarray) -> dict:
+    from scipy.stats import pearsonr, spearmanr  # here: most of a training worker's imports, needed only for STS
+
     cos = np.sum(emb1 * emb2, axis=1) / (np.linalg.norm(emb1, axis=1) * np.linalg.norm(emb2, axis=1))
     return {"sts_pearson": 100.0 * float(pearsonr(cos, gold)[0]),
             "sts_spearman": 100.0 * float(spearmanr(cos, gold)[0]), "sts_pairs": int(len(gold))}
