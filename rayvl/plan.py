@@ -61,14 +61,13 @@ def describe(cfg: RayvlConfig) -> str:
     """The plan of one training run (``--dry-run``); raises ConfigError for what would fail."""
     from rayvl.methods import rows as methods
     from rayvl.train import datasets
-    from rayvl.methods.unicl.rows import label_rows
     from rayvl.train.run_dir import run_paths
     from rayvl.train.trainer import check_init_from
 
     d, t = cfg.data, cfg.train
     checks = datasets.check_inputs(cfg, d.train, d.eval)
     # each enabled method's inputs (its data part, resolved as a run would: on the demo, with the demo's held-out split)
-    methods.parts(cfg, d.train, d.eval or ("" if d.train else str(Path(d.demo_dir).expanduser() / "eval")))
+    parts = methods.parts(cfg, d.train, d.eval or ("" if d.train else str(Path(d.demo_dir).expanduser() / "eval")))
     check_init_from(cfg)
     store, name = run_paths(cfg)
     policy = ReadPolicy.of(d)
@@ -84,12 +83,14 @@ def describe(cfg: RayvlConfig) -> str:
         per_pass = samples if key == "data.train" else per_pass
     if d.train and not d.eval and cfg.eval.tasks:
         lines.append("  data.eval: none — evaluation is off (give held-out shards with --eval-data)")
-    text_rows = t.micro_batch_size - label_rows(cfg)
+    # rows a method fills from a stream of its own (UniCL's image-label rows), not from the training shards
+    own = {", ".join(part.streams) or part.name: part.batch_rows(cfg) for part in parts if part.batch_rows(cfg)}
+    text_rows = t.micro_batch_size - sum(own.values())
     global_batch = t.num_workers * t.micro_batch_size * t.grad_accumulation
     lines += ["batches:",
               f"  {t.num_workers} workers × {t.micro_batch_size} per micro-batch × {t.grad_accumulation} accumulated = "
               f"{global_batch:,} samples a step"
-              + (f" ({label_rows(cfg)} image-label rows per micro-batch)" if label_rows(cfg) else ""),
+              + "".join(f" ({n} {stream} rows per micro-batch)" for stream, n in own.items()),
               f"  negatives per query: {t.num_workers * t.micro_batch_size:,} in the gathered batch"
               + (f" + {cfg.memory_bank.size:,} in the memory bank" if cfg.memory_bank.size else "")]
     if per_pass and text_rows:  # (image-label only: the image-text shards are not read)
