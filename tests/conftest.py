@@ -126,6 +126,16 @@ UNICL_MIXED = ["image_label.data=fashion-mnist", "image_label.train_classes=[0, 
                "eval.tasks=[retrieval]", "data.deterministic=true", "train.checkpoint_every=100"]
 
 
+def tonics_shapes(*more: str) -> list[str]:
+    """TOnICS on the demo's shapes (its classes; each holds ≥ 9 % of the demo's rows, so min_instances 20 keeps every
+    one), then ``more`` overrides."""
+    import json
+
+    from rayvl.data.demo import SHAPES
+
+    return ["tonics.enabled=true", f"tonics.classes={json.dumps(SHAPES)}", "tonics.min_instances=20", *more]
+
+
 @pytest.fixture(scope="session")
 def unicl_mixed_run(ray_local, demo_dir, tmp_path_factory):
     """The RunResult of one UNICL_MIXED run of seed 0 (3 steps), read by test_unicl (what the mixed batches

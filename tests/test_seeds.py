@@ -7,10 +7,9 @@ from collections import Counter
 
 import numpy as np
 
-from conftest import UNICL_MIXED, small_config
+from conftest import UNICL_MIXED, small_config, tonics_shapes
 from rayvl import assets
 from rayvl.data import fashion_mnist
-from rayvl.data.demo import SHAPES
 from rayvl.data.pipeline import Rows, preprocess
 from rayvl.methods.unicl.rows import Prompted, prompt_batch
 from rayvl.data.position import row_ids
@@ -111,9 +110,8 @@ def test_the_shuffle_buffer_is_seeded_per_rank(ray_local):
     assert labels(0) == first and labels(1) != first
 
 
-TONICS = ["tonics.enabled=true", f"tonics.classes={json.dumps(SHAPES)}", "tonics.min_instances=20",
-          "tonics.buffer_rows=64", "eval.tasks=[retrieval]",  # the curriculum needs a held-out task
-          "data.deterministic=true", "train.checkpoint_every=100"]
+TONICS = tonics_shapes("tonics.buffer_rows=64", "eval.tasks=[retrieval]",  # the curriculum needs a held-out task
+                       "data.deterministic=true", "train.checkpoint_every=100")
 
 
 def _losses(run_dir) -> list[float]:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from conftest import REPO, small_config
+from conftest import REPO, small_config, tonics_shapes
 from rayvl.config import ConfigError
 from rayvl.methods.tonics import ontology as onto
 from rayvl.data.tar import iter_tar_samples
@@ -124,8 +124,7 @@ def test_class_counts_are_a_ray_data_aggregation(ray_local, demo_dir, tmp_path, 
     # a run without tonics.counts_path reuses the counts in its run directory
     from rayvl.methods.tonics.rows import class_counts
 
-    cfg = small_config(demo_dir, tmp_path, "tonics.enabled=true", f"tonics.classes={json.dumps(SHAPES)}",
-                       "tonics.min_instances=20")
+    cfg = small_config(demo_dir, tmp_path, *tonics_shapes())
     with caplog.at_level("INFO", logger="rayvl"):
         assert class_counts(cfg, o, str(demo_dir / "train"), str(tmp_path / "run"))[1] == [
             counts.get(i, 0) if counts.get(i, 0) >= 20 else 0 for i in range(len(SHAPES))]
@@ -303,9 +302,8 @@ def test_two_workers_draw_the_same_node_and_object_batches_share_it(ray_local, d
     from rayvl.methods.tonics.rows import resolve_ontology as tonics_ontology
     from rayvl.train.datasets import shard_datasets
 
-    cfg = small_config(demo_dir, tmp_path, "tonics.enabled=true", f"tonics.classes={json.dumps(SHAPES)}",
-                       "tonics.min_instances=20", "tonics.buffer_rows=64", "tonics.max_wait_rows=1024",
-                       f"tonics.counts_path={tonics_counts_path}")  # counted once for the session
+    cfg = small_config(demo_dir, tmp_path, *tonics_shapes("tonics.buffer_rows=64", "tonics.max_wait_rows=1024",
+                                                          f"tonics.counts_path={tonics_counts_path}"))  # counted once
     kept, sizes = tonics_counts(cfg, tonics_ontology(cfg), str(demo_dir / "train"), str(tmp_path / "run"))
     datasets = shard_datasets(cfg, str(demo_dir / "train"), "", "tonics-test", (Objects(kept),))
     p = [0.3] + [0.7 / len(SHAPES)] * len(SHAPES)

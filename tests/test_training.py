@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import small_config, untrained_checkpoint
+from conftest import small_config, tonics_shapes, untrained_checkpoint
 from rayvl.models.dual_encoder import build_model
 from rayvl.train.engine import lr_lambda
-from rayvl.data.demo import SHAPES
 from rayvl.data.report import format_data_report
 from rayvl.train.trainer import train
 
@@ -228,9 +227,8 @@ def test_checkpoint_round_trip_and_resume(ray_local, demo_dir, tmp_path, tonics_
     from rayvl.checkpoints import RAY_TRAIN_SNAPSHOT, latest_checkpoint_dir, read_train_state
 
     # with TOnICS refreshing at every step (threshold 0): P_S(root) = 0.8^step only if the curriculum resumes too
-    tonics = ["tonics.enabled=true", f"tonics.classes={json.dumps(SHAPES)}", "tonics.min_instances=20",
-              "tonics.refresh_every=1", "tonics.threshold=0", "tonics.alpha=0.8", "tonics.buffer_rows=64",
-              f"tonics.counts_path={tonics_counts_path}"]  # counted once for the session (test_tonics checks it)
+    tonics = tonics_shapes("tonics.refresh_every=1", "tonics.threshold=0", "tonics.alpha=0.8", "tonics.buffer_rows=64",
+                           f"tonics.counts_path={tonics_counts_path}")  # counted once for the session (test_tonics)
     # held-out retrieval is what the curriculum refreshes on; every task is evaluated at the resumed run's end
     cfg = small_config(demo_dir, tmp_path, "train.zero_stage=3", "train.max_steps=4", "train.stop_at_step=3",
                        "eval.tasks=[retrieval]", *tonics)
