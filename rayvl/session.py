@@ -23,7 +23,7 @@ def connect(address: str = "", num_cpus: int = 0, verbose: bool = True, **init_k
     if not verbose:
         init_kwargs = {"log_to_driver": False, "logging_level": logging.ERROR, **init_kwargs}
     if not ray.is_initialized():
-        address = address or os.environ.get("RAY_ADDRESS", "")
+        address = _join_address(address)
         if address:
             ray.init(address=address, **{"log_to_driver": True, **init_kwargs})
         else:
@@ -39,9 +39,14 @@ def connect(address: str = "", num_cpus: int = 0, verbose: bool = True, **init_k
 def planned_local_cpus(cfg: RayvlConfig) -> float | None:
     """The CPUs of the local Ray that ``connect`` will start (``local_num_cpus``), known before it starts; None
     when it joins a running Ray or a cluster, or when Ray will count this machine's CPUs itself."""
-    if ray.is_initialized() or cfg.ray_address or os.environ.get("RAY_ADDRESS") or not cfg.local_num_cpus:
+    if ray.is_initialized() or _join_address(cfg.ray_address) or not cfg.local_num_cpus:
         return None
     return float(cfg.local_num_cpus)
+
+
+def _join_address(address: str) -> str:
+    """The Ray ``connect`` joins ('' = it starts a local one): ``address``, else RAY_ADDRESS."""
+    return address or os.environ.get("RAY_ADDRESS", "")
 
 
 def _quiet_data() -> None:

@@ -36,7 +36,8 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
     if local_cpus is not None:  # the local Ray's size is final and known: an impossible plan fails before it starts
         session.check_resources(cfg, fixed_size=True, node_cpus=[local_cpus])
     started_here = session.connect(cfg.ray_address, cfg.local_num_cpus, verbose=verbose)
-    session.check_resources(cfg, fixed_size=started_here)
+    if local_cpus is None:  # a cluster (may still autoscale) or a local Ray of this machine's CPUs: read its nodes
+        session.check_resources(cfg, fixed_size=started_here)
     if not placement_registry:  # a sweep's driver checked the cluster; a trial's driver may sit on another node
         session.check_gpus(cfg, fixed_size=started_here)
     session.check_storage(cfg)
