@@ -136,7 +136,11 @@ def load_weights(checkpoint: str | os.PathLike, zero_stage: int) -> dict:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     with weights_only_loads(ckpt):
-        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=TAG)
+        rebuilt = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=TAG)
+    if zero_stage < 3:  # ZeRO-1 saves no frozen parameters beside the optimizer's: rank 0's module state holds them
+        module = load_file(ckpt, f"{TAG}/mp_rank_00_model_states.pt")["module"]
+        rebuilt = {**{k: v.float() if v.is_floating_point() else v for k, v in module.items()}, **rebuilt}
+    return rebuilt
 
 
 def load_model(checkpoint: str | os.PathLike) -> tuple[DualEncoder, dict]:

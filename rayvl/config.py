@@ -56,10 +56,9 @@ class DataConfig:
     the GIL): one task keeps more than one core busy and fills the gaps Ray leaves around its tasks."""
     transform_batch_size: int = 256
     """rows a read task decodes, crops and tokenizes in one call, and the rows of each Ray Data block it emits.
-    Ray Data's costs are per block (scheduling loop, object store, the consumer's fetch): 256 rows read 15–17%
-    faster than 64 at 64 px and 2–4% faster at 224 px in steady state; the first batch comes later (1.5–2.3 s
-    instead of 0.5–0.8 s on 2 cores at read_cpus=1), hidden in training behind the engine build
-    (benchmarks/data_pipeline.py, README "Data plane")."""
+    Ray Data's costs are per block (scheduling loop, object store, the consumer's fetch): larger blocks read faster
+    in steady state and deliver the first batch later, which training hides behind the engine build (measured:
+    docs/benchmarks.md, "Data plane"; benchmarks/data_pipeline.py)."""
     shuffle_files: bool = True
     """shuffle shard order every epoch."""
     local_shuffle_buffer: int = 256

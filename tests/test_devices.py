@@ -107,7 +107,8 @@ def test_batchnorm_statistics_stay_fp32_under_deepspeed_bf16(one_process_group):
     from rayvl.models.dual_encoder import param_groups
     from rayvl.models.precision import keep_batchnorm_fp32
 
-    cfg = load_config(None, ["train.precision=bf16", "train.zero_stage=2", "train.micro_batch_size=4"])
+    cfg = load_config(None, ["train.precision=bf16", "train.zero_stage=2", "train.micro_batch_size=4",
+                             "model.alignment_layers=1", "model.embed_dim=64"])
     model = build_model(cfg.model)
     assert keep_batchnorm_fp32(model) > 0
     bank_copy = copy.deepcopy(model)  # the memory bank's key encoders are deep copies: each BN bound to its own
@@ -120,7 +121,7 @@ def test_batchnorm_statistics_stay_fp32_under_deepspeed_bf16(one_process_group):
     inputs = {}
     bn.register_forward_pre_hook(lambda m, args: inputs.setdefault("x", args[0].detach().clone()))
     before = bn.running_mean.double().clone()
-    images = torch.randint(0, 256, (4, 3, 64, 64), dtype=torch.uint8)
+    images = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8)
     ids, mask = torch.randint(1000, 2000, (4, 8)), torch.ones(4, 8, dtype=torch.long)
     image, text, scale = engine(images, ids, mask)
     engine.backward((scale * image.float() @ text.float().T).logsumexp(1).mean())

@@ -1,4 +1,5 @@
-"""Ray Data actor-pool embedding equals single-process embedding; `rayvl eval` prints all five task tables."""
+"""`rayvl eval` prints all five task tables and its Ray Data actor pools embed as one process does; the tasks' texts
+are embedded once."""
 import json
 
 import numpy as np
@@ -8,7 +9,7 @@ import torch
 from conftest import small_config
 from rayvl.checkpoints import META_FILE, MODEL_FILE, load_model
 from rayvl.eval import data as datasets
-from rayvl.eval.embed import ImageEmbedder, ModelEmbedder, TextEmbedder, embed
+from rayvl.eval.embed import ModelEmbedder
 from rayvl.models.dual_encoder import build_model
 
 
@@ -21,22 +22,6 @@ def checkpoint(demo_dir, tmp_path_factory):
     torch.save(build_model(cfg.model, seed=5).state_dict(), d / MODEL_FILE)
     (d / META_FILE).write_text(json.dumps({"step": 0, "config": cfg.to_dict(), "final": True}))
     return d
-
-
-def test_ray_data_embedding_equals_single_process(ray_local, checkpoint, demo_dir):
-    model, config = load_model(checkpoint)
-    from rayvl import assets
-    data = datasets.load_shards(str(demo_dir / "eval"), config["data"]["image_size"],
-                                str(assets.text_model_path("minilm-l6")), config["data"]["max_text_tokens"], 0.5)
-    ray_img = embed(data.images, ImageEmbedder, str(checkpoint), actors=2, cpus_per_actor=0.5, batch_size=16)
-    rows = sorted(data.images.take_all(), key=lambda r: r["index"])
-    local = ModelEmbedder(model, str(assets.text_model_path("minilm-l6")), config["data"]["max_text_tokens"])
-    local_img = local.images(np.stack([r["image"] for r in rows]))
-    np.testing.assert_allclose(ray_img, local_img, atol=1e-5)
-
-    texts = ray_local.data.from_items([{"index": i, "text": c} for i, c in enumerate(data.captions)])
-    ray_txt = embed(texts, TextEmbedder, str(checkpoint), actors=2, cpus_per_actor=0.5, batch_size=16)
-    np.testing.assert_allclose(ray_txt, local.texts(data.captions), atol=1e-5)
 
 
 def test_the_tasks_texts_are_embedded_in_one_call_and_score_as_each_tasks_own(ray_local, checkpoint, demo_dir):
@@ -72,18 +57,31 @@ def test_the_tasks_texts_are_embedded_in_one_call_and_score_as_each_tasks_own(ra
         assert results[task] == pytest.approx(own, abs=1e-6), task
 
 
-def test_rayvl_eval_prints_every_task(ray_local, checkpoint, tmp_path, capsys):
+def test_rayvl_eval_prints_every_task_and_embeds_as_one_process(ray_local, checkpoint, demo_dir, tmp_path, capsys):
+    """`rayvl eval` with two embedding actors (a Ray Data actor pool): all five task tables, and the image and
+    caption embeddings it writes equal a single-process embedding of the same rows."""
+    from rayvl import assets
     from rayvl.cli import main
 
-    assert main(["eval", str(checkpoint.parent), "--out", str(tmp_path / "out")]) == 0
+    out = tmp_path / "out"
+    pool = ["--actors", "2", "--cpus-per-actor", "0.5", "--batch-size", "16"]
+    assert main(["eval", str(checkpoint.parent), "--out", str(out), *pool]) == 0
     printed = capsys.readouterr().out
     for table in ("== zeroshot ==", "== retrieval ==", "== paraphrase ==", "== sts ==", "== linear_probe =="):
         assert table in printed
-    results = json.loads((tmp_path / "out" / "eval.json").read_text())
+    results = json.loads((out / "eval.json").read_text())
     assert results["retrieval"]["retrieval_images"] == 64 and results["paraphrase"]["paraphrase_pairs"] == 64
     assert "skipped" not in results
     assert results["data"]["samples_seen"] == results["data"]["samples_kept"] == 64
-    assert (tmp_path / "out" / "image_embeddings.npy").exists()
+
+    model, config = load_model(checkpoint)
+    tokenizer, max_tokens = str(assets.text_model_path("minilm-l6")), config["data"]["max_text_tokens"]
+    data = datasets.load_shards(str(demo_dir / "eval"), config["data"]["image_size"], tokenizer, max_tokens, 0.5)
+    rows = sorted(data.images.take_all(), key=lambda r: r["index"])
+    local = ModelEmbedder(model, tokenizer, max_tokens)
+    images = np.stack([r["image"] for r in rows])
+    np.testing.assert_allclose(np.load(out / "image_embeddings.npy"), local.images(images), atol=1e-5)
+    np.testing.assert_allclose(np.load(out / "caption_embeddings.npy"), local.texts(data.captions), atol=1e-5)
 
 
 def test_imagefolder_and_fashion_mnist(ray_local, tmp_path):

@@ -42,7 +42,7 @@ def test_a_run_on_object_storage_through_faults_trains_every_row_once_and_resume
     spec, held_out = laion
     runs = "s3://rayvl-test/runs"
     args = [f"data.train={spec}", f"data.eval={held_out}", f"train.storage_path={runs}", "train.micro_batch_size=16",
-            "train.max_steps=12", "train.checkpoint_every=3", "train.log_every=3", "eval.tasks=[retrieval]",
+            "train.max_steps=12", "train.checkpoint_every=6", "train.log_every=3", "eval.tasks=[retrieval]",
             "data.unreadable_shards=skip", "data.io_retry_wait_s=0.2", "data.local_shuffle_buffer=0"]
     _faults(s3)
     first = train(small_config(demo_dir, tmp_path, *args, "train.stop_at_step=6"))

@@ -1,6 +1,7 @@
 """What ``train.seed`` fixes: each row's crop and prompt are a function of (seed, sample key, pass) alone, each
 rank's shuffle buffer of (seed, rank, execution), and with ``data.deterministic`` two runs of one seed log the same
-loss at every step on CPU — a TOnICS run and a UniCL run with image-label data — while another seed differs."""
+loss at every step on CPU — a TOnICS run and a UniCL run with image-label data. That another seed trains otherwise
+(other losses, another initialisation) is checked on the trials of test_compare's seeds grid."""
 import io
 import json
 from collections import Counter
@@ -117,6 +118,7 @@ TONICS = tonics_shapes("tonics.buffer_rows=64", "eval.tasks=[retrieval]",  # the
 def _losses(run_dir) -> list[float]:
     history = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == [1, 2, 3]
+    assert all(h["grad_norm"] > 0 for h in history)  # under ZeRO-0 fp32 (TOnICS) rayvl's own norm, else DeepSpeed's
     return [h["loss"] for h in history]
 
 
@@ -128,16 +130,12 @@ def _curve(recipe: list[str], demo_dir, tmp_path, seed: int, name: str) -> list[
 
 
 def test_one_seed_gives_one_tonics_loss_curve(ray_local, demo_dir, tmp_path, tonics_counts_path):
-    """Two TOnICS runs of seed 0 log the same loss at every step (the same rows, node draws, batches and init);
-    that another seed differs is checked on the UniCL recipe below."""
+    """Two TOnICS runs of seed 0 log the same loss at every step (the same rows, node draws, batches and init)."""
     recipe = [*TONICS, f"tonics.counts_path={tonics_counts_path}"]  # counted once for the session
     assert _curve(recipe, demo_dir, tmp_path, 0, "first") == _curve(recipe, demo_dir, tmp_path, 0, "again")
 
 
 def test_one_seed_gives_one_unicl_loss_curve(unicl_mixed_run, demo_dir, tmp_path):
     """With image-label rows in every batch and a memory bank: the session's run of seed 0 (test_unicl reads it)
-    again logs the same losses, exactly (the same crops, prompts, rows, batches and init); seed 1 differs at every
-    step."""
-    first = _losses(unicl_mixed_run.run_dir)
-    assert _curve(UNICL_MIXED, demo_dir, tmp_path, 0, "again") == first
-    assert all(a != b for a, b in zip(_curve(UNICL_MIXED, demo_dir, tmp_path, 1, "other"), first))
+    again logs the same losses, exactly (the same crops, prompts, rows, batches and init)."""
+    assert _curve(UNICL_MIXED, demo_dir, tmp_path, 0, "again") == _losses(unicl_mixed_run.run_dir)

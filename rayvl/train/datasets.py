@@ -139,7 +139,7 @@ def resolve_data(cfg: RayvlConfig) -> tuple[str, str, dict]:
     files = {"classes_file": d.classes, "paraphrases_file": d.paraphrases, "sts_file": d.sts}
     if not train:
         log.info(f"demo dataset: {d.demo_dir} (generated on first use: {d.demo_samples} + {d.demo_eval_samples} "
-                 f"scenes, ≈1 min)")
+                 f"scenes)")
         # the same dataset whatever train.seed is: the seeds of a comparison (rayvl.sweeps.comparison) train on
         # identical data
         root = ensure_demo(d.demo_dir, d.demo_samples, d.demo_eval_samples, seed=DEMO_SEED)
