@@ -3,11 +3,17 @@ session's S3-compatible server, the demo data set, and the training runs several
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+# as `make test` runs the suite (as in an activated venv: the Makefile puts the venv's bin first), also when pytest is
+# called directly: one `ninja` for DeepSpeed's JIT-compiled op in every process (two versions rebuild it in turn)
+_VENV_BIN = os.path.dirname(sys.executable)
+if os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
+    os.environ["PATH"] = _VENV_BIN + os.pathsep + os.environ.get("PATH", "")
 
 import pytest  # noqa: E402
 

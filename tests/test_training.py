@@ -128,6 +128,12 @@ def _check_export_round_trip(result, tmp_path):
     (intermediate,) = [c for c in result.run_dir.glob("checkpoint_*")
                        if c.is_dir() and not (c / "model.pt").exists()]
     assert rayvl.load(intermediate).encode_text(captions).shape == (2, 64)
+    # ZeRO-1's zero_to_fp32 rebuilds the optimizer's parameters only: the frozen LM comes from rank 0's module state
+    from rayvl.checkpoints import load_weights
+
+    rebuilt, final = load_weights(intermediate, 1), torch.load(Path(result.checkpoint_dir) / "model.pt")
+    assert rebuilt.keys() == final.keys()
+    assert all(torch.equal(rebuilt[k], v) for k, v in final.items() if k.startswith("text.lm."))  # never trained
 
 
 def _check_bf16_weights_and_embeddings(result, state):
