@@ -137,7 +137,7 @@ def load_weights(checkpoint: str | os.PathLike, zero_stage: int) -> dict:
 
     with weights_only_loads(ckpt):
         rebuilt = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=TAG)
-    if zero_stage < 3:  # ZeRO-1 saves no frozen parameters beside the optimizer's: rank 0's module state holds them
+    if zero_stage == 1:  # ZeRO-1 saves no frozen parameters beside the optimizer's: rank 0's module state holds them
         module = load_file(ckpt, f"{TAG}/mp_rank_00_model_states.pt")["module"]
         rebuilt = {**{k: v.float() if v.is_floating_point() else v for k, v in module.items()}, **rebuilt}
     return rebuilt
