@@ -84,7 +84,7 @@ def describe(cfg: RayvlConfig) -> str:
     if d.train and not d.eval and cfg.eval.tasks:
         lines.append("  data.eval: none — evaluation is off (give held-out shards with --eval-data)")
     # rows a method fills from a stream of its own (UniCL's image-label rows), not from the training shards
-    own = {", ".join(part.streams) or part.name: part.batch_rows(cfg) for part in parts if part.batch_rows(cfg)}
+    own = {stream: n for stream, n in ((", ".join(p.streams) or p.name, p.batch_rows(cfg)) for p in parts) if n}
     text_rows = t.micro_batch_size - sum(own.values())
     global_batch = t.num_workers * t.micro_batch_size * t.grad_accumulation
     lines += ["batches:",

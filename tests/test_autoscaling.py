@@ -74,18 +74,17 @@ def cluster(no_session_ray):
     session's S3-compatible store as a cloud's nodes reach S3: its settings in their environment."""
     import ray
 
-    # AutoscalingCluster drives the `ray` command line: the one installed next to this interpreter
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-        fake = _autoscaling_cluster()
-        fake.start(override_env={**ENV, **object_store_server().env})
-        try:
-            ray.init(address="auto")
-            yield fake
-        finally:
-            ray.shutdown()
-            fake.shutdown()
-            os.unlink(fake.config_file)
+    # AutoscalingCluster drives the `ray` command line: the one installed next to this interpreter, first on PATH for
+    # the whole session (conftest)
+    fake = _autoscaling_cluster()
+    fake.start(override_env={**ENV, **object_store_server().env})
+    try:
+        ray.init(address="auto")
+        yield fake
+    finally:
+        ray.shutdown()
+        fake.shutdown()
+        os.unlink(fake.config_file)
 
 
 def _worker_nodes() -> list[dict]:
