@@ -77,13 +77,15 @@ test: install
 	$(PY) -m pytest -q -ra --durations=15 tests || { rc=$$?; [ $$rc -eq 5 ] && echo "make test: no tests ran" >&2; exit $$rc; }
 
 # exits non-zero, saying why, where torch or faiss cannot use a GPU
+# ARGS: the check's options, e.g. make gpu-check GPU=1 ARGS='--batches 256,1024,max --profile zero2'
 gpu-check: install
-	$(PY) benchmarks/gpu_check.py
+	$(PY) benchmarks/gpu_check.py $(ARGS)
 
 benchmark: install
 	$(PY) -m pip install -q -e ".[bench]" 2>&1 | $(QUIET)
 	$(PY) benchmarks/data_pipeline.py --photo
 	$(PY) benchmarks/train_step.py
+	$(PY) benchmarks/step_census.py --batch-path
 	$(PY) benchmarks/bow.py
 	$(PY) benchmarks/sampler.py
 	$(PY) benchmarks/bookkeeping_scale.py

@@ -1,23 +1,32 @@
-"""The GPU check (issue 35): does rayvl train, label and evaluate on this machine's GPUs, and how fast — about ten
-minutes on one GPU.
+"""The GPU check (issues 35, 44): does rayvl train, label and evaluate on this machine's GPUs, and how fast against
+a hand-written loop — about ten minutes on one GPU.
 
-    python benchmarks/gpu_check.py [--quick] [--out PATH] [--cases zero2,eval] [--batch 256] [--set key=value ...]
+    python benchmarks/gpu_check.py [--quick] [--out PATH] [--cases bare,zero2,eval] [--batch 256]
+                                   [--batches 256,1024,max] [--profile zero2] [--eval-images 20000] [--set k=v ...]
     make gpu-check
 
 Every training case is a short run on the embedded demo dataset at 224 px with a ViT-B/32 image tower (timm
 ``vit_base_patch32_224``, random init: nothing is downloaded), bf16, one Ray Train worker per GPU:
 
+- bare: a hand-written PyTorch loop with zero2's model and loss — bf16 autocast, fused AdamW, foreach clipping,
+  uint8 images and tokens already on the GPU, no Ray, no DeepSpeed: what the hardware gives without a framework.
+  Every training case's samples/s is also printed as a ratio to it (at the case's batch);
 - zero2: ZeRO-2 (the laion_adapt recipe); zero3: ZeRO-3; tonics: the TOnICS recipe (configs/tonics.yaml);
   memory_bank: the EMA memory bank (ZeRO-2, which the bank needs at most);
-- pseudo_label: ``rayvl pseudo-label`` of half the demo shards with zero2's model, its actors on GPUs, its faiss
-  index on a GPU;
-- eval: ``rayvl eval --gpus 1`` of zero2's run;
+- pseudo_label: ``rayvl pseudo-label`` of ``--eval-images`` images (the demo's training shards copied under new
+  keys until there are that many) with zero2's model, its actors on GPUs, its faiss index on a GPU;
+- eval: ``rayvl eval --gpus 1`` of zero2's run, retrieval over ``--eval-images`` held-out images (copied likewise):
+  images/s once running, not start-up;
 - kill_resume: a worker killed (SIGKILL, ``RAYVL_FAIL_AT``) between two checkpoints; the run must resume from the
   earlier one and end at its last step, no row trained twice.
 
+``--batches 256,1024,max`` runs bare and zero2 at each micro-batch (``max``: the largest power of two the bare loop
+fits, found by doubling until the GPU runs out of memory). ``--profile CASE`` writes a torch.profiler trace of steps
+6-8 of that training case (``RAYVL_PROFILE``, rayvl/train/profiling.py) or of the bare loop to ``<--out>-profile/``.
+
 A case passes when it ran correctly. Its samples/s, MFU (rayvl.train.flops) and data-wait share are those of the
-windows after the first (which holds the start-up), printed beside issue 35's goals for one H100 at bf16 — MFU ≥ 30%,
-data wait < 2% — which are a separate column, not pass/fail. Exit status 0 when every case passed, 1 when one
+windows after the first (which holds the start-up), printed beside issue 44's goals for one H100 at bf16 — MFU ≥ 35%,
+data wait < 2%, zero2 ≥ 1.0× the bare loop — which are separate columns, not pass/fail. Exit status 0 when every case passed, 1 when one
 failed, 2 when torch sees no CUDA GPU (said before anything else starts).
 """
 from __future__ import annotations
@@ -40,7 +49,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 VISION, IMAGE_SIZE, PRECISION = "vit_base_patch32_224", 224, "bf16"
-GOALS = {"mfu": 0.30, "data_wait_share": 0.02}  # issue 35, on one H100 at bf16
+GOALS = {"mfu": 0.35, "data_wait_share": 0.02, "zero2_vs_bare": 1.0}  # issue 44, on one H100 or H200 at bf16
+PROFILED_STEPS = (6, 3)  # (first step, steps): steady steps, after compilation and the data plane's warm-up
 NO_EVAL = "eval.tasks=[]"  # in-training evaluation off: the eval case evaluates on the GPU itself
 
 
@@ -54,6 +64,7 @@ class Outcome:
 
     case: str
     what: str
+    batch: int = 0
     passed: bool = False
     error: str = ""
     samples_per_s: float | None = None
@@ -66,6 +77,8 @@ class Outcome:
     gpus: int = 0
     notes: str = ""
     run_dir: str = ""
+    vs_bare: float | None = None
+    """samples/s over the bare loop's at the same batch"""
 
 
 @dataclass
@@ -78,6 +91,12 @@ class Check:
     device_name: str
     runs: dict = field(default_factory=dict)  # case name → its RunResult
     flops: dict = field(default_factory=dict)  # model settings → training FLOPs per sample
+    batch: int = 0
+    """the micro-batch of the case running now (0: --batch)"""
+
+    @property
+    def micro_batch(self) -> int:
+        return self.batch or self.args.batch
 
     @property
     def steps(self) -> int:
@@ -97,6 +116,8 @@ class Case:
     """configs/<recipe>.yaml for a training case ('' = none)."""
     settings: Callable[[Check], list[str]] = lambda check: []
     """the case's own config overrides, after the check's common ones."""
+    per_batch: bool = False
+    """run once per --batches entry"""
 
 
 # ----------------------------------------------------------------------------- no GPU: say so, start nothing
@@ -119,25 +140,33 @@ def train_config(check: Check, case: Case):
 
     a = check.args
     common = [f"model.vision={VISION}", f"data.image_size={IMAGE_SIZE}", "train.use_gpu=true",
-              f"train.num_workers={check.gpus}", f"train.precision={PRECISION}", f"train.micro_batch_size={a.batch}",
+              f"train.num_workers={check.gpus}", f"train.precision={PRECISION}", f"train.micro_batch_size={check.micro_batch}",
               f"train.max_steps={check.steps}", f"train.warmup_steps={check.steps // 4}",
               f"train.log_every={check.log_every}", f"train.checkpoint_every={check.steps}",
-              f"train.storage_path={check.storage}", f"train.run_name=gpu-check-{case.name}",
+              f"train.storage_path={check.storage}", f"train.run_name={run_name(check, case)}",
               "train.report_to=[tensorboard]"]
     return load_config(REPO / "configs" / f"{case.recipe}.yaml", common + case.settings(check) + list(a.set))
+
+
+def run_name(check: Check, case: Case) -> str:
+    return f"gpu-check-{case.name}" + (f"-b{check.batch}" if check.batch and check.batch != check.args.batch else "")
 
 
 def run_training(check: Check, case: Case, outcome: Outcome, env: dict | None = None):
     """Train the case's config (in a task carrying ``env`` to the run's workers when given), measure it, keep it
     for the cases that use its run; the config and the RunResult."""
     cfg = train_config(check, case)
+    if check.args.profile == case.name and check.micro_batch == check.args.batch:
+        from rayvl.train.profiling import ENV
+
+        env = {**(env or {}), ENV: f"{profile_dir(check)}:{PROFILED_STEPS[0]}:{PROFILED_STEPS[1]}"}
     if env is None:
         from rayvl.train.trainer import train
 
         result = train(cfg, progress=True, verbose=check.args.verbose)
     else:
         result = _train_with_env(check, cfg, env)
-    check.runs[case.name] = result
+    check.runs[run_name(check, case)] = result
     outcome.run_dir = str(result.uri)
     measure(check, cfg, read_rows(result), outcome)
     return cfg, result
@@ -227,6 +256,130 @@ def train_case(check: Check, case: Case, outcome: Outcome) -> None:
                          f"{cfg.train.max_steps}")
 
 
+# ----------------------------------------------------------------------------- the bare loop
+
+def profile_dir(check: Check) -> Path:
+    base = Path(check.args.out).expanduser() if check.args.out else check.storage / "gpu_check"
+    return base.with_name(base.with_suffix("").name + "-profile")
+
+
+class BareLoop:
+    """zero2's model and loss in a hand-written loop on GPU 0: fp32 weights under bf16 autocast, fused AdamW,
+    foreach gradient clipping, a uint8 batch already on the GPU (normalised by the model, as rayvl's is)."""
+
+    def __init__(self, check: Check, batch: int):
+        import torch
+
+        from rayvl.models.dual_encoder import build_model, param_groups
+
+        check.batch = batch
+        self.cfg, self.batch = train_config(check, CASES_BY_NAME["zero2"]), batch
+        t = self.cfg.train
+        self.device = torch.device("cuda", 0)
+        self.model = build_model(self.cfg.model, t.seed).to(self.device).train()
+        self.optimizer = torch.optim.AdamW(param_groups(self.model, t.weight_decay), lr=t.lr, betas=t.betas,
+                                           eps=t.eps, fused=True)
+        tokens = self.cfg.data.max_text_tokens
+        self.images = torch.randint(0, 256, (batch, 3, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8,
+                                    device=self.device)
+        self.ids = torch.randint(1000, 2000, (batch, tokens), device=self.device)
+        self.mask = torch.ones(batch, tokens, dtype=torch.long, device=self.device)
+
+    def step(self) -> None:
+        import torch
+
+        from rayvl.losses import clip_loss
+
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            features = self.model(self.images, self.ids, self.mask)
+        loss = clip_loss(*(f.float() for f in features))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip, foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        import torch
+
+        del self.model, self.optimizer, self.images, self.ids, self.mask
+        torch.cuda.empty_cache()
+
+
+def bare_case(check: Check, case: Case, outcome: Outcome) -> None:
+    import torch
+
+    from rayvl.train.flops import mfu, peak_flops, table_precision
+
+    torch.cuda.reset_peak_memory_stats(0)
+    loop = BareLoop(check, check.micro_batch)
+    try:
+        for _ in range(PROFILED_STEPS[0]):  # cuDNN / cuBLAS choices, the allocator's first blocks
+            loop.step()
+        if check.args.profile == "bare" and check.micro_batch == check.args.batch:
+            _profile_bare(check, loop)
+        torch.cuda.synchronize()
+        started, steps = time.perf_counter(), check.steps
+        for _ in range(steps):
+            loop.step()
+        torch.cuda.synchronize()
+        outcome.samples_per_s = steps * loop.batch / (time.perf_counter() - started)
+        peak = peak_flops(check.device_name, table_precision(loop.cfg.train, on_gpu=True))
+        if peak is not None:
+            outcome.mfu = mfu(outcome.samples_per_s, flops_per_sample(check, loop.cfg), peak, 1)
+            outcome.mfu_source = "gpu_check"
+        outcome.notes = (f"{steps} steps after {PROFILED_STEPS[0]}; peak memory "
+                         f"{torch.cuda.max_memory_allocated(0) / 2**30:.1f} GiB")
+    finally:
+        loop.close()
+
+
+def _profile_bare(check: Check, loop: BareLoop) -> None:
+    import torch
+
+    from rayvl.train.profiling import StepProfiler
+
+    profiler = StepProfiler(f"{profile_dir(check)}:1:{PROFILED_STEPS[1]}", 0)
+    for step in range(1, PROFILED_STEPS[1] + 1):
+        profiler.before(step)
+        loop.step()
+        profiler.after(step)
+    torch.cuda.synchronize()
+
+
+def largest_batch(check: Check, start: int) -> int:
+    """The largest power-of-two micro-batch ≥ ``start`` whose bare-loop step fits this GPU (two steps each)."""
+    import torch
+
+    fits, batch = 0, start
+    while batch <= 1 << 16:
+        loop = None
+        try:
+            loop = BareLoop(check, batch)
+            loop.step()
+            loop.step()
+            torch.cuda.synchronize()
+            fits, batch = batch, batch * 2
+        except torch.cuda.OutOfMemoryError:
+            break
+        finally:
+            if loop is not None:
+                loop.close()
+            torch.cuda.empty_cache()
+    check.batch = 0
+    if not fits:
+        raise CaseFailed(f"not even a micro-batch of {start} fits the bare loop")
+    return fits
+
+
+def batches(check: Check) -> list[int]:
+    """--batches resolved: 'max' becomes the largest power of two the bare loop fits."""
+    listed = [b for b in check.args.batches.split(",") if b] if check.args.batches else [str(check.args.batch)]
+    numbers = [int(b) for b in listed if b != "max"]
+    if "max" in listed:
+        numbers.append(largest_batch(check, max(numbers or [check.args.batch])))
+    return list(dict.fromkeys(numbers))
+
+
 # ----------------------------------------------------------------------------- kill and resume
 
 def kill_settings(check: Check) -> list[str]:
@@ -289,9 +442,56 @@ def cli_failure(proc: subprocess.CompletedProcess, flag: str = "") -> str:
 
 def base_run(check: Check) -> str:
     """The zero2 case's run, which the pseudo-label and eval cases use."""
-    if "zero2" not in check.runs:
-        raise CaseFailed("needs the zero2 case's run, which did not finish (or was not selected)")
-    return str(check.runs["zero2"].uri)
+    if "gpu-check-zero2" not in check.runs:
+        raise CaseFailed("needs the zero2 case's run at --batch, which did not finish (or was not selected)")
+    return str(check.runs["gpu-check-zero2"].uri)
+
+
+def copied_shards(shards: list[str], images: int, out: Path, shard_size: int = 1000) -> str:
+    """At least ``images`` samples written as new img2dataset shards under ``out``: the samples of ``shards`` again
+    and again, each copy under new keys (a key's digits prefixed by the copy number). Throughput at scale without
+    generating scenes; the comma-separated shard paths."""
+    import io
+    import tarfile
+
+    samples = []  # (key, {extension: bytes}) of the sources, in order
+    for shard in shards:
+        members: dict = {}
+        with tarfile.open(shard) as tar:
+            for m in tar.getmembers():
+                if m.isfile():
+                    key, _, ext = m.name.partition(".")
+                    members.setdefault(key, {})[ext] = tar.extractfile(m).read()
+        samples += list(members.items())
+    out.mkdir(parents=True, exist_ok=True)
+    paths, written = [], 0
+    while written < images:
+        path = out / f"{len(paths):05d}.tar"
+        with tarfile.open(path, "w") as tar:
+            for i in range(min(shard_size, images - written)):
+                key, files = samples[(written + i) % len(samples)]
+                new = f"{(written + i) // len(samples):03d}{key}"
+                for ext, data in files.items():
+                    if ext == "json":
+                        meta = json.loads(data)
+                        meta["key"] = new
+                        data = json.dumps(meta).encode()
+                    info = tarfile.TarInfo(f"{new}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        written += min(shard_size, images - written)
+        paths.append(str(path))
+    return ",".join(paths)
+
+
+def demo_shards(split: str) -> list[str]:
+    """The embedded demo's shards of ``split`` (train or eval)."""
+    from rayvl.config import load_config
+    from rayvl.data.specs import resolve_shards
+    from rayvl.train.datasets import resolve_data
+
+    train, evaluation = resolve_data(load_config(None, []))[:2]
+    return resolve_shards(train if split == "train" else evaluation)
 
 
 def demo_halves() -> tuple[str, str]:
@@ -309,6 +509,8 @@ def pseudo_label_case(check: Check, case: Case, outcome: Outcome) -> None:
     import faiss
 
     aligned, unaligned = demo_halves()
+    if check.args.eval_images:
+        unaligned = copied_shards(demo_shards("train"), check.args.eval_images, check.storage / "unaligned")
     out = check.storage / "pseudo-label"
     proc = run_cli(check, ["pseudo-label", base_run(check), "--aligned", aligned, "--unaligned",
                            unaligned, "--out", str(out), "--set", "pseudo_label.gpus_per_actor=1",
@@ -334,7 +536,11 @@ GPU_ACTORS = re.compile(r"eval: (\d+) embedding actor\(s\) of ([\d.]+) GPU")
 
 def eval_case(check: Check, case: Case, outcome: Outcome) -> None:
     out = check.storage / "eval"
-    proc = run_cli(check, ["eval", base_run(check), "--gpus", "1", "--out", str(out)])
+    scale = []
+    if check.args.eval_images:  # retrieval over that many held-out images: the embedding's rate once running
+        data = copied_shards(demo_shards("eval"), check.args.eval_images, check.storage / "eval-images")
+        scale = ["--data", data, "--kind", "shards", "--tasks", "retrieval"]
+    proc = run_cli(check, ["eval", base_run(check), "--gpus", "1", "--out", str(out), *scale])
     if proc.returncode:
         raise CaseFailed(cli_failure(proc, "--gpus"))
     embedded, actors = EMBEDDED.search(proc.stderr), GPU_ACTORS.search(proc.stderr)
@@ -342,15 +548,20 @@ def eval_case(check: Check, case: Case, outcome: Outcome) -> None:
         outcome.samples_per_s = int(embedded.group(1)) / max(float(embedded.group(2)), 1e-9)
     results = json.loads((out / "eval.json").read_text())
     top1 = results.get("zeroshot", {}).get("zeroshot_top1")
-    outcome.notes = (f"images/s of the embedding; {actors.group(1) if actors else 0} GPU actor(s); zero-shot top-1 "
-                     f"{top1 if top1 is None else round(top1, 1)}% (zero2's {check.steps} steps from random init)")
+    outcome.notes = (f"images/s of the embedding of {embedded.group(1) if embedded else '?'} images; "
+                     f"{actors.group(1) if actors else 0} GPU actor(s)" +
+                     (f"; zero-shot top-1 {round(top1, 1)}% (zero2's {check.steps} steps from random init)"
+                      if top1 is not None else ""))
     outcome.run_dir = str(out)
     if not actors:
         raise CaseFailed("evaluated, but no embedding actor reported a GPU")
 
 
 CASES = [
-    Case("zero2", "ZeRO-2, bf16", train_case, "laion_adapt", lambda c: ["train.zero_stage=2", NO_EVAL]),
+    Case("bare", "hand-written loop: zero2's model and loss, bf16 autocast, fused AdamW, batch on the GPU",
+         bare_case, per_batch=True),
+    Case("zero2", "ZeRO-2, bf16", train_case, "laion_adapt", lambda c: ["train.zero_stage=2", NO_EVAL],
+         per_batch=True),
     Case("zero3", "ZeRO-3, bf16", train_case, "laion_adapt", lambda c: ["train.zero_stage=3", NO_EVAL]),
     Case("tonics", "TOnICS curriculum (configs/tonics.yaml), ZeRO-2", train_case, "tonics", lambda c: [
         "train.zero_stage=2", f"tonics.refresh_every={max(1, c.steps // 2)}",
@@ -364,13 +575,16 @@ CASES = [
 ]
 
 
+CASES_BY_NAME = {c.name: c for c in CASES}
+
+
 # ----------------------------------------------------------------------------- running and reporting
 
 def run_case(check: Check, case: Case) -> Outcome:
     """One case, whatever happens: an exception fails it (its text in the table) and the check goes on."""
     from rayvl.train.progress import log
 
-    outcome = Outcome(case.name, case.what, cpus=os.cpu_count() or 0, gpus=check.gpus)
+    outcome = Outcome(case.name, case.what, batch=check.micro_batch, cpus=os.cpu_count() or 0, gpus=check.gpus)
     log.info(f"gpu_check: case {case.name}: {case.what}")
     started = time.perf_counter()
     try:
@@ -384,6 +598,14 @@ def run_case(check: Check, case: Case) -> Outcome:
     outcome.seconds = time.perf_counter() - started
     log.info(f"gpu_check: case {case.name}: {'pass' if outcome.passed else 'FAIL: ' + outcome.error}")
     return outcome
+
+
+def compare_to_bare(outcomes: list[Outcome]) -> None:
+    """Each training case's samples/s over the bare loop's at the same micro-batch."""
+    bare = {o.batch: o.samples_per_s for o in outcomes if o.case == "bare" and o.passed and o.samples_per_s}
+    for o in outcomes:
+        if o.case not in ("bare", "eval", "pseudo_label") and o.samples_per_s and o.batch in bare:
+            o.vs_bare = o.samples_per_s / bare[o.batch]
 
 
 def machine(gpus: int) -> dict:
@@ -419,7 +641,7 @@ def _pct(value: float | None, goal: float, better: str) -> str:
     return f"{100 * value:.1f}% (goal {better} {100 * goal:g}%: {'met' if met else 'missed'})"
 
 
-HEADER = ("case", "result", "samples/s", "MFU", "data wait", "CPUs", "GPUs", "time s", "notes")
+HEADER = ("case", "batch", "result", "samples/s", "× bare", "MFU", "data wait", "CPUs", "GPUs", "time s", "notes")
 
 
 def rows(outcomes: list[dict]) -> list[tuple[str, ...]]:
@@ -431,7 +653,10 @@ def rows(outcomes: list[dict]) -> list[tuple[str, ...]]:
         if o["mfu"] is None and o["data_wait_share"] is not None:  # a training case on a GPU of unknown peak
             mfu = "– (no peak FLOP/s for this GPU: set RAYVL_PEAK_TFLOPS)"
         notes = "; ".join(x for x in (o["error"], o["notes"]) if x)
-        out.append((o["case"], "pass" if o["passed"] else "FAIL", sps, mfu,
+        ratio = "–" if o.get("vs_bare") is None else f"{o['vs_bare']:.2f}" + (
+            f" (goal ≥ {GOALS['zero2_vs_bare']:g}: {'met' if o['vs_bare'] >= GOALS['zero2_vs_bare'] else 'missed'})"
+            if o["case"] == "zero2" else "")
+        out.append((o["case"], str(o.get("batch") or ""), "pass" if o["passed"] else "FAIL", sps, ratio, mfu,
                     _pct(o["data_wait_share"], GOALS["data_wait_share"], "<"), str(o["cpus"]), str(o["gpus"]),
                     f"{o['seconds']:.0f}", notes))
     return out
@@ -478,6 +703,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="fewer steps a case (30 instead of 80)")
     p.add_argument("--steps", type=int, default=0, help="steps a training case (overrides --quick)")
     p.add_argument("--batch", type=int, default=256, help="micro-batch per GPU")
+    p.add_argument("--batches", default="", metavar="B,B,max",
+                   help="run bare and zero2 at each micro-batch; max = the largest power of two that fits (default: "
+                        "--batch only)")
+    p.add_argument("--profile", default="", metavar="CASE",
+                   help="write a torch.profiler trace of a few steady steps of this case (bare or a training case) "
+                        "to <--out>-profile/")
+    p.add_argument("--eval-images", type=int, default=20000,
+                   help="images the eval and pseudo-label cases process, the demo's copied under new keys "
+                        "(0: the demo's own)")
     p.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma list of cases to run")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for every training case")
@@ -488,6 +722,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = set(args.cases.split(",")) - {c.name for c in CASES}
     if unknown:
         p.error(f"--cases: unknown {sorted(unknown)} (known: {', '.join(c.name for c in CASES)})")
+    if args.profile and args.profile not in {c.name for c in CASES if c.recipe or c.name == "bare"}:
+        p.error(f"--profile: {args.profile!r} is not bare or a training case")
+    if any(b != "max" and not b.isdigit() for b in args.batches.split(",") if b):
+        p.error(f"--batches: {args.batches!r} is not a comma list of micro-batches and 'max'")
     return args
 
 
@@ -508,7 +746,14 @@ def main(argv: list[str] | None = None) -> int:
                   torch.cuda.get_device_name(0))
     check.storage.mkdir(parents=True, exist_ok=True)
     selected = args.cases.split(",")
-    outcomes = [run_case(check, case) for case in CASES if case.name in selected]
+    sizes = batches(check) if {"bare", "zero2"} & set(selected) else [args.batch]
+    outcomes = []
+    for case in (c for c in CASES if c.name in selected):
+        for batch in sizes if case.per_batch else [args.batch]:
+            check.batch = batch
+            outcomes.append(run_case(check, case))
+    check.batch = 0
+    compare_to_bare(outcomes)
     rep = report(check, outcomes, argv)
     print("\n" + format_text(rep))
     if args.out:

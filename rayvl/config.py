@@ -266,7 +266,8 @@ class TrainConfig:
     memory — for a model whose state does not fit the GPUs, at the cost of host-device traffic every step."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """auto = bf16 on GPUs, fp32 on CPUs; bf16 also runs on CPUs (DeepSpeed's CPU accelerator); fp16 only on GPUs.
-    fp32 master weights in every case; BatchNorm statistics stay fp32."""
+    fp32 master weights in every case: bf16 at ZeRO-0 is torch autocast over fp32 weights, at ZeRO ≥ 1 DeepSpeed's
+    bf16 weights with fp32 copies in the optimizer; BatchNorm statistics stay fp32."""
     tf32: bool = True
     """on Ampere and later GPUs, fp32 matrix products and convolutions use TF32 tensor cores."""
     compile: str = ""

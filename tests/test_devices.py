@@ -4,7 +4,6 @@ DeepSpeed bf16, activation checkpointing, the ZeRO config, and the GPU checks ma
 import copy
 import json
 import os
-import socket
 import types
 
 import numpy as np
@@ -23,23 +22,6 @@ META = torch.device("meta")  # stands in for the worker's GPU: a device that is 
 
 class _Reached(Exception):
     """A collective was called with tensors on the worker's device: the test has seen what it needed."""
-
-
-@pytest.fixture(scope="module")
-def one_process_group():
-    """A real gloo process group of this one process (DeepSpeed and the collectives' callers need one)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-    for k, v in saved.items():
-        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 @pytest.fixture

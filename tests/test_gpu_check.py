@@ -3,6 +3,7 @@ what of benchmarks/gpu_check.py runs without a GPU: its configs, its measurement
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -192,7 +193,8 @@ def test_gpu_check_on_a_machine_without_gpu_says_so_and_starts_nothing(tmp_path)
 
 
 def _check(gc, tmp_path, **args):
-    options = Namespace(**{**dict(quick=False, steps=0, batch=256, set=[], verbose=False), **args})
+    options = Namespace(**{**dict(quick=False, steps=0, batch=256, batches="", profile="", eval_images=0, out="",
+                                    set=[], verbose=False), **args})
     return gc.Check(options, tmp_path, gpus=1, device_name="NVIDIA H100 80GB HBM3")
 
 
@@ -210,8 +212,8 @@ def test_every_training_case_of_the_gpu_check_has_a_valid_config(tmp_path):
         assert t.max_steps == 30 and t.run_name == f"gpu-check-{case.name}"
     zero = {c.name: gc.train_config(check, c).train.zero_stage for c in trained}
     assert zero == {"zero2": 2, "zero3": 3, "tonics": 2, "memory_bank": 2, "kill_resume": 2}
-    assert gc.train_config(check, gc.CASES[2]).tonics.enabled
-    assert gc.train_config(check, gc.CASES[3]).memory_bank.size == 8192
+    assert gc.train_config(check, gc.CASES_BY_NAME["tonics"]).tonics.enabled
+    assert gc.train_config(check, gc.CASES_BY_NAME["memory_bank"]).memory_bank.size == 8192
     # the kill falls between two checkpoints, after the first: the run must resume from that one
     killed, resumed, rank = gc.kill_point(check)
     assert gc.train_config(check, trained[-1]).train.checkpoint_every == resumed < killed < 2 * resumed
@@ -252,13 +254,52 @@ def test_the_report_puts_each_goal_beside_its_measurement(tmp_path):
            "machine": {"gpu": "NVIDIA H100 80GB HBM3", "gpus": 1, "gpu_memory_gib": 79.2, "driver": "570.1",
                        "torch": "2.13.0", "cuda": "12.8", "cudnn": 91000, "python": "3.11", "cpus": 16},
            "settings": {"steps": 30, "micro_batch_size": 256}, "passed": False,
-           "cases": [asdict_outcome(gc, "zero2", passed=True, samples_per_s=3000.0, mfu=0.341, data_wait_share=0.031),
+           "cases": [asdict_outcome(gc, "zero2", passed=True, samples_per_s=3000.0, mfu=0.361, data_wait_share=0.031),
                      asdict_outcome(gc, "eval", error="CaseFailed: the CLI has no --gpus option")]}
     text = gc.format_text(rep)
-    assert "34.1% (goal ≥ 30%: met)" in text and "3.1% (goal < 2%: missed)" in text
+    assert "36.1% (goal ≥ 35%: met)" in text and "3.1% (goal < 2%: missed)" in text
     assert "FAIL" in text and "the CLI has no --gpus option" in text and "FAILED: eval" in text
     json_path, md_path = gc.write(rep, str(tmp_path / "report.md"))
     assert json_path.name == "report.json" and md_path.read_text().count("\n| ") == 3  # header + 2 cases
+
+
+def test_each_training_case_is_compared_with_the_bare_loop_at_its_own_batch(tmp_path):
+    gc = _gpu_check()
+    outcomes = [gc.Outcome("bare", "", batch=256, passed=True, samples_per_s=5000.0),
+                gc.Outcome("bare", "", batch=1024, passed=True, samples_per_s=8000.0),
+                gc.Outcome("zero2", "", batch=256, passed=True, samples_per_s=5500.0),
+                gc.Outcome("zero2", "", batch=1024, passed=True, samples_per_s=6000.0),
+                gc.Outcome("zero3", "", batch=256, passed=True, samples_per_s=4000.0),
+                gc.Outcome("eval", "", batch=256, passed=True, samples_per_s=3000.0)]
+    gc.compare_to_bare(outcomes)
+    assert [o.vs_bare for o in outcomes] == [None, None, 1.1, 0.75, 0.8, None]
+    from dataclasses import asdict
+
+    cells = gc.rows([asdict(o) for o in outcomes])
+    assert cells[2][:5] == ("zero2", "256", "pass", "5500.0", "1.10 (goal ≥ 1: met)")
+    assert cells[3][4] == "0.75 (goal ≥ 1: missed)" and cells[4][4] == "0.80" and cells[5][4] == "–"
+    args = gc.parse_args(["--batches", "256,1024,max", "--profile", "zero2"])
+    assert (args.batches, args.profile, args.eval_images) == ("256,1024,max", "zero2", 20000)
+    check = _check(gc, tmp_path, batches="256,1024")
+    assert gc.batches(check) == [256, 1024]
+    check.batch = 1024
+    assert gc.train_config(check, gc.CASES_BY_NAME["zero2"]).train.run_name == "gpu-check-zero2-b1024"
+    assert gc.train_config(check, gc.CASES_BY_NAME["zero2"]).train.micro_batch_size == 1024
+
+
+def test_eval_at_scale_copies_the_demo_under_new_keys(tmp_path, demo_dir):
+    import tarfile
+
+    gc = _gpu_check()
+    source = sorted(str(p) for p in (Path(demo_dir) / "eval").glob("*.tar"))
+    spec = gc.copied_shards(source, 1200, tmp_path / "copied", shard_size=500)
+    paths = spec.split(",")
+    assert len(paths) == 3
+    keys = [m.name.split(".")[0] for p in paths for m in tarfile.open(p).getmembers() if m.name.endswith(".jpg")]
+    assert len(keys) == 1200 == len(set(keys))  # every copy under keys of its own
+    meta = [json.loads(tarfile.open(paths[-1]).extractfile(m).read())
+            for m in tarfile.open(paths[-1]).getmembers() if m.name.endswith(".json")]
+    assert [m["key"] for m in meta] == keys[-200:]
 
 
 def asdict_outcome(gc, case: str, **values) -> dict:

@@ -93,13 +93,10 @@ class TextTower(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         # a frozen LM needs no graph — unless adapters inside it train
+        mask4d = self.attention_mask(attention_mask)
         with torch.set_grad_enabled(torch.is_grad_enabled() and (not self.lm_frozen or len(self.adapters) > 0)):
-            hidden = self.lm(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            hidden = self.lm(input_ids=input_ids, attention_mask=mask4d).last_hidden_state
         if len(self.alignment):
-            from transformers.masking_utils import create_bidirectional_mask
-
-            mask4d = create_bidirectional_mask(config=self.lm.config, inputs_embeds=hidden,
-                                               attention_mask=attention_mask)
             for layer in self.alignment:
                 if self.checkpointing and self.training and torch.is_grad_enabled():
                     out = torch.utils.checkpoint.checkpoint(layer, hidden, mask4d, use_reentrant=False)
@@ -110,6 +107,18 @@ class TextTower(nn.Module):
             return hidden[:, 0]
         m = attention_mask.unsqueeze(-1).to(hidden.dtype)
         return (hidden * m).sum(1) / m.sum(1).clamp(min=1.0)
+
+
+    def attention_mask(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The 4D attention mask of the LM's attention implementation, made once for the LM and the alignment
+        layers. Always a mask: transformers' shortcut for a batch without padding (no mask at all) decides by
+        reading the mask back from the GPU, which stops the host at every step."""
+        from transformers.masking_utils import create_bidirectional_mask
+
+        # the embeddings' shape and dtype are all the mask needs of them: a [B, L, 0] tensor holds no data
+        shape_of_embeds = attention_mask.new_empty((*attention_mask.shape, 0), dtype=self.lm.dtype)
+        return create_bidirectional_mask(config=self.lm.config, inputs_embeds=shape_of_embeds,
+                                         attention_mask=attention_mask, allow_is_bidirectional_skip=False)
 
 
 def projection(kind: str, in_dim: int, out_dim: int) -> nn.Module:

@@ -14,19 +14,38 @@ import torch
 from rayvl.config import RayvlConfig, TrainConfig, precision
 from rayvl.models.dual_encoder import param_groups
 from rayvl.models.precision import keep_batchnorm_fp32
+from rayvl.train import syncfree
+
+
+def autocast_bf16(t: TrainConfig) -> bool:
+    """bf16 at ZeRO-0 is torch's autocast over fp32 weights (DeepSpeed's ``torch_autocast``), as open_clip and
+    PyTorch AMP train: DeepSpeed's own bf16 at ZeRO-0 is its fp16 optimizer without loss scaling, which checks and
+    norms every gradient tensor on its own and reads each check back from the GPU. ZeRO ≥ 1 keeps DeepSpeed's bf16
+    weights with fp32 master copies in the optimizer's partitions."""
+    return precision(t) == "bf16" and t.zero_stage == 0
+
+
+def rayvl_clips(t: TrainConfig) -> bool:
+    """Whether rayvl clips the gradients itself (ZeRO-0 in fp32 or autocast: one foreach norm over the all-reduced
+    gradients, ``rayvl.train.loop``) rather than DeepSpeed (ZeRO ≥ 1, and fp16, whose gradients are loss-scaled)."""
+    return t.zero_stage == 0 and precision(t) != "fp16"
 
 
 def deepspeed_config(cfg: RayvlConfig, world_size: int) -> dict:
     t = cfg.train
     mode = precision(t)
-    return {
+    config = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.grad_accumulation,
         "train_batch_size": t.micro_batch_size * t.grad_accumulation * world_size,
-        "gradient_clipping": t.grad_clip,
-        "zero_optimization": zero_config(t),
-        "bf16": {"enabled": mode == "bf16"},
+        "gradient_clipping": 0.0 if rayvl_clips(t) else t.grad_clip,
+        "zero_optimization": zero_config(t, world_size),
+        # bf16 needs no loss scaling, so no overflow check: DeepSpeed's walks every gradient and reads the GPU;
+        # a step with non-finite gradients takes zero gradients instead (rayvl.train.syncfree)
+        "bf16": {"enabled": mode == "bf16" and not autocast_bf16(t), "check_grad_overflow": False},
         "fp16": {"enabled": mode == "fp16"},
+        # DeepSpeed's throughput timer synchronises the device twice a step; rayvl's reports time the windows
+        "timers": {"throughput": {"enabled": False, "synchronized": False}},
         # buffers keep their fp32 (no data_types.buffer_dtype): BatchNorm's statistics and the image normalisation
         # constants; BatchNorm computes with fp32 weights (rayvl.models.precision)
         # a plain torch AdamW: DeepSpeed's fused CPU Adam would JIT-compile on every new machine
@@ -35,15 +54,20 @@ def deepspeed_config(cfg: RayvlConfig, world_size: int) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if autocast_bf16(t):
+        # no module listed as safe in bf16: gradients are all-reduced in fp32, as DDP under autocast does
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
+    return config
 
 
-def zero_config(t: TrainConfig) -> dict:
-    """DeepSpeed's zero_optimization section. Communication overlaps the backward pass on GPUs only (on CPUs
-    there is no second stream to overlap it on); offloaded state lives in pinned host memory."""
+def zero_config(t: TrainConfig, world_size: int = 2) -> dict:
+    """DeepSpeed's zero_optimization section. Communication overlaps the backward pass on GPUs of a group of two or
+    more only (on CPUs there is no second stream to overlap it on, and one GPU has nothing to communicate — the
+    overlap would only add its end-of-backward synchronisation); offloaded state lives in pinned host memory."""
     config: dict = {"stage": t.zero_stage}
     if t.zero_stage == 0:
         return config
-    config.update(overlap_comm=t.use_gpu and t.zero_overlap_comm, contiguous_gradients=True,
+    config.update(overlap_comm=t.use_gpu and t.zero_overlap_comm and world_size > 1, contiguous_gradients=True,
                   reduce_bucket_size=t.zero_bucket_size)
     if t.zero_stage < 3:
         config["allgather_bucket_size"] = t.zero_bucket_size
@@ -75,14 +99,19 @@ def build_engine(model: torch.nn.Module, cfg: RayvlConfig, world_size: int, devi
     import deepspeed
 
     t = cfg.train
-    if precision(t) != "fp32":  # before DeepSpeed casts the parameters: BatchNorm keeps fp32 statistics
+    if precision(t) != "fp32" and not autocast_bf16(t):  # before DeepSpeed casts the weights: fp32 BatchNorm
         keep_batchnorm_fp32(model, torch.bfloat16 if precision(t) == "bf16" else torch.float16)
     deepspeed.init_distributed(dist_backend="nccl" if t.use_gpu else "gloo")
-    optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=t.betas, eps=t.eps)
+    # fused: one kernel per parameter group, where torch's default AdamW reads each step count back from the device
+    optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=t.betas, eps=t.eps, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.warmup_steps, t.max_steps))
     on = SimpleNamespace(device_rank=device.index) if device is not None and device.type == "cuda" else None
     engine, _, _, _ = deepspeed.initialize(args=on, model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(cfg, world_size))
+    syncfree.install(engine)
+    if t.zero_stage == 0 and world_size == 1:
+        # one rank has nothing to all-reduce; DeepSpeed would still flatten and copy back every gradient
+        engine.enable_backward_allreduce = False
     return engine
 
 

@@ -2,6 +2,7 @@
 enabled methods' training parts (rayvl.methods); the data position from rayvl.train.resume."""
 from __future__ import annotations
 
+import math
 import os
 
 import ray
@@ -18,6 +19,7 @@ from rayvl.train.engine import broadcast_buffers, build_engine
 from rayvl.train.evaluation import Evaluation
 from rayvl.train.faults import fail_here
 from rayvl.train.objective import Objective
+from rayvl.train.profiling import StepProfiler
 from rayvl.train.resume import DataResume
 from rayvl.train.state import Progress, TrainState
 from rayvl.train.window import Window
@@ -52,15 +54,13 @@ def train_loop_per_worker(config: dict) -> None:
                     resumed_from=progress.resumed_at[-1] if progress.resumed_at else None, **speed)
 
     end = t.stop_at_step or t.max_steps  # a stop ends this invocation as the last step would
+    profiler = StepProfiler.from_env(rank)
     while progress.step < end:
-        for micro in range(t.grad_accumulation):
-            batch, waited = next_batch(progress.step + 1, micro)
-            data_resume.add(batch)
-            loss = objective(engine, batch, (progress.step * t.grad_accumulation + micro) * world + rank)
-            engine.backward(loss)
-            window.add(loss.detach() / t.grad_accumulation, waited, batch, world, grad_norm=_step(engine))
-        broadcast_buffers(engine.module)  # one set of BatchNorm statistics, as DDP keeps it
+        profiler.before(progress.step + 1)
+        train_step(engine, objective, next_batch, progress.step + 1, t.grad_accumulation, t.grad_clip, rank, world,
+                   data_resume, window)
         progress.step = step = progress.step + 1
+        profiler.after(step)
         window.steps += 1
         fail_here("step", progress)
         noted = [part.after_step(engine, step) for part in parts]
@@ -82,6 +82,20 @@ def train_loop_per_worker(config: dict) -> None:
         else:
             ray.train.report(metrics)
         window = Window(first_step=step + 1, **speed)
+
+
+def train_step(engine, objective: Objective, next_batch, step: int, accumulation: int, grad_clip: float, rank: int,
+               world: int, rows, window: Window) -> None:
+    """Optimizer step ``step``: ``accumulation`` micro-batches forward and backward, then DeepSpeed's step. Nothing
+    here reads the device from the host (benchmarks/step_census.py counts it): the loss and the gradient norm go
+    to ``window`` as device tensors, the row ids to ``rows``."""
+    for micro in range(accumulation):
+        batch, waited = next_batch(step, micro)
+        rows.add(batch)
+        loss = objective(engine, batch, ((step - 1) * accumulation + micro) * world + rank)
+        engine.backward(loss)
+        window.add(loss.detach() / accumulation, waited, batch, world, grad_norm=_step(engine, grad_clip))
+    broadcast_buffers(engine.module)  # one set of BatchNorm statistics, as DDP keeps it
 
 
 def _device(cfg: RayvlConfig) -> torch.device:
@@ -130,14 +144,16 @@ def _register_placement_group(registry: str, run_name: str) -> None:
         ray.get(ray.get_actor(registry, namespace="rayvl").register.remote(run_name, group.id.hex()))
 
 
-def _step(engine) -> torch.Tensor | float | None:
+def _step(engine, grad_clip: float) -> torch.Tensor | float | None:
     """``engine.step()``; at an optimizer step, the global gradient norm before clipping (a device tensor where it
-    is one: read at log steps only). DeepSpeed keeps it for ZeRO ≥ 1 and bf16; ZeRO-0 fp32 clips without keeping
-    it, so there it is taken from the gradients, which are all-reduced (identical on every rank) by then."""
+    is one: read at log steps only). Where rayvl clips (ZeRO-0, rayvl.train.engine.rayvl_clips) it clips here —
+    one foreach norm and one foreach scale over the gradients, which are all-reduced by then; DeepSpeed keeps the
+    norm of the steps it clips itself."""
     norm, boundary = None, engine.is_gradient_accumulation_boundary()
-    if boundary and engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled():
-        grads = [p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack(grads)) if grads else None
+    if boundary and engine.zero_optimization_stage() == 0 and not engine.fp16_enabled():
+        params = [p for p in engine.module.parameters() if p.grad is not None]
+        if params:
+            norm = torch.nn.utils.clip_grad_norm_(params, grad_clip or math.inf, foreach=True)
     engine.step()
     if norm is None and boundary:
         norm = engine.get_global_grad_norm()

@@ -40,10 +40,13 @@ class MemoryBank:
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
         """θ' ← m·θ' + (1 − m)·θ for every parameter (frozen ones stay equal); buffers are copied."""
-        for ema_p, p in zip(self.ema.parameters(), model.parameters()):
-            ema_p.mul_(self.momentum).add_(p.detach(), alpha=1.0 - self.momentum)
-        for ema_b, b in zip(self.ema.buffers(), model.buffers()):
-            ema_b.copy_(b)
+        # foreach: a kernel per list, not one per tensor and operation (on a GPU each is a launch)
+        ema, trained = list(self.ema.parameters()), [p.detach() for p in model.parameters()]
+        torch._foreach_mul_(ema, self.momentum)
+        torch._foreach_add_(ema, trained, alpha=1.0 - self.momentum)
+        buffers = list(self.ema.buffers())
+        if buffers:
+            torch._foreach_copy_(buffers, list(model.buffers()))
 
     @torch.no_grad()
     def encode(self, images, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:

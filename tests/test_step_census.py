@@ -1,0 +1,74 @@
+"""What one training step asks of the host (benchmarks/step_census.py), pinned: rayvl's ZeRO-2 step reads nothing
+back from the device, synchronises nothing and launches no more kernels than a hand-written loop; and the
+device-side clip (rayvl.train.syncfree) steps exactly as DeepSpeed's own."""
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def sc(one_process_group):
+    spec = importlib.util.spec_from_file_location("step_census", REPO / "benchmarks" / "step_census.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_step_reads_nothing_back_syncs_nothing_and_launches_what_a_bare_loop_does(sc):
+    bare = sc.census(sc.bare_step(sc.config(0, "bf16")))
+    assert bare.scalar_reads == 0  # the model itself reads nothing (transformers' mask shortcut did, twice)
+    for stage in (0, 2):  # ZeRO-0: torch autocast; ZeRO-2: DeepSpeed's bf16 optimizer (ZeRO-1 is its code too)
+        step, engine = sc.rayvl_step(sc.config(stage, "bf16"))
+        assert sc.trainable_tensors(engine.module) == 188  # laion_adapt's layout at ViT-B/32
+        rayvl = sc.census(step)
+        assert rayvl.scalar_reads == 0, (stage, rayvl.by_op)
+        assert rayvl.synchronizes == 0, stage  # DeepSpeed's throughput timer synchronised twice a step
+        assert rayvl.kernels <= 1.1 * bare.kernels, (stage, rayvl.kernels, bare.kernels)
+        # DeepSpeed's own norm took one per tensor (191) and its overflow check an amax per tensor; left: the
+        # model's two F.normalize and the norm of the per-tensor norms
+        assert rayvl.by_op["aten.linalg_vector_norm"] <= 3 and rayvl.by_op["aten.amax"] == 0, stage
+    assert rayvl.ops > 2 * bare.ops  # ZeRO-2's views of its gradient buckets: dispatched, no kernel launched
+
+
+def _engine(sc, cfg, syncfree: bool):
+    step, engine = sc.rayvl_step(cfg)
+    if not syncfree:  # DeepSpeed's own methods again (syncfree sets instance attributes)
+        for name in ("get_grad_norm_direct", "unscale_and_clip_grads"):
+            delattr(engine.optimizer, name)
+    return step, engine
+
+
+def test_device_side_norm_and_clip_step_as_deepspeeds_own_and_a_non_finite_step_keeps_the_weights_finite(sc):
+    cfg = sc.config(2, "bf16", ["train.grad_clip=0.05"])  # small enough that every step clips
+    runs = []
+    for syncfree in (True, False):
+        step, engine = _engine(sc, cfg, syncfree)
+        norms = []
+        for _ in range(3):
+            step()
+            norms.append(float(engine.get_global_grad_norm()))
+        runs.append((norms, {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}, engine))
+    (ours, ours_params, engine), (theirs, theirs_params, _) = runs
+    assert all(n > 0.05 for n in ours)  # clipped
+    assert ours == pytest.approx(theirs, rel=1e-6)
+    assert all(torch.allclose(ours_params[n], theirs_params[n], rtol=0, atol=1e-6) for n in ours_params)
+
+    # a step whose gradients are not finite: reported as such, its gradients zeroed, the weights stay finite
+    engine.module.logit_scale.register_hook(lambda g: g * math.nan)
+    from rayvl.train.loop import train_step
+    from rayvl.train.objective import Objective
+    from rayvl.train.resume import TrainedRows
+    from rayvl.train.window import Window
+
+    batch = sc.batch()
+    train_step(engine, Objective([], True), lambda s, m: (batch, 0.0), 4, 1, 0.05, 0, 1, TrainedRows(), Window())
+    assert not math.isfinite(float(engine.get_global_grad_norm()))
+    assert all(torch.isfinite(p).all() for p in engine.module.parameters())
