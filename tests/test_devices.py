@@ -178,7 +178,22 @@ def test_zero_config_precision_and_their_checks():
     DeepSpeedZeroConfig(**three["zero_optimization"])
     assert three["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": True}
     assert three["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
-    assert three["bf16"] == {"enabled": True}
+    assert three["bf16"] == {"enabled": True, "check_grad_overflow": False}  # bf16 has no loss scale to protect
+    assert three["timers"]["throughput"]["enabled"] is False  # it synchronised the device twice a step
+    one_gpu = deepspeed_config(load_config(None, ["train.use_gpu=true", "train.zero_stage=2"]), 1)
+    assert one_gpu["zero_optimization"]["overlap_comm"] is False  # one rank: nothing to overlap
+    # ZeRO-0 at bf16: torch autocast over fp32 weights, gradients all-reduced in fp32, clipped by rayvl
+    zero0 = deepspeed_config(load_config(None, ["train.use_gpu=true", "train.grad_clip=0.5"]), 8)
+    assert zero0["bf16"]["enabled"] is False and zero0["gradient_clipping"] == 0.0
+    assert zero0["torch_autocast"] == {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
+    assert deepspeed_config(load_config(None, ["train.use_gpu=true", "train.zero_stage=1", "train.grad_clip=0.5"]),
+                            8)["gradient_clipping"] == 0.5
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    for ds in (three, one_gpu, zero0):  # DeepSpeed's own parser takes every section as rayvl writes it (it counts
+        # this process as the whole world: the global batch of one rank)
+        parsed = DeepSpeedConfig({**ds, "train_batch_size": ds["train_micro_batch_size_per_gpu"]})
+    assert parsed.torch_autocast_enabled and parsed.torch_autocast_dtype == torch.bfloat16
     for bad, key in (("train.zero_offload=optimizer", "train.zero_offload"),
                      ("train.compile=no-such-backend", "train.compile"),
                      ("train.zero_bucket_size=0", "train.zero_bucket_size")):
