@@ -197,7 +197,7 @@ def rayvl_step(cfg, next_batch=None):
     """rayvl's step (rayvl.train.loop.train_step) through its DeepSpeed engine; (step, engine)."""
     import dataclasses
 
-    from rayvl.train.engine import build_engine, deepspeed_config
+    from rayvl.train.engine import build_engine, deepspeed_config, rayvl_clips
     from rayvl.train.loop import train_step
     from rayvl.train.objective import Objective
     from rayvl.train.resume import TrainedRows
@@ -215,7 +215,8 @@ def rayvl_step(cfg, next_batch=None):
     def step():
         state["step"] += 1
         t = cfg.train
-        train_step(engine, objective, next_batch, state["step"], t.grad_accumulation, t.grad_clip, 0, 1, rows,
+        clip = t.grad_clip if rayvl_clips(t) else None
+        train_step(engine, objective, next_batch, state["step"], t.grad_accumulation, clip, 0, 1, rows,
                    Window(first_step=state["step"]))
         rows.parts.clear()  # flushed at checkpoints in a run: not a cost of the step
     return step, engine

@@ -69,6 +69,6 @@ def test_device_side_norm_and_clip_step_as_deepspeeds_own_and_a_non_finite_step_
     from rayvl.train.window import Window
 
     batch = sc.batch()
-    train_step(engine, Objective([], True), lambda s, m: (batch, 0.0), 4, 1, 0.05, 0, 1, TrainedRows(), Window())
+    train_step(engine, Objective([], True), lambda s, m: (batch, 0.0), 4, 1, None, 0, 1, TrainedRows(), Window())
     assert not math.isfinite(float(engine.get_global_grad_norm()))
     assert all(torch.isfinite(p).all() for p in engine.module.parameters())

@@ -108,7 +108,6 @@ class TextTower(nn.Module):
         m = attention_mask.unsqueeze(-1).to(hidden.dtype)
         return (hidden * m).sum(1) / m.sum(1).clamp(min=1.0)
 
-
     def attention_mask(self, attention_mask: torch.Tensor) -> torch.Tensor:
         """The 4D attention mask of the LM's attention implementation, made once for the LM and the alignment
         layers. Always a mask: transformers' shortcut for a batch without padding (no mask at all) decides by

@@ -15,7 +15,7 @@ from rayvl.methods.train import train_parts
 from rayvl.models.dual_encoder import build_model
 from rayvl.train import devices, flops, resume
 from rayvl.train.batches import batch_stream
-from rayvl.train.engine import broadcast_buffers, build_engine
+from rayvl.train.engine import broadcast_buffers, build_engine, rayvl_clips
 from rayvl.train.evaluation import Evaluation
 from rayvl.train.faults import fail_here
 from rayvl.train.objective import Objective
@@ -55,9 +55,10 @@ def train_loop_per_worker(config: dict) -> None:
 
     end = t.stop_at_step or t.max_steps  # a stop ends this invocation as the last step would
     profiler = StepProfiler.from_env(rank)
+    own_clip = t.grad_clip if rayvl_clips(t) else None
     while progress.step < end:
         profiler.before(progress.step + 1)
-        train_step(engine, objective, next_batch, progress.step + 1, t.grad_accumulation, t.grad_clip, rank, world,
+        train_step(engine, objective, next_batch, progress.step + 1, t.grad_accumulation, own_clip, rank, world,
                    data_resume, window)
         progress.step = step = progress.step + 1
         profiler.after(step)
@@ -84,9 +85,11 @@ def train_loop_per_worker(config: dict) -> None:
         window = Window(first_step=step + 1, **speed)
 
 
-def train_step(engine, objective: Objective, next_batch, step: int, accumulation: int, grad_clip: float, rank: int,
-               world: int, rows, window: Window) -> None:
-    """Optimizer step ``step``: ``accumulation`` micro-batches forward and backward, then DeepSpeed's step. Nothing
+def train_step(engine, objective: Objective, next_batch, step: int, accumulation: int, grad_clip: float | None,
+               rank: int, world: int, rows, window: Window) -> None:
+    """Optimizer step ``step``: ``accumulation`` micro-batches forward and backward, then DeepSpeed's step;
+    ``grad_clip``: the max norm where rayvl clips (rayvl.train.engine.rayvl_clips; 0 = no clip), None where
+    DeepSpeed does. Nothing
     here reads the device from the host (benchmarks/step_census.py counts it): the loss and the gradient norm go
     to ``window`` as device tensors, the row ids to ``rows``."""
     for micro in range(accumulation):
@@ -144,13 +147,13 @@ def _register_placement_group(registry: str, run_name: str) -> None:
         ray.get(ray.get_actor(registry, namespace="rayvl").register.remote(run_name, group.id.hex()))
 
 
-def _step(engine, grad_clip: float) -> torch.Tensor | float | None:
+def _step(engine, grad_clip: float | None) -> torch.Tensor | float | None:
     """``engine.step()``; at an optimizer step, the global gradient norm before clipping (a device tensor where it
-    is one: read at log steps only). Where rayvl clips (ZeRO-0, rayvl.train.engine.rayvl_clips) it clips here —
+    is one: read at log steps only). Where rayvl clips (``grad_clip`` not None) it clips here —
     one foreach norm and one foreach scale over the gradients, which are all-reduced by then; DeepSpeed keeps the
     norm of the steps it clips itself."""
     norm, boundary = None, engine.is_gradient_accumulation_boundary()
-    if boundary and engine.zero_optimization_stage() == 0 and not engine.fp16_enabled():
+    if boundary and grad_clip is not None:
         params = [p for p in engine.module.parameters() if p.grad is not None]
         if params:
             norm = torch.nn.utils.clip_grad_norm_(params, grad_clip or math.inf, foreach=True)
