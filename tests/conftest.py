@@ -209,6 +209,11 @@ def one_process_group():
     os.environ.update(env)
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield
-    dist.destroy_process_group()
+    if "deepspeed.comm" in sys.modules and sys.modules["deepspeed.comm"].is_initialized():
+        # DeepSpeed caches the groups it made from this one (its data-parallel group): destroyed through DeepSpeed,
+        # they are forgotten too, and the next module's DeepSpeed does not look them up in a new group
+        sys.modules["deepspeed.comm"].destroy_process_group()
+    else:
+        dist.destroy_process_group()
     for k, v in saved.items():
         os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
