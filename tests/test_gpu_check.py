@@ -223,7 +223,7 @@ def test_every_training_case_of_the_gpu_check_has_a_valid_config(tmp_path):
     assert flops.table_precision(gc.train_config(check, trained[0]).train, on_gpu=True) == "bf16"
 
 
-def test_steady_state_leaves_out_the_first_window_and_a_restarts_first():
+def test_steady_state_leaves_out_the_first_window_and_a_restarts_first(tmp_path):
     gc = _gpu_check()
     rows = [{"step": 10, "first_step": 1, "samples_per_s": 100.0, "data_wait_share": 0.5},  # start-up
             {"step": 20, "first_step": 11, "samples_per_s": 1000.0, "data_wait_share": 0.0, "mfu": 0.3},
@@ -236,6 +236,15 @@ def test_steady_state_leaves_out_the_first_window_and_a_restarts_first():
     assert gc.steady_state(rows, 100)["windows"] == 2
     without = gc.steady_state([{k: v for k, v in r.items() if k != "mfu"} for r in rows[:3]], 100)
     assert without["mfu"] is None
+    # the first report's start-up phases: the time to the first step beside its goal, the phases in the notes
+    check = _check(gc, tmp_path)
+    outcome = gc.Outcome("zero2", "")
+    started = {"startup_ray_s": 3.0, "startup_workers_s": 9.0, "startup_first_step_s": 12.0,
+               "startup_first_batch_wait_s": 1.5, "startup_total_s": 24.0}
+    gc.measure(check, gc.train_config(check, gc.CASES_BY_NAME["zero2"]), [{**rows[0], **started}, *rows[1:3]], outcome)
+    assert outcome.first_step_s == 24.0 and outcome.mfu == pytest.approx((0.3 * 1 + 0.15 * 2) / 3)
+    assert outcome.notes == ("first step after 24.0 s: ray 3.0, workers 9.0, first step 12.0 (of which waiting for "
+                             "the first batch 1.5)")
 
 
 def test_a_missing_cli_option_is_a_failed_case_named_not_a_crash():
@@ -278,6 +287,8 @@ def test_each_training_case_is_compared_with_the_bare_loop_at_its_own_batch(tmp_
     cells = gc.rows([asdict(o) for o in outcomes])
     assert cells[2][:5] == ("zero2", "256", "pass", "5500.0", "1.10 (goal ≥ 1: met)")
     assert cells[3][4] == "0.75 (goal ≥ 1: missed)" and cells[4][4] == "0.80" and cells[5][4] == "–"
+    assert cells[2][7] == "–"  # no report of the start-up
+    assert gc._seconds(18.2) == "18.2 (goal ≤ 20: met)" and gc._seconds(35.0) == "35.0 (goal ≤ 20: missed)"
     args = gc.parse_args(["--batches", "256,1024,max", "--profile", "zero2"])
     assert (args.batches, args.profile, args.eval_images) == ("256,1024,max", "zero2", 20000)
     check = _check(gc, tmp_path, batches="256,1024")

@@ -33,6 +33,13 @@ def test_progress_line_format():
     assert progress_line({**ROW, "tonics_p_root": 0.64}, 200, 1000.0, None, 2).endswith("| P_S(root) 0.640")
 
 
+STARTUP = {"startup_ray_s": 2.0, "startup_data_s": 0.5, "startup_fit_s": 0.5, "startup_workers_s": 9.0,
+           "startup_setup_s": 1.0, "startup_model_s": 3.0, "startup_engine_s": 2.0, "startup_restore_s": 1.0,
+           "startup_first_step_s": 11.0, "startup_first_batch_wait_s": 4.0, "startup_total_s": 30.0}
+RESTART = {"startup_setup_s": 1.0, "startup_model_s": 2.0, "startup_engine_s": 1.0, "startup_restore_s": 1.0,
+           "startup_first_step_s": 1.0, "startup_first_batch_wait_s": 0.0, "startup_total_s": 6.0}
+
+
 def test_progress_follows_a_growing_metrics_file_and_restarts(tmp_path, caplog):
     path = tmp_path / "metrics.jsonl"
     path.write_text(json.dumps({**ROW, "step": 1}) + "\n")  # a resumed run's earlier rows are not shown again
@@ -42,17 +49,22 @@ def test_progress_follows_a_growing_metrics_file_and_restarts(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="rayvl"):
         with open(path, "a") as f:
             for step, when in ((4, t + 10), (5, t + 12), (6, t + 14)):
-                f.write(json.dumps({**ROW, "step": step, "time": when}) + "\n")
-            f.write(json.dumps({**ROW, "step": 5, "time": t + 30, "resumed_from": 4})[:20])  # half-written
+                f.write(json.dumps({**ROW, "step": step, "time": when, **(STARTUP if step == 4 else {})}) + "\n")
+            resumed = json.dumps({**ROW, "step": 5, "time": t + 30, "resumed_from": 4, **RESTART})
+            f.write(resumed[:20])  # half-written
             f.flush()
             time.sleep(0.3)
-            f.write(json.dumps({**ROW, "step": 5, "time": t + 30, "resumed_from": 4})[20:] + "\n")
+            f.write(resumed[20:] + "\n")
         printer.stop()
     lines = [r.getMessage() for r in caplog.records if r.name == "rayvl"]
-    assert [x.split(" |")[0] for x in lines] == ["step 4/10 (40%)", "step 5/10 (50%)", "step 6/10 (60%)",
-                                                 "resumed from the checkpoint of step 4", "step 5/10 (50%)"]
-    assert "ETA 0m08s" in lines[2]  # 2 s a step since step 4, 4 steps left
-    assert "ETA" not in lines[0] and "ETA" not in lines[4]  # the first report, and the first after a restart
+    assert [x.split(" |")[0] for x in lines] == [
+        "first step after 30.0 s: ray 2.0, data 0.5, fit 0.5, workers 9.0, setup 1.0, model 3.0, engine 2.0, restore "
+        "1.0, first step 11.0 (of which waiting for the first batch 4.0)", "step 4/10 (40%)", "step 5/10 (50%)",
+        "step 6/10 (60%)", "resumed from the checkpoint of step 4",
+        "first step after 6.0 s: setup 1.0, model 2.0, engine 1.0, restore 1.0, first step 1.0 (of which waiting for "
+        "the first batch 0.0)", "step 5/10 (50%)"]
+    assert "ETA 0m08s" in lines[3]  # 2 s a step since step 4, 4 steps left
+    assert "ETA" not in lines[1] and "ETA" not in lines[6]  # the first report, and the first after a restart
 
 
 def test_run_log_scalars_group_metrics_and_fit_mlflow_names():

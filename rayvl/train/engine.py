@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from types import SimpleNamespace
 
 import torch
@@ -91,11 +92,23 @@ def lr_lambda(warmup: int, total: int):
     return f
 
 
+def use_own_ninja() -> None:
+    """torch JIT-builds DeepSpeed's ops (the CPU communication op) with the first `ninja` on PATH. pip's ninja (in this
+    interpreter's bin/, a DeepSpeed requirement) and a system one are other versions, and each takes the other's build
+    for out of date: a process started without the venv activated rebuilt the op (~1 min on 2 cores) and so did the
+    next one that had it. Every rayvl process puts its own interpreter's ninja first."""
+    bin_dir = os.path.dirname(sys.executable)
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    if os.path.exists(os.path.join(bin_dir, "ninja")) and path[0] != bin_dir:
+        os.environ["PATH"] = os.pathsep.join([bin_dir, *path])
+
+
 def build_engine(model: torch.nn.Module, cfg: RayvlConfig, world_size: int, device: torch.device | None = None):
     """``device``: the worker's GPU (rayvl.train.devices). DeepSpeed would otherwise put the model on
     ``cuda:LOCAL_RANK``, which Ray Train does not promise to be the GPU it gave the worker."""
     if not cfg.train.use_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    use_own_ninja()
     import deepspeed
 
     t = cfg.train

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import ray
 import ray.train
@@ -21,13 +22,14 @@ from rayvl.train.faults import fail_here
 from rayvl.train.objective import Objective
 from rayvl.train.profiling import StepProfiler
 from rayvl.train.resume import DataResume
+from rayvl.train.startup import Startup
 from rayvl.train.state import Progress, TrainState
 from rayvl.train.window import Window
 from rayvl.train.worker import Worker, WorkerPlan
 
 
 def train_loop_per_worker(config: dict) -> None:
-    plan: WorkerPlan = config["plan"]
+    entered, plan = time.time(), config["plan"]
     cfg, ctx = plan.rayvl(), ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = _device(cfg)
@@ -35,18 +37,18 @@ def train_loop_per_worker(config: dict) -> None:
     # and the engine are built
     data_resume = DataResume(plan, rank, world)
     saved, begin = data_resume.restore()
+    startup = Startup.on_worker(plan.startup, entered, resumed=saved is not None)
     evaluation = Evaluation(cfg, plan.eval_files, plan.tokenizer_path, rank, world)
     parts = train_parts(Worker(plan, cfg, rank, world, device, begin, evaluation))
     next_batch = _batch_source(parts, cfg, rank, begin, device)
-    engine, speed = _engine(cfg, world, plan.init_from if saved is None else "", device, parts)
+    startup.mark("setup")
+    engine, speed = _engine(cfg, world, plan.init_from if saved is None else "", device, parts, startup)
     components = {name: c for part in parts for name, c in part.components().items()}
     state = TrainState(Progress(), data_position=data_resume.position, **components)
     if resume.restore(engine, state, saved):
         state.progress.resumed_at.append(state.progress.step)
-    if plan.placement_registry and rank == 0:  # a sweep removes what a stopped trial leaves behind
-        _register_placement_group(plan.placement_registry, cfg.train.run_name)
-    if cfg.eval.tasks:
-        evaluation.load(ray.train.get_dataset_shard("eval"))
+    _before_steps(plan, cfg, rank, evaluation)
+    startup.mark("restore")
     objective, t = Objective(parts, cfg.loss.gather_with_grad), cfg.train
     # a restart record: the first window after a resume says which checkpoint step the group continued from
     progress = state.progress
@@ -63,6 +65,9 @@ def train_loop_per_worker(config: dict) -> None:
         progress.step = step = progress.step + 1
         profiler.after(step)
         window.steps += 1
+        if startup is not None:  # the first step of this start: its report says where the time before it went
+            startup.mark("first_step")
+            window.startup, startup = startup.metrics(window.wait), None
         fail_here("step", progress)
         noted = [part.after_step(engine, step) for part in parts]
 
@@ -122,12 +127,13 @@ def _batch_source(parts, cfg: RayvlConfig, rank: int, begin, device: torch.devic
     return lambda step, micro: next(stream)
 
 
-def _engine(cfg: RayvlConfig, world: int, init_from: str, device: torch.device, parts):
+def _engine(cfg: RayvlConfig, world: int, init_from: str, device: torch.device, parts, startup: Startup):
     """The DeepSpeed engine over the dual encoder on ``device`` and what the MFU of a report needs (Window's
     fields). ``init_from``: a new run starts from those weights (train.init_from; a resumed run restores its own)."""
     model = build_model(cfg.model, cfg.train.seed)
     if init_from:
         model.load_state_dict(weights(init_from)[0], strict=True)
+    startup.mark("model")
     if device.type == "cuda":  # NHWC images: cuDNN's convolutions run on tensor cores in that layout
         model.vision.channels_last = True
     for part in parts:
@@ -136,7 +142,17 @@ def _engine(cfg: RayvlConfig, world: int, init_from: str, device: torch.device, 
     engine = build_engine(model, cfg, world, device)
     if cfg.train.compile:
         engine.compile(backend=cfg.train.compile)
+    startup.mark("engine")
     return engine, speed
+
+
+def _before_steps(plan: WorkerPlan, cfg: RayvlConfig, rank: int, evaluation: Evaluation) -> None:
+    """Once the engine is restored: the sweep's registry told of this run's placement group (a sweep removes what a
+    stopped trial leaves behind), the held-out set loaded."""
+    if plan.placement_registry and rank == 0:
+        _register_placement_group(plan.placement_registry, cfg.train.run_name)
+    if cfg.eval.tasks:
+        evaluation.load(ray.train.get_dataset_shard("eval"))
 
 
 def _register_placement_group(registry: str, run_name: str) -> None:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from rayvl.eval.tasks import METRIC_PREFIXES
+from rayvl.train import startup
 
 log = logging.getLogger("rayvl")
 
@@ -90,4 +91,6 @@ class ProgressPrinter(threading.Thread):
         rate = (row["time"] - self.first[0]) / (row["step"] - self.first[1]) if row["step"] > self.first[1] else None
         if row.get("resumed_from") is not None:
             log.info(f"resumed from the checkpoint of step {row['resumed_from']}")
+        if (first := startup.summary(row)) is not None:
+            log.info(first)
         log.info(progress_line(row, self.total, self.started, rate, self.workers))

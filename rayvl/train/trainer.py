@@ -18,6 +18,7 @@ from rayvl.train.loop import train_loop_per_worker
 from rayvl.train.progress import ProgressPrinter, log
 from rayvl.train.run_dir import RunResult, finish, log_dir, mlflow_uri, run_paths, run_record
 from rayvl.train.run_log import RunLog
+from rayvl.train.startup import Startup
 from rayvl.train.worker import WorkerPlan
 
 
@@ -27,6 +28,7 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
     (a Tune trial passes its report callback); ``placement_registry``: the named actor a sweep collects the runs'
     placement groups in; ``progress``: log a progress line per report (rayvl.train.progress); ``verbose=False``:
     the workers' and Ray's own output stay in Ray's log files."""
+    startup = Startup()
     data = datasets.plan(cfg)
     cfg = data.cfg  # as the run's data adjusts it (evaluation off without held-out shards, the methods' values)
     storage, name = run_paths(cfg)
@@ -41,6 +43,7 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
     if not placement_registry:  # a sweep's driver checked the cluster; a trial's driver may sit on another node
         session.check_gpus(cfg, fixed_size=started_here)
     session.check_storage(cfg)
+    startup.mark("ray")
     report_name = f"rayvl-data-report-{name}-{uuid.uuid4().hex[:8]}"
     reports = data.reports(report_name)
     for r in reports.values():
@@ -48,13 +51,15 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
     run_dir = store.join(storage, name)
     built = datasets.build(data, run_dir, report_name)
     sets, expected = built.datasets, built.pass_size
+    startup.mark("data")
     logs = log_dir(storage, name)
     run_log = RunLog(str(logs), run_record(cfg, run_dir, name), cfg.train.report_to,
                      mlflow_uri(cfg) if "mlflow" in cfg.train.report_to else "")
     plan = WorkerPlan(cfg.to_dict(), report_name=report_name, label_report=reports.get("image_label") or "",
                       tokenizer_path=str(assets.text_model_path(cfg.model.text)),
                       train_shards=built.train_shards, init_from=init_weights, eval_files=data.files,
-                      placement_registry=placement_registry, method_inputs=built.worker_inputs)
+                      placement_registry=placement_registry, method_inputs=built.worker_inputs, startup=startup)
+    startup.mark("fit")  # before the trainer, which may serialize its plan
     trainer = _trainer(cfg, storage, name, sets, [run_log, *callbacks], plan)
     result = _fit(trainer, logs, cfg) if progress else trainer.fit()
     report = {**snapshot(reports["train"]), "img2dataset_successes_per_pass": expected,

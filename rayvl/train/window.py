@@ -31,6 +31,8 @@ class Window:
     """training FLOPs of one sample (rayvl.train.flops), 0 = unknown"""
     peak_flops: float | None = None
     """one device's peak FLOP/s at the run's precision (rayvl.train.flops), None = unknown: no MFU"""
+    startup: dict[str, float] = field(default_factory=dict)
+    """the start-up phases (rayvl.train.startup) when the window holds this start's first step"""
 
     def add(self, loss: torch.Tensor | float, waited: float, batch: dict, world: int,
             grad_norm: torch.Tensor | float | None = None) -> None:
@@ -73,6 +75,7 @@ class Window:
         }
         if self.resumed_from is not None:
             metrics["resumed_from"] = self.resumed_from
+        metrics.update(self.startup)
         if engine.device.type == "cuda":  # what a batch size needs (rank 0's peak since the start), to size it
             metrics["gpu_memory_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
         if report_name:  # the data report's counts so far (dropped samples by reason, truncated shards)

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from rayvl.config import RayvlConfig, from_dict
+from rayvl.train.startup import Startup
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,8 @@ class WorkerPlan:
     data position's size); ``init_from``: weights a new run starts from ('' = none); ``eval_files``: the held-out
     task files (classes_file, paraphrases_file, sts_file); ``placement_registry``: the sweep's named actor that
     collects the trials' placement groups ('' = not in a sweep); ``method_inputs``: what each enabled method's
-    training part needs from the driver, by method name (e.g. the TOnICS class sizes)."""
+    training part needs from the driver, by method name (e.g. the TOnICS class sizes); ``startup``: the driver's
+    start-up stamps (rayvl.train.startup), which rank 0 completes and reports."""
 
     config: dict
     report_name: str = ""
@@ -31,6 +33,7 @@ class WorkerPlan:
     eval_files: dict[str, str] = field(default_factory=dict)
     placement_registry: str = ""
     method_inputs: dict[str, dict] = field(default_factory=dict)
+    startup: Startup | None = None
 
     def rayvl(self) -> RayvlConfig:
         return from_dict(self.config)
