@@ -12,8 +12,7 @@ TORCHVISION := torchvision==0.28.0
 # the same nvidia-*-cu12 libraries. constraints-cuda.txt pins the same build (+cu126).
 TORCH_CUDA_INDEX := https://download.pytorch.org/whl/cu126
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
-# every recipe runs as in an activated venv: `python`, `ray` and the `ninja` torch builds DeepSpeed's JIT ops with
-# are the venv's (pip's ninja is another version than a system one; each takes the other's build for out of date)
+# every recipe runs as in an activated venv: `python`, `ray` and `ninja` are the venv's
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # pip warns once per package about this machine's unused local index folders; keep the log readable
 # (grep exits 1 when it prints nothing; pip's own failure still fails the recipe through pipefail)
@@ -60,9 +59,6 @@ else
 	# timm needs torchvision; the registry's 0.28.0 is a CUDA build: take it without its deps (it would pull
 	# CUDA torch) — rayvl/compat.py makes it importable over CPU torch. See README "Install".
 	$(PY) -m pip install -q --no-deps $(TORCHVISION) 2>&1 | $(QUIET)
-	# DeepSpeed JIT-compiles its CPU communication op the first time a CPU run needs it (once per machine): built
-	# here, so that no run or test waits for the compiler
-	DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 endif
 	$(PY) -m rayvl.cli assets fetch
 	$(PY) -m rayvl.cli assets check

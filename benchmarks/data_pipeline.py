@@ -104,8 +104,8 @@ def webdataset_loader(paths: list[str], kw: Rows, workers: int):
     import webdataset as wds
 
     def to_inputs(samples):
-        out = preprocess(_batch_of([{"key": s["__key__"], **{c: s.get(c) for c in COLUMNS[1:]}}
-                                    for s in samples]), Counter(), kw)
+        out = preprocess(_batch_of([{"key": s["__key__"], "img": s.get("jpg"), "img_ext": "jpg", "txt": s.get("txt"),
+                                     "json": s.get("json")} for s in samples]), Counter(), kw)
         return {c: torch.from_numpy(out[c]) for c in TRAIN_COLUMNS}
 
     ds = wds.WebDataset(paths, shardshuffle=False, empty_check=False, handler=wds.warn_and_continue,

@@ -37,6 +37,9 @@ class DataConfig:
     """paraphrase pairs over the eval images (JSON lines: caption, paraphrase; '' = the demo's)."""
     sts: str = ""
     """STS sentence pairs (TSV: sentence1, sentence2, score; '' = the demo's)."""
+    samples_per_pass: int = 0
+    """samples one pass over ``train`` holds (open_clip's ``--train-num-samples``), for shards without img2dataset's
+    parquet or ``_stats.json`` files (0 = count them from those files)."""
     demo_dir: str = "~/.cache/rayvl/demo"
     """where the embedded demo dataset is written when ``train`` is empty."""
     demo_samples: int = 4000
@@ -654,6 +657,8 @@ def _validate_data(d: DataConfig, t: TrainConfig) -> None:
         raise ConfigError(f"data.max_text_tokens: must be ≥ 4, got {d.max_text_tokens}")
     if d.read_cpus <= 0:
         raise ConfigError(f"data.read_cpus: must be > 0, got {d.read_cpus}")
+    if d.samples_per_pass < 0:
+        raise ConfigError(f"data.samples_per_pass: must be ≥ 0 (0 = from img2dataset's files), got {d.samples_per_pass}")
     if d.read_threads < 1:
         raise ConfigError(f"data.read_threads: must be ≥ 1, got {d.read_threads}")
     if d.io_retries < 0 or d.io_retry_wait_s < 0:

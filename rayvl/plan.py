@@ -13,9 +13,9 @@ from rayvl import storage
 from rayvl.config import ConfigError, RayvlConfig, precision
 from rayvl.data.images import decode
 from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
-from rayvl.data.shards import pass_size
+from rayvl.data.shards import samples_per_pass
 from rayvl.data.specs import SpecCheck, checked
-from rayvl.data.tar import iter_tar_samples
+from rayvl.data.tar import IMAGE_EXTENSIONS, iter_tar_samples, member_extensions
 from rayvl.data.text import validate_caption
 
 
@@ -25,34 +25,53 @@ def first_samples(path: str, n: int, policy: ReadPolicy) -> list[dict]:
         return list(islice(iter_tar_samples(f), n))
 
 
+SAMPLED = 32  # samples read from the start of the first and of the last shard
+IMAGE_DROPS = ("dropped_missing_image", "dropped_undecodable_image")
+
+
 def describe_sample(sample: dict) -> tuple[str, str | None]:
-    """(a line describing the sample, the reason it would be dropped or None)."""
+    """(a line describing the sample, the reason it would be dropped or None): an image reason before a caption
+    reason (a method may source the caption elsewhere; nothing sources the image)."""
     text, reason = validate_caption(sample.get("txt"))
-    image = decode(sample["jpg"]) if sample.get("jpg") is not None else None
-    if sample.get("jpg") is None:
-        reason = reason or "dropped_missing_image"
+    image = decode(sample["img"]) if sample.get("img") is not None else None
+    if sample.get("img") is None:
+        reason = "dropped_missing_image"
     elif image is None:
-        reason = reason or "dropped_undecodable_image"
-    size = f"{image.width}×{image.height}" if image is not None else "no image"
+        reason = "dropped_undecodable_image"
+    size = f"{image.width}×{image.height} {sample['img_ext']}" if image is not None else "no image"
     caption = text if len(text) <= 60 else text[:57] + "..."
     return f"{sample['key']}: {size}, {caption!r}" + (f" ({reason})" if reason else ""), reason
 
 
 def sample_lines(key: str, paths: list[str], policy: ReadPolicy) -> list[str]:
-    """The first sample of the first and of the last shard (an unreadable one is a ConfigError naming ``key``)."""
-    lines = []
+    """The first sample of the first and of the last shard, and what becomes of their first SAMPLED samples: a
+    ConfigError naming ``key`` when the shards cannot be read, or when most of those samples have no image rayvl
+    reads (naming the members they have)."""
+    lines, reasons = [], Counter()
     for path in dict.fromkeys([paths[0], paths[-1]]):
         try:
-            samples = first_samples(path, 1, policy)
+            samples = first_samples(path, SAMPLED, policy)
         except ShardIOError as e:
             raise ConfigError(f"{key}: {e}") from None
         line = describe_sample(samples[0])[0] if samples else "no sample (an empty or damaged shard)"
         lines.append(f"    {path}: {line}")
+        reasons.update(describe_sample(x)[1] or "kept" for x in samples)
+    seen, without = sum(reasons.values()), sum(reasons[r] for r in IMAGE_DROPS)
+    said = ", ".join(f"{k} {v}" for k, v in sorted(reasons.items()))
+    if without * 2 > seen:
+        with open_shard(paths[0], policy) as f:
+            members = ", ".join(f".{ext} in {n}" for ext, n in member_extensions(f, SAMPLED).items())
+        raise ConfigError(f"{key}: {without} of the {seen} samples read from the start of its first and last shards "
+                          f"would be dropped for their image ({said}); the first shard's first {SAMPLED} samples "
+                          f"have these members: {members or 'none'} — rayvl reads images from "
+                          f"{', '.join(IMAGE_EXTENSIONS)} members")
+    lines.append(f"    of the first {SAMPLED} samples of the first and the last shard: {said}")
     return lines
 
 
-def data_lines(key: str, check: SpecCheck, policy: ReadPolicy) -> tuple[list[str], int | None]:
-    samples, how = pass_size(check.paths)
+def data_lines(key: str, check: SpecCheck, policy: ReadPolicy, given: int = 0) -> tuple[list[str], int | None]:
+    """``given``: the samples a pass holds as the config says (data.samples_per_pass; 0 = from the shards' files)."""
+    samples, how = samples_per_pass(given, check.paths)
     size = f"{samples:,} samples a pass ({how})" if samples else f"samples a pass unknown ({how})"
     return [f"  {key}: {check.summary}", f"    {size}", *sample_lines(key, check.paths, policy)], samples
 
@@ -78,7 +97,7 @@ def describe(cfg: RayvlConfig) -> str:
                      f"scenes in {d.demo_dir}, written on first use)")
         per_pass = d.demo_samples
     for key, check in checks.items():
-        more, samples = data_lines(key, check, policy)
+        more, samples = data_lines(key, check, policy, d.samples_per_pass if key == "data.train" else 0)
         lines += more
         per_pass = samples if key == "data.train" else per_pass
     if d.train and not d.eval and cfg.eval.tasks:

@@ -49,7 +49,7 @@ from rayvl.data.shards import Reading, ShardStream, read
 from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
 from rayvl.data import specs
 from rayvl.data.specs import resolve_shards
-from rayvl.data.tar import iter_tar_samples, write_img2dataset_shard
+from rayvl.data.tar import IMAGE_EXTENSIONS as TAR_IMAGE_EXTENSIONS, iter_tar_samples, write_img2dataset_shard
 from rayvl.data.text import PSEUDO_FLAG, PSEUDO_MARKER, validate_caption, words
 from rayvl.methods.bow import deformation as bow
 from rayvl.methods.bow.deformation import rm_stop_nalpha
@@ -185,23 +185,34 @@ def _sample_queries(cfg: RayvlConfig, ckpt: str, units: list[Unit]) -> np.ndarra
 
 # ----------------------------------------------------------------------------- one unit
 
-def unit_samples(unit: Unit, io: ReadPolicy = ReadPolicy()) -> tuple[list[tuple[str, bytes | None, str]], str | None]:
-    """(key, image bytes, source) per sample, and what damaged the shard (the samples before the damage kept). An
-    I/O failure is not damage: it raises ShardIOError (shard_io.py), and the unit is not labelled."""
+def unit_samples(unit: Unit, io: ReadPolicy = ReadPolicy()) -> tuple[list[tuple[str, bytes | None, str, str]],
+                                                                       str | None]:
+    """(key, image bytes, source, image extension) per sample, and what damaged the shard (the samples before the
+    damage kept). An I/O failure is not damage: it raises ShardIOError (shard_io.py), and the unit is not
+    labelled."""
     if unit.kind == "files":
-        return [(f"{unit.id:05d}{i:04d}", Path(p).read_bytes(), p) for i, p in enumerate(unit.paths)], None
+        return [(f"{unit.id:05d}{i:04d}", Path(p).read_bytes(), p, _member_extension(p))
+                for i, p in enumerate(unit.paths)], None
     out: list = []
     try:
         with open_shard(unit.paths[0], io) as f:
-            out += [(s["key"], s.get("jpg"), s["key"]) for s in iter_tar_samples(f, ("key", "jpg"))]
+            out += [(s["key"], s.get("img"), s["key"], s.get("img_ext"))
+                    for s in iter_tar_samples(f, ("key", "img", "img_ext"))]
     except (tarfile.TarError, EOFError, zlib.error) as e:
         return out, f"{unit.paths[0]}: {e}"
     return out, None
 
 
+def _member_extension(path: str) -> str:
+    """An image file's extension as a shard member: its own where webdataset reads it, else jpg (as before: rayvl
+    decodes by the bytes; a .bmp member would be skipped by every reader)."""
+    ext = Path(path).suffix[1:].lower()
+    return ext if ext in TAR_IMAGE_EXTENSIONS else "jpg"
+
+
 def decoded(samples: list) -> list[tuple[str, object, int]]:
     """(key, RGB image, sample index) of the decodable samples."""
-    images = [(key, decode(jpg) if jpg is not None else None, i) for i, (key, jpg, _) in enumerate(samples)]
+    images = [(key, decode(data) if data is not None else None, i) for i, (key, data, *_) in enumerate(samples)]
     return [(key, img, i) for key, img, i in images if img is not None]
 
 
@@ -278,7 +289,7 @@ class Labeler:
         return {"unit": unit.id, **counts, "damaged_shard": damaged, "seconds": round(time.time() - started, 2)}
 
     def _row(self, rule: str, sample: tuple, found, counts: Counter) -> dict:
-        key, jpg, source = sample
+        key, data, source, ext = sample
         row = {"key": key, "caption": "", "status": "success", "error_message": None, "source": source,
                "rule": rule, "words": [], "neighbours": [], "scores": [], PSEUDO_FLAG: True}
         if found is None:
@@ -290,7 +301,7 @@ class Labeler:
         if not ws:
             counts[f"{rule}_empty"] += 1
             return {**row, "status": "empty_pseudo_caption", "error_message": "every retrieved word filtered out"}
-        return {**row, "caption": " ".join(ws), "jpg": jpg}
+        return {**row, "caption": " ".join(ws), "jpg": data, "img_ext": ext}  # the image as it came
 
 
 # ----------------------------------------------------------------------------- the job

@@ -10,7 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 # as `make test` runs the suite (as in an activated venv: the Makefile puts the venv's bin first), also when pytest is
-# called directly: one `ninja` for DeepSpeed's JIT-compiled op in every process (two versions rebuild it in turn)
+# called directly: the venv's `python` and `ray` in every process the suite starts
 _VENV_BIN = os.path.dirname(sys.executable)
 if os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
     os.environ["PATH"] = _VENV_BIN + os.pathsep + os.environ.get("PATH", "")

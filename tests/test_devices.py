@@ -88,6 +88,9 @@ def test_batchnorm_statistics_stay_fp32_under_deepspeed_bf16(one_process_group):
 
     from rayvl.models.dual_encoder import param_groups
     from rayvl.models.precision import keep_batchnorm_fp32
+    from rayvl.train.engine import no_cpu_comm_op
+
+    no_cpu_comm_op()  # as build_engine does
 
     cfg = load_config(None, ["train.precision=bf16", "train.zero_stage=2", "train.micro_batch_size=4",
                              "model.alignment_layers=1", "model.embed_dim=64"])

@@ -129,7 +129,7 @@ def test_dry_run_of_the_laion_recipe_at_laion_scale(s3, demo_dir, tmp_path, caps
     assert code == 0, err
     assert "data.train: 41408 shards; 41408 object names made from the spec, 2 of them checked" in out
     assert "5,300,224 samples a pass (from the _stats.json of 2 of 41408 remote shards, extrapolated)" in out
-    assert "laion400m/41407.tar: 000000000: 112×112, '" in out
+    assert "laion400m/41407.tar: 000000000: 112×112 jpg, '" in out
     assert "40 workers × 819 per micro-batch × 1 accumulated = 32,760 samples a step" in out
     assert "162 steps a pass; train.max_steps=40,000 is 247.23 passes" in out
     assert "40 Ray Train workers of {CPU: 0.5, GPU: 1}" in out and "ZeRO-0, bf16" in out

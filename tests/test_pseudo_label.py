@@ -90,7 +90,7 @@ def _unaligned(demo_dir, tmp_path) -> Path:
     out.mkdir()
     with open(demo_dir / "train" / "00000.tar", "rb") as f:
         good = [s for _, s in zip(range(64), iter_tar_samples(f))]
-    rows = [{"key": s["key"], "caption": "x", "status": "success", "jpg": s["jpg"]} for s in good]
+    rows = [{"key": s["key"], "caption": "x", "status": "success", "jpg": s["img"]} for s in good]
     rows += [{"key": f"99999999{i}", "caption": "x", "status": "success", "jpg": b"\xff\xd8 not a jpeg"}
              for i in range(2)]
     write_shard(out, 0, rows, time.time())
@@ -262,12 +262,12 @@ def test_a_labeller_whose_nearest_caption_is_the_images_own_writes_that_captions
     captions = [s["txt"].decode() for s in samples]
     unaligned = tmp_path / "unaligned"
     unaligned.mkdir()
-    write_shard(unaligned, 0, [{"key": s["key"], "caption": c, "status": "success", "jpg": s["jpg"]}
+    write_shard(unaligned, 0, [{"key": s["key"], "caption": c, "status": "success", "jpg": s["img"]}
                                for s, c in zip(samples, captions)], time.time())
     x = PseudoLabelConfig(rules=["max_count"], crops=2, k=1, words=4, batch_size=6)
     model = load(ckpt)
     model.module.vision.to_channels_last()  # as the labeller embeds
-    vectors = np.concatenate([model.encode_image(crops(decode(s["jpg"]), s["key"], x, model.image_size)).numpy()
+    vectors = np.concatenate([model.encode_image(crops(decode(s["img"]), s["key"], x, model.image_size)).numpy()
                               for s in samples])
     index_dir = tmp_path / "index"
     index_dir.mkdir()
@@ -333,7 +333,7 @@ def test_a_pseudo_caption_is_trained_as_it_is_and_kept_out_of_the_bow_statistics
     with open(demo_dir / "train" / "00000.tar", "rb") as f:
         s = next(iter_tar_samples(f))
     pseudo = json.dumps({"key": "p1", "pseudo_bow": True})
-    batch = {"key": ["p1", "a1"], "jpg": [s["jpg"], s["jpg"]], "txt": [b"circle star large", b"a small red circle"],
+    batch = {"key": ["p1", "a1"], "img": [s["img"], s["img"]], "txt": [b"circle star large", b"a small red circle"],
              "json": [pseudo, s["json"]]}
     ops = parse_bow_ops(["shuffle", "rm_stop_nalpha", {"keep": 1}])
     counts = C()
@@ -373,7 +373,7 @@ def test_a_folder_of_image_files_is_labelled_in_shards_of_shard_size(demo_dir, t
     (photos / "cats").mkdir(parents=True)
     (photos / "dogs").mkdir()
     for i, s in enumerate(samples[:3]):
-        (photos / ("cats" if i < 2 else "dogs") / f"{i}.jpg").write_bytes(s["jpg"])
+        (photos / ("cats" if i < 2 else "dogs") / f"{i}.jpg").write_bytes(s["img"])
     (photos / "dogs" / "broken.JPG").write_bytes(b"not an image")
     (photos / "dogs" / "notes.txt").write_text("not an image file: ignored")
     units = plan_units(str(photos), shard_size=2)

@@ -40,7 +40,7 @@ def _jpeg(i: int) -> bytes:
 
 def _shard_rows(n: int, pass_: int) -> dict:
     """n image-label shard rows of pass ``pass_`` as a read task hands them to ``preprocess``."""
-    return {"key": [f"{i:09d}" for i in range(n)], "jpg": [_jpeg(i) for i in range(n)], "txt": [None] * n,
+    return {"key": [f"{i:09d}" for i in range(n)], "img": [_jpeg(i) for i in range(n)], "txt": [None] * n,
             "json": [json.dumps({"cls": i % 3}) for i in range(n)], "row": row_ids(pass_, 0, 0, n)}
 
 

@@ -63,7 +63,8 @@ def test_drop_counters(ray_local, bad_shard):
     counts = ray.get(report.snapshot.remote())["counts"]
     assert counts == {"samples_seen": 11, "samples_kept": 6, "dropped_corrupt_image": 1,
                       "dropped_empty_caption": 1, "dropped_non_utf8_caption": 1, "dropped_missing_caption": 1,
-                      "dropped_missing_image": 1, "caption_words": 6 * 4}  # "a photo number {i}" kept 6 times
+                      "dropped_missing_image": 1, "caption_words": 6 * 4,  # "a photo number {i}" kept 6 times
+                      "format_jpg": 10}  # the image members read: all but the missing one
 
 
 def test_truncated_shard_costs_only_its_tail(ray_local, demo_dir, tmp_path):

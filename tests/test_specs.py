@@ -17,7 +17,7 @@ FAST = ReadPolicy(retries=3, wait_s=0.05)
 
 def _keys(path: str, policy: ReadPolicy = FAST, retried: Counter | None = None) -> list[str]:
     with open_shard(path, policy, retried) as f:
-        return [s["key"] for s in iter_tar_samples(f, ("key", "jpg"))]
+        return [s["key"] for s in iter_tar_samples(f, ("key", "img"))]
 
 
 @pytest.fixture(scope="module")

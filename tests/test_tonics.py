@@ -400,7 +400,7 @@ def heldout_recall_reference(run, shards) -> dict:
             samples.update((s["key"], s) for s in iter_tar_samples(f))
     keys = sorted(samples)
     model = load(run)
-    images = model.encode_image([Image.open(io.BytesIO(samples[k]["jpg"])).convert("RGB") for k in keys]).double()
+    images = model.encode_image([Image.open(io.BytesIO(samples[k]["img"])).convert("RGB") for k in keys]).double()
     texts = model.encode_text([samples[k]["txt"].decode() for k in keys]).double()
     sims = (texts @ images.T).numpy()  # [caption i, image j]
     cls = [json.loads(samples[k]["json"])["cls"] for k in keys]

@@ -201,7 +201,7 @@ def test_captioned_pairs_for_concept_coverage(tmp_path):
             stem = fashion_mnist.CLASSES[meta["cls"]].rstrip("s")  # "trousers", "a pair of ankle boots", "handbag"
             assert stem in text and text not in templates
             assert (name == "covered") or not any(fashion_mnist.CLASSES[c] in text for c in held)
-            image = np.asarray(Image.open(_io.BytesIO(s["jpg"])).convert("L"), np.float64)
+            image = np.asarray(Image.open(_io.BytesIO(s["img"])).convert("L"), np.float64)
             assert np.abs(image - pixels[index]).mean() < 4  # the photo itself (JPEG at quality 95)
     assert sum(done["counts"]["covered"][fashion_mnist.CLASSES[c]] for c in held) > 0
     mtime = (root / "DONE.json").stat().st_mtime_ns

@@ -1,4 +1,5 @@
-"""JPEG → uint8 CHW crop. Normalisation happens on the device (models/dual_encoder.py), so batches stay uint8
+"""Encoded image (JPEG, PNG, WebP: whatever Pillow recognises in the bytes, the member's extension aside) → uint8
+CHW crop. Normalisation happens on the device (models/dual_encoder.py), so batches stay uint8
 on the wire (4× smaller than float32)."""
 from __future__ import annotations
 
@@ -34,20 +35,23 @@ def center_crop_box(width: int, height: int):
     return x, y, x + side, y + side
 
 
-def decode_and_crop(jpg: bytes, size: int, scale_min: float | None,
+def decode_and_crop(data: bytes, size: int, scale_min: float | None,
                     rng: np.random.Generator | None = None) -> np.ndarray | None:
     """uint8 array (3, size, size), or None when the bytes are not a decodable image.
 
     ``scale_min`` None → centre crop (evaluation); otherwise a random resized crop (training) drawn from ``rng``.
     """
-    img = decode(jpg)
+    img = decode(data)
     return None if img is None else crop(img, size, scale_min, rng)
 
 
-def decode(jpg: bytes) -> Image.Image | None:
-    """The RGB image of encoded bytes, or None when they are not a decodable image (or one under 2 px a side)."""
+def decode(data: bytes) -> Image.Image | None:
+    """The RGB image of encoded bytes, or None when they are not a decodable image (or one under 2 px a side). A
+    palette or alpha image (PNG, WebP) is converted to RGB, its transparency dropped."""
     try:
-        with Image.open(io.BytesIO(jpg)) as img:
+        with Image.open(io.BytesIO(data)) as img:
+            if img.mode == "P" and "transparency" in img.info:  # through RGBA: Pillow warns on each such image else
+                img = img.convert("RGBA")
             img = img.convert("RGB")
             img.load()
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError, SyntaxError):

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 # the model inputs a training iterator takes (keys and captions are strings and stay behind)
 TRAIN_COLUMNS = ["image", "input_ids", "attention_mask", "label"]
 UNLABELLED = -1  # the label of a row no transform labels: the training loop gives each such row a unique one
+FORMATS = {"jpeg": "jpg"}  # image member extensions counted as another's format
 
 
 @dataclass(frozen=True)
@@ -92,13 +93,17 @@ def preprocess(batch: dict, counts: Counter, rows: Rows) -> dict:
     ids = batch.get("row", np.full(len(batch["key"]), -1))  # data/position.py
     passes = unit_of(np.asarray(ids, dtype=np.int64))[0]
     draws = rows.draws
-    for key, jpg, txt, meta, row, pass_ in zip(batch["key"], batch["jpg"], batch["txt"], batch["json"], ids, passes):
+    exts = batch["img_ext"] if "img_ext" in batch else [None] * len(batch["key"])
+    for key, img, ext, txt, meta, row, pass_ in zip(batch["key"], batch["img"], exts, batch["txt"], batch["json"],
+                                                    ids, passes):
         info = _meta(meta)
         sample = Sample(key, meta, info, _cls(info), row_rng(rows.seed, key, pass_) if draws else None)
+        if ext is not None:  # the image members read, by format (jpeg and jpg are one)
+            counts[f"format_{FORMATS.get(ext, ext)}"] += 1
         text, reason = _caption(rows, txt, sample, counts)
         image = None
         if not reason:
-            image, reason = _image(jpg, rows.image_size, rows.crop_scale_min if rows.train else None, sample.rng)
+            image, reason = _image(img, rows.image_size, rows.crop_scale_min if rows.train else None, sample.rng)
         if reason:
             counts[reason] += 1
             continue
@@ -147,11 +152,11 @@ def _expanded(rows: Rows, text: str, sample: Sample, counts: Counter) -> list[di
     return values
 
 
-def _image(jpg: bytes | None, size: int, scale_min: float | None,
+def _image(img: bytes | None, size: int, scale_min: float | None,
            rng: np.random.Generator | None) -> tuple[np.ndarray | None, str | None]:
-    if jpg is None:
+    if img is None:
         return None, "dropped_missing_image"
-    image = decode_and_crop(jpg, size, scale_min, rng)
+    image = decode_and_crop(img, size, scale_min, rng)
     return image, None if image is not None else "dropped_corrupt_image"
 
 

@@ -198,11 +198,20 @@ def _caption_line(counts: dict) -> str:
                if counts.get("pseudo_bow_captions") else ""))
 
 
+def _format_lines(counts: dict) -> list[str]:
+    """``  images: jpg 3,900, png 100`` — the image members read, by format (rayvl.data.pipeline)."""
+    formats = {k[len("format_"):]: v for k, v in sorted(counts.items()) if k.startswith("format_")}
+    return [f"  images: {', '.join(f'{k} {v:,}' for k, v in formats.items())}"] if formats else []
+
+
 def format_data_report(report: dict) -> str:
     counts = report.get("counts", {})
+    per_pass = report.get("img2dataset_successes_per_pass")
     lines = [f"training: seen {counts.get('samples_seen', 0)}, kept {counts.get('samples_kept', 0)} "
-             f"(all passes over the data; img2dataset lists {report.get('img2dataset_successes_per_pass')} "
-             f"successful samples per pass)", _caption_line(counts), *_drop_lines(report)]
+             f"(all passes over the data; " + (f"a pass holds {per_pass} samples" if per_pass else
+                                               "samples a pass unknown")
+             + (f": {report['pass_size_from']}" if report.get("pass_size_from") else "") + ")",
+             _caption_line(counts), *_format_lines(counts), *_drop_lines(report)]
     if "position" in report:
         lines.insert(1, _position_line(report["position"]))
     if "tonics_rows" in counts:  # [TOnICS] App. A.1: one row per (pair, aligned class)

@@ -214,7 +214,8 @@ class ShardStream(Datasource):
     def _transformed(self, rows: list[dict], ids: np.ndarray, counts: Counter) -> dict | pa.Table:
         batch = {c: [r.get(c) for r in rows] for c in self.columns}
         if self.transform is None:
-            return pa.table({c: pa.array(v, pa.string() if c == "key" else pa.binary()) for c, v in batch.items()})
+            return pa.table({c: pa.array(v, pa.string() if c in ("key", "img_ext") else pa.binary())
+                             for c, v in batch.items()})
         return self.transform({**batch, "row": ids}, counts)
 
 
@@ -321,25 +322,32 @@ def expected_samples(spec: str) -> int | None:
 STATS_SAMPLE = 64  # remote shards whose stats file is read; the pass size is extrapolated from them
 
 
+def samples_per_pass(given: int, paths: list[str]) -> tuple[int | None, str]:
+    """(samples a pass of ``paths`` holds, how that was found): ``given`` (data.samples_per_pass) when set, else
+    pass_size."""
+    return (given, "data.samples_per_pass") if given else pass_size(paths)
+
+
 def pass_size(paths: list[str]) -> tuple[int | None, str]:
     """(successful samples a pass holds, how that was found). Local shards: pyarrow's threaded scan of the
     ``status`` column of img2dataset's parquet files on the driver (as a Ray Data job the same count is mostly task
     start-up, not reading). Object storage: the ``successes`` of img2dataset's
     ``<shard>_stats.json`` — of every shard up to STATS_SAMPLE, else of STATS_SAMPLE spread over the list,
     extrapolated (reading 41k files one by one would cost minutes before every run). None when absent."""
-    import pyarrow.compute as pc
-    import pyarrow.dataset as pads
-
     local = [p for p in paths if not storage.is_url(p) and not is_pipe(p)]
     remote = [p for p in paths if storage.is_url(p)]
     if len(local) + len(remote) < len(paths):
-        return None, "pipe: shards have no img2dataset files to count"
-    total, notes = 0, []
+        return None, "pipe: shards have no img2dataset files to count — data.samples_per_pass gives the size of a pass"
+    total, notes, found = 0, [], []
     # a local shard without its parquet counts for nothing (an undercount only lists more passes)
     parquets = [p for p in (s.rsplit(".tar", 1)[0] + ".parquet" for s in local) if os.path.exists(p)]
-    if parquets:
-        total += pads.dataset(parquets, format="parquet").count_rows(filter=pc.field("status") == "success")
-        notes.append(f"counted in the img2dataset parquet files of {len(parquets)} of {len(local)} local shards")
+    counted, theirs = _successes(parquets) if parquets else (0, 0)
+    total += counted
+    if theirs:
+        notes.append(f"counted in the img2dataset parquet files of {theirs} of {len(local)} local shards")
+    if theirs < len(parquets):
+        notes.append(f"{len(parquets) - theirs} parquet files beside the shards are not img2dataset's (no status "
+                     f"column): not counted")
     if remote:
         n, m = len(remote), min(len(remote), STATS_SAMPLE)  # m spread evenly, the first and the last included
         sample = [remote[i] for i in sorted({round(k * (n - 1) / max(1, m - 1)) for k in range(m)})]
@@ -349,9 +357,25 @@ def pass_size(paths: list[str]) -> tuple[int | None, str]:
             total += round(sum(found) * len(remote) / len(found))
             notes.append(f"from the _stats.json of {len(found)} of {len(remote)} remote shards"
                          + ("" if len(found) == len(remote) else ", extrapolated"))
-    if not notes:
-        return None, "no img2dataset parquet or _stats.json files beside the shards"
+    if not theirs and not found:
+        return None, "; ".join([*notes, "no img2dataset parquet or _stats.json files beside the shards — "
+                                "data.samples_per_pass gives the size of a pass"])
     return total, "; ".join(notes)
+
+
+def _successes(parquets: list[str]) -> tuple[int, int]:
+    """(successful samples img2dataset's parquet files list, files counted). img2dataset lists every URL with its
+    status; other tools' parquet files (DataComp's uid, url, text) have none and list URLs whether or not the shard
+    holds them: they count for nothing (a scan of several files would read their missing status as null)."""
+    import pyarrow.compute as pc
+    import pyarrow.dataset as pads
+    import pyarrow.parquet as pq
+
+    with ThreadPoolExecutor(16) as pool:  # a footer read each
+        mine = [p for p, schema in zip(parquets, pool.map(pq.read_schema, parquets)) if "status" in schema.names]
+    if not mine:
+        return 0, 0
+    return pads.dataset(mine, format="parquet").count_rows(filter=pc.field("status") == "success"), len(mine)
 
 
 def _stats_successes(shard: str) -> int | None:

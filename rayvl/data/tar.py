@@ -17,13 +17,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 
-COLUMNS = ("key", "jpg", "txt", "json")
+IMAGE_EXTENSIONS = ("jpg", "png", "jpeg", "webp")
+"""The image members a sample may carry, as webdataset and open_clip read them (``jpg;png;jpeg;webp``; img2dataset
+writes jpg, png or webp by its ``--encode_format``), in any case; of several, the first in this order."""
+COLUMNS = ("key", "img", "img_ext", "txt", "json")
+"""``img``: the bytes of the sample's image member, whichever its extension; ``img_ext``: that extension, lower
+case; ``txt``, ``json``: those members' bytes. Every value is None where the sample has no such member."""
 
 
 def iter_tar_samples(f, columns: tuple[str, ...] = COLUMNS) -> Iterator[dict]:
-    """Samples of an img2dataset tar stream: {"key", "jpg", "txt", "json"} bytes, members grouped by key (img2dataset
-    writes a sample's members next to each other). Raises on a damaged stream; the incomplete sample is lost."""
+    """Samples of an img2dataset / webdataset tar stream: the ``columns`` of COLUMNS each sample has, members grouped
+    by key (both write a sample's members next to each other). Raises on a damaged stream; the incomplete sample is
+    lost."""
     current: dict = {}
+    images = "img" in columns
     with tarfile.open(fileobj=f, mode="r|*") as tar:
         for member in tar:
             if not member.isreg():
@@ -33,14 +40,44 @@ def iter_tar_samples(f, columns: tuple[str, ...] = COLUMNS) -> Iterator[dict]:
                 yield current
                 current = {}
             current.setdefault("key", stem)
-            if ext in columns:
+            ext = ext.lower()
+            if images and ext in IMAGE_EXTENSIONS:
+                if "img" not in current or _preferred(ext, current["img_ext"]):
+                    current["img"], current["img_ext"] = tar.extractfile(member).read(), ext
+            elif ext in columns and ext not in ("img", "img_ext", "key"):
                 current[ext] = tar.extractfile(member).read()
     if current:
         yield current
 
 
+def _preferred(ext: str, than: str) -> bool:
+    return IMAGE_EXTENSIONS.index(ext) < IMAGE_EXTENSIONS.index(than)
+
+
+def member_extensions(f, samples: int) -> dict[str, int]:
+    """How many of the first ``samples`` samples of a tar stream carry a member of each extension (lower case) — what
+    a shard holds when none of its members is what rayvl reads. A damaged stream ends the count."""
+    found: dict[str, set[str]] = {}
+    keys: list[str] = []
+    try:
+        with tarfile.open(fileobj=f, mode="r|*") as tar:
+            for member in tar:
+                if not member.isreg():
+                    continue
+                stem, _, ext = os.path.basename(member.name).partition(".")
+                if not keys or keys[-1] != stem:
+                    if len(keys) == samples:
+                        break
+                    keys.append(stem)
+                found.setdefault(ext.lower() or "(none)", set()).add(stem)
+    except (tarfile.TarError, EOFError, OSError):
+        pass
+    return {ext: len(stems) for ext, stems in sorted(found.items())}
+
+
 def write_img2dataset_shard(out: Path, name: str, rows: list[dict], stats: dict) -> None:
-    """``<name>.tar`` (jpg, txt = the row's caption, json = the row without its image, for every row with a "jpg"),
+    """``<name>.tar`` (the row's "jpg" bytes under the extension of its "img_ext" (jpg when absent), txt = the row's
+    caption, json = the row without its image, for every row with a "jpg"),
     ``<name>.parquet`` (every row but its image, failed ones too, as img2dataset lists them) and
     ``<name>_stats.json``. Each file is written under a temporary name and renamed, the stats file last: a shard
     whose stats file exists is complete (a rerun of a resumable job skips it)."""
@@ -54,8 +91,8 @@ def write_img2dataset_shard(out: Path, name: str, rows: list[dict], stats: dict)
             for row in rows:
                 if row.get("jpg") is None:
                     continue
-                meta = {k: v for k, v in row.items() if k != "jpg"}
-                for ext, payload in (("jpg", row["jpg"]), ("txt", row["caption"].encode()),
+                meta = {k: v for k, v in row.items() if k not in ("jpg", "img_ext")}
+                for ext, payload in ((row.get("img_ext") or "jpg", row["jpg"]), ("txt", row["caption"].encode()),
                                      ("json", json.dumps(meta).encode())):
                     info = tarfile.TarInfo(f"{row['key']}.{ext}")
                     info.size = len(payload)
@@ -63,6 +100,6 @@ def write_img2dataset_shard(out: Path, name: str, rows: list[dict], stats: dict)
                     tar.addfile(info, io.BytesIO(payload))
 
     publish(".tar", write_tar)
-    table = pa.Table.from_pylist([{k: v for k, v in row.items() if k != "jpg"} for row in rows])
+    table = pa.Table.from_pylist([{k: v for k, v in row.items() if k not in ("jpg", "img_ext")} for row in rows])
     publish(".parquet", lambda path: pq.write_table(table, path))
     publish("_stats.json", lambda path: path.write_text(json.dumps(stats, indent=2)))

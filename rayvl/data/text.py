@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rayvl.private_copy import readable
+
 RESOURCES = Path(__file__).resolve().parent.parent / "resources" / "nltk_data"
 TOKEN_PATTERN = r"\w+(?:[-'’]\w+)*|[^\w\s]+"
 PSEUDO_FLAG = "pseudo_bow"  # in a sample's JSON: its caption is a pseudo-BoW caption (rayvl.pseudo_label)
@@ -114,8 +116,9 @@ def stopwords() -> frozenset[str]:
     import nltk
 
     with NLTK_LOCK:
-        if str(RESOURCES) not in nltk.data.path:
-            nltk.data.path.insert(0, str(RESOURCES))
+        root = str(readable(RESOURCES))  # a group-writable checkout: nltk reads a private copy (rayvl.private_copy)
+        if root not in nltk.data.path:
+            nltk.data.path.insert(0, root)
         from nltk.corpus import stopwords as corpus
 
         return frozenset(corpus.words("english"))

@@ -56,11 +56,14 @@ class Built:
     datasets: dict[str, ray.data.Dataset]
     """by name: "train", "eval" (held-out, when evaluating), "labeled" (a second training stream)."""
     pass_size: int | None
-    """successful samples a pass over the training shards holds, by img2dataset's files (None: unknown)."""
+    """samples a pass over the training shards holds, by data.samples_per_pass or img2dataset's files (None:
+    unknown)."""
     train_shards: int
     """shards a pass over the training data holds (the data position's size)."""
     worker_inputs: dict[str, dict]
     """what each method's training part needs on the workers, by method name."""
+    pass_size_from: str = ""
+    """how ``pass_size`` was found, or why it is unknown."""
 
 
 def plan(cfg: RayvlConfig) -> DataPlan:
@@ -81,13 +84,13 @@ def build(plan: DataPlan, run_dir: str, report_name: str) -> Built:
     run = RunData(cfg, plan.train, run_dir, plan.reports(report_name))
     made = {part.name: part.build(run) for part in plan.parts}
     paths = resolve_shards(plan.train)  # listed once: on object storage each listing is a request per folder
-    pass_size = shards.pass_size(paths)[0]
+    pass_size, how = shards.samples_per_pass(cfg.data.samples_per_pass, paths)
     transforms = tuple(c.transform for c in made.values() if c.transform is not None)
     passes = train_passes(plan, pass_size, len(paths))
     sets = shard_datasets(cfg, plan.train, plan.eval, report_name, transforms, passes)
     for contribution in made.values():
         sets.update(contribution.datasets)
-    return Built(sets, pass_size, len(paths), {name: c.worker for name, c in made.items() if c.worker})
+    return Built(sets, pass_size, len(paths), {name: c.worker for name, c in made.items() if c.worker}, how)
 
 
 def evaluation_or_off(cfg: RayvlConfig, evalset: str) -> RayvlConfig:

@@ -92,11 +92,23 @@ def lr_lambda(warmup: int, total: int):
     return f
 
 
+def no_cpu_comm_op() -> None:
+    """DeepSpeed's CPU accelerator JIT-compiles a shared-memory communication op when its process group starts
+    (``deepspeed.comm.torch.build_shm_op``; a minute on 2 cores) for its inference all-reduce (AutoTP inference),
+    which training never calls: its collectives go through torch.distributed (gloo). Built at run time, the op
+    depended on a writable extensions cache, on which `ninja` came first on PATH (pip's and a system one each take the
+    other's build for out of date) and on a lock that a process killed mid-build leaves behind, on which every later
+    run then waited with no message. rayvl marks the op incompatible in DeepSpeed's table of ops, which DeepSpeed
+    keeps for such edits (``deepspeed.ops.__compatible_ops__``): no run compiles it."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def use_own_ninja() -> None:
-    """torch JIT-builds DeepSpeed's ops (the CPU communication op) with the first `ninja` on PATH. pip's ninja (in this
-    interpreter's bin/, a DeepSpeed requirement) and a system one are other versions, and each takes the other's build
-    for out of date: a process started without the venv activated rebuilt the op (~1 min on 2 cores) and so did the
-    next one that had it. Every rayvl process puts its own interpreter's ninja first."""
+    """torch JIT-builds DeepSpeed's other CPU ops (the CPU Adam of ``train.zero_offload``) with the first `ninja` on
+    PATH; this interpreter's (pip's, a DeepSpeed requirement) comes first, so that a process started without the venv
+    activated does not take the build of another for out of date and build again."""
     bin_dir = os.path.dirname(sys.executable)
     path = os.environ.get("PATH", "").split(os.pathsep)
     if os.path.exists(os.path.join(bin_dir, "ninja")) and path[0] != bin_dir:
@@ -109,6 +121,7 @@ def build_engine(model: torch.nn.Module, cfg: RayvlConfig, world_size: int, devi
     if not cfg.train.use_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     use_own_ninja()
+    no_cpu_comm_op()
     import deepspeed
 
     t = cfg.train

@@ -63,6 +63,7 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
     trainer = _trainer(cfg, storage, name, sets, [run_log, *callbacks], plan)
     result = _fit(trainer, logs, cfg) if progress else trainer.fit()
     report = {**snapshot(reports["train"]), "img2dataset_successes_per_pass": expected,
+              "pass_size_from": built.pass_size_from,
               **{stream: snapshot(name) for stream, name in reports.items() if stream != "train"}}
     report["captions"] = caption_stats(report["counts"])
     if result.checkpoint is not None:  # what the run trained on, per pass, across its resumes

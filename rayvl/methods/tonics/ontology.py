@@ -33,6 +33,7 @@ from rayvl.data import artifacts
 from rayvl.data.shards import Reading, group_over_shards
 from rayvl.data.specs import resolve_shards
 from rayvl.data.text import NLTK_LOCK, is_alphabetical, stopwords, validate_caption, words
+from rayvl.private_copy import readable
 
 COUNTS_FORMAT = 3  # 2: caption nouns only (POS), tags restrict rather than replace them; 3: a row per class
 UNALIGNED = -1
@@ -50,7 +51,7 @@ def wordnet():
             # at every load, reading index.sense twice — most of the load's time, in every read task's process
             return None
 
-    root = assets.require_wordnet()
+    root = readable(assets.require_wordnet())  # a group-writable install: nltk reads a private copy
     with NLTK_LOCK:
         if str(root) not in nltk.data.path:  # nltk reads corpora only from folders on its path
             nltk.data.path.insert(0, str(root))

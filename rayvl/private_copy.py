@@ -1,0 +1,58 @@
+"""Data folders that nltk will read, from any checkout.
+
+nltk 3.10 refuses to read a corpus (the English stopwords, WordNet) from a folder or file that another account could
+have written — a group or world write bit, or another owner — and reports the corpus as not found. A checkout made
+under ``umask 002`` (the default on many shared clusters), an install under it, or a working directory unpacked by
+``ray job submit`` leaves rayvl's folders group-writable. Such a folder is read through a private copy instead: made
+once per machine and source under the user's cache, owner-only, and made again when the source changes.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import stat
+import uuid
+from pathlib import Path
+
+OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
+
+
+def readable(root: Path) -> Path:
+    """``root`` when only this account (or root) can write it and everything under it, else its private copy."""
+    root = Path(root)
+    if _private(root):
+        return root
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rayvl" / "private"
+    cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+    dest = cache / f"{root.name}-{hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]}"
+    if dest.exists() and _private(dest) and _listing(dest) == _listing(root):
+        return dest
+    staged = cache / f".{dest.name}.{uuid.uuid4().hex[:8]}"  # processes that copy at once each stage their own
+    shutil.copytree(root, staged, copy_function=shutil.copyfile, symlinks=False)
+    for folder, dirs, files in os.walk(staged):
+        os.chmod(folder, 0o700)
+        for name in files:
+            os.chmod(os.path.join(folder, name), 0o600)
+    shutil.rmtree(dest, ignore_errors=True)  # a stale or tampered copy
+    try:
+        os.rename(staged, dest)
+    except OSError:  # another process put its copy there first: the same files
+        shutil.rmtree(staged, ignore_errors=True)
+    return dest
+
+
+def _private(root: Path) -> bool:
+    mine = (os.geteuid(), 0)
+    for folder, dirs, files in os.walk(root):
+        for path in [folder, *(os.path.join(folder, n) for n in dirs + files)]:
+            st = os.lstat(path)
+            if st.st_uid not in mine or st.st_mode & OTHERS_WRITE:
+                return False
+    return True
+
+
+def _listing(root: Path) -> list[tuple[str, int]]:
+    """Every file under ``root`` with its size: what tells a copy from its changed source."""
+    return sorted((os.path.relpath(os.path.join(folder, n), root), os.path.getsize(os.path.join(folder, n)))
+                  for folder, _, files in os.walk(root) for n in files)

@@ -1,0 +1,70 @@
+"""rayvl from any checkout, started any way: a checkout and an install made under ``umask 002`` (group-writable
+folders, which nltk refuses to read), and a process without the venv's ``bin/`` on PATH and with a fresh extensions
+cache (which compiled DeepSpeed's CPU communication op, or waited on its lock)."""
+import os
+import shutil
+import stat
+import subprocess
+import sys
+
+from conftest import REPO
+
+GROUP_WRITABLE = """
+import nltk, sys
+sys.path.insert(0, {package!r})
+nltk.data.path.insert(0, {resources!r})
+try:
+    nltk.corpus.stopwords.words("english")
+except LookupError:
+    print("nltk refuses it")
+"""
+READ = """
+from rayvl.data.text import stopwords
+from rayvl.methods.tonics.ontology import wordnet
+print(len(stopwords()), wordnet().synsets("puppy")[0].name())
+"""
+
+
+def _group_writable_copy(src, dst) -> None:
+    """``src`` copied as a checkout or an install under umask 002 leaves it: folders 775, files 664."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    for folder, _, files in os.walk(dst):
+        os.chmod(folder, 0o775)
+        for name in files:
+            os.chmod(os.path.join(folder, name), 0o664)
+
+
+def test_a_group_writable_checkout_and_install_read_stopwords_and_wordnet_through_private_copies(tmp_path):
+    from rayvl import assets
+
+    checkout, installed, cache = tmp_path / "checkout", tmp_path / "assets", tmp_path / "cache"
+    _group_writable_copy(REPO / "rayvl", checkout / "rayvl")
+    _group_writable_copy(assets.require_wordnet(), installed / "nltk_data")
+    env = {**os.environ, "PYTHONPATH": str(checkout), "RAYVL_ASSETS": str(installed), "XDG_CACHE_HOME": str(cache)}
+    resources = checkout / "rayvl" / "resources" / "nltk_data"
+    refused = subprocess.run([sys.executable, "-c", GROUP_WRITABLE.format(package=str(checkout),
+                                                                          resources=str(resources))],
+                             env=env, capture_output=True, text=True, timeout=120)
+    assert refused.stdout.strip() == "nltk refuses it", refused.stderr[-2000:]  # what a user of such a checkout met
+    for _ in range(2):  # the copies are made once, then read as they are
+        read = subprocess.run([sys.executable, "-c", READ], env=env, capture_output=True, text=True, timeout=300,
+                              cwd=tmp_path)
+        assert read.returncode == 0, read.stderr[-3000:]
+        assert read.stdout.split() == ["179", "puppy.n.01"]
+    copies = sorted(p.name.rsplit("-", 1)[0] for p in (cache / "rayvl" / "private").iterdir())
+    assert copies == ["nltk_data", "nltk_data"]  # the stopwords' and WordNet's, nothing staged left over
+    for path in (cache / "rayvl" / "private").rglob("*"):
+        assert not path.lstat().st_mode & (stat.S_IWGRP | stat.S_IWOTH), path
+
+
+def test_a_run_without_the_venv_on_path_and_with_a_fresh_extensions_cache_compiles_nothing(tmp_path):
+    """rayvl's engine (build_engine, what every training worker builds) and a step, in a process whose PATH has no
+    venv and whose torch extensions cache is empty: it trains, and the cache stays empty."""
+    extensions = tmp_path / "torch_extensions"
+    env = {**os.environ, "PATH": "/usr/bin:/bin", "TORCH_EXTENSIONS_DIR": str(extensions)}
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import step_census as sc; "
+            "step, engine = sc.rayvl_step(sc.config(0, 'fp32')); step(); step(); print('trained', engine.global_steps)")
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "trained 2" in run.stdout and "built successfully" not in run.stdout + run.stderr
+    assert not extensions.exists() or not any(extensions.rglob("*"))
