@@ -4,12 +4,15 @@ the first sample of the first and the last shard read, the batch arithmetic, the
 cluster is asked for. No Ray is started."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from collections import Counter
 from itertools import islice
 from pathlib import Path
 
 from rayvl import storage
+from rayvl.assets import VISION_ASSETS
 from rayvl.config import ConfigError, RayvlConfig, precision
 from rayvl.data.images import decode
 from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
@@ -116,6 +119,8 @@ def describe(cfg: RayvlConfig) -> str:
         steps = per_pass / (t.num_workers * text_rows * t.grad_accumulation)
         lines.append(f"  {steps:,.0f} steps a pass; train.max_steps={t.max_steps:,} is "
                      f"{t.max_steps / steps:,.2f} passes")
+    lines += _scale_warnings(cfg, steps if per_pass and text_rows else None)
+    lines += model_lines(cfg) + evaluation_lines(cfg, checks.get("data.eval"), policy)
     gpu = {"GPU": 1} if t.use_gpu else {}
     lines += ["cluster:",
               f"  {t.num_workers} Ray Train workers of {{CPU: {t.cpus_per_worker:g}"
@@ -128,6 +133,84 @@ def describe(cfg: RayvlConfig) -> str:
               + (" (continued from its latest checkpoint)" if t.resume else ""),
               f"  checkpoint every {t.checkpoint_every:,} steps, {t.checkpoints_to_keep} kept"]
     return "\n".join(lines)
+
+
+def _scale_warnings(cfg: RayvlConfig, steps_a_pass: float | None) -> list[str]:
+    """What of a demo-sized budget applies to data of the user's own (``data.train`` set)."""
+    d, t, e = cfg.data, cfg.train, cfg.eval
+    if not d.train:
+        return []
+    out = []
+    if steps_a_pass and t.max_steps < steps_a_pass:
+        out.append(f"train.max_steps={t.max_steps:,} trains {t.max_steps / steps_a_pass:.2%} of one pass over "
+                   f"data.train")
+    if e.tasks and not e.every_steps:
+        out.append("evaluation only at the last step (eval.every_steps=0)")
+    if t.warmup_steps <= 20:
+        out.append(f"a warm-up of {t.warmup_steps} steps (train.warmup_steps)")
+    return [f"  warning: {w} — the recipe's budget for its demo data; set it for yours" for w in out]
+
+
+def model_lines(cfg: RayvlConfig) -> list[str]:
+    """Each tower: where its weights come from, its trainable and frozen parameters (counted on the meta device:
+    nothing allocated, no weights read); the optimizer and the schedule."""
+    import torch
+
+    from rayvl.models.dual_encoder import DualEncoder
+
+    m, t = cfg.model, cfg.train
+    classes = m.num_classes  # a class-embedding tower's classes: from its image-label data when 0 (the run finds them)
+    with torch.device("meta"):
+        model = DualEncoder(dataclasses.replace(m, num_classes=max(1, classes)), pretrained=False)
+
+    def params(module) -> str:
+        trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
+        return f"{trainable:,} trainable" + (f", {frozen:,} frozen" if frozen else "") + " parameters"
+
+    vision = ("pretrained, the package's weights" if m.vision in VISION_ASSETS else
+              f"pretrained, {m.vision_checkpoint}" if m.vision_checkpoint else
+              "random init: model.vision_checkpoint gives it weights")
+    if m.text_tower == "lm":
+        text = f"text tower {m.text}, pretrained, {m.text_strategy}: {params(model.text)}"
+    else:
+        text = f"text tower: a class embedding, {m.embed_dim} trainable parameters per class" + (
+            f", {classes} classes" if classes else " (the image-label data's classes)")
+    return ["model:", f"  image tower {m.vision} ({vision}): {params(model.vision)}", f"  {text}",
+            f"  in all {params(model)}" + ("" if m.text_tower == "lm" or classes else " with one class"),
+            f"  AdamW lr {t.lr:g}, betas {t.betas[0]:g}/{t.betas[1]:g}, weight decay {t.weight_decay:g}; linear "
+            f"warm-up over {t.warmup_steps:,} steps, cosine decay to 0 at step {t.max_steps:,}"]
+
+
+def evaluation_lines(cfg: RayvlConfig, held_out: SpecCheck | None, policy: ReadPolicy) -> list[str]:
+    """Which evaluation tasks will run and when, which are skipped and why — from the files the run is given and
+    the first samples of the held-out shards (the demo's held-out split has every field)."""
+    d, e = cfg.data, cfg.eval
+    if not e.tasks:
+        return ["evaluation: none (eval.tasks=[])"]
+    if d.train and held_out is None:
+        return ["evaluation: none — no held-out shards (data.eval, --eval-data)"]
+    samples = first_samples(held_out.paths[0], SAMPLED, policy) if held_out is not None else []
+    labelled = sum(_meta_cls(x) for x in samples)
+    captioned = sum(x.get("txt") is not None for x in samples)
+    demo = not d.train  # the demo's held-out split and files
+    skipped = {
+        "zeroshot": None if (d.classes or demo) and (labelled or demo) else
+        "no class list (data.classes)" if not (d.classes or demo) else
+        f"none of the first {len(samples)} held-out samples has a `cls` field in its json",
+        "retrieval": None if captioned or demo else f"none of the first {len(samples)} held-out samples has a caption",
+        "paraphrase": None if d.paraphrases or demo else "no paraphrase file (data.paraphrases)",
+        "sts": None if d.sts or demo else "no STS file (data.sts)"}
+    when = f"every {e.every_steps:,} steps and at the last" if e.every_steps else "at the last step only"
+    return [f"evaluation: {when}", *(f"  {task}: " + (f"skipped: {skipped[task]}" if skipped.get(task) else "runs")
+                                    for task in e.tasks)]
+
+
+def _meta_cls(sample: dict) -> bool:
+    try:
+        return "cls" in json.loads(sample.get("json") or b"{}")
+    except (ValueError, TypeError):
+        return False
 
 
 def check_data(spec: str, samples: int, policy: ReadPolicy = ReadPolicy()) -> str:

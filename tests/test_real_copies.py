@@ -17,7 +17,7 @@ PER_SHARD = 32
 TIFF_ONLY = 4  # samples of the last shard whose only image is a .tiff member: dropped_missing_image
 
 
-def _write(folder, name: str, samples: list[dict], ext: str, meta: str) -> None:
+def _write(folder, name: str, samples: list[dict], ext: str, meta: str, json_member: bytes | None = None) -> None:
     """A shard of ``samples`` with their image re-encoded as ``ext`` (its case kept in the member name) and ``meta``
     beside it: "img2dataset" (parquet with status, stats file), "datacomp" (uid, url, text) or "none"."""
     fmt = {"webp": "WEBP", "png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "tiff": "TIFF"}[ext.lower()]
@@ -27,7 +27,7 @@ def _write(folder, name: str, samples: list[dict], ext: str, meta: str) -> None:
             with Image.open(io.BytesIO(s["img"])) as img:
                 (img.convert("P") if fmt == "PNG" else img).save(image, fmt)  # a palette PNG, as many are
             member = "tiff" if meta == "none" and i < TIFF_ONLY else ext
-            for suffix, payload in ((member, image.getvalue()), ("txt", s["txt"]), ("json", s["json"])):
+            for suffix, payload in ((member, image.getvalue()), ("txt", s["txt"]), ("json", json_member or s["json"])):
                 info = tarfile.TarInfo(f"{s['key']}.{suffix}")
                 info.size = len(payload)
                 tar.addfile(info, io.BytesIO(payload))
@@ -50,6 +50,8 @@ def copies(demo_dir, tmp_path_factory):
         samples = list(iter_tar_samples(f))[:4 * PER_SHARD]
     out = tmp_path_factory.mktemp("copies")
     (out / "tiff").mkdir()
+    (out / "held_out").mkdir()  # captioned, without the `cls` field zero-shot needs
+    _write(out / "held_out", "00000", samples[:PER_SHARD], "jpg", "img2dataset", json_member=b"{}")
     for i, (ext, meta) in enumerate((("webp", "img2dataset"), ("PNG", "img2dataset"), ("jpeg", "datacomp"),
                                      ("jpg", "none"))):
         _write(out, f"{i:05d}", samples[i * PER_SHARD:(i + 1) * PER_SHARD], ext, meta)
@@ -80,12 +82,28 @@ def test_shards_of_every_image_format_and_metadata_are_checked_and_trained_with_
     assert f"of the first 32 samples of the first and the last shard: dropped_missing_image {TIFF_ONLY}, kept " \
            f"{2 * PER_SHARD - TIFF_ONLY}" in out
 
-    # the dry run of a run that says what a pass holds
-    per_pass = ["--set", f"data.samples_per_pass={4 * PER_SHARD}"]
-    code, out, err = _cli(capsys, "train", "--dry-run", "--data", spec, "--eval-data", str(demo_dir / "eval"),
-                          *per_pass)
+    # the dry run of a run that says what a pass holds, with a demo-sized budget, its model and its evaluation
+    budget = [f"data.samples_per_pass={4 * PER_SHARD}", "train.micro_batch_size=16", "train.max_steps=2",
+              "train.warmup_steps=1", f"data.classes={demo_dir / 'classes.json'}"]
+    code, out, err = _cli(capsys, "train", "--dry-run", "--data", spec, "--eval-data", str(copies / "held_out"),
+                          *[x for setting in budget for x in ("--set", setting)])
     assert code == 0, err
     assert f"{4 * PER_SHARD} samples a pass (data.samples_per_pass)" in out
+    assert "4 steps a pass; train.max_steps=2 is 0.50 passes" in out
+    warnings = [line.strip() for line in out.splitlines() if "warning:" in line]
+    assert [w.split(" — ")[0] for w in warnings] == [
+        "warning: train.max_steps=2 trains 50.00% of one pass over data.train",
+        "warning: evaluation only at the last step (eval.every_steps=0)",
+        "warning: a warm-up of 1 steps (train.warmup_steps)"]
+    assert ("image tower efficientnet-lite0 (pretrained, the package's weights): 3,371,008 trainable parameters\n"
+            "  text tower minilm-l6, pretrained, frozen_alignment: ") in out
+    assert "AdamW lr 0.001, betas 0.9/0.98, weight decay 0.1; linear warm-up over 1 steps, cosine decay to 0 at " \
+           "step 2" in out
+    assert ("evaluation: at the last step only\n"
+            "  zeroshot: skipped: none of the first 32 held-out samples has a `cls` field in its json\n"
+            "  retrieval: runs\n"
+            "  paraphrase: skipped: no paraphrase file (data.paraphrases)\n"
+            "  sts: skipped: no STS file (data.sts)\n") in out
 
     # one run over all four: every format decoded, the .tiff-only samples dropped and counted, per pass exactly
     steps = (4 * PER_SHARD - TIFF_ONLY) // 16  # 2 workers × 8 rows
