@@ -7,6 +7,8 @@ as ``ConfigError`` naming the full dotted key, before Ray starts.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import importlib.resources
 import re
 import types
 import typing
@@ -500,7 +502,9 @@ def _build(cls: type, values: dict, prefix: str = "") -> Any:
     for k in values:
         if k not in names:
             full = f"{prefix}.{k}" if prefix else k
-            raise ConfigError(f"{full}: unknown key (known: {', '.join(sorted(names))})")
+            close = difflib.get_close_matches(k, names, n=1)
+            hint = f"did you mean {f'{prefix}.{close[0]}' if prefix else close[0]}? " if close else ""
+            raise ConfigError(f"{full}: unknown key ({hint}known: {', '.join(sorted(names))})")
     kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}" if prefix else k) for k, v in values.items()}
     return cls(**kwargs)
 
@@ -532,12 +536,24 @@ def load_yaml(text: str, where: str):
         raise ConfigError(f"{where}: not valid YAML{at}: {getattr(e, 'problem', None) or e}") from None
 
 
+def recipe_file(path: str | Path) -> Path:
+    """``path``; where no such file exists and it is a bare name (``bow_pretrain``, ``tonics.yaml``), the recipe of
+    that name installed with rayvl (configs/ as the package ``rayvl.configs``), so it works from any folder."""
+    given = Path(path).expanduser()
+    if given.exists() or given.name != str(path):
+        return given
+    packaged = Path(str(importlib.resources.files("rayvl.configs"))) / f"{given.stem}.yaml"
+    return packaged if packaged.is_file() and given.suffix in ("", ".yaml") else given
+
+
 def read_yaml(path: str | Path, key: str) -> Any:
     """A YAML file's values; a missing file or a syntax error is a ConfigError naming ``key`` and the file."""
     try:
         text = Path(path).expanduser().read_text()
     except OSError as e:
-        raise ConfigError(f"{key}: cannot read {str(path)!r} ({e.strerror or e})") from None
+        recipes = sorted(p.stem for p in Path(str(importlib.resources.files("rayvl.configs"))).glob("*.yaml"))
+        hint = f"; the recipes rayvl has: {', '.join(recipes)}" if key == "--config" else ""
+        raise ConfigError(f"{key}: cannot read {str(path)!r} ({e.strerror or e}{hint})") from None
     return load_yaml(text, f"{key} {path}")
 
 
@@ -567,7 +583,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Defaults ← recipe YAML ← ``--set`` overrides, then validated."""
     values: dict = {}
     if path:
-        loaded = read_yaml(path, "--config") or {}
+        loaded = read_yaml(recipe_file(path), "--config") or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: a recipe must be a mapping of sections")
         values = loaded

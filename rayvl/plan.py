@@ -216,12 +216,12 @@ def _meta_cls(sample: dict) -> bool:
 def check_data(spec: str, samples: int, policy: ReadPolicy = ReadPolicy()) -> str:
     """``rayvl data check``: the shards a spec names, what img2dataset's files say a pass holds, and the first
     ``samples`` samples of the first shard decoded, with the reasons any would be dropped."""
-    check = checked("SPEC", spec)
-    lines, _ = data_lines("SPEC", check, policy)
+    check = checked(spec, spec)  # the spec names itself in the lines and the errors
+    lines, _ = data_lines(spec, check, policy)
     try:
         read = first_samples(check.paths[0], samples, policy)
     except ShardIOError as e:
-        raise ConfigError(f"SPEC: {e}") from None
+        raise ConfigError(f"{spec}: {e}") from None
     reasons: Counter = Counter()
     lines.append(f"  first {len(read)} samples of {check.paths[0]}:")
     for sample in read:

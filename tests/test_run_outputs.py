@@ -304,3 +304,34 @@ def test_without_held_out_shards_a_run_trains_unevaluated_and_tonics_is_refused(
     tonics = load_config(REPO / "configs" / "tonics.yaml", [f"data.train={demo_dir / 'train'}", "data.eval="])
     with pytest.raises(ConfigError, match="data.eval: the TOnICS curriculum refresh needs held-out shards"):
         datasets.plan(tonics)
+
+
+def test_cli_mistakes_name_the_way_out(demo_dir, tmp_path, capsys, monkeypatch):
+    """A resume of a finished run, a key's near miss, a packaged recipe named from another folder, a report of a
+    folder that is no sweep's: each one line (exit 2) saying what to do instead, before Ray starts."""
+    from rayvl.cli import main
+    from rayvl.config import load_config
+    from rayvl.recipes import CONFIGS, run_recipe
+
+    finished = tmp_path / "runs" / "done" / "checkpoint_000001"
+    finished.mkdir(parents=True)
+    recipe = load_config(CONFIGS / "laion_adapt.yaml")
+    (finished / "rayvl.json").write_text(json.dumps({"step": recipe.train.max_steps, "config": recipe.to_dict(),
+                                                     "final": True}))
+    base = ["--data", str(demo_dir / "train"), "--eval-data", str(demo_dir / "eval"),
+            "--set", f"train.storage_path={tmp_path / 'runs'}", "--resume", "done"]
+    for dry in ([], ["--dry-run"]):
+        assert run_recipe(str(CONFIGS / "laion_adapt.yaml"), base + dry) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"rayvl: error: train.resume: run '{tmp_path / 'runs' / 'done'}' finished at step 200 (train.max_steps): "
+            f"nothing is left to train — to train it further, start a new run from its weights with --init-from "
+            f"{tmp_path / 'runs' / 'done'} (train.init_from), on a schedule of its own")
+    assert main(["train", "--dry-run", "--set", "model.alignment_layer=2"]) == 2
+    assert "model.alignment_layer: unknown key (did you mean model.alignment_layers? known: " in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)  # not the repository: the recipe installed with the package
+    assert main(["train", "--dry-run", "--config", "bow_pretrain"]) == 0
+    assert capsys.readouterr().out.startswith("recipe bow_pretrain: config valid")
+    assert main(["train", "--dry-run", "--config", "no_such_recipe"]) == 2
+    assert "the recipes rayvl has: bow_pretrain, laion_adapt, tonics, unicl" in capsys.readouterr().err
+    assert main(["tune", "--report", str(tmp_path)]) == 2
+    assert f"--report {tmp_path}: not a sweep's directory" in capsys.readouterr().err

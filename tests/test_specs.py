@@ -53,6 +53,12 @@ def test_every_local_form(shard_dir):
         with pytest.raises(DataPlaneError, match=named):  # each part must name something: no silent typo
             resolve_shards(bad)
     assert "3 local files named and found" in check(f"{a}/{{00000..00002}}.tar").summary
+    # every missing name in one error, not the first alone
+    with pytest.raises(DataPlaneError) as missing:
+        resolve_shards(f"{a}/{{00000..00009}}.tar")
+    assert str(missing.value) == (f"'{a}/00003.tar', '{a}/00004.tar', '{a}/00005.tar', '{a}/00006.tar', "
+                                  f"'{a}/00007.tar' and 2 more do not exist (7 of the shards "
+                                  f"'{a}/{{00000..00009}}.tar' names)")
 
 
 def test_pipe_commands_are_shards(shard_dir, tmp_path):

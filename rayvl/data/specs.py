@@ -42,6 +42,7 @@ class Resolved:
     pipes: int = 0
     listed: int = 0  # shards found by listing a folder or a glob (local or remote)
     from_lists: int = 0  # shards read from .txt list files, taken as written
+    missing: list[str] = field(default_factory=list)  # local names that do not exist: all of them in one error
 
 
 def is_pipe(path: str) -> bool:
@@ -77,8 +78,13 @@ def resolve(spec: str) -> Resolved:
             _add(item, found, named)
         if named:
             found.named_urls.append(named)
-        if len(found.paths) == before:
+        if len(found.paths) == before and not found.missing:
             raise DataPlaneError(f"{part!r} matches no shard" + (f" (in {spec!r})" if part != spec else ""))
+    if found.missing:
+        n = len(found.missing)
+        shown = ", ".join(repr(p) for p in found.missing[:5]) + (f" and {n - 5} more" if n > 5 else "")
+        raise DataPlaneError(f"{shown} {'does' if n == 1 else 'do'} not exist"
+                             + (f" ({n} of the shards {spec!r} names)" if n > 1 else ""))
     return found
 
 
@@ -126,7 +132,8 @@ def _add_local(path: str, found: Resolved) -> None:
         found.paths.append(path)
         return
     else:
-        raise DataPlaneError(f"{path!r} does not exist")
+        found.missing.append(path)
+        return
     found.paths += listed
     found.listed += len(listed)
 

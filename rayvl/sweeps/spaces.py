@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from rayvl.config import ConfigError, RayvlConfig, load_config, parse_override, read_yaml
+from rayvl.config import ConfigError, RayvlConfig, load_config, parse_override, read_yaml, recipe_file
 
 DOMAINS = ("grid", "choice", "uniform", "loguniform", "randint")
 SCHEDULERS = ("asha", "fifo")
@@ -82,7 +82,7 @@ def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:
 
 def on_demo(recipe: str, overrides: list[str]) -> bool:
     """Whether trials read the embedded demo dataset: neither the recipe nor the overrides give data.train."""
-    train = ((read_yaml(recipe, "recipe") or {}).get("data") or {}).get("train", "")
+    train = ((read_yaml(recipe_file(recipe), "recipe") or {}).get("data") or {}).get("train", "")
     for text in overrides:
         train = parse_override(text).get("data", {}).get("train", train)
     return not train

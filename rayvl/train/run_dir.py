@@ -51,7 +51,7 @@ def run_paths(cfg: RayvlConfig) -> tuple[str, str]:
     if cfg.train.resume and latest is None:
         raise ConfigError(f"train.resume: run {run_dir!r} has no checkpoint to resume from")
     if latest is not None:
-        check_resumable(cfg, read_meta(latest))
+        check_resumable(cfg, read_meta(latest), run_dir)
     return store, name
 
 
@@ -119,7 +119,20 @@ def git_commit() -> str:
 SCHEDULE_KEYS = ("lr", "warmup_steps", "max_steps", "weight_decay", "betas", "eps")
 
 
-def check_resumable(cfg: RayvlConfig, meta: dict) -> None:
+def refuse_finished(cfg: RayvlConfig) -> None:
+    """A user's resume (``--resume``) of a run that reached train.max_steps is refused: nothing is left to train. (A
+    sweep's restored trial may resume a finished run of its own: it gets that run's result.)"""
+    store, name = run_paths(cfg)
+    run = storage.join(store, name)
+    latest = latest_checkpoint_dir(run)
+    step = read_meta(latest)["step"] if latest is not None else 0
+    if step >= cfg.train.max_steps:
+        raise ConfigError(f"train.resume: run {run!r} finished at step {step} (train.max_steps): nothing is left to "
+                          f"train — to train it further, start a new run from its weights with --init-from {run} "
+                          f"(train.init_from), on a schedule of its own")
+
+
+def check_resumable(cfg: RayvlConfig, meta: dict, run: str) -> None:
     """A resume continues the run's own schedule: any schedule key changed since it started is refused, naming
     the key; so is a ``stop_at_step`` the run has already passed."""
     started = from_dict(meta["config"]).train  # typed as the config is (JSON has lists where it has tuples)
@@ -129,7 +142,8 @@ def check_resumable(cfg: RayvlConfig, meta: dict) -> None:
             raise ConfigError(
                 f"train.{key}: {now} differs from {then}, the value the run started with (checkpoint at step "
                 f"{meta['step']}); a resume continues the run's optimizer and learning-rate schedule — resume with "
-                f"train.{key}={then}, or start a new run")
+                f"train.{key}={then}, or start a new run from its weights with --init-from {run} "
+                f"(train.init_from), on a schedule of its own")
     if 0 < cfg.train.stop_at_step <= meta["step"]:
         raise ConfigError(f"train.stop_at_step: {cfg.train.stop_at_step} is not after the checkpoint's step "
                           f"{meta['step']}")
