@@ -24,10 +24,11 @@ def build_parser() -> RayvlParser:
     _tune_parser(sub)
     pl = sub.add_parser("plot", help="a run's dashboard PNG (also of a run still going); several runs: one "
                                       "dashboard with a line per run")
-    pl.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
+    pl.add_argument("runs", nargs="+", metavar="RUN", help="run directories, run names or latest")
     pl.add_argument("--out", default=None, help="output folder (default: <run>/plots; required for several runs)")
     ex = sub.add_parser("export", help="write a run's model as safetensors + config + tokenizer + model card")
-    ex.add_argument("run", metavar="RUN", help="a run directory (its newest checkpoint) or a checkpoint")
+    ex.add_argument("run", metavar="RUN", help="a run directory (its newest checkpoint), a checkpoint, a run's name "
+                                                "under ~/rayvl-runs, or latest")
     ex.add_argument("--out", required=True, help="the export folder (rayvl.load reads it)")
     _pseudo_label_parser(sub)
     a = sub.add_parser("assets", help="offline assets").add_subparsers(dest="assets_command", required=True,
@@ -61,7 +62,7 @@ def _eval_parser(sub) -> None:
     e = sub.add_parser("eval", help="evaluate a checkpoint: zero-shot, retrieval, paraphrase, STS, linear probe; "
                                     "unset options take the run's eval section")
     e.add_argument("run", metavar="RUN", help="a run directory (its newest checkpoint) or a checkpoint, local or a "
-                                              "URL")
+                                              "URL; a run's name under ~/rayvl-runs; latest")
     e.add_argument("--tasks", default=None, metavar="A,B,...",
                    help=f"comma list of tasks (default: eval.checkpoint_tasks, {','.join(d.checkpoint_tasks)})")
     e.add_argument("--data", default="", help="img2dataset shards, an ImageFolder tree or Fashion-MNIST IDX files "
@@ -165,9 +166,10 @@ def eval_main(args) -> int:
     from rayvl.eval.embed import check_gpus
     from rayvl.eval.runner import default_sources, run_eval, settings
     from rayvl.eval.tables import format_tables
+    from rayvl.train.run_dir import find_run
 
     try:  # everything the command line names, checked before any embedding
-        ckpt = checkpoint_uri(args.run)  # a local path or a URL (s3://, gs://, file://, ...)
+        ckpt = checkpoint_uri(find_run(args.run))  # a path or a URL (s3://, gs://, ...), a run's name, latest
         config = read_meta(ckpt)["config"]
         pool = settings(config, actors=args.actors, cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus,
                         batch_size=args.batch_size, paraphrase_k=args.k)
@@ -266,7 +268,9 @@ def plot_main(args) -> int:
     from pathlib import Path
 
     from rayvl.plots import history, plot_run, plot_runs
+    from rayvl.train.run_dir import find_run
 
+    args.runs = [find_run(r) for r in args.runs]
     if len(args.runs) == 1:
         drawn = plot_run(args.runs[0], args.out)
     elif not args.out:
@@ -280,7 +284,9 @@ def plot_main(args) -> int:
 
 def export_main(args) -> int:
     from rayvl.export import export
+    from rayvl.train.run_dir import find_run
 
+    args.run = find_run(args.run)
     out = export(args.run, args.out)
     print(f"exported {args.run} → {out} (load it with rayvl.load({str(out)!r}))")
     return 0

@@ -335,3 +335,22 @@ def test_cli_mistakes_name_the_way_out(demo_dir, tmp_path, capsys, monkeypatch):
     assert "the recipes rayvl has: bow_pretrain, laion_adapt, tonics, unicl" in capsys.readouterr().err
     assert main(["tune", "--report", str(tmp_path)]) == 2
     assert f"--report {tmp_path}: not a sweep's directory" in capsys.readouterr().err
+
+
+def test_eval_export_and_plot_take_a_run_by_name_or_latest(tmp_path, monkeypatch, capsys):
+    from rayvl.cli import main
+    from rayvl.train.run_dir import find_run
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # the default storage path, ~/rayvl-runs
+    runs = tmp_path / "rayvl-runs"
+    for name, checkpointed in (("tonics-20261101-090000", True), ("laion_adapt-20261102-090000", True),
+                               ("laion_adapt-20261103-090000", False), ("mine", True)):
+        (runs / name / "checkpoint_000001").mkdir(parents=True)
+        if checkpointed:
+            (runs / name / "checkpoint_000001" / "rayvl.json").write_text(json.dumps({"step": 1}))
+    assert find_run("latest") == str(runs / "laion_adapt-20261102-090000")  # the newest with a checkpoint
+    assert find_run("mine") == str(runs / "mine") and find_run(str(tmp_path)) == str(tmp_path)
+    for argv in (["export", "nope", "--out", str(tmp_path / "x")], ["plot", "nope"], ["eval", "nope"]):
+        assert main(argv) == 2
+        assert f"rayvl: error: RUN: 'nope' is neither a run directory nor checkpoint, nor a run's name under " \
+               f"'{runs}' (or latest)" in capsys.readouterr().err

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rayvl import __version__, storage
 from rayvl.checkpoints import METRICS_FILE, latest_checkpoint_dir, read_meta
-from rayvl.config import ConfigError, RayvlConfig, from_dict
+from rayvl.config import ConfigError, RayvlConfig, TrainConfig, from_dict
 from rayvl.eval.tasks import METRIC_PREFIXES
 from rayvl.plots import PLOTS_DIR, history, plot_runs
 
@@ -63,6 +63,26 @@ def newest_run(store: str, recipe: str) -> str:
             return Path(run.rstrip("/")).name
     raise ConfigError(f"train.resume: no run of recipe {recipe!r} with a checkpoint under {store!r} (name one: "
                       f"--resume RUN)")
+
+
+def find_run(run: str, store: str | None = None) -> str:
+    """What `rayvl eval`, `export` and `plot` take as RUN: a run directory or checkpoint (a path or a URL) as it is;
+    a run's name under the storage path (``store``, default train.storage_path's); ``latest``, the newest
+    ``<recipe>-<timestamp>`` run there with a checkpoint, of any recipe."""
+    if storage.is_url(run) or Path(run).expanduser().exists():
+        return run
+    store = storage.normalize(store or TrainConfig().storage_path)
+    if run == "latest":
+        runs = [d for d in storage.subdirs(store, "") if STAMPED.search(d.rstrip("/"))]
+        for found in sorted(runs, key=lambda d: STAMPED.search(d.rstrip("/")).group(), reverse=True):
+            if latest_checkpoint_dir(found) is not None:
+                return found.rstrip("/")
+        raise ConfigError(f"RUN: latest: no run with a checkpoint under {store!r}")
+    named = storage.join(store, run)
+    if storage.exists(named):
+        return named
+    raise ConfigError(f"RUN: {run!r} is neither a run directory nor checkpoint, nor a run's name under {store!r} "
+                      f"(or latest)")
 
 
 def log_dir(store: str, name: str) -> Path:
