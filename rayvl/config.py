@@ -536,14 +536,22 @@ def load_yaml(text: str, where: str):
         raise ConfigError(f"{where}: not valid YAML{at}: {getattr(e, 'problem', None) or e}") from None
 
 
-def recipe_file(path: str | Path) -> Path:
-    """``path``; where no such file exists and it is a bare name (``bow_pretrain``, ``tonics.yaml``), the recipe of
-    that name installed with rayvl (configs/ as the package ``rayvl.configs``), so it works from any folder."""
+# the YAML files installed with rayvl, by what the command line calls them: configs/ and tune_spaces/ as packages
+INSTALLED = {"--config": "rayvl.configs", "search space": "rayvl.tune_spaces"}
+
+
+def installed_file(path: str | Path, key: str) -> Path:
+    """``path``; where no such file exists and it is a bare name (``bow_pretrain``, ``curriculum.yaml``), the file
+    of that name installed with rayvl for ``key`` (INSTALLED), so it works from any folder."""
     given = Path(path).expanduser()
     if given.exists() or given.name != str(path):
         return given
-    packaged = Path(str(importlib.resources.files("rayvl.configs"))) / f"{given.stem}.yaml"
+    packaged = Path(str(importlib.resources.files(INSTALLED[key]))) / f"{given.stem}.yaml"
     return packaged if packaged.is_file() and given.suffix in ("", ".yaml") else given
+
+
+def recipe_file(path: str | Path) -> Path:
+    return installed_file(path, "--config")
 
 
 def read_yaml(path: str | Path, key: str) -> Any:
@@ -551,8 +559,10 @@ def read_yaml(path: str | Path, key: str) -> Any:
     try:
         text = Path(path).expanduser().read_text()
     except OSError as e:
-        recipes = sorted(p.stem for p in Path(str(importlib.resources.files("rayvl.configs"))).glob("*.yaml"))
-        hint = f"; the recipes rayvl has: {', '.join(recipes)}" if key == "--config" else ""
+        hint = ""
+        if key in INSTALLED:
+            names = sorted(p.stem for p in Path(str(importlib.resources.files(INSTALLED[key]))).glob("*.yaml"))
+            hint = f"; the {'recipes' if key == '--config' else 'search spaces'} rayvl has: {', '.join(names)}"
         raise ConfigError(f"{key}: cannot read {str(path)!r} ({e.strerror or e}{hint})") from None
     return load_yaml(text, f"{key} {path}")
 
@@ -592,6 +602,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = _build(RayvlConfig, values)
     validate(cfg)
     return cfg
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Each ``key=value`` on its own: the key exists and the value has its type (ConfigError naming the key); what
+    they make together with a recipe is load_config's to check."""
+    values: dict = {}
+    for text in overrides:
+        values = _merge(values, parse_override(text))
+    _build(RayvlConfig, values)
 
 
 def from_dict(values: dict) -> RayvlConfig:

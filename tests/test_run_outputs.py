@@ -150,7 +150,8 @@ def test_resume_without_a_name_continues_the_newest_run_of_the_recipe(demo_dir, 
 
 
 def test_recipes_are_installed_with_the_package(tmp_path):
-    """A non-editable install (a wheel) carries configs/ as rayvl.configs, and the CLI finds them there."""
+    """A non-editable install (a wheel) carries configs/ as rayvl.configs and tune_spaces/ as rayvl.tune_spaces, and
+    the CLI finds them there — a space by its name, from any folder, with the recipe it names."""
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(REPO),
                     "-w", str(tmp_path / "wheel")], check=True, capture_output=True, cwd=tmp_path)
     wheel = next((tmp_path / "wheel").glob("rayvl-*.whl"))
@@ -161,6 +162,12 @@ def test_recipes_are_installed_with_the_package(tmp_path):
                          env={**os.environ, "PYTHONPATH": str(tmp_path / "site")}).stdout.splitlines()
     assert out[0].startswith(str(tmp_path / "site")), out
     assert out[1] == "['bow_pretrain.yaml', 'laion_adapt.yaml', 'tonics.yaml', 'unicl.yaml']"
+    code = "from rayvl.sweeps.spaces import load_sweep; s = load_sweep('curriculum'); print(s.path); print(s.recipe)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == [str(tmp_path / "site" / "rayvl" / "tune_spaces" / "curriculum.yaml"),
+                                       str(tmp_path / "site" / "rayvl" / "configs" / "tonics.yaml")]
 
 
 @pytest.mark.parametrize("args, key", [
@@ -335,6 +342,9 @@ def test_cli_mistakes_name_the_way_out(demo_dir, tmp_path, capsys, monkeypatch):
     assert "the recipes rayvl has: bow_pretrain, laion_adapt, tonics, unicl" in capsys.readouterr().err
     assert main(["tune", "--report", str(tmp_path)]) == 2
     assert f"--report {tmp_path}: not a sweep's directory" in capsys.readouterr().err
+    # a sweep's --set mistake is the command line's, not the space file's
+    assert main(["tune", str(REPO / "tune_spaces" / "alignment_depth.yaml"), "--dry-run", "--set", "train.lrr=1"]) == 2
+    assert capsys.readouterr().err.startswith("rayvl: error: --set train.lrr: unknown key (did you mean train.lr? ")
 
 
 def test_eval_export_and_plot_take_a_run_by_name_or_latest(tmp_path, monkeypatch, capsys):

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from rayvl.config import ConfigError, RayvlConfig, load_config, parse_override, read_yaml, recipe_file
+from rayvl.config import (ConfigError, RayvlConfig, check_overrides, installed_file, load_config, parse_override,
+                          read_yaml, recipe_file)
 
 DOMAINS = ("grid", "choice", "uniform", "loguniform", "randint")
 SCHEDULERS = ("asha", "fifo")
@@ -55,7 +56,7 @@ def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:
     """Read and validate a space file. Every trial gets its ``set`` (what the question fixes, on any data), then
     on the embedded demo only its ``demo`` (the per-trial budget that fits a laptop), then ``overrides``
     ("key=value", e.g. from --set), which win over both."""
-    path = str(path)
+    path = str(installed_file(path, "search space"))  # a path, or a space installed with rayvl by its name
     try:
         raw = read_yaml(path, "search space") or {}  # 1e-3 is a number here too
     except ConfigError as e:
@@ -69,6 +70,10 @@ def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:
         if key not in raw:
             raise SweepError(f"{path}: {key}: missing")
     recipe = _recipe_path(path, raw["recipe"])
+    try:  # a mistake of the command line's own is its own, not the space file's
+        check_overrides(list(overrides))
+    except ConfigError as e:
+        raise SweepError(f"--set {e}") from None
     fixed = [f"{k}={as_yaml(v)}" for k, v in (raw.get("set") or {}).items()]
     if on_demo(recipe, fixed + list(overrides)):
         fixed += [f"{k}={as_yaml(v)}" for k, v in (raw.get("demo") or {}).items()]
@@ -98,8 +103,10 @@ def _variants(path: str, raw: dict) -> dict[str, list[str]]:
 
 
 def _recipe_path(space_file: str, recipe: str) -> str:
-    """A recipe path as written: absolute, relative to the working directory, or to the repository root."""
-    for candidate in (Path(recipe).expanduser(), Path(space_file).resolve().parent.parent / recipe):
+    """A recipe path as written: absolute, relative to the working directory, or to the repository root (of an
+    installed space: the installed package, which holds configs/ as well); or an installed recipe's name."""
+    for candidate in (Path(recipe).expanduser(), Path(space_file).resolve().parent.parent / recipe,
+                      recipe_file(recipe)):
         if candidate.is_file():
             return str(candidate.resolve())  # trials run with their trial directory as working directory
     raise SweepError(f"{space_file}: recipe: {recipe!r} not found")
