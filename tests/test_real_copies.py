@@ -139,8 +139,10 @@ def test_shards_without_an_image_rayvl_reads_are_refused_naming_their_members(co
         assert f"64 of the 64 samples read from the start of its first and last shards would be dropped for their " \
                f"image (dropped_missing_image 64)" in err
         assert f"members: .json in 32, .tiff in 32, .txt in 32 — rayvl reads images from jpg, png, jpeg, webp" in err
-    # shards with no metadata: the size of a pass is unknown, and what gives it is named
+    # a local shard with no metadata: the size of a pass is estimated from its first shard's members, and what
+    # gives it exactly is named
     code, out, err = _cli(capsys, "data", "check", f"{copies}/00003.tar")
     assert code == 0, err
-    assert ("samples a pass unknown (no img2dataset parquet or _stats.json files beside the shards — "
-            "data.samples_per_pass gives the size of a pass)") in out
+    assert (f"{PER_SHARD} samples a pass (estimated: the first shard holds {PER_SHARD} samples, × 1 shard; no "
+            f"img2dataset parquet or _stats.json files beside the shards — data.samples_per_pass gives it "
+            f"exactly)") in out
