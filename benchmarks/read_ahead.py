@@ -36,6 +36,9 @@ def shards(out: Path, n: int, samples: int, metadata: bool) -> str:
     return str(bare)
 
 
+SLUGS = {"img2dataset files": "files", "no files: estimated": "estimated", "no size (before)": "no-size"}
+
+
 def run(way: str, data: str, evalset: str, steps: int, storage: Path) -> dict:
     from rayvl.config import load_config
     from rayvl.data import shards as shard_sizes
@@ -44,7 +47,7 @@ def run(way: str, data: str, evalset: str, steps: int, storage: Path) -> dict:
     cfg = load_config(REPO / "configs" / "laion_adapt.yaml", [
         f"data.train={data}", f"data.eval={evalset}", "eval.tasks=[]", "data.image_size=32", "train.micro_batch_size=8",
         f"train.max_steps={steps}", "train.warmup_steps=1", f"train.checkpoint_every={steps}", f"train.log_every={steps}",
-        f"train.storage_path={storage}", f"train.run_name={way}", "model.alignment_layers=1", "model.embed_dim=64",
+        f"train.storage_path={storage}", f"train.run_name={SLUGS[way]}", "model.alignment_layers=1", "model.embed_dim=64",
         "train.report_to=[]"])
     estimate = shard_sizes.samples_per_pass
     if way == "no size (before)":  # the driver's pass size as it was without the estimate

@@ -540,13 +540,22 @@ def load_yaml(text: str, where: str):
 INSTALLED = {"--config": "rayvl.configs", "search space": "rayvl.tune_spaces"}
 
 
+def installed_dir(key: str) -> Path:
+    """The folder of INSTALLED[key]: the installed package, or the checkout's folder where rayvl runs from its source
+    tree without an install that maps it (PYTHONPATH, an editable install made before the package existed)."""
+    try:
+        return Path(str(importlib.resources.files(INSTALLED[key])))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parent.parent / INSTALLED[key].split(".", 1)[1]
+
+
 def installed_file(path: str | Path, key: str) -> Path:
     """``path``; where no such file exists and it is a bare name (``bow_pretrain``, ``curriculum.yaml``), the file
     of that name installed with rayvl for ``key`` (INSTALLED), so it works from any folder."""
     given = Path(path).expanduser()
     if given.exists() or given.name != str(path):
         return given
-    packaged = Path(str(importlib.resources.files(INSTALLED[key]))) / f"{given.stem}.yaml"
+    packaged = installed_dir(key) / f"{given.stem}.yaml"
     return packaged if packaged.is_file() and given.suffix in ("", ".yaml") else given
 
 
@@ -561,7 +570,7 @@ def read_yaml(path: str | Path, key: str) -> Any:
     except OSError as e:
         hint = ""
         if key in INSTALLED:
-            names = sorted(p.stem for p in Path(str(importlib.resources.files(INSTALLED[key]))).glob("*.yaml"))
+            names = sorted(p.stem for p in installed_dir(key).glob("*.yaml"))
             hint = f"; the {'recipes' if key == '--config' else 'search spaces'} rayvl has: {', '.join(names)}"
         raise ConfigError(f"{key}: cannot read {str(path)!r} ({e.strerror or e}{hint})") from None
     return load_yaml(text, f"{key} {path}")

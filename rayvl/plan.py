@@ -29,7 +29,7 @@ def first_samples(path: str, n: int, policy: ReadPolicy) -> list[dict]:
 
 
 SAMPLED = 32  # samples read from the start of the first and of the last shard
-IMAGE_DROPS = ("dropped_missing_image", "dropped_undecodable_image")
+IMAGE_DROPS = ("dropped_missing_image", "dropped_corrupt_image")  # the data report's names
 
 
 def describe_sample(sample: dict) -> tuple[str, str | None]:
@@ -40,7 +40,7 @@ def describe_sample(sample: dict) -> tuple[str, str | None]:
     if sample.get("img") is None:
         reason = "dropped_missing_image"
     elif image is None:
-        reason = "dropped_undecodable_image"
+        reason = "dropped_corrupt_image"
     size = f"{image.width}×{image.height} {sample['img_ext']}" if image is not None else "no image"
     caption = text if len(text) <= 60 else text[:57] + "..."
     return f"{sample['key']}: {size}, {caption!r}" + (f" ({reason})" if reason else ""), reason
@@ -144,7 +144,7 @@ def _scale_warnings(cfg: RayvlConfig, steps_a_pass: float | None) -> list[str]:
     if steps_a_pass and t.max_steps < steps_a_pass:
         out.append(f"train.max_steps={t.max_steps:,} trains {t.max_steps / steps_a_pass:.2%} of one pass over "
                    f"data.train")
-    if e.tasks and not e.every_steps:
+    if e.tasks and d.eval and not e.every_steps:
         out.append("evaluation only at the last step (eval.every_steps=0)")
     if t.warmup_steps <= 20:
         out.append(f"a warm-up of {t.warmup_steps} steps (train.warmup_steps)")

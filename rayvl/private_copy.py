@@ -12,10 +12,16 @@ import hashlib
 import os
 import shutil
 import stat
+import threading
 import uuid
 from pathlib import Path
 
+from filelock import FileLock
+
 OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
+
+
+_threads = threading.Lock()
 
 
 def readable(root: Path) -> Path:
@@ -26,19 +32,19 @@ def readable(root: Path) -> Path:
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rayvl" / "private"
     cache.mkdir(parents=True, exist_ok=True, mode=0o700)
     dest = cache / f"{root.name}-{hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]}"
-    if dest.exists() and _private(dest) and _listing(dest) == _listing(root):
-        return dest
-    staged = cache / f".{dest.name}.{uuid.uuid4().hex[:8]}"  # processes that copy at once each stage their own
-    shutil.copytree(root, staged, copy_function=shutil.copyfile, symlinks=False)
-    for folder, dirs, files in os.walk(staged):
-        os.chmod(folder, 0o700)
-        for name in files:
-            os.chmod(os.path.join(folder, name), 0o600)
-    shutil.rmtree(dest, ignore_errors=True)  # a stale or tampered copy
-    try:
+    # one process and one thread at a time checks and copies: a copy another one is reading is never replaced
+    # under it unless it is stale (nltk opens WordNet's files lazily)
+    with _threads, FileLock(str(cache / f"{dest.name}.lock")):
+        if dest.exists() and _private(dest) and _listing(dest) == _listing(root):
+            return dest
+        staged = cache / f".{dest.name}.{uuid.uuid4().hex[:8]}"
+        shutil.copytree(root, staged, symlinks=False)  # copy2: the sources' times, which _listing compares
+        for folder, dirs, files in os.walk(staged):
+            os.chmod(folder, 0o700)
+            for name in files:
+                os.chmod(os.path.join(folder, name), 0o600)
+        shutil.rmtree(dest, ignore_errors=True)  # a stale or tampered copy
         os.rename(staged, dest)
-    except OSError:  # another process put its copy there first: the same files
-        shutil.rmtree(staged, ignore_errors=True)
     return dest
 
 
@@ -52,7 +58,11 @@ def _private(root: Path) -> bool:
     return True
 
 
-def _listing(root: Path) -> list[tuple[str, int]]:
-    """Every file under ``root`` with its size: what tells a copy from its changed source."""
-    return sorted((os.path.relpath(os.path.join(folder, n), root), os.path.getsize(os.path.join(folder, n)))
-                  for folder, _, files in os.walk(root) for n in files)
+def _listing(root: Path) -> list[tuple[str, int, int]]:
+    """Every file under ``root`` with its size and modification time: what tells a copy from its changed source."""
+    out = []
+    for folder, _, files in os.walk(root):
+        for name in files:
+            st = os.stat(os.path.join(folder, name))
+            out.append((os.path.relpath(os.path.join(folder, name), root), st.st_size, st.st_mtime_ns))
+    return sorted(out)

@@ -330,7 +330,7 @@ def samples_per_pass(given: int, paths: list[str]) -> tuple[int | None, str]:
     if given:
         return given, "data.samples_per_pass"
     found, how = pass_size(paths)
-    if found is not None or not paths or storage.is_url(paths[0]) or is_pipe(paths[0]):
+    if found is not None or not paths or any(storage.is_url(p) or is_pipe(p) for p in paths):
         return found, how
     first = shard_samples(paths[0])
     n = len(paths)
@@ -339,11 +339,11 @@ def samples_per_pass(given: int, paths: list[str]) -> tuple[int | None, str]:
 
 
 def shard_samples(path: str) -> int:
-    """Samples (keys) of a local tar shard, from its member headers alone (the members' data are skipped by seeking);
-    a damaged tail ends the count."""
+    """Samples (keys) of a local tar shard, dropped ones included, from its member headers alone (an uncompressed
+    shard's member data are skipped by seeking); a damaged tail ends the count."""
     keys, last = 0, None
     try:
-        with tarfile.open(path, "r:") as tar:
+        with tarfile.open(path, "r:*") as tar:
             for member in tar:
                 stem = os.path.basename(member.name).partition(".")[0]
                 if member.isreg() and stem != last:

@@ -120,8 +120,8 @@ def build_engine(model: torch.nn.Module, cfg: RayvlConfig, world_size: int, devi
     ``cuda:LOCAL_RANK``, which Ray Train does not promise to be the GPU it gave the worker."""
     if not cfg.train.use_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        no_cpu_comm_op()  # on GPUs DeepSpeed asks for no such op (and reading its table probes every op builder)
     use_own_ninja()
-    no_cpu_comm_op()
     import deepspeed
 
     t = cfg.train

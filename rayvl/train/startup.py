@@ -38,7 +38,8 @@ class Startup:
     def on_worker(cls, planned: Startup | None, entered: float, resumed: bool) -> Startup:
         """A worker's record: the driver's stamps and the worker's start — or, when the run resumes from a
         checkpoint (a restart of the worker group, whose driver stamps are those of the first start, or a new
-        driver's ``train.resume``), the phases from the worker's start only."""
+        driver's ``train.resume``), the phases from the worker's start only. A restart before any checkpoint
+        cannot be told from the first start: its ``workers`` phase holds the failed attempt too."""
         if resumed or planned is None:
             return cls(began=entered)
         mine = cls(began=planned.began, stamps=dict(planned.stamps))
