@@ -69,7 +69,7 @@ def find_run(run: str, store: str | None = None) -> str:
     """What `rayvl eval`, `export` and `plot` take as RUN: a run directory or checkpoint (a path or a URL) as it is;
     a run's name under the storage path (``store``, default train.storage_path's); ``latest``, the newest
     ``<recipe>-<timestamp>`` run there with a checkpoint, of any recipe."""
-    if storage.is_url(run) or Path(run).expanduser().exists():
+    if storage.is_url(run) or "/" in run or Path(run).expanduser().exists():  # a path: as it is, found or not
         return run
     store = storage.normalize(store or TrainConfig().storage_path)
     if run == "latest":
