@@ -2,7 +2,6 @@
 folders, which nltk refuses to read), and a process without the venv's ``bin/`` on PATH and with a fresh extensions
 cache (which compiled DeepSpeed's CPU communication op, or waited on its lock)."""
 import os
-import shutil
 import stat
 import subprocess
 import sys
@@ -25,21 +24,20 @@ print(len(stopwords()), wordnet().synsets("puppy")[0].name())
 """
 
 
-def _group_writable_copy(src, dst) -> None:
-    """``src`` copied as a checkout or an install under umask 002 leaves it: folders 775, files 664."""
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
-    for folder, _, files in os.walk(dst):
-        os.chmod(folder, 0o775)
-        for name in files:
-            os.chmod(os.path.join(folder, name), 0o664)
+def _under_umask_002(command: str) -> None:
+    subprocess.run(["sh", "-c", f"umask 002 && {command}"], check=True, capture_output=True, timeout=300)
 
 
-def test_a_group_writable_checkout_and_install_read_stopwords_and_wordnet_through_private_copies(tmp_path):
+def test_a_checkout_and_install_under_umask_002_read_stopwords_and_wordnet_through_private_copies(tmp_path):
+    """A `git clone` and an install (the install's own copy: new files, as `rayvl assets fetch` writes them) under
+    umask 002: folders 775, files 664, which nltk refuses — and rayvl reads through owner-only copies."""
     from rayvl import assets
 
     checkout, installed, cache = tmp_path / "checkout", tmp_path / "assets", tmp_path / "cache"
-    _group_writable_copy(REPO / "rayvl", checkout / "rayvl")
-    _group_writable_copy(assets.require_wordnet(), installed / "nltk_data")
+    _under_umask_002(f"git clone -q {REPO} {checkout}")
+    _under_umask_002(f"{sys.executable} -c \"import shutil; shutil.copytree('{assets.require_wordnet()}', "
+                     f"'{installed / 'nltk_data'}', copy_function=shutil.copyfile)\"")
+    assert (checkout / "rayvl" / "resources" / "nltk_data").stat().st_mode & stat.S_IWGRP  # as a user's clone is
     env = {**os.environ, "PYTHONPATH": str(checkout), "RAYVL_ASSETS": str(installed), "XDG_CACHE_HOME": str(cache)}
     resources = checkout / "rayvl" / "resources" / "nltk_data"
     refused = subprocess.run([sys.executable, "-c", GROUP_WRITABLE.format(package=str(checkout),
