@@ -6,7 +6,12 @@ import stat
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
+
+# the job test starts a Ray of its own (a job's working directory is a driver's runtime_env): after the session's
+pytestmark = pytest.mark.usefixtures("no_session_ray")
 
 GROUP_WRITABLE = """
 import nltk, sys
@@ -66,3 +71,32 @@ def test_a_run_without_the_venv_on_path_and_with_a_fresh_extensions_cache_compil
     assert run.returncode == 0, run.stderr[-3000:]
     assert "trained 2" in run.stdout and "built successfully" not in run.stdout + run.stderr
     assert not extensions.exists() or not any(extensions.rglob("*"))
+
+
+JOB = """
+import os, ray
+ray.init(address="local", num_cpus=1, include_dashboard=False,
+         runtime_env={{"working_dir": {checkout!r}, "env_vars": {{"XDG_CACHE_HOME": {cache!r}}}}})
+
+@ray.remote
+def read():
+    import rayvl
+    from rayvl.data.text import stopwords
+    return rayvl.__file__, len(stopwords())
+
+print(*ray.get(read.remote()))
+"""
+
+
+def test_a_jobs_working_directory_unpacked_by_ray_reads_the_stopwords(tmp_path):
+    """What `ray job submit --working-dir .` does with a checkout made under umask 002: Ray zips it, unpacks it on
+    the node, and its tasks import rayvl from there — which reads the stopwords (through a private copy where the
+    unpacked folders are not private)."""
+    checkout, cache = tmp_path / "checkout", tmp_path / "cache"
+    _under_umask_002(f"git clone -q {REPO} {checkout}")
+    run = subprocess.run([sys.executable, "-c", JOB.format(checkout=str(checkout), cache=str(cache))],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})  # a Ray of its own
+    assert run.returncode == 0, run.stderr[-3000:]
+    imported, words = run.stdout.split()[-2:]
+    assert "runtime_resources/working_dir_files" in imported and words == "179"
