@@ -146,3 +146,24 @@ def test_shards_without_an_image_rayvl_reads_are_refused_naming_their_members(co
     assert (f"{PER_SHARD} samples a pass (estimated: the first shard holds {PER_SHARD} samples, × 1 shard; no "
             f"img2dataset parquet or _stats.json files beside the shards — data.samples_per_pass gives it "
             f"exactly)") in out
+
+
+def test_shards_on_object_storage_without_metadata_get_a_pass_size_from_the_first_shards_head(copies, s3, capsys,
+                                                                                               monkeypatch):
+    """No _stats.json beside shards on S3: the first shard is counted (one ranged read of at most ESTIMATE_BYTES) —
+    whole when it fits, else its head's samples scaled to its size."""
+    from rayvl.data import shards
+
+    client = s3.client()
+    for i in range(2):
+        client.put_object(Bucket="rayvl-test", Key=f"nometa/{i:05d}.tar", Body=(copies / "00003.tar").read_bytes())
+    spec = "s3://rayvl-test/nometa/{00000..00001}.tar"
+    code, out, err = _cli(capsys, "data", "check", spec, "-n", "1")
+    assert code == 0, err
+    assert (f"{2 * PER_SHARD} samples a pass (estimated: the first shard holds {PER_SHARD} samples, × 2 shards; no "
+            f"img2dataset parquet or _stats.json files beside the shards — data.samples_per_pass gives it "
+            f"exactly)") in out
+    size = len((copies / "00003.tar").read_bytes())
+    monkeypatch.setattr(shards, "ESTIMATE_BYTES", size // 2)  # the head of a shard larger than one read
+    estimate, how = shards.remote_shard_samples("s3://rayvl-test/nometa/00000.tar")
+    assert how.startswith("holds ≈ (") and abs(estimate - PER_SHARD) <= PER_SHARD // 4, (estimate, how)

@@ -324,18 +324,50 @@ STATS_SAMPLE = 64  # remote shards whose stats file is read; the pass size is ex
 
 def samples_per_pass(given: int, paths: list[str]) -> tuple[int | None, str]:
     """(samples a pass of ``paths`` holds, how that was found): ``given`` (data.samples_per_pass) when set, else
-    pass_size; local shards with no img2dataset files, an estimate from the first shard. Without a size a run lists
-    ≈2,000 read tasks' worth of passes, and Ray Data decodes ahead through as many as its object-store budget holds:
-    on a few small shards, passes a short run never trains on."""
+    pass_size; shards with no img2dataset files (all local or all on object storage), an estimate from the first
+    shard. Without a size a run lists ≈2,000 read tasks' worth of passes, and Ray Data decodes ahead through as many
+    as its object-store budget holds: on a few small shards, passes a short run never trains on."""
     if given:
         return given, "data.samples_per_pass"
     found, how = pass_size(paths)
-    if found is not None or not paths or any(storage.is_url(p) or is_pipe(p) for p in paths):
+    remote = bool(paths) and all(storage.is_url(p) for p in paths)
+    local = bool(paths) and not any(storage.is_url(p) or is_pipe(p) for p in paths)
+    if found is not None or not (remote or local):
         return found, how
-    first = shard_samples(paths[0])
+    first, what = remote_shard_samples(paths[0]) if remote else (shard_samples(paths[0]), "holds")
     n = len(paths)
-    return first * n, (f"estimated: the first shard holds {first:,} samples, × {n:,} shard{'s' if n != 1 else ''}; "
-                                f"{how.split(' — ')[0]} — data.samples_per_pass gives it exactly")
+    return first * n, (f"estimated: the first shard {what} {first:,} samples, × {n:,} shard{'s' if n != 1 else ''}; "
+                       f"{how.split(' — ')[0]} — data.samples_per_pass gives it exactly")
+
+
+ESTIMATE_BYTES = 16 << 20  # of a remote shard, read in one request to estimate its samples
+
+
+def remote_shard_samples(url: str) -> tuple[int, str]:
+    """(samples of a shard on object storage, how): counted when it is at most ESTIMATE_BYTES, else its first
+    ESTIMATE_BYTES' samples scaled to its size (one lookup and one ranged read, not the whole object)."""
+    import io
+
+    fs, inner = storage.filesystem(url)
+    size = fs.get_file_info(inner).size or 0
+    with fs.open_input_file(inner) as f:
+        head = f.read(ESTIMATE_BYTES)
+    keys, last, complete = 0, None, 0
+    try:
+        with tarfile.open(fileobj=io.BytesIO(head), mode="r|") as tar:
+            for member in tar:
+                if member.offset_data + member.size > len(head):
+                    break
+                stem = os.path.basename(member.name).partition(".")[0]
+                if member.isreg() and stem != last:
+                    keys, last = keys + 1, stem
+                complete = member.offset_data + member.size
+    except (tarfile.TarError, EOFError):
+        pass
+    if len(head) >= size or not complete:
+        return keys, "holds"
+    return round(keys * size / complete), (f"holds ≈ ({keys:,} in its first {complete / 2**20:.1f} MiB of "
+                                           f"{size / 2**20:.1f} MiB)")
 
 
 def shard_samples(path: str) -> int:
