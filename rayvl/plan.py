@@ -46,19 +46,21 @@ def describe_sample(sample: dict) -> tuple[str, str | None]:
     return f"{sample['key']}: {size}, {caption!r}" + (f" ({reason})" if reason else ""), reason
 
 
-def sample_lines(key: str, paths: list[str], policy: ReadPolicy) -> list[str]:
+def sample_lines(key: str, paths: list[str], policy: ReadPolicy, read: dict | None = None) -> list[str]:
     """The first sample of the first and of the last shard, and what becomes of their first SAMPLED samples: a
     ConfigError naming ``key`` when the shards cannot be read, or when most of those samples have no image rayvl
-    reads (naming the members they have)."""
+    reads (naming the members they have). ``read``: gets the samples read, by shard, for the caller's own use."""
     lines, reasons = [], Counter()
     for path in dict.fromkeys([paths[0], paths[-1]]):
         try:
             samples = first_samples(path, SAMPLED, policy)
         except ShardIOError as e:
             raise ConfigError(f"{key}: {e}") from None
-        line = describe_sample(samples[0])[0] if samples else "no sample (an empty or damaged shard)"
-        lines.append(f"    {path}: {line}")
-        reasons.update(describe_sample(x)[1] or "kept" for x in samples)
+        if read is not None:
+            read[path] = samples
+        described = [describe_sample(x) for x in samples]
+        lines.append(f"    {path}: {described[0][0] if described else 'no sample (an empty or damaged shard)'}")
+        reasons.update(reason or "kept" for _, reason in described)
     seen, without = sum(reasons.values()), sum(reasons[r] for r in IMAGE_DROPS)
     said = ", ".join(f"{k} {v}" for k, v in sorted(reasons.items()))
     if without * 2 > seen:
@@ -72,11 +74,13 @@ def sample_lines(key: str, paths: list[str], policy: ReadPolicy) -> list[str]:
     return lines
 
 
-def data_lines(key: str, check: SpecCheck, policy: ReadPolicy, given: int = 0) -> tuple[list[str], int | None]:
-    """``given``: the samples a pass holds as the config says (data.samples_per_pass; 0 = from the shards' files)."""
+def data_lines(key: str, check: SpecCheck, policy: ReadPolicy, given: int = 0,
+               read: dict | None = None) -> tuple[list[str], int | None]:
+    """``given``: the samples a pass holds as the config says (data.samples_per_pass; 0 = from the shards' files);
+    ``read``: as sample_lines."""
     samples, how = samples_per_pass(given, check.paths)
     size = f"{samples:,} samples a pass ({how})" if samples else f"samples a pass unknown ({how})"
-    return [f"  {key}: {check.summary}", f"    {size}", *sample_lines(key, check.paths, policy)], samples
+    return [f"  {key}: {check.summary}", f"    {size}", *sample_lines(key, check.paths, policy, read)], samples
 
 
 def describe(cfg: RayvlConfig) -> str:
@@ -99,8 +103,9 @@ def describe(cfg: RayvlConfig) -> str:
         lines.append(f"  data.train: the embedded demo dataset ({d.demo_samples} + {d.demo_eval_samples} generated "
                      f"scenes in {d.demo_dir}, written on first use)")
         per_pass = d.demo_samples
+    read: dict = {}  # the samples the data lines read, by shard: the evaluation lines look at the held-out ones
     for key, check in checks.items():
-        more, samples = data_lines(key, check, policy, d.samples_per_pass if key == "data.train" else 0)
+        more, samples = data_lines(key, check, policy, d.samples_per_pass if key == "data.train" else 0, read)
         lines += more
         per_pass = samples if key == "data.train" else per_pass
     if d.train and not d.eval and cfg.eval.tasks:
@@ -120,7 +125,7 @@ def describe(cfg: RayvlConfig) -> str:
         lines.append(f"  {steps:,.0f} steps a pass; train.max_steps={t.max_steps:,} is "
                      f"{t.max_steps / steps:,.2f} passes")
     lines += _scale_warnings(cfg, steps if per_pass and text_rows else None)
-    lines += model_lines(cfg) + evaluation_lines(cfg, checks.get("data.eval"), policy)
+    lines += model_lines(cfg) + evaluation_lines(cfg, checks.get("data.eval"), read)
     gpu = {"GPU": 1} if t.use_gpu else {}
     lines += ["cluster:",
               f"  {t.num_workers} Ray Train workers of {{CPU: {t.cpus_per_worker:g}"
@@ -182,15 +187,16 @@ def model_lines(cfg: RayvlConfig) -> list[str]:
             f"warm-up over {t.warmup_steps:,} steps, cosine decay to 0 at step {t.max_steps:,}"]
 
 
-def evaluation_lines(cfg: RayvlConfig, held_out: SpecCheck | None, policy: ReadPolicy) -> list[str]:
+def evaluation_lines(cfg: RayvlConfig, held_out: SpecCheck | None, read: dict) -> list[str]:
     """Which evaluation tasks will run and when, which are skipped and why — from the files the run is given and
-    the first samples of the held-out shards (the demo's held-out split has every field)."""
+    the first samples of the held-out shards, as the data lines read them (``read``; the demo's held-out split has
+    every field)."""
     d, e = cfg.data, cfg.eval
     if not e.tasks:
         return ["evaluation: none (eval.tasks=[])"]
     if d.train and held_out is None:
         return ["evaluation: none — no held-out shards (data.eval, --eval-data)"]
-    samples = first_samples(held_out.paths[0], SAMPLED, policy) if held_out is not None else []
+    samples = read[held_out.paths[0]] if held_out is not None else []
     labelled = sum(_meta_cls(x) for x in samples)
     captioned = sum(x.get("txt") is not None for x in samples)
     demo = not d.train  # the demo's held-out split and files
@@ -217,9 +223,10 @@ def check_data(spec: str, samples: int, policy: ReadPolicy = ReadPolicy()) -> st
     """``rayvl data check``: the shards a spec names, what img2dataset's files say a pass holds, and the first
     ``samples`` samples of the first shard decoded, with the reasons any would be dropped."""
     check = checked(spec, spec)  # the spec names itself in the lines and the errors
-    lines, _ = data_lines(spec, check, policy)
-    try:
-        read = first_samples(check.paths[0], samples, policy)
+    seen: dict = {}
+    lines, _ = data_lines(spec, check, policy, read=seen)
+    try:  # the first SAMPLED were read already
+        read = seen[check.paths[0]][:samples] if samples <= SAMPLED else first_samples(check.paths[0], samples, policy)
     except ShardIOError as e:
         raise ConfigError(f"{spec}: {e}") from None
     reasons: Counter = Counter()

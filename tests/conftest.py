@@ -110,6 +110,15 @@ def demo_dir(tmp_path_factory):
     return write_demo(tmp_path_factory.mktemp("demo"), samples=384, eval_samples=64, seed=0, shard_size=128)
 
 
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    """`rayvl ARGV` in this process: (exit code, stdout, stderr)."""
+    from rayvl.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def small_config(demo_dir, tmp_path, *overrides):
     """A laion_adapt config that trains 2 workers for a few steps on the small demo set."""
     from rayvl.config import load_config

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import small_config
+from conftest import cli, small_config
 from rayvl import storage
 from rayvl.checkpoints import read_train_state
 from rayvl.data.report import format_data_report
@@ -101,14 +101,6 @@ def test_a_missing_object_fails_the_run_naming_it(ray_local, demo_dir, tmp_path,
     assert "data.unreadable_shards=skip" in err[-1]
 
 
-def _cli(capsys, *argv) -> tuple[int, str, str]:
-    from rayvl.cli import main
-
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_dry_run_of_the_laion_recipe_at_laion_scale(s3, demo_dir, tmp_path, capsys):
     """The recipe's LAION settings (40 workers × 819, bf16, m = 6) with LAION-400M named as open_clip users name it:
     the dry run checks the first and last of 41,408 objects, reads their first sample and img2dataset's stats,
@@ -125,7 +117,7 @@ def test_dry_run_of_the_laion_recipe_at_laion_scale(s3, demo_dir, tmp_path, caps
              "train.warmup_steps=10000", "--set", "train.max_steps=40000", "--set", "train.lr=1e-3",
              "--set", "train.storage_path=s3://rayvl-test/rayvl-runs"]
     spec = "s3://rayvl-test/laion400m/{00000..41407}.tar"
-    code, out, err = _cli(capsys, "train", "--dry-run", "--data", spec, "--eval-data", held_out, *laion)
+    code, out, err = cli(capsys, "train", "--dry-run", "--data", spec, "--eval-data", held_out, *laion)
     assert code == 0, err
     assert "data.train: 41408 shards; 41408 object names made from the spec, 2 of them checked" in out
     assert "5,300,224 samples a pass (from the _stats.json of 2 of 41408 remote shards, extrapolated)" in out
@@ -140,10 +132,10 @@ def test_dry_run_of_the_laion_recipe_at_laion_scale(s3, demo_dir, tmp_path, caps
     for argv, message in ((["--set", "train.betas=[0.9"], "train.betas (override 'train.betas=[0.9'): not valid YAML"),
                           (["--config", str(tmp_path / "missing.yaml")], "--config: cannot read"),
                           (["--data", "s3://rayvl-test/laion400m/{00000..41408}.tar"], "41408.tar' does not exist")):
-        code, out, err = _cli(capsys, "train", "--dry-run", *argv)
+        code, out, err = cli(capsys, "train", "--dry-run", *argv)
         assert code == 2 and err.startswith("rayvl: error: ") and message in err and len(err.splitlines()) == 1
 
-    code, out, err = _cli(capsys, "data", "check", f"{held_out}/{{00000..00000}}.tar", "-n", "5")
+    code, out, err = cli(capsys, "data", "check", f"{held_out}/{{00000..00000}}.tar", "-n", "5")
     assert code == 0, err
     assert f"{held_out}/{{00000..00000}}.tar: 1 shard; 1 object names made from the spec, 1 of them checked" in out
     assert "64 samples a pass (from the _stats.json of 1 of 1 remote shards)" in out
@@ -159,14 +151,14 @@ def test_dry_runs_of_a_sweep_a_comparison_and_a_labelling_job(demo_dir, tmp_path
 
     data = ["--set", f"data.train={demo_dir}/train", "--set", f"data.eval={demo_dir}/eval", "--set",
             "eval.every_steps=10"]
-    code, out, err = _cli(capsys, "tune", "--dry-run", str(REPO / "tune_spaces" / "alignment_depth.yaml"), *data)
+    code, out, err = cli(capsys, "tune", "--dry-run", str(REPO / "tune_spaces" / "alignment_depth.yaml"), *data)
     assert code == 0, err
     assert "5 trials over model.alignment_layers" in out and "data.train: 3 shards; 3 found by listing" in out
     job = subprocess.run([sys.executable, str(REPO / "jobs" / "unicl.py"), "--dry-run"], capture_output=True,
                          text=True, timeout=300)
     assert job.returncode == 0 and "9 trials over train.seed × variants ce, unicl_labels, unicl" in job.stdout
     ckpt = untrained_checkpoint(demo_dir, tmp_path)
-    code, out, err = _cli(capsys, "pseudo-label", "--dry-run", str(ckpt), "--aligned",
+    code, out, err = cli(capsys, "pseudo-label", "--dry-run", str(ckpt), "--aligned",
                           f"{demo_dir}/train/{{00000..00001}}.tar", "--unaligned", f"{demo_dir}/train/00002.tar",
                           "--out", str(tmp_path / "pseudo"))
     assert code == 0, err

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from conftest import small_config
+from conftest import cli, small_config
 from rayvl.data.tar import iter_tar_samples
 
 PER_SHARD = 32
@@ -59,21 +59,13 @@ def copies(demo_dir, tmp_path_factory):
     return out
 
 
-def _cli(capsys, *argv) -> tuple[int, str, str]:
-    from rayvl.cli import main
-
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_shards_of_every_image_format_and_metadata_are_checked_and_trained_with_exact_counts(
         ray_local, copies, demo_dir, tmp_path, capsys):
     from rayvl.data.report import format_data_report
     from rayvl.train.trainer import train
 
     spec = f"{copies}/{{00000..00003}}.tar"
-    code, out, err = _cli(capsys, "data", "check", spec, "-n", "4")
+    code, out, err = cli(capsys, "data", "check", spec, "-n", "4")
     assert code == 0, err
     # the two img2dataset parquets count, the DataComp one is named and not counted, the last shard has none
     assert ("64 samples a pass (counted in the img2dataset parquet files of 2 of 4 local shards; 1 parquet files "
@@ -85,7 +77,7 @@ def test_shards_of_every_image_format_and_metadata_are_checked_and_trained_with_
     # the dry run of a run that says what a pass holds, with a demo-sized budget, its model and its evaluation
     budget = [f"data.samples_per_pass={4 * PER_SHARD}", "train.micro_batch_size=16", "train.max_steps=2",
               "train.warmup_steps=1", f"data.classes={demo_dir / 'classes.json'}"]
-    code, out, err = _cli(capsys, "train", "--dry-run", "--data", spec, "--eval-data", str(copies / "held_out"),
+    code, out, err = cli(capsys, "train", "--dry-run", "--data", spec, "--eval-data", str(copies / "held_out"),
                           *[x for setting in budget for x in ("--set", setting)])
     assert code == 0, err
     assert f"{4 * PER_SHARD} samples a pass (data.samples_per_pass)" in out
@@ -134,14 +126,14 @@ def demo_key(copies) -> str:
 def test_shards_without_an_image_rayvl_reads_are_refused_naming_their_members(copies, demo_dir, capsys):
     spec = f"{copies}/tiff/{{00000..00003}}.tar"
     for argv in (["data", "check", spec], ["train", "--dry-run", "--data", spec, "--eval-data", str(demo_dir / "eval")]):
-        code, out, err = _cli(capsys, *argv)
+        code, out, err = cli(capsys, *argv)
         assert code == 2 and len(err.splitlines()) == 1, err
         assert f"64 of the 64 samples read from the start of its first and last shards would be dropped for their " \
                f"image (dropped_missing_image 64)" in err
         assert f"members: .json in 32, .tiff in 32, .txt in 32 — rayvl reads images from jpg, png, jpeg, webp" in err
     # a local shard with no metadata: the size of a pass is estimated from its first shard's members, and what
     # gives it exactly is named
-    code, out, err = _cli(capsys, "data", "check", f"{copies}/00003.tar")
+    code, out, err = cli(capsys, "data", "check", f"{copies}/00003.tar")
     assert code == 0, err
     assert (f"{PER_SHARD} samples a pass (estimated: the first shard holds {PER_SHARD} samples, × 1 shard; no "
             f"img2dataset parquet or _stats.json files beside the shards — data.samples_per_pass gives it "
@@ -158,7 +150,7 @@ def test_shards_on_object_storage_without_metadata_get_a_pass_size_from_the_firs
     for i in range(2):
         client.put_object(Bucket="rayvl-test", Key=f"nometa/{i:05d}.tar", Body=(copies / "00003.tar").read_bytes())
     spec = "s3://rayvl-test/nometa/{00000..00001}.tar"
-    code, out, err = _cli(capsys, "data", "check", spec, "-n", "1")
+    code, out, err = cli(capsys, "data", "check", spec, "-n", "1")
     assert code == 0, err
     assert (f"{2 * PER_SHARD} samples a pass (estimated: the first shard holds {PER_SHARD} samples, × 2 shards; no "
             f"img2dataset parquet or _stats.json files beside the shards — data.samples_per_pass gives it "

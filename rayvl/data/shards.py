@@ -352,18 +352,10 @@ def remote_shard_samples(url: str) -> tuple[int, str]:
     size = fs.get_file_info(inner).size or 0
     with fs.open_input_file(inner) as f:
         head = f.read(ESTIMATE_BYTES)
-    keys, last, complete = 0, None, 0
     try:
-        with tarfile.open(fileobj=io.BytesIO(head), mode="r|") as tar:
-            for member in tar:
-                if member.offset_data + member.size > len(head):
-                    break
-                stem = os.path.basename(member.name).partition(".")[0]
-                if member.isreg() and stem != last:
-                    keys, last = keys + 1, stem
-                complete = member.offset_data + member.size
-    except (tarfile.TarError, EOFError):
-        pass
+        keys, complete = _keys(tarfile.open(fileobj=io.BytesIO(head), mode="r|"), within=len(head))
+    except tarfile.TarError:  # not a tar from its first block: nothing to count
+        keys, complete = 0, 0
     if len(head) >= size or not complete:
         return keys, "holds"
     return round(keys * size / complete), (f"holds ≈ ({keys:,} in its first {complete / 2**20:.1f} MiB of "
@@ -373,16 +365,28 @@ def remote_shard_samples(url: str) -> tuple[int, str]:
 def shard_samples(path: str) -> int:
     """Samples (keys) of a local tar shard, dropped ones included, from its member headers alone (an uncompressed
     shard's member data are skipped by seeking); a damaged tail ends the count."""
-    keys, last = 0, None
     try:
-        with tarfile.open(path, "r:*") as tar:
+        return _keys(tarfile.open(path, "r:*"))[0]
+    except (tarfile.TarError, OSError):
+        return 0
+
+
+def _keys(tar: tarfile.TarFile, within: float = float("inf")) -> tuple[int, int]:
+    """(sample keys among a tar's members whose data end within ``within`` bytes, where the last of them ends):
+    consecutive members of a key are one sample, as img2dataset writes them; a damaged tail ends the count."""
+    keys, last, end = 0, None, 0
+    try:
+        with tar:
             for member in tar:
+                if member.offset_data + member.size > within:
+                    break
                 stem = os.path.basename(member.name).partition(".")[0]
                 if member.isreg() and stem != last:
                     keys, last = keys + 1, stem
+                end = member.offset_data + member.size
     except (tarfile.TarError, EOFError, OSError):
         pass
-    return keys
+    return keys, end
 
 
 def pass_size(paths: list[str]) -> tuple[int | None, str]:

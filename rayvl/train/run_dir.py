@@ -56,13 +56,22 @@ def run_paths(cfg: RayvlConfig) -> tuple[str, str]:
 
 
 def newest_run(store: str, recipe: str) -> str:
-    """The newest ``<recipe>-<timestamp>`` run under the storage path that has a checkpoint (names sort by time)."""
-    runs = [d for d in storage.subdirs(store, f"{recipe}-") if STAMPED.search(d.rstrip("/"))]
-    for run in sorted(runs, key=lambda d: STAMPED.search(d.rstrip("/")).group(), reverse=True):
+    """The newest ``<recipe>-<timestamp>`` run under the storage path that has a checkpoint."""
+    run = _newest_checkpointed(store, f"{recipe}-")
+    if run is None:
+        raise ConfigError(f"train.resume: no run of recipe {recipe!r} with a checkpoint under {store!r} (name one: "
+                          f"--resume RUN)")
+    return Path(run).name
+
+
+def _newest_checkpointed(store: str, prefix: str) -> str | None:
+    """The newest ``<prefix>…-<timestamp>`` run directory under ``store`` that has a checkpoint (names sort by
+    time), None when none has."""
+    runs = [d.rstrip("/") for d in storage.subdirs(store, prefix) if STAMPED.search(d.rstrip("/"))]
+    for run in sorted(runs, key=lambda d: STAMPED.search(d).group(), reverse=True):
         if latest_checkpoint_dir(run) is not None:
-            return Path(run.rstrip("/")).name
-    raise ConfigError(f"train.resume: no run of recipe {recipe!r} with a checkpoint under {store!r} (name one: "
-                      f"--resume RUN)")
+            return run
+    return None
 
 
 def find_run(run: str, store: str | None = None) -> str:
@@ -73,11 +82,10 @@ def find_run(run: str, store: str | None = None) -> str:
         return run
     store = storage.normalize(store or TrainConfig().storage_path)
     if run == "latest":
-        runs = [d for d in storage.subdirs(store, "") if STAMPED.search(d.rstrip("/"))]
-        for found in sorted(runs, key=lambda d: STAMPED.search(d.rstrip("/")).group(), reverse=True):
-            if latest_checkpoint_dir(found) is not None:
-                return found.rstrip("/")
-        raise ConfigError(f"RUN: latest: no run with a checkpoint under {store!r}")
+        newest = _newest_checkpointed(store, "")
+        if newest is None:
+            raise ConfigError(f"RUN: latest: no run with a checkpoint under {store!r}")
+        return newest
     named = storage.join(store, run)
     if storage.exists(named):
         return named
