@@ -5,18 +5,17 @@ a job's own command line through ``run_recipe``); the paper comparisons run vari
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import sys
 from pathlib import Path
 
 from rayvl import plan, session, storage
 from rayvl.assets import MissingAssetError
-from rayvl.config import ConfigError, RayvlConfig, load_config
+from rayvl.config import ConfigError, RayvlConfig, installed_dir, load_config
 from rayvl.data.report import DataPlaneError, format_data_report
 from rayvl.eval.tables import format_eval_table
 from rayvl.plots import DASHBOARD_FILE, PLOTS_DIR
 
-CONFIGS = Path(str(importlib.resources.files("rayvl.configs")))  # configs/ of the checkout or the installed copy
+CONFIGS = installed_dir("--config")  # configs/ of the checkout or the installed copy
 
 
 class RayvlParser(argparse.ArgumentParser):
