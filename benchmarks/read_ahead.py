@@ -1,13 +1,15 @@
 """Samples decoded per sample trained: how far Ray Data reads ahead of a short run, by what the run knows of the size
-of a pass — measured side by side in this one run, on the same shards.
+of a pass and what its read-ahead budget is — measured side by side in this one run, on the same shards.
 
-    .venv/bin/python benchmarks/read_ahead.py [--shards 4] [--samples 1000] [--steps 6]
+    .venv/bin/python benchmarks/read_ahead.py [--shards 2] [--samples 5000] [--steps 6]
 
-Three ways the same shards come: with img2dataset's parquet and stats files; without them, the size of a pass
-estimated from the first shard's members (rayvl.data.shards.samples_per_pass); without them and with no size, as
-before the estimate (the driver's pass size forced to unknown: ≈2,000 read tasks' worth of passes listed). Each is a
-short run of two CPU workers; "decoded" is the training report's samples seen (every sample a read task parsed and
-decoded), "trained" the rows the run's data position says it trained on.
+Four ways the same shards come: with img2dataset's parquet and stats files, the training stream's object-store budget
+the bytes of the rows the run trains on (rayvl.train.datasets.read_ahead_bytes); the same with Ray Data's default
+budget, as before that bound; without the files, the size of a pass estimated from the first shard's members
+(rayvl.data.shards.samples_per_pass); without them and with no size (the driver's pass size forced to unknown, as
+for `pipe:` shards: ≈2,000 read tasks' worth of passes listed), the budget bounding it all the same. Each is a short
+run of two CPU workers; "decoded" is the training report's samples seen (every sample a read task parsed and decoded,
+sent to the report before each block it emits), "trained" the rows the run's data position says it trained on.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ def shards(out: Path, n: int, samples: int, metadata: bool) -> str:
     return str(bare)
 
 
-SLUGS = {"img2dataset files": "files", "no files: estimated": "estimated", "no size (before)": "no-size"}
+SLUGS = {"img2dataset files": "files", "files, Ray's budget (before)": "ray-budget", "no files: estimated": "estimated",
+         "no files, no size": "no-size"}
 
 
 def run(way: str, data: str, evalset: str, steps: int, storage: Path) -> dict:
@@ -49,14 +52,18 @@ def run(way: str, data: str, evalset: str, steps: int, storage: Path) -> dict:
         f"train.max_steps={steps}", "train.warmup_steps=1", f"train.checkpoint_every={steps}", f"train.log_every={steps}",
         f"train.storage_path={storage}", f"train.run_name={SLUGS[way]}", "model.alignment_layers=1", "model.embed_dim=64",
         "train.report_to=[]"])
-    estimate = shard_sizes.samples_per_pass
-    if way == "no size (before)":  # the driver's pass size as it was without the estimate
+    from rayvl.train import datasets
+
+    estimate, budget = shard_sizes.samples_per_pass, datasets.read_ahead_bytes
+    if way == "no files, no size":  # the driver's pass size as it was without the estimate
         shard_sizes.samples_per_pass = lambda given, paths: shard_sizes.pass_size(paths)
+    if way == "files, Ray's budget (before)":  # no read-ahead bound of the run's own
+        datasets.read_ahead_bytes = lambda plan: None
     try:
         start = time.time()
         result = train(cfg, verbose=False)
     finally:
-        shard_sizes.samples_per_pass = estimate
+        shard_sizes.samples_per_pass, datasets.read_ahead_bytes = estimate, budget
     trained = sum(result.data_report["position"]["rows_per_pass"].values())
     seen = result.data_report["counts"]["samples_seen"]
     return {"way": way, "pass size": result.data_report["img2dataset_successes_per_pass"], "decoded": seen,
@@ -65,8 +72,8 @@ def run(way: str, data: str, evalset: str, steps: int, storage: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shards", type=int, default=4)
-    p.add_argument("--samples", type=int, default=1000, help="samples a shard")
+    p.add_argument("--shards", type=int, default=2)
+    p.add_argument("--samples", type=int, default=5000, help="samples a shard")
     p.add_argument("--steps", type=int, default=6)
     args = p.parse_args(argv)
     import ray
@@ -78,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         with_files = shards(tmp / "a", args.shards, args.samples, metadata=True)
         without = shards(tmp / "b", args.shards, args.samples, metadata=False)
         evalset = str(tmp / "a" / "demo" / "eval")
-        for way, data in (("img2dataset files", with_files), ("no files: estimated", without),
-                          ("no size (before)", without)):
+        for way, data in (("img2dataset files", with_files), ("files, Ray's budget (before)", with_files),
+                          ("no files: estimated", without), ("no files, no size", without)):
             rows.append(run(way, data, evalset, args.steps, tmp / "runs"))
     ray.shutdown()
     header = ("way", "pass size", "decoded", "trained", "per trained", "wall s")

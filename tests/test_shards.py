@@ -145,6 +145,36 @@ def test_threaded_transform_keeps_order_rows_and_counts(bad_shard):
         assert np.array_equal(a["image"], b["image"]) and np.array_equal(a["input_ids"], b["input_ids"])
 
 
+def test_read_ahead_stops_near_what_training_takes(ray_local, tmp_path):
+    """The training stream's object-store budget (datasets.read_ahead_bytes through trainer.ingest_options) holds
+    Ray Data's decoding near the rows taken — with Ray's default budget the read tasks decode whole shards ahead — and
+    reads stopped mid-shard count what they decoded."""
+    import time
+
+    from rayvl.config import RayvlConfig
+    from rayvl.train.trainer import ingest_options
+
+    sample = {"jpg": _jpeg(0), "txt": b"a photo", "json": b"{}"}
+    for s in range(2):
+        _write(tmp_path / f"{s:05d}.tar", [(f"{s}{i:08d}", sample) for i in range(2000)])
+    rows = Rows(image_size=16, crop_scale_min=0.5, train=True, max_tokens=8,
+                tokenizer_path=str(assets.text_model_path("minilm-l6")))
+    name = "test-report-read-ahead"
+    report_actor(name)
+    ds = shards.read_shards(str(tmp_path), rows, Reading(read_cpus=0.5, batch_size=16, report_name=name))
+    taken, budget = 64, 64 * shards.row_bytes(rows)
+    ds.context.execution_options = ingest_options(RayvlConfig(), {"train": ds}, budget)["train"]
+    assert ds.context.execution_options.resource_limits.object_store_memory == budget
+    batches = iter(ds.iter_batches(batch_size=16, prefetch_batches=0))
+    got = sum(len(next(batches)["image"]) for _ in range(taken // 16))
+    time.sleep(5)  # unbounded, the read tasks would decode both shards meanwhile
+    batches.close()  # the run has what it needs: Ray Data stops its reads, each held mid-shard
+    seen = ray.get(report_actor(name).snapshot.remote())["counts"]["samples_seen"]
+    # counted as decoded (sent before each block); each running read task holds a few blocks of 16 rows ahead (its
+    # generator's buffer, the budget's minimum) — not its 2,000-sample shard
+    assert got == taken and taken < seen < 1000, seen
+
+
 def test_fast_tokenizer_equals_transformers():
     """Read tasks tokenize with the model folder's tokenizer.json through HF tokenizers (no transformers import in
     a new worker process): ids and masks equal AutoTokenizer's padding="max_length", truncation=True."""

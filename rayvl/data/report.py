@@ -140,6 +140,13 @@ def record(report_name: str | None, counts: dict, bad_shard: tuple[str, str] | N
         ray.get(report_actor(report_name).add.remote(counts, bad_shard, unit, token))
 
 
+def record_async(report_name: str, counts: dict, unit: tuple | None = None, token: str | None = None) -> None:
+    """Add counts without waiting: a read task's counts so far, sent before each block it emits (the calls of one
+    task arrive in order, its shard's last ``record`` after them)."""
+    if counts:
+        report_actor(report_name).add.remote(counts, None, unit, token)
+
+
 def current_token(report_name: str | None) -> str | None:
     """The worker group a read starting now counts for (a positioned read gets it from ``plan``)."""
     return ray.get(report_actor(report_name).current_token.remote()) if report_name else None

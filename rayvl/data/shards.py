@@ -38,7 +38,7 @@ from ray.data.datasource import Datasource, ReadTask
 from rayvl import storage
 from rayvl.data.pipeline import Rows, preprocess
 from rayvl.data.position import row_ids
-from rayvl.data.report import current_token, record, report_actor
+from rayvl.data.report import current_token, record, record_async, report_actor
 from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
 from rayvl.data.specs import is_pipe, resolve_shards
 from rayvl.data.tar import COLUMNS, iter_tar_samples
@@ -48,7 +48,6 @@ if TYPE_CHECKING:
 
 RAW_ROWS_PER_BLOCK = 256
 MAX_TASKS_PER_PASS = 200  # Ray Data's default read parallelism; LAION's 41k shards → ≈200 shards a task
-REPORT_EVERY_S = 10.0  # counts reach the report at the end of each shard and at least this often within one
 
 
 @dataclass(frozen=True)
@@ -143,16 +142,18 @@ class ShardStream(Datasource):
         counts: Counter = Counter()
         io_counts: Counter = Counter()  # retries, counted by the reader as they happen
         bad: list[tuple[str, str, str]] = []  # (path, reason counted, why)
-        flushed, pending, produced = time.monotonic(), None, 0
+        pending, produced = None, 0
         for out, batch_counts in self._transformed_ahead(shard, pass_, bad, io_counts):
-            if pending is not None:
-                yield pending
             counts.update(batch_counts)
             produced += _length(out)
+            if pending is not None:
+                # the counts so far go out before a block does: a read held back by the run's read-ahead budget,
+                # then stopped with the run, has counted every sample it decoded (its shard's end never comes)
+                if self.report_name:
+                    record_async(self.report_name, counts + _drain(io_counts), unit and (*unit, None), token)
+                    counts = Counter()
+                yield pending
             pending = _block(_untrained(out, trained) if trained else out)
-            if self.report_name and time.monotonic() - flushed > REPORT_EVERY_S:
-                record(self.report_name, counts + _drain(io_counts), unit=unit and (*unit, None), token=token)
-                counts, flushed = Counter(), time.monotonic()
         counts.update(_drain(io_counts))
         counts.update(reason for _, reason, _ in bad)
         # the shard's counts (and the rows it produced) are recorded before its last block is emitted (one round
@@ -291,8 +292,13 @@ def read_shards(spec: str, rows: Rows, reading: Reading, columns: list[str] | No
     # Ray merges a task's output into blocks of up to 128 MiB: a 1,000-sample shard at 64 px became one block, so the
     # first batch waited for a whole shard. One transform batch of uint8 images + tokens per block reaches the
     # trainer as soon as it is made.
-    ds.context.target_max_block_size = reading.batch_size * (3 * rows.image_size ** 2 + 16 * rows.max_tokens)
+    ds.context.target_max_block_size = reading.batch_size * row_bytes(rows)
     return ds
+
+
+def row_bytes(rows: Rows) -> int:
+    """Bytes one model-input row holds in the object store: its uint8 image and int64 token ids and mask."""
+    return 3 * rows.image_size ** 2 + 16 * rows.max_tokens
 
 
 def read(source: ShardStream) -> ray.data.Dataset:
@@ -306,8 +312,8 @@ def _transform(batch: dict, counts: Counter, rows: Rows, columns: list[str] | No
 
 def passes_needed(samples_needed: int, samples_per_pass: int | None, n_shards: int) -> int:
     """Passes a run's dataset lists: enough for its steps plus 5% for dropped samples when img2dataset's files give
-    the pass size, else as many as ≈2,000 read tasks hold. A listed pass that is never read costs nothing, but Ray
-    Data reads ahead as far as its object-store budget allows, so a generous margin is paid for in decoding; a run
+    the pass size, else as many as ≈2,000 read tasks hold. A listed pass that is never read costs nothing (the
+    training stream's read-ahead is bounded by the rows the run takes: train/datasets.py read_ahead_bytes); a run
     that needs more than the listed passes starts a new execution (train/batches.py), one stall."""
     if samples_per_pass:
         return max(1, -(-samples_needed * 21 // (20 * samples_per_pass)))
@@ -325,8 +331,8 @@ STATS_SAMPLE = 64  # remote shards whose stats file is read; the pass size is ex
 def samples_per_pass(given: int, paths: list[str]) -> tuple[int | None, str]:
     """(samples a pass of ``paths`` holds, how that was found): ``given`` (data.samples_per_pass) when set, else
     pass_size; shards with no img2dataset files (all local or all on object storage), an estimate from the first
-    shard. Without a size a run lists ≈2,000 read tasks' worth of passes, and Ray Data decodes ahead through as many
-    as its object-store budget holds: on a few small shards, passes a short run never trains on."""
+    shard. Without a size a run lists ≈2,000 read tasks' worth of passes, and a run longer than a pass cannot say
+    how many passes it trains (rayvl data check, the dry run)."""
     if given:
         return given, "data.samples_per_pass"
     found, how = pass_size(paths)

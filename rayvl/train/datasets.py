@@ -64,6 +64,8 @@ class Built:
     """what each method's training part needs on the workers, by method name."""
     pass_size_from: str = ""
     """how ``pass_size`` was found, or why it is unknown."""
+    read_ahead_bytes: int | None = None
+    """the training stream's object-store budget (read_ahead_bytes; None: Ray Data's default)."""
 
 
 def plan(cfg: RayvlConfig) -> DataPlan:
@@ -90,7 +92,8 @@ def build(plan: DataPlan, run_dir: str, report_name: str) -> Built:
     sets = shard_datasets(cfg, plan.train, plan.eval, report_name, transforms, passes)
     for contribution in made.values():
         sets.update(contribution.datasets)
-    return Built(sets, pass_size, len(paths), {name: c.worker for name, c in made.items() if c.worker}, how)
+    return Built(sets, pass_size, len(paths), {name: c.worker for name, c in made.items() if c.worker}, how,
+                 read_ahead_bytes(plan))
 
 
 def evaluation_or_off(cfg: RayvlConfig, evalset: str) -> RayvlConfig:
@@ -157,14 +160,28 @@ def resolve_data(cfg: RayvlConfig) -> tuple[str, str, dict]:
     return train, evalset, {k: str(Path(v).expanduser()) if v else "" for k, v in files.items()}
 
 
-def train_passes(plan: DataPlan, samples_per_pass: int | None, shard_count: int) -> int:
-    """Passes over the training shards one Ray Data execution lists (shards.passes_needed): each micro-batch
-    takes from them what the methods' own streams do not fill."""
+def rows_needed(plan: DataPlan) -> int:
+    """Rows of the training shards the run trains on: each micro-batch takes from them what the methods' own
+    streams do not fill."""
     cfg = plan.cfg
     t = cfg.train
     rows = t.micro_batch_size - sum(part.batch_rows(cfg) for part in plan.parts)
-    needed = t.max_steps * t.grad_accumulation * t.num_workers * rows
-    return shards.passes_needed(needed, samples_per_pass, shard_count)
+    return t.max_steps * t.grad_accumulation * t.num_workers * rows
+
+
+def read_ahead_bytes(plan: DataPlan) -> int:
+    """The training stream's object-store budget: the bytes of the rows the run trains on, plus 5% for dropped
+    samples and a transform batch per worker. Ray Data decodes ahead until its budget is full — by default a share of
+    the cluster's object store, which on small images holds many passes — so a short run stops decoding near what it
+    trains on; a long run's rows exceed Ray's default, and the smaller of the two applies (resource_limits)."""
+    cfg = plan.cfg
+    rows = rows_needed(plan) * 21 // 20 + cfg.train.num_workers * cfg.data.transform_batch_size
+    return rows * shards.row_bytes(Rows.of(cfg, True))
+
+
+def train_passes(plan: DataPlan, samples_per_pass: int | None, shard_count: int) -> int:
+    """Passes over the training shards one Ray Data execution lists (shards.passes_needed)."""
+    return shards.passes_needed(rows_needed(plan), samples_per_pass, shard_count)
 
 
 def shard_datasets(cfg: RayvlConfig, train: str, evalset: str, report_name: str,

@@ -60,7 +60,7 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
                       train_shards=built.train_shards, init_from=init_weights, eval_files=data.files,
                       placement_registry=placement_registry, method_inputs=built.worker_inputs, startup=startup)
     startup.mark("fit")  # before the trainer, which may serialize its plan
-    trainer = _trainer(cfg, storage, name, sets, [run_log, *callbacks], plan)
+    trainer = _trainer(cfg, storage, name, sets, [run_log, *callbacks], plan, built.read_ahead_bytes)
     result = _fit(trainer, logs, cfg) if progress else trainer.fit()
     report = {**snapshot(reports["train"]), "img2dataset_successes_per_pass": expected,
               "pass_size_from": built.pass_size_from,
@@ -119,7 +119,7 @@ ARCHITECTURE_FREE = ("vision_checkpoint", "init_logit_scale", "learn_logit_scale
 
 
 def _trainer(cfg: RayvlConfig, storage: str, name: str, sets: dict, callbacks: list,
-             plan: WorkerPlan) -> TorchTrainer:
+             plan: WorkerPlan, read_ahead_bytes: int | None = None) -> TorchTrainer:
     t = cfg.train
     fs, inner = store.filesystem(storage)
     return TorchTrainer(
@@ -133,16 +133,20 @@ def _trainer(cfg: RayvlConfig, storage: str, name: str, sets: dict, callbacks: l
                              failure_config=FailureConfig(max_failures=t.max_failures)),
         datasets=sets,
         dataset_config=DataConfig(datasets_to_split=[k for k in ("train", "labeled") if k in sets],
-                                  execution_options=ingest_options(cfg)))
+                                  execution_options=ingest_options(cfg, sets, read_ahead_bytes)))
 
 
-def ingest_options(cfg: RayvlConfig):
-    """Ray Data's execution options for the run's datasets: Ray Train's defaults (None), in block order with
-    data.deterministic."""
-    if not cfg.data.deterministic:
-        return None
-    options = DataConfig.default_ingest_options()
-    # in order, the split to ranks is a function of the blocks' order and sizes alone (Ray's OutputSplitter
-    # then drops its locality hints), and each rank's iterator restores the order its format threads scramble
-    options.preserve_order = True
+def ingest_options(cfg: RayvlConfig, sets: dict, read_ahead_bytes: int | None = None) -> dict:
+    """Ray Data's execution options for each of the run's datasets: Ray Train's defaults, in block order with
+    data.deterministic, the training stream's object-store budget ``read_ahead_bytes``
+    (datasets.read_ahead_bytes)."""
+    options = {}
+    for name in sets:
+        o = DataConfig.default_ingest_options()
+        # in order, the split to ranks is a function of the blocks' order and sizes alone (Ray's OutputSplitter
+        # then drops its locality hints), and each rank's iterator restores the order its format threads scramble
+        o.preserve_order = o.preserve_order or cfg.data.deterministic
+        if name == "train" and read_ahead_bytes:
+            o.resource_limits = o.resource_limits.copy(object_store_memory=read_ahead_bytes)
+        options[name] = o
     return options
