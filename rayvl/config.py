@@ -297,6 +297,11 @@ class TrainConfig:
     """global gradient-norm clip (0 = off)."""
     log_every: int = 10
     """report metrics every N steps."""
+    sync_every_s: float = 300.0
+    """seconds between copies of what the run records — metrics.jsonl, the TensorBoard events, the dashboard
+    (redrawn then), MLflow's store — into its run directory on object storage: at a report, once at least this long
+    has passed since the last copy (0 = at every report). On a local storage path they are written there directly;
+    the dashboard is redrawn as often."""
     checkpoint_every: int = 100
     """checkpoint every N steps (the last step is always checkpointed)."""
     checkpoints_to_keep: int = 2
@@ -319,8 +324,9 @@ class TrainConfig:
     """experiment loggers beside metrics.jsonl: ``tensorboard`` (event files in the run directory) and/or
     ``mlflow`` (``train.mlflow_uri``)."""
     mlflow_uri: str = ""
-    """MLflow tracking URI ('' = a SQLite store ``mlruns/mlflow.db`` under a local ``storage_path``, else under
-    ~/rayvl-runs); experiment = the recipe name, run = the run name."""
+    """MLflow tracking URI ('' = ``MLFLOW_TRACKING_URI`` if set, else a SQLite store beside the runs:
+    ``mlruns/mlflow.db`` under a local ``storage_path``, in the run directory on object storage); experiment = the
+    recipe name, run = the run name."""
     seed: int = 0
     """seed of the model's new layers, each row's crop and prompt (with its key and pass), each pass's shard order,
     the local shuffle buffers (with the rank) and the TOnICS node draws; with ``data.deterministic`` two runs of one
@@ -657,6 +663,8 @@ def validate(cfg: RayvlConfig) -> None:
 
 
 def _validate_train(t: TrainConfig) -> None:
+    if t.sync_every_s < 0:
+        raise ConfigError(f"train.sync_every_s: must be ≥ 0, got {t.sync_every_s}")
     if t.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"train.zero_stage: {t.zero_stage} is not a DeepSpeed ZeRO stage (0, 1, 2 or 3)")
     if t.zero_offload == "optimizer" and t.zero_stage == 0:

@@ -132,6 +132,14 @@ def download(path: str) -> Path:
     return target
 
 
+def download_to(path: str, local: Path) -> None:
+    """Copy a folder of the storage (a URL) into a local folder, keeping the files' relative paths (uncached: for
+    folders that change, unlike ``download``'s checkpoints)."""
+    fs, inner = filesystem(path)
+    local.mkdir(parents=True, exist_ok=True)
+    pafs.copy_files(inner, str(local), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+
+
 def upload(local: Path, path: str) -> None:
     """Copy a local folder's files into a folder of the storage (a URL), keeping their relative paths."""
     fs, inner = filesystem(path)

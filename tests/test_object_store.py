@@ -2,14 +2,17 @@
 connections that are reset and stalled in the middle of objects, one object of the range missing, the run and
 its checkpoints written to the store and resumed from it."""
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
-from conftest import cli, small_config
+from conftest import cli, object_store_server, small_config
 from rayvl import storage
 from rayvl.checkpoints import read_train_state
 from rayvl.data.report import format_data_report
 from rayvl.train.startup import DRIVER_PHASES, WORKER_PHASES
+from rayvl.train.run_dir import log_dir
 from rayvl.train.trainer import train
 
 
@@ -40,9 +43,12 @@ def _faults(s3) -> None:
 
 def test_a_run_on_object_storage_through_faults_trains_every_row_once_and_resumes_from_the_store(
         ray_local, demo_dir, tmp_path, laion, s3):
+    from mlflow.tracking import MlflowClient
+
     spec, held_out = laion
     runs = "s3://rayvl-test/runs"
     args = [f"data.train={spec}", f"data.eval={held_out}", f"train.storage_path={runs}", "train.micro_batch_size=16",
+            "train.report_to=[tensorboard, mlflow]",
             "train.max_steps=12", "train.checkpoint_every=6", "train.log_every=3", "eval.tasks=[retrieval]",
             "data.unreadable_shards=skip", "data.io_retry_wait_s=0.2", "data.local_shuffle_buffer=0"]
     _faults(s3)
@@ -59,6 +65,7 @@ def test_a_run_on_object_storage_through_faults_trains_every_row_once_and_resume
     assert "laion/00005.tar" in " ".join(first.data_report["bad_shards"])
     assert "unreadable_shards" in format_data_report(first.data_report)
 
+    shutil.rmtree(log_dir(runs, "run"))  # resumed on a new head node: its records come from the bucket
     resumed = train(small_config(demo_dir, tmp_path, *args, "train.resume=true"))
     history = [json.loads(x) for x in storage.read_text(f"{resumed.uri}/metrics.jsonl").splitlines()]
     assert [h["step"] for h in history] == [3, 6, 9, 12]
@@ -78,8 +85,68 @@ def test_a_run_on_object_storage_through_faults_trains_every_row_once_and_resume
     # 12 steps × 2 ranks × 16 rows = one pass of the 384 samples: every row trained once, across the resume
     assert sum(position["rows_per_pass"].values()) == 384 and position["duplicates"] == 0
     assert history[-1]["data_rows_trained"] == 384 and history[-1]["data_duplicate_rows"] == 0
+    record = json.loads(storage.read_text(f"{resumed.uri}/run.json"))  # each start's end, in the bucket
+    assert [i["status"] for i in record["invocations"]] == ["stopped", "finished"] and record["status"] == "finished"
+    assert json.loads(storage.read_text(f"{resumed.uri}/eval.json"))["step"] == 12
+    (tmp_path / "mlflow.db").write_bytes(storage.read_bytes(f"{resumed.uri}/mlruns/mlflow.db"))
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")  # MLflow's store beside the run: one run, both starts
+    (run,) = client.search_runs([client.get_experiment_by_name("laion_adapt").experiment_id])
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [3, 6, 9, 12]
     assert resumed.data_report["counts"].get("truncated_shards", 0) == 0
     assert "t2i_R@1" in resumed.metrics
+
+
+WATCHED = """
+import sys
+from conftest import small_config
+from rayvl.train.trainer import train
+from pathlib import Path
+train(small_config(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:]))
+"""
+
+
+def test_a_run_on_object_storage_is_watched_from_the_bucket_and_keeps_its_history_when_its_driver_dies(
+        ray_local, demo_dir, tmp_path, s3, capsys):
+    """What a run records lands in its run directory while it runs (train.sync_every_s=0: at every report) — its
+    metrics, TensorBoard events, dashboard, MLflow store and run.json, read from the bucket with the tools a user
+    has (tensorboard's reader, `rayvl plot`) before any checkpoint exists — and stays there when its driver is
+    killed (-9: nothing of the run's own ending runs)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = "s3://rayvl-test/watched/run"
+    env = {**os.environ, **object_store_server().env, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address,
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    driver = subprocess.Popen(
+        [sys.executable, "-c", WATCHED, str(demo_dir), str(tmp_path), "train.storage_path=s3://rayvl-test/watched",
+         "train.max_steps=400", "train.checkpoint_every=400", "train.sync_every_s=0", "eval.tasks=[]",
+         "train.report_to=[tensorboard, mlflow]"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        rows = []
+        while len(rows) < 3 and time.monotonic() < deadline and driver.poll() is None:
+            time.sleep(2)
+            rows = storage.read_text(f"{run}/metrics.jsonl").splitlines() if storage.is_file(
+                f"{run}/metrics.jsonl") else []
+        assert len(rows) >= 3, driver.stderr.read().decode()[-3000:] if driver.poll() is not None else rows
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    assert not storage.subdirs(run, "checkpoint_")  # all of this came from the syncs, none from a checkpoint
+    assert storage.is_file(f"{run}/mlruns/mlflow.db")
+    # what `tensorboard --logdir s3://…` reads (its S3 filesystem: boto3, the same AWS_* settings)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(f"{run}/tensorboard")
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")][:3] == [1, 2, 3]
+    assert storage.is_file(f"{run}/plots/run.png")
+    assert json.loads(storage.read_text(f"{run}/run.json"))["status"] == "running"  # killed: never ended
+    code, out, _ = cli(capsys, "plot", run, "--out", str(tmp_path / "plots"))
+    assert code == 0 and (tmp_path / "plots" / "run.png").is_file()
 
 
 def test_a_missing_object_fails_the_run_naming_it(ray_local, demo_dir, tmp_path, laion, capsys):

@@ -96,10 +96,36 @@ def _check_tensorboard_mlflow_and_plots(result, history, tmp_path):
                                     key=lambda m: m.step)] == pytest.approx([h["loss"] for h in history])
     assert client.get_metric_history(run.info.run_id, "eval/t2i_R_at_1")[-1].value == pytest.approx(
         result.metrics["t2i_R@1"])
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"run.png", "eval.json", "run.json"}
     record = json.loads((result.run_dir / "run.json").read_text())
     assert record["config"]["train"]["zero_stage"] == 1 and len(record["invocations"]) == 1
+    # how the run ended, readable: its status, end, duration and final metrics, rounded to what float32 holds
+    assert record["status"] == record["invocations"][0]["status"] == "finished"
+    assert record["ended"] and 0 < record["duration_s"] == record["invocations"][0]["duration_s"]
+    assert record["final_metrics"]["step"] == 3
+    assert record["final_metrics"]["t2i_R@1"] == float(f"{result.metrics['t2i_R@1']:.7g}")
+    evaluated = json.loads((result.run_dir / "eval.json").read_text())
+    assert evaluated["step"] == 3 and evaluated["checkpoint"] == result.checkpoint_dir
+    # every line says when; TensorBoard has the config as hyperparameters and no evaluation constants
+    assert all(h["time"] > 1.7e9 and h["elapsed_s"] >= 0 for h in history)
+    assert [h["elapsed_s"] for h in history] == sorted(h["elapsed_s"] for h in history)
+    tags = events.Tags()["scalars"]
+    assert not [t for t in tags if "_chance_" in t or t.endswith(("_images", "_captions"))], tags
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    (plugin,) = [v for e in _events(result.run_dir / "tensorboard") for v in e.summary.value
+                 if v.metadata.plugin_data.plugin_name == "hparams" and v.tag == "_hparams_/session_start_info"]
+    hparams = plugin_data_pb2.HParamsPluginData.FromString(plugin.metadata.plugin_data.content).session_start_info
+    assert hparams.hparams["train.zero_stage"].number_value == 1
+    assert hparams.hparams["model.text"].string_value == "minilm-l6"
     assert record["git_commit"] == run.data.tags["mlflow.source.git.commit"] and len(record["git_commit"]) >= 40
     assert [p.name for p in (result.run_dir / "plots").iterdir()] == ["run.png"]  # one dashboard
+
+
+def _events(folder):
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    return [e for f in sorted(folder.glob("*tfevents*")) for e in EventFileLoader(str(f)).Load()]
 
 
 def _check_export_round_trip(result, tmp_path):

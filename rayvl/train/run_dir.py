@@ -3,22 +3,27 @@ finished run leaves what a user looks for (metrics.jsonl, eval.json, data_report
 local folder or a URL (``rayvl.storage``); every file here is read and written through it."""
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 from rayvl import __version__, storage
 from rayvl.checkpoints import METRICS_FILE, latest_checkpoint_dir, read_meta
 from rayvl.config import ConfigError, RayvlConfig, TrainConfig, from_dict
 from rayvl.eval.tasks import METRIC_PREFIXES
-from rayvl.plots import PLOTS_DIR, history, plot_runs
+from rayvl.plots import DASHBOARD_FILE, PLOTS_DIR, history, plot_runs
 
 RUN_FILE = "run.json"
+EVAL_FILE = "eval.json"
 
 
 @dataclass
@@ -95,20 +100,55 @@ def find_run(run: str, store: str | None = None) -> str:
 
 def log_dir(store: str, name: str) -> Path:
     """Where the run's controller writes metrics.jsonl and the TensorBoard events as the run goes: the run
-    directory itself on a local storage path, else a local folder copied to the run directory at the end."""
-    local = storage.local_path(storage.join(store, name))
-    return local if local is not None else Path(os.environ.get("RAYVL_CACHE", "~/.cache/rayvl")).expanduser() / \
-        "runs" / name
+    directory itself on a local storage path, else a local folder of this run directory's URL (two buckets' runs of
+    one name are two folders), copied into the run directory as the run goes."""
+    run_dir = storage.join(store, name)
+    local = storage.local_path(run_dir)
+    if local is not None:
+        return local
+    key = hashlib.sha1(run_dir.encode()).hexdigest()[:16]
+    return Path(os.environ.get("RAYVL_CACHE", "~/.cache/rayvl")).expanduser() / "runs" / key / name
 
 
-def mlflow_uri(cfg: RayvlConfig) -> str:
-    """``train.mlflow_uri``, or a SQLite store in ``mlruns/`` beside the runs (under ~/rayvl-runs for a run on
-    object storage)."""
-    if cfg.train.mlflow_uri:
-        return cfg.train.mlflow_uri
-    root = storage.local_path(storage.normalize(cfg.train.storage_path)) or Path("~/rayvl-runs").expanduser()
-    (root / "mlruns").mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{root / 'mlruns' / 'mlflow.db'}"
+MLFLOW_DIR = "mlruns"
+
+
+def mlflow_uri(cfg: RayvlConfig, logs: Path) -> str:
+    """``train.mlflow_uri``, else ``MLFLOW_TRACKING_URI``, else a SQLite store beside the runs: ``mlruns/`` under a
+    local storage path (one store for all its runs), or in the run's log folder on object storage — copied into
+    the run directory with the rest of its records, so the history outlives the head node."""
+    uri = cfg.train.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    if uri:
+        return uri
+    root = storage.local_path(storage.normalize(cfg.train.storage_path)) or logs
+    (root / MLFLOW_DIR).mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{root / MLFLOW_DIR / 'mlflow.db'}"
+
+
+RECORDS = (METRICS_FILE, "tensorboard", MLFLOW_DIR)  # what a run's log folder grows, kept across its starts
+
+
+def continue_records(run_dir: str, logs: Path, resume: bool) -> None:
+    """The local log folder of a run on object storage as the start needs it: empty for a new run (a folder left
+    by an earlier run of the same URL — killed before its first checkpoint — must not be copied into this one);
+    for a resume on a machine whose folder lacks the records (a new head node), the run directory's copies, so the
+    next sync appends to the run's history instead of replacing it with the new start's."""
+    if storage.local_path(run_dir) == logs:
+        return
+    if not resume:
+        shutil.rmtree(logs, ignore_errors=True)
+        return
+    if (logs / METRICS_FILE).is_file():
+        return
+    for name in RECORDS:
+        remote = storage.join(run_dir, name)
+        if storage.exists(remote):
+            target = logs / name
+            if storage.is_file(remote):
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(storage.read_bytes(remote))
+            else:
+                storage.download_to(remote, target)
 
 
 def run_record(cfg: RayvlConfig, run_dir: str, name: str) -> dict:
@@ -118,9 +158,40 @@ def run_record(cfg: RayvlConfig, run_dir: str, name: str) -> dict:
     earlier = json.loads(storage.read_text(path))["invocations"] if storage.is_file(path) else []
     record = {"name": name, "run_dir": run_dir, "config": cfg.to_dict(), "git_commit": git_commit(),
               "argv": list(sys.argv), "rayvl_version": __version__}
-    invocation = {k: record[k] for k in ("git_commit", "argv")} | {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    storage.write_text(path, json.dumps({**record, "invocations": earlier + [invocation]}, indent=2))
+    invocation = {k: record[k] for k in ("git_commit", "argv")} | {"started": _stamp(), "started_unix": time.time(),
+                                                                   "status": "running"}
+    storage.write_text(path, json.dumps({**record, "status": "running", "invocations": earlier + [invocation]},
+                                        indent=2))
     return record
+
+
+def _stamp() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def end_record(run_dir: str, logs: Path, status: str, metrics: dict, **more) -> dict:
+    """run.json at the end of an invocation: its end time, duration and ``status`` (finished, stopped — at
+    train.stop_at_step — or failed, with the error), the run's status and final metrics; written to the log folder
+    too, whose copy goes to the run directory with the rest."""
+    path = storage.join(run_dir, RUN_FILE)
+    record = json.loads(storage.read_text(path))
+    now = record["invocations"][-1]
+    now.update(ended=_stamp(), duration_s=round(time.time() - now.get("started_unix", time.time()), 1),
+               status=status, **more)
+    record.update(status=status, ended=now["ended"], final_metrics=rounded(metrics),
+                  duration_s=round(sum(i.get("duration_s", 0) for i in record["invocations"]), 1))
+    text = json.dumps(record, indent=2)
+    storage.write_text(path, text)
+    if storage.local_path(run_dir) != logs:
+        logs.mkdir(parents=True, exist_ok=True)
+        (logs / RUN_FILE).write_text(text)
+    return record
+
+
+def rounded(metrics: dict, digits: int = 7) -> dict:
+    """Floats to ``digits`` significant digits — what a float32 metric holds: ``91.00000262260437`` → ``91.0`` —
+    but for numbers of 10⁷ and more (a Unix time keeps its decimals)."""
+    return {k: float(f"{v:.{digits}g}") if isinstance(v, float) and abs(v) < 1e7 else v for k, v in metrics.items()}
 
 
 def git_commit() -> str:
@@ -177,22 +248,51 @@ def check_resumable(cfg: RayvlConfig, meta: dict, run: str) -> None:
                           f"{meta['step']}")
 
 
-def finish(run_dir: str, logs: Path, result, data_report: dict) -> RunResult:
+def finish(run_dir: str, logs: Path, result, data_report: dict, stopped: bool = False,
+           log_artifacts: Callable[[list[Path]], None] = lambda files: None) -> RunResult:
     """Leave in the run directory what a user looks for: metrics.jsonl (now the history of the steps that count:
-    a restart's repeated steps replaced), eval.json, data_report.json, the plots; a run on object storage gets
-    its local log folder (TensorBoard events, plots) copied over."""
+    a restart's repeated steps replaced), eval.json (with the step and checkpoint it scored), data_report.json,
+    the dashboard, run.json's end; a run on object storage gets its log folder (TensorBoard events, MLflow's store,
+    plots) copied over once more. ``log_artifacts`` hands the dashboard, eval.json and run.json to the experiment
+    loggers before that copy (MLflow's store is one of the files copied)."""
     run_dir = storage.normalize(run_dir)
     checkpoint_dir = storage.join(run_dir, Path(result.checkpoint.path).name) if result.checkpoint else ""
     metrics = dict(result.metrics or {})
+    logs.mkdir(parents=True, exist_ok=True)
     if checkpoint_dir and storage.is_file(storage.join(checkpoint_dir, METRICS_FILE)):
-        text = storage.read_text(storage.join(checkpoint_dir, METRICS_FILE))
-        logs.mkdir(parents=True, exist_ok=True)
-        (logs / METRICS_FILE).write_text(text)
+        _keep_history(storage.read_text(storage.join(checkpoint_dir, METRICS_FILE)), logs / METRICS_FILE)
     if (logs / METRICS_FILE).is_file():
         plot_runs({Path(run_dir).name: history(str(logs))}, logs / PLOTS_DIR)
+    evals = rounded({k: v for k, v in metrics.items() if k.startswith(METRIC_PREFIXES)})
+    scored = {"step": metrics.get("step"), "checkpoint": checkpoint_dir} if evals else {}
+    (logs / EVAL_FILE).write_text(json.dumps({**scored, **evals}, indent=2))
+    (logs / "data_report.json").write_text(json.dumps(data_report, indent=2))
+    end_record(run_dir, logs, "stopped" if stopped else "finished", metrics)
+    log_artifacts([logs / PLOTS_DIR / DASHBOARD_FILE, logs / EVAL_FILE, logs / RUN_FILE])
     if storage.local_path(run_dir) != logs:
         storage.upload(logs, run_dir)
-    evals = {k: v for k, v in metrics.items() if k.startswith(METRIC_PREFIXES)}
-    storage.write_text(storage.join(run_dir, "eval.json"), json.dumps(evals, indent=2))
-    storage.write_text(storage.join(run_dir, "data_report.json"), json.dumps(data_report, indent=2))
     return RunResult(run_dir, checkpoint_dir, metrics, data_report)
+
+
+def _keep_history(checkpointed: str, live: Path) -> None:
+    """metrics.jsonl as the checkpoint's history of the steps that count, each line with the time the live file
+    gave its step (the workers' rows carry none)."""
+    when = {}
+    if live.is_file():
+        for line in live.read_text().splitlines():
+            row = json.loads(line) if line.strip() else {}
+            if "time" in row:
+                when[row["step"]] = {k: row[k] for k in ("time", "elapsed_s") if k in row}
+    rows = [json.loads(x) for x in checkpointed.splitlines() if x.strip()]
+    live.write_text("".join(json.dumps(rounded({**r, **when.get(r["step"], {})})) + "\n" for r in rows))
+
+
+def failed(run_dir: str, logs: Path, error: BaseException) -> None:
+    """run.json of an invocation that raised (a KeyboardInterrupt included), and the log folder copied once more:
+    best effort, the error itself is what the caller reports."""
+    try:
+        end_record(run_dir, logs, "failed", {}, error=f"{type(error).__name__}: {error}"[:2000])
+        if storage.local_path(run_dir) != logs and logs.is_dir():
+            storage.upload(logs, run_dir)
+    except Exception as e:  # noqa: BLE001
+        logging.getLogger("rayvl").warning(f"recording the failed run in {run_dir} failed: {e!r}")

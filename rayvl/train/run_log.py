@@ -1,9 +1,12 @@
-"""What a run leaves as it goes: every report appended to ``metrics.jsonl``, TensorBoard scalars and MLflow metrics.
+"""What a run leaves as it goes: every report appended to ``metrics.jsonl``, TensorBoard scalars and MLflow metrics,
+the dashboard redrawn and all of it copied to the run directory as the run goes.
 
 Written by a Ray Train callback, which runs in the run's controller — on the driver's node, where the run's log
-directory is — so the files grow during the run (tail-able) and a crash keeps what was written. The loggers are
-the libraries' own (``torch.utils.tensorboard``, the MLflow client); the callback is pickled to the controller and
-opens them there, on the first report.
+directory is — so the files grow during the run (tail-able) and a crash keeps what was written. On object storage
+the log directory is a local folder, copied into the run directory at a report once ``train.sync_every_s`` has passed
+since the last copy (and at the end): a user follows the run from the bucket, and losing the head loses at most
+that much. The loggers are the libraries' own (``torch.utils.tensorboard``, the MLflow client); the callback is
+pickled to the controller and opens them there, on the first report.
 """
 from __future__ import annotations
 
@@ -16,18 +19,28 @@ from pathlib import Path
 
 from ray.train import UserCallback
 
+from rayvl import storage
 from rayvl.checkpoints import METRICS_FILE
 from rayvl.eval.tasks import METRIC_PREFIXES
+from rayvl.plots import PLOTS_DIR, history, plot_runs
+from rayvl.train.run_dir import rounded
 
 TENSORBOARD_DIR = "tensorboard"
 RUN_TAG = "rayvl.run_dir"  # the MLflow tag a resumed run is found by
 
 
+# what TensorBoard and MLflow leave out: the report's bookkeeping, evaluation constants (chance levels, set sizes)
+NOT_PLOTTED = ("step", "first_step", "resumed_from", "time", "elapsed_s")
+CONSTANT = ("_chance_", "zeroshot_classes", "zeroshot_templates", "_images", "_captions", "_pairs", "_queries",
+            "linear_probe_train", "linear_probe_test")
+
+
 def scalars(row: dict) -> dict[str, float]:
-    """A report's plottable numbers, named by group (``train/loss``, ``eval/t2i_R@1``, ``data/samples_kept``)."""
+    """A report's plottable numbers, named by group (``train/loss``, ``eval/t2i_R@1``, ``data/samples_kept``);
+    not the bookkeeping, nor an evaluation's constants (its chance levels and set sizes: eval.json has them)."""
     out = {}
     for key, value in row.items():
-        if key in ("step", "first_step", "resumed_from", "time") or isinstance(value, bool):
+        if key in NOT_PLOTTED or isinstance(value, bool) or any(c in key for c in CONSTANT):
             continue
         if isinstance(value, (int, float)) and math.isfinite(value):
             group = "eval" if key.startswith(METRIC_PREFIXES) else "data" if key.startswith(
@@ -52,36 +65,56 @@ def mlflow_name(tag: str) -> str:
 
 
 class RunLog(UserCallback):
-    """Appends rank 0's report (with the wall-clock ``time``) to ``<log_dir>/metrics.jsonl`` and hands its scalars
-    to the loggers of ``train.report_to``."""
+    """Appends rank 0's report (with the wall-clock ``time``) to ``<log_dir>/metrics.jsonl``, hands its scalars
+    to the loggers of ``train.report_to``, and every ``sync_every_s`` redraws the dashboard and copies the log
+    directory into ``run_dir`` (when that is not the log directory itself)."""
 
-    def __init__(self, log_dir: str, run: dict, report_to: list[str], mlflow_uri: str):
+    def __init__(self, log_dir: str, run: dict, report_to: list[str], mlflow_uri: str, sync_every_s: float = 0.0):
         self.log_dir, self.run, self.report_to, self.mlflow_uri = Path(log_dir), run, list(report_to), mlflow_uri
+        self.sync_every_s, self.started = sync_every_s, time.time()
         self._tensorboard = self._mlflow = None
+        self._synced = -math.inf  # the first report is copied at once: the run shows up in its directory early
 
     def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
-        row = {**metrics[0], "time": time.time()}
+        now = time.time()
+        row = {**metrics[0], "time": round(now, 1), "elapsed_s": round(now - self.started, 1)}
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / METRICS_FILE, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(rounded(row)) + "\n")
         values, step = scalars(row), int(row["step"])
         writers = {"tensorboard": lambda: self._write_tensorboard(values, step),
                    "mlflow": lambda: self._write_mlflow(values, step, step == self.run["config"]["train"]["max_steps"])}
         for name in self.report_to:
-            try:
-                writers[name]()
-            except Exception as e:  # a logger's failure (a locked store, a tracking server down) never stops training
-                logging.getLogger("rayvl").warning(f"train.report_to: {name} failed at step {step}: {e!r} "
-                                                   f"(metrics.jsonl has the report)")
+            _quietly(writers[name], f"train.report_to: {name} failed at step {step}")
+        if time.monotonic() - self._synced >= self.sync_every_s:
+            _quietly(self.sync, f"copying the run's records to {self.run['run_dir']} failed at step {step}")
+            self._synced = time.monotonic()
+
+    def sync(self) -> None:
+        """Redraw the dashboard from metrics.jsonl and copy the log directory into the run directory."""
+        plot_runs({self.run["name"]: history(str(self.log_dir))}, self.log_dir / PLOTS_DIR)
+        if storage.local_path(self.run["run_dir"]) != self.log_dir:
+            storage.upload(self.log_dir, self.run["run_dir"])
 
     def _write_tensorboard(self, values: dict, step: int) -> None:
         if self._tensorboard is None:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tensorboard = SummaryWriter(str(self.log_dir / TENSORBOARD_DIR))
+            self._write_hparams()
         for tag, value in values.items():
             self._tensorboard.add_scalar(tag, value, step)
         self._tensorboard.flush()
+
+    def _write_hparams(self) -> None:
+        """The run's config as TensorBoard's hyperparameters (its HParams tab compares runs by them), in the same
+        event file as the scalars."""
+        from torch.utils.tensorboard.summary import hparams
+
+        config = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
+                  for k, v in flatten(self.run["config"]).items() if v is not None}
+        for summary in hparams(config, {}):
+            self._tensorboard.file_writer.add_summary(summary)
 
     def _write_mlflow(self, values: dict, step: int, finished: bool) -> None:
         _existing_cwd(self.log_dir)
@@ -95,7 +128,7 @@ class RunLog(UserCallback):
         if finished:
             client.set_terminated(run_id, "FINISHED")
 
-    def _open_mlflow(self):
+    def _open_mlflow(self, reopen: bool = True):
         """The MLflow run of this rayvl run (one run across resumes), created with the config as params and the
         git commit as tags."""
         from mlflow.entities import Param, RunTag
@@ -104,11 +137,13 @@ class RunLog(UserCallback):
         client = MlflowClient(self.mlflow_uri)
         recipe, run_dir = self.run["config"]["recipe"], self.run["run_dir"]
         found = client.get_experiment_by_name(recipe)
-        experiment = found.experiment_id if found else client.create_experiment(recipe)
+        experiment = found.experiment_id if found else client.create_experiment(
+            recipe, artifact_location=artifact_root(self.mlflow_uri, recipe))
         runs = client.search_runs([experiment], filter_string=f"tags.`{RUN_TAG}` = '{run_dir}'", max_results=1)
         if runs:
             run_id = runs[0].info.run_id
-            client.update_run(run_id, status="RUNNING")
+            if reopen:  # a resume reports to it again (not the end's artifacts: the run keeps its status)
+                client.update_run(run_id, status="RUNNING")
         else:
             tags = {RUN_TAG: run_dir, "mlflow.source.git.commit": self.run["git_commit"] or "unknown"}
             run_id = client.create_run(experiment, run_name=self.run["name"], tags=tags).info.run_id
@@ -118,6 +153,36 @@ class RunLog(UserCallback):
             client.log_batch(run_id, tags=[RunTag("rayvl.command", " ".join(self.run["argv"])[:5000])])
         self._mlflow = client, run_id
         return self._mlflow
+
+
+    def log_artifacts(self, files: list[Path]) -> None:
+        """The run's end in MLflow: the dashboard, eval.json and run.json (the config) as artifacts of its run."""
+        if "mlflow" not in self.report_to:
+            return
+
+        def log() -> None:
+            client, run_id = self._mlflow or self._open_mlflow(reopen=False)
+            for f in files:
+                if f.is_file():
+                    client.log_artifact(run_id, str(f))
+        _quietly(log, "train.report_to: mlflow artifacts")
+
+
+def artifact_root(uri: str, recipe: str) -> str | None:
+    """Where a SQLite store's experiment keeps its artifacts: beside the database (MLflow's default is ./mlruns
+    under whatever the working directory happens to be); a tracking server decides for itself (None)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return (Path(uri[len("sqlite:///"):]).parent / "artifacts" / recipe).as_uri()
+
+
+def _quietly(fn, what: str) -> None:
+    """A logger's or a copy's failure (a locked store, a tracking server or a bucket down) never stops training:
+    metrics.jsonl has the report, and the next sync copies it."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        logging.getLogger("rayvl").warning(f"{what}: {e!r} (metrics.jsonl has the report)")
 
 
 def flatten(config: dict, prefix: str = "") -> dict:

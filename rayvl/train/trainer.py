@@ -16,7 +16,8 @@ from rayvl.train import datasets
 from rayvl.train.resume import restored_state
 from rayvl.train.loop import train_loop_per_worker
 from rayvl.train.progress import ProgressPrinter, log
-from rayvl.train.run_dir import RunResult, finish, log_dir, mlflow_uri, run_paths, run_record
+from rayvl.train.run_dir import (RunResult, continue_records, failed, finish, log_dir, mlflow_uri, run_paths,
+                                 run_record)
 from rayvl.train.run_log import RunLog
 from rayvl.train.startup import Startup
 from rayvl.train.worker import WorkerPlan
@@ -53,15 +54,20 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
     sets, expected = built.datasets, built.pass_size
     startup.mark("data")
     logs = log_dir(storage, name)
+    continue_records(run_dir, logs, cfg.train.resume)
     run_log = RunLog(str(logs), run_record(cfg, run_dir, name), cfg.train.report_to,
-                     mlflow_uri(cfg) if "mlflow" in cfg.train.report_to else "")
+                     mlflow_uri(cfg, logs) if "mlflow" in cfg.train.report_to else "", cfg.train.sync_every_s)
     plan = WorkerPlan(cfg.to_dict(), report_name=report_name, label_report=reports.get("image_label") or "",
                       tokenizer_path=str(assets.text_model_path(cfg.model.text)),
                       train_shards=built.train_shards, init_from=init_weights, eval_files=data.files,
                       placement_registry=placement_registry, method_inputs=built.worker_inputs, startup=startup)
     startup.mark("fit")  # before the trainer, which may serialize its plan
     trainer = _trainer(cfg, storage, name, sets, [run_log, *callbacks], plan, built.read_ahead_bytes)
-    result = _fit(trainer, logs, cfg) if progress else trainer.fit()
+    try:
+        result = _fit(trainer, logs, cfg) if progress else trainer.fit()
+    except BaseException as e:  # the records say how the invocation ended, and land in the run directory
+        failed(run_dir, logs, e)
+        raise
     report = {**snapshot(reports["train"]), "img2dataset_successes_per_pass": expected,
               "pass_size_from": built.pass_size_from,
               **{stream: snapshot(name) for stream, name in reports.items() if stream != "train"}}
@@ -69,7 +75,8 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
     if result.checkpoint is not None:  # what the run trained on, per pass, across its resumes
         state = restored_state(result.checkpoint)
         report["position"] = position_report(state["data_position"], state["progress"]["resumed_at"])
-    return finish(run_dir, logs, result, report)
+    return finish(run_dir, logs, result, report, stopped=(result.metrics or {}).get("step", 0) < cfg.train.max_steps,
+                  log_artifacts=run_log.log_artifacts)
 
 
 def _fit(trainer: TorchTrainer, logs, cfg: RayvlConfig):
