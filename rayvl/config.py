@@ -21,7 +21,7 @@ import yaml
 from rayvl.errors import ConfigError  # raised here; callers import it from here too
 from rayvl.methods import checks
 
-REPORT_TO = ("tensorboard", "mlflow")
+REPORT_TO = ("tensorboard", "mlflow", "wandb")
 
 
 @dataclass
@@ -321,8 +321,10 @@ class TrainConfig:
     """start a new run from the weights of another run: a run directory (its newest checkpoint), a checkpoint or a
     ``rayvl export`` directory; its model settings must match this run's ('' = pretrained towers)."""
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
-    """experiment loggers beside metrics.jsonl: ``tensorboard`` (event files in the run directory) and/or
-    ``mlflow`` (``train.mlflow_uri``)."""
+    """experiment loggers beside metrics.jsonl: ``tensorboard`` (event files in the run directory), ``mlflow``
+    (``train.mlflow_uri``), ``wandb`` (Weights & Biases, set up by the driver's ``WANDB_*`` environment: API key,
+    ``WANDB_MODE=offline``, project — default the recipe —, entity; its files under ``wandb/`` in the run
+    directory)."""
     mlflow_uri: str = ""
     """MLflow tracking URI ('' = ``MLFLOW_TRACKING_URI`` if set, else a SQLite store beside the runs:
     ``mlruns/mlflow.db`` under a local ``storage_path``, in the run directory on object storage); experiment = the

@@ -4,10 +4,17 @@
 stage: rayvl.checkpoints.load_weights) or an export, and needs neither Ray nor DeepSpeed running. An export is a
 folder anyone can copy:
 
-    model.safetensors   every weight of the dual encoder, fp32
+    model.safetensors   every weight of the dual encoder, fp32 (what ``rayvl.load`` reads)
     rayvl_model.json    {"config": the run's rayvl config, "source", "step", "metrics"}
-    text/               the text tower's HF config and tokenizer files (the weights are in model.safetensors)
-    README.md           a model card: recipe, data, steps, evaluation, how to load it
+    text/               the text tower's language model as a Hugging Face folder — config, weights, tokenizer:
+                        ``AutoModel.from_pretrained(text/, add_pooling_layer=False)`` (not with adapters inside it)
+    vision/             the image tower's timm backbone, classifier removed: ``model.safetensors`` (a timm state dict)
+                        and ``config.json`` (timm's architecture name, the pixel mean/std, the image size)
+    heads.safetensors   what neither library holds: ``vision_proj.*``, ``text_proj.*`` (``0.``, ``2.``: the MLP's
+                        two linear layers around a GELU), ``alignment.<i>.*`` (layers shaped like the LM's last),
+                        ``logit_scale`` (log of the temperature's inverse)
+    README.md           a model card (Hugging Face metadata): recipe, data, steps, evaluation, how to load it, with
+                        rayvl and without
 
 Not a ``transformers`` ``VisionTextDualEncoderModel``: that class embeds text as ``text_projection(pooler_output)``
 — the LM's tanh pooler over the CLS token, one bias-free linear map — while rayvl's text tower pools (mean or raw
@@ -29,12 +36,13 @@ from rayvl.checkpoints import METRICS_FILE, checkpoint_uri, load_weights, read_m
 from rayvl.config import RayvlConfig, from_dict, precision
 from rayvl.data.images import crop
 from rayvl.data.text import load_tokenizer, tokenize
-from rayvl.eval.tasks import METRIC_PREFIXES
 from rayvl.models.dual_encoder import DualEncoder
 
 WEIGHTS_FILE = "model.safetensors"
 EXPORT_META = "rayvl_model.json"
 TEXT_DIR = "text"
+VISION_DIR = "vision"
+HEADS_FILE = "heads.safetensors"
 
 
 class Model:
@@ -75,6 +83,7 @@ class Model:
         ids, mask = self.tokenize(texts)
         return self.module.encode_text(ids.to(self.device), mask.to(self.device)).float()
 
+    @torch.no_grad()
     def logit_scale(self) -> float:
         return float(self.module.scale())
 
@@ -127,12 +136,44 @@ def export(source: str, out: str | Path) -> Path:
     record = {"config": meta["config"], "source": ckpt, "step": meta["step"], "final": meta.get("final", False),
               "metrics": metrics}
     (out / EXPORT_META).write_text(json.dumps(record, indent=2))
+    write_towers(model, out)
     (out / "README.md").write_text(model_card({**record, "export_dir": str(out)}))
+    for f in out.rglob("*"):  # safetensors writes 0600: a shared filesystem's readers could not open it
+        f.chmod(0o755 if f.is_dir() else 0o644)
     return out
+
+
+def _tensors(module: torch.nn.Module, prefix: str = "") -> dict:
+    return {prefix + k: v.detach().float().contiguous().clone() if v.is_floating_point() else v.contiguous().clone()
+            for k, v in module.state_dict().items()}
+
+
+def write_towers(model: Model, out: Path) -> None:
+    """The towers in their own libraries' formats (text/, vision/) and the layers between them (heads.safetensors),
+    beside model.safetensors."""
+    from safetensors.torch import save_file
+
+    m, cfg = model.module, model.config.model
+    vision = out / VISION_DIR
+    vision.mkdir(exist_ok=True)
+    save_file(_tensors(m.vision.backbone), str(vision / WEIGHTS_FILE))
+    scale = 255.0  # the tower's buffers normalise 0–255 pixels
+    (vision / "config.json").write_text(json.dumps({
+        "architecture": assets.vision_timm_name(cfg.vision), "num_classes": 0, "image_size": model.image_size,
+        "mean": (m.vision.mean.flatten() / scale).tolist(), "std": (m.vision.std.flatten() / scale).tolist()}, indent=2))
+    heads = {**_tensors(m.vision_proj, "vision_proj."), "logit_scale": m.logit_scale.detach().float().clone()}
+    if cfg.text_tower != "class_embedding":
+        heads.update(_tensors(m.text_proj, "text_proj."))
+        for i, layer in enumerate(m.text.alignment):
+            heads.update(_tensors(layer, f"alignment.{i}."))
+        if cfg.text_strategy != "frozen_adapters":  # adapters live inside the LM's layers: rayvl.load only
+            m.text.lm.save_pretrained(out / TEXT_DIR, safe_serialization=True)
+    save_file(heads, str(out / HEADS_FILE))
 
 
 def _last_evaluation(ckpt: str) -> dict:
     """The evaluation metrics of the checkpoint's last report that has them ({} when none ran)."""
+    from rayvl.eval.tasks import METRIC_PREFIXES  # imports Ray: not on rayvl.load's path
     path = storage.join(ckpt, METRICS_FILE)
     if not storage.is_file(path):
         return {}
@@ -149,7 +190,13 @@ def model_card(record: dict) -> str:
     m, t, d = c["model"], c["train"], c["data"]
     rows = "\n".join(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |"
                      for k, v in record["metrics"].items()) or "| (no evaluation ran) | |"
-    return f"""# rayvl dual encoder: {c["recipe"]}
+    return f"""---
+library_name: rayvl
+pipeline_tag: zero-shot-image-classification
+tags: [clip, dual-encoder, image-text-retrieval, rayvl, {c["recipe"]}]
+---
+
+# rayvl dual encoder: {c["recipe"]}
 
 Exported by `rayvl export` from `{record["source"]}` (step {record["step"]} of {t["max_steps"]}{
     ", final" if record["final"] else ", an intermediate checkpoint"}).
@@ -181,8 +228,59 @@ images = model.encode_image(["cat.jpg", "dog.jpg"])     # (2, {m["embed_dim"]}) 
 texts = model.encode_text(["a photo of a cat", "a photo of a dog"])
 similarity = model.logit_scale() * images @ texts.T
 ```
+{without_rayvl(record)}
+Files: `model.safetensors` (every weight, fp32: what `rayvl.load` reads), `rayvl_model.json` (the full training
+config), `text/` (the language model as a Hugging Face folder), `vision/` (the timm backbone's state dict and its
+`config.json`), `heads.safetensors` (projections, alignment layers, logit scale). Not a `transformers`
+`VisionTextDualEncoderModel`: that class embeds text through the LM's pooler and one linear map, which cannot express
+this text tower's pooling and projection.
+"""
 
-Files: `model.safetensors` (fp32 weights), `rayvl_model.json` (the full training config), `text/` (the text tower's
-config and tokenizer). Not a `transformers` `VisionTextDualEncoderModel`: that class embeds text through the LM's
-pooler and one linear map, which cannot express this text tower's pooling and projection.
+
+def without_rayvl(record: dict) -> str:
+    """The model card's section that embeds with transformers, timm and torch alone (the suite runs it)."""
+    m, d = record["config"]["model"], record["config"]["data"]
+    if m["text_tower"] == "class_embedding" or m["text_strategy"] == "frozen_adapters":
+        return "\nThis text tower (class embeddings, or adapters inside the LM's layers) loads with `rayvl.load` only.\n"
+    project = {"linear": "F.linear({x}, h['{p}.weight'])",
+               "mlp2": "F.linear(F.gelu(F.linear({x}, h['{p}.0.weight'], h['{p}.0.bias'])), h['{p}.2.weight'], "
+                       "h['{p}.2.bias'])"}
+    pool = "x[:, 0]" if m["pooling"] == "cls" else "(x * a).sum(1) / a.sum(1).clamp(min=1)"
+    return f"""
+## Use without rayvl
+
+```python
+import copy, json, timm, torch, torch.nn.functional as F, transformers
+from safetensors.torch import load_file
+d = "{record.get("export_dir", ".")}"
+v, h = json.load(open(f"{{d}}/vision/config.json")), load_file(f"{{d}}/heads.safetensors")
+vision = timm.create_model(v["architecture"], num_classes=0, checkpoint_path=f"{{d}}/vision/model.safetensors").eval()
+lm = transformers.AutoModel.from_pretrained(f"{{d}}/text", add_pooling_layer=False).eval()
+tokenizer = transformers.AutoTokenizer.from_pretrained(f"{{d}}/text")
+align = [copy.deepcopy(lm.encoder.layer[-1]) for _ in range({m["alignment_layers"] if
+         m["text_strategy"] == "frozen_alignment" else 0})]  # alignment layers: shaped like the LM's last
+for i, layer in enumerate(align):
+    layer.load_state_dict({{k.split(".", 2)[2]: w for k, w in h.items() if k.startswith(f"alignment.{{i}}.")}})
+mean, std = (torch.tensor(v[k]).view(1, 3, 1, 1) for k in ("mean", "std"))
+
+@torch.no_grad()
+def encode_image(pixels):  # uint8 (N, 3, {d["image_size"]}, {d["image_size"]}), RGB, centre-cropped
+    x = vision((pixels.float() / 255 - mean) / std)
+    return F.normalize({project[m["vision_projection"]].format(x="x", p="vision_proj")}, dim=-1)
+
+@torch.no_grad()
+def encode_text(texts):
+    t = tokenizer(texts, padding="max_length", truncation=True, max_length={d["max_text_tokens"]}, return_tensors="pt")
+    a = t["attention_mask"]
+    x = lm(input_ids=t["input_ids"], attention_mask=a).last_hidden_state
+    mask = (1.0 - a[:, None, None, :].float()) * torch.finfo(torch.float32).min  # additive: padding left out
+    for layer in align:
+        out = layer(x, mask)
+        x = out[0] if isinstance(out, tuple) else out
+    a = a.unsqueeze(-1).float()
+    x = {pool}
+    return F.normalize({project[m["text_projection"]].format(x="x", p="text_proj")}, dim=-1)
+```
+
+Logit scale: `h["logit_scale"].exp().clamp(max={m["max_logit_scale"]})`.
 """

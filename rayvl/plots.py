@@ -1,5 +1,5 @@
-"""One PNG dashboard of a run's ``metrics.jsonl`` (matplotlib): training loss, learning rate, samples/s and data
-wait over steps, each evaluation metric that has more than one point as a curve, and the metrics with a single
+"""One PNG dashboard of a run's ``metrics.jsonl`` (matplotlib): training loss, learning rate, samples/s, data
+wait, logit scale and gradient norm over steps, each evaluation metric that has more than one point as a curve, and the metrics with a single
 point (most evaluations of a short run) as a table in the same figure. One run (``rayvl plot RUN``, also while it
 runs; every finished run gets ``<run>/plots/run.png``), or several runs with a line per run (``rayvl plot RUN RUN
 ... --out DIR``). TensorBoard and MLflow keep every scalar; this is the page a user opens first."""
@@ -18,7 +18,8 @@ from rayvl.eval.tasks import METRIC_PREFIXES
 PLOTS_DIR = "plots"
 DASHBOARD_FILE = "run.png"
 TRAINING = {"loss": "training loss", "lr": "learning rate", "samples_per_s": "samples/s (all workers)",
-            "data_wait_share": "data wait (% of step time)"}
+            "data_wait_share": "data wait (% of step time)", "logit_scale": "logit scale (1/τ)",
+            "grad_norm": "gradient norm"}
 SCALE = {"data_wait_share": 100.0}  # a share in the file, a percentage on the axis
 SKIPPED = ("_chance_", "zeroshot_classes", "zeroshot_templates", "_images", "_captions", "_pairs")
 COLUMNS = 3

@@ -98,7 +98,7 @@ def test_a_run_has_one_dashboard_and_several_runs_share_one(tmp_path, capsys):
     from PIL import Image
 
     from rayvl.cli import main
-    from rayvl.plots import history, plot_run
+    from rayvl.plots import history, plot_run, plot_runs
 
     _runs(tmp_path)
     assert [r["loss"] for r in history(str(tmp_path / "a"))] == [2.9, 2.8, 9.0]
@@ -111,6 +111,8 @@ def test_a_run_has_one_dashboard_and_several_runs_share_one(tmp_path, capsys):
     assert drawn.panels == ["training loss", "learning rate", "samples/s (all workers)",
                             "data wait (% of step time)", "t2i_R@1"]
     assert drawn.table == {"zeroshot_top1": {"a": (2, 40.0)}}  # chance levels and set sizes are not plotted
+    logged = [{"step": s, "loss": 1.0, "logit_scale": 14.3 + s, "grad_norm": 0.5 * s} for s in (1, 2)]
+    assert plot_runs({"c": logged}, tmp_path / "c").panels == ["training loss", "logit scale (1/τ)", "gradient norm"]
     capsys.readouterr()
     assert main(["plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "cmp")]) == 0
     assert capsys.readouterr().out.strip() == (f"wrote {tmp_path / 'cmp' / 'run.png'}: 6 curves, 1 metrics reported "

@@ -22,14 +22,16 @@ def _ds_files(ckpt: Path) -> list[str]:
 # ZeRO-0 (the default) trains in every other run test; ZeRO-3 trains (and resumes) in
 # test_checkpoint_round_trip_and_resume
 @pytest.mark.parametrize("stage", [1, 2])
-def test_zero_stage_trains_two_workers(ray_local, demo_dir, tmp_path, stage):
+def test_zero_stage_trains_two_workers(ray_local, demo_dir, tmp_path, stage, monkeypatch):
     if stage == 1:  # BoW captions ([BoW] §2.2: statistics pass + deformation inside the real pipeline), from another
-        # run's weights, logged to TensorBoard and MLflow (read back below), the model run through torch.compile (its
-        # "eager" backend: Dynamo's graphs without code generation)
+        # run's weights, logged to TensorBoard, MLflow and W&B (offline, as the driver's environment says: read back
+        # below), the model run through torch.compile (its "eager" backend: Dynamo's graphs without code generation)
+        monkeypatch.setenv("WANDB_MODE", "offline")
+        monkeypatch.setenv("WANDB_SILENT", "true")
         extra = ["bow.enabled=true",
                  "bow.ops=[shuffle, rm_stop_nalpha, limit_to_base_vocab, {rm_top_freq: 3}, {keep: 3}]",
                  f"train.init_from={untrained_checkpoint(demo_dir, tmp_path, 5, 'seeded')}",
-                 "train.report_to=[tensorboard, mlflow]", f"train.mlflow_uri=sqlite:///{tmp_path}/mlflow.db",
+                 "train.report_to=[tensorboard, mlflow, wandb]", f"train.mlflow_uri=sqlite:///{tmp_path}/mlflow.db",
                  "train.compile=eager"]
     else:  # UniCL against an EMA memory bank of 40 keys ([BoW] §2.1): 3 steps × 16 keys wrap around; in bf16
         # (DeepSpeed's CPU accelerator), the precision every GPU user takes, with the alignment layers recomputed
@@ -97,6 +99,12 @@ def _check_tensorboard_mlflow_and_plots(result, history, tmp_path):
     assert client.get_metric_history(run.info.run_id, "eval/t2i_R_at_1")[-1].value == pytest.approx(
         result.metrics["t2i_R@1"])
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"run.png", "eval.json", "run.json"}
+    (offline,) = (result.run_dir / "wandb").glob("offline-run-*/run-*.wandb")  # W&B's own file, offline mode
+    logged = {r.history.step.num: {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item}
+              for r in _wandb_records(offline) if r.WhichOneof("record_type") == "history"}
+    assert sorted(logged) == [h["step"] for h in history]
+    assert [logged[h["step"]]["train/loss"] for h in history] == pytest.approx([h["loss"] for h in history])
+    assert logged[3]["eval/t2i_R@1"] == pytest.approx(result.metrics["t2i_R@1"])
     record = json.loads((result.run_dir / "run.json").read_text())
     assert record["config"]["train"]["zero_stage"] == 1 and len(record["invocations"]) == 1
     # how the run ended, readable: its status, end, duration and final metrics, rounded to what float32 holds
@@ -120,6 +128,28 @@ def _check_tensorboard_mlflow_and_plots(result, history, tmp_path):
     assert hparams.hparams["model.text"].string_value == "minilm-l6"
     assert record["git_commit"] == run.data.tags["mlflow.source.git.commit"] and len(record["git_commit"]) >= 40
     assert [p.name for p in (result.run_dir / "plots").iterdir()] == ["run.png"]  # one dashboard
+
+
+def _wandb_records(path):
+    """The records of a W&B run file: W&B's header, then LevelDB's log format (32 KiB blocks of records, each a
+    7-byte header — CRC, length, type: 1 whole, 2 first, 3 middle, 4 last piece — and its bytes), each record one
+    of W&B's own protobuf ``Record``s."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block = Path(path).read_bytes(), 32 * 1024
+    assert data[:4] == b":W&B"
+    pos, records, pieces = 7, [], b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if left < 7 or kind == 0:  # a block's zero-filled tail
+            pos += left
+            continue
+        pieces, pos = pieces + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            records.append(wandb_internal_pb2.Record.FromString(pieces))
+            pieces = b""
+    return records
 
 
 def _events(folder):
@@ -151,6 +181,7 @@ def _check_export_round_trip(result, tmp_path):
     photo = Image.fromarray(images[0].transpose(1, 2, 0)).resize((48, 40))
     assert exported.preprocess(photo).shape == (3, 32, 32) and exported.encode_image([photo]).shape == (1, 64)
     assert "| zeroshot_top1 |" in (tmp_path / "export" / "README.md").read_text()
+    _check_export_without_rayvl(tmp_path / "export", exported, captions, images)
     (intermediate,) = [c for c in result.run_dir.glob("checkpoint_*")
                        if c.is_dir() and not (c / "model.pt").exists()]
     loaded = rayvl.load(intermediate)
@@ -159,6 +190,41 @@ def _check_export_round_trip(result, tmp_path):
     rebuilt, final = loaded.module.state_dict(), torch.load(Path(result.checkpoint_dir) / "model.pt")
     assert rebuilt.keys() == final.keys()
     assert all(torch.equal(rebuilt[k], v) for k, v in final.items() if k.startswith("text.lm."))  # never trained
+
+
+def _check_export_without_rayvl(export, exported, captions, images):
+    """The export other tools load: the model card's "without rayvl" code — transformers' AutoModel for the
+    language model, timm for the image tower, torch for the heads — embeds as rayvl.load does; every file is
+    readable by others (0644); the card has Hugging Face metadata; rayvl.load imports neither Ray nor DeepSpeed and
+    the README's lines warn of nothing."""
+    import re
+    import subprocess
+    import sys
+
+    assert {f.stat().st_mode & 0o777 for f in export.rglob("*") if f.is_file()} == {0o644}
+    card = (export / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: rayvl\npipeline_tag: zero-shot-image-classification\n")
+    (snippet,) = re.findall(r"## Use without rayvl\n\n```python\n(.*?)```", card, re.S)
+    namespace: dict = {}
+    exec(snippet, namespace)  # timm importable here through rayvl.compat (this VM's CUDA torchvision over CPU torch)
+    np.testing.assert_allclose(namespace["encode_text"](captions).numpy(), exported.encode_text(captions).numpy(),
+                               atol=1e-5)
+    np.testing.assert_allclose(namespace["encode_image"](torch.from_numpy(images)).numpy(),
+                               exported.encode_image(images).numpy(), atol=1e-5)
+    assert float(namespace["h"]["logit_scale"].exp().clamp(max=100)) == pytest.approx(exported.logit_scale())
+    readme = f"""
+import sys, warnings
+import rayvl
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    model = rayvl.load({str(export)!r})
+    images = model.encode_image(torch.zeros(2, 3, 32, 32, dtype=torch.uint8))
+    texts = model.encode_text(["a photo of a cat", "a photo of a dog"])
+    similarity = model.logit_scale() * images @ texts.T
+print(sorted({{"ray", "deepspeed"}} & set(sys.modules)), [str(w.message) for w in caught])
+"""
+    out = subprocess.run([sys.executable, "-c", "import torch" + readme], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == "[] []", out.stdout + out.stderr[-2000:]
 
 
 def _check_bf16_weights_and_embeddings(result, state):

@@ -10,6 +10,7 @@ pickled to the controller and opens them there, on the first report.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -72,7 +73,9 @@ class RunLog(UserCallback):
     def __init__(self, log_dir: str, run: dict, report_to: list[str], mlflow_uri: str, sync_every_s: float = 0.0):
         self.log_dir, self.run, self.report_to, self.mlflow_uri = Path(log_dir), run, list(report_to), mlflow_uri
         self.sync_every_s, self.started = sync_every_s, time.time()
-        self._tensorboard = self._mlflow = None
+        # W&B is configured by environment variables; the driver's travel to the controller with this callback
+        self.wandb_env = {k: v for k, v in os.environ.items() if k.startswith("WANDB_")}
+        self._tensorboard = self._mlflow = self._wandb = None
         self._synced = -math.inf  # the first report is copied at once: the run shows up in its directory early
 
     def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
@@ -83,7 +86,8 @@ class RunLog(UserCallback):
             f.write(json.dumps(rounded(row)) + "\n")
         values, step = scalars(row), int(row["step"])
         writers = {"tensorboard": lambda: self._write_tensorboard(values, step),
-                   "mlflow": lambda: self._write_mlflow(values, step, step == self.run["config"]["train"]["max_steps"])}
+                   "mlflow": lambda: self._write_mlflow(values, step, step == self.run["config"]["train"]["max_steps"]),
+                   "wandb": lambda: self._write_wandb(values, step)}
         for name in self.report_to:
             _quietly(writers[name], f"train.report_to: {name} failed at step {step}")
         if time.monotonic() - self._synced >= self.sync_every_s:
@@ -105,6 +109,29 @@ class RunLog(UserCallback):
         for tag, value in values.items():
             self._tensorboard.add_scalar(tag, value, step)
         self._tensorboard.flush()
+
+    def _write_wandb(self, values: dict, step: int) -> None:
+        """Scalars to the run's W&B run (one across resumes: its id is made from the run directory), closed at the
+        invocation's last step so that its files are complete."""
+        if self._wandb is None:
+            os.environ.update(self.wandb_env)
+            import wandb
+
+            recipe = self.run["config"]["recipe"]
+            self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT") or recipe, name=self.run["name"],
+                                     id=wandb_id(self.run["run_dir"]), resume="allow", dir=str(self.log_dir),
+                                     config=self.run["config"], tags=[recipe])
+        self._wandb.log(values, step=step)
+        train = self.run["config"]["train"]
+        if step >= (train["stop_at_step"] or train["max_steps"]):
+            self._wandb, run = None, self._wandb
+            run.finish()
+
+    def after_exception(self, run_context, worker_exceptions) -> None:
+        """Workers failed: the W&B run is closed as failed (a restart of the worker group resumes it)."""
+        if self._wandb is not None:
+            self._wandb, run = None, self._wandb
+            _quietly(lambda: run.finish(exit_code=1), "train.report_to: wandb")
 
     def _write_hparams(self) -> None:
         """The run's config as TensorBoard's hyperparameters (its HParams tab compares runs by them), in the same
@@ -166,6 +193,11 @@ class RunLog(UserCallback):
                 if f.is_file():
                     client.log_artifact(run_id, str(f))
         _quietly(log, "train.report_to: mlflow artifacts")
+
+
+def wandb_id(run_dir: str) -> str:
+    """The W&B run id of a rayvl run: the same for every start of it, different for every run directory."""
+    return hashlib.sha1(run_dir.encode()).hexdigest()[:16]
 
 
 def artifact_root(uri: str, recipe: str) -> str | None:
