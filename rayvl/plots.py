@@ -28,12 +28,14 @@ COLUMNS = 3
 @dataclass
 class Dashboard:
     """What a dashboard drew, so that a caller (or a test) can tell without reading pixels: the curve panels'
-    titles in drawing order, and the table's single-point metrics as {metric: {run: (step, value)}}."""
+    titles in drawing order, the table's single-point metrics as {metric: {run: (step, value)}} in the order of its
+    rows (by task), and the steps marked on every panel: {"checkpoint": steps, "evaluation": steps}."""
 
     path: Path
     runs: list[str]
     panels: list[str] = field(default_factory=list)
     table: dict[str, dict[str, tuple[int, float]]] = field(default_factory=dict)
+    marks: dict[str, list[int]] = field(default_factory=dict)
 
 
 def history(run: str) -> list[dict]:
@@ -58,8 +60,36 @@ def plotted_metrics(rows: list[dict]) -> list[str]:
     return [k for k in TRAINING if k in keys] + evals
 
 
+# evaluation metrics as a person reads them, by task: (group, pattern, label); the groups order the table
+LABELS = (
+    ("retrieval", r"t2i_R@(\d+)", "text→image R@{0} %"), ("retrieval", r"i2t_R@(\d+)", "image→text R@{0} %"),
+    ("retrieval", r"t2i_same_object_R@(\d+)", "same-object text→image R@{0} %"),
+    ("retrieval", r"i2t_same_object_R@(\d+)", "same-object image→text R@{0} %"),
+    ("zero-shot", r"zeroshot_top(\d+)", "zero-shot top-{0} %"),
+    ("zero-shot", r"zeroshot_mean_per_class_recall", "zero-shot mean per-class recall %"),
+    ("zero-shot", r"single_template_zeroshot_top(\d+)", "zero-shot top-{0}, one prompt %"),
+    ("zero-shot", r"single_template_zeroshot_mean_per_class_recall", "zero-shot mean per-class recall, one prompt %"),
+    ("paraphrase", r"paraphrase_(AO|JS)@(\d+)", "paraphrase {0}@{1} %"),
+    ("paraphrase", r"qe_paraphrase_(AO|JS)@(\d+)", "paraphrase {0}@{1}, query expansion %"),
+    ("STS", r"sts_(pearson|spearman)", "STS {0} × 100"),
+    ("linear probe", r"linear_probe_top1", "linear probe top-1 %"),
+)
+GROUPS = ("retrieval", "zero-shot", "paraphrase", "STS", "linear probe", "other")
+
+
+def labelled(metric: str) -> tuple[str, str]:
+    """(group, label) of a metric; a ``heldout_`` prefix (a comparison's evaluation after training) is said."""
+    held = metric.startswith("heldout_")
+    key = metric.removeprefix("heldout_")
+    for group, pattern, label in LABELS:
+        found = re.fullmatch(pattern, key)
+        if found:
+            return group, ("held-out " if held else "") + label.format(*found.groups())
+    return "other", metric
+
+
 def title(metric: str) -> str:
-    return TRAINING.get(metric, metric)
+    return TRAINING.get(metric) or labelled(metric)[1]
 
 
 def points(rows: list[dict], metric: str) -> list[tuple[int, float]]:
@@ -79,7 +109,18 @@ def layout(runs: dict[str, list[dict]]) -> tuple[list[str], dict[str, dict[str, 
             curves.append(metric)
         elif any(each.values()):
             table[metric] = {name: p[0] for name, p in each.items() if p}
-    return curves, table
+    order = sorted(table, key=lambda m: (GROUPS.index(labelled(m)[0]), list(table).index(m)))
+    return curves, {m: table[m] for m in order}
+
+
+def marks(runs: dict[str, list[dict]]) -> dict[str, list[int]]:
+    """Steps where something paused training — a checkpoint written (the report's ``checkpoint``), an evaluation
+    run — which explains a dip in samples/s; of a single run only (several runs' marks would be noise)."""
+    if len(runs) != 1:
+        return {}
+    (rows,) = runs.values()
+    return {"checkpoint": [r["step"] for r in rows if r.get("checkpoint")],
+            "evaluation": [r["step"] for r in rows if any(k.startswith(METRIC_PREFIXES) for k in r)]}
 
 
 def plot_runs(runs: dict[str, list[dict]], out_dir: str | Path) -> Dashboard:
@@ -93,7 +134,7 @@ def plot_runs(runs: dict[str, list[dict]], out_dir: str | Path) -> Dashboard:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     curves, table = layout(runs)
-    dashboard = Dashboard(out / DASHBOARD_FILE, list(runs), [title(m) for m in curves], table)
+    dashboard = Dashboard(out / DASHBOARD_FILE, list(runs), [title(m) for m in curves], table, marks(runs))
     columns = max(1, min(COLUMNS, len(curves)))
     rows = math.ceil(len(curves) / columns)
     table_height = 0.4 + 0.28 * (len(table) + 1) if table or not curves else 0.0
@@ -101,16 +142,20 @@ def plot_runs(runs: dict[str, list[dict]], out_dir: str | Path) -> Dashboard:
     grid = fig.add_gridspec(rows + bool(table_height), columns,
                             height_ratios=[3.3] * rows + ([table_height] if table_height else []))
     for i, metric in enumerate(curves):
-        _curve(fig.add_subplot(grid[i // columns, i % columns]), metric, runs)
+        _curve(fig.add_subplot(grid[i // columns, i % columns]), metric, runs, dashboard.marks)
     if table_height:
         _table(fig.add_subplot(grid[rows, :]), table, list(runs))
-    fig.suptitle(", ".join(runs) if len(runs) <= 3 else f"{len(runs)} runs", fontsize=10)
+    fig.suptitle((", ".join(runs) if len(runs) <= 3 else f"{len(runs)} runs") + (
+        "  (dotted: checkpoints, dashed: evaluations)" if any(dashboard.marks.values()) else ""), fontsize=10)
     fig.savefig(dashboard.path, dpi=90)
     plt.close(fig)
     return dashboard
 
 
-def _curve(ax, metric: str, runs: dict[str, list[dict]]) -> None:
+def _curve(ax, metric: str, runs: dict[str, list[dict]], marked: dict[str, list[int]]) -> None:
+    for kind, style in (("checkpoint", ":"), ("evaluation", "--")):
+        for step in marked.get(kind, ()):
+            ax.axvline(step, color="0.6", linestyle=style, linewidth=0.8)
     for name, rows in runs.items():
         found = points(rows, metric)
         if found:
@@ -129,9 +174,10 @@ def _table(ax, table: dict[str, dict[str, tuple[int, float]]], names: list[str])
     if not table:
         ax.text(0.5, 0.5, "no metrics reported yet", ha="center", va="center")
         return
-    cells = [[title(m), *(f"{v[1]:.4g} (step {v[0]})" if v else "-" for v in (row.get(n) for n in names))]
-             for m, row in table.items()]
-    drawn = ax.table(cellText=cells, colLabels=["reported once", *names], loc="upper center", cellLoc="left")
+    cells = [[labelled(m)[0], title(m), *(f"{v[1]:.4g} (step {v[0]})" if v else "-"
+                                          for v in (row.get(n) for n in names))] for m, row in table.items()]
+    drawn = ax.table(cellText=cells, colLabels=["task", "reported once", *names], loc="upper center",
+                     cellLoc="left")
     drawn.auto_set_font_size(False)
     drawn.set_fontsize(8)
 

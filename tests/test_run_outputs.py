@@ -69,9 +69,12 @@ def test_progress_follows_a_growing_metrics_file_and_restarts(tmp_path, caplog):
 
 def test_run_log_scalars_group_metrics_and_fit_mlflow_names():
     out = scalars({**ROW, "t2i_R@1": 3.0, "samples_kept": 10, "resumed_from": 4, "grad_norm": None,
-                   "bad": float("nan")})
+                   "bad": float("nan"), "data_rows_trained": 48, "t2i_chance_R@1": 1.5, "retrieval_images": 64,
+                   "elapsed_s": 3.0, "checkpoint": True})
     assert out["train/loss"] == 2.31412 and out["eval/t2i_R@1"] == 3.0 and out["data/samples_kept"] == 10
-    assert not {"train/step", "train/time", "train/resumed_from", "train/grad_norm", "train/bad"} & set(out)
+    assert out["data/rows_trained"] == 48
+    assert not {"train/step", "train/time", "train/resumed_from", "train/grad_norm", "train/bad", "train/elapsed_s",
+                "train/checkpoint", "eval/t2i_chance_R@1", "eval/retrieval_images", "data/data_rows_trained"} & set(out)
     assert mlflow_name("eval/t2i_R@1") == "eval/t2i_R_at_1"
 
 
@@ -109,10 +112,16 @@ def test_a_run_has_one_dashboard_and_several_runs_share_one(tmp_path, capsys):
     drawn = plot_run(str(tmp_path / "a"))
     assert drawn.path == tmp_path / "a" / "plots" / "run.png" and drawn.runs == ["a"]
     assert drawn.panels == ["training loss", "learning rate", "samples/s (all workers)",
-                            "data wait (% of step time)", "t2i_R@1"]
+                            "data wait (% of step time)", "text→image R@1 %"]
     assert drawn.table == {"zeroshot_top1": {"a": (2, 40.0)}}  # chance levels and set sizes are not plotted
-    logged = [{"step": s, "loss": 1.0, "logit_scale": 14.3 + s, "grad_norm": 0.5 * s} for s in (1, 2)]
-    assert plot_runs({"c": logged}, tmp_path / "c").panels == ["training loss", "logit scale (1/τ)", "gradient norm"]
+    logged = [{"step": s, "loss": 1.0, "logit_scale": 14.3 + s, "grad_norm": 0.5 * s} for s in (1, 2, 3, 4)]
+    logged[1]["checkpoint"] = True
+    logged[3].update({"checkpoint": True, "sts_spearman": 50.0, "zeroshot_top1": 40.0, "t2i_R@1": 3.0,
+                      "i2t_R@5": 9.0, "zeroshot_chance_top1": 12.5})
+    c = plot_runs({"c": logged}, tmp_path / "c")
+    assert c.panels == ["training loss", "logit scale (1/τ)", "gradient norm"]
+    assert c.marks == {"checkpoint": [2, 4], "evaluation": [4]}  # what paused training, drawn on every panel
+    assert list(c.table) == ["i2t_R@5", "t2i_R@1", "zeroshot_top1", "sts_spearman"]  # grouped by task
     capsys.readouterr()
     assert main(["plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "cmp")]) == 0
     assert capsys.readouterr().out.strip() == (f"wrote {tmp_path / 'cmp' / 'run.png'}: 6 curves, 1 metrics reported "

@@ -275,14 +275,14 @@ def finish(run_dir: str, logs: Path, result, data_report: dict, stopped: bool = 
 
 
 def _keep_history(checkpointed: str, live: Path) -> None:
-    """metrics.jsonl as the checkpoint's history of the steps that count, each line with the time the live file
-    gave its step (the workers' rows carry none)."""
+    """metrics.jsonl as the checkpoint's history of the steps that count, each line with the time (and checkpoint
+    mark) the live file gave its step (the workers' rows carry neither)."""
     when = {}
     if live.is_file():
         for line in live.read_text().splitlines():
             row = json.loads(line) if line.strip() else {}
             if "time" in row:
-                when[row["step"]] = {k: row[k] for k in ("time", "elapsed_s") if k in row}
+                when[row["step"]] = {k: row[k] for k in ("time", "elapsed_s", "checkpoint") if k in row}
     rows = [json.loads(x) for x in checkpointed.splitlines() if x.strip()]
     live.write_text("".join(json.dumps(rounded({**r, **when.get(r["step"], {})})) + "\n" for r in rows))
 

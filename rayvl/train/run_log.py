@@ -31,7 +31,7 @@ RUN_TAG = "rayvl.run_dir"  # the MLflow tag a resumed run is found by
 
 
 # what TensorBoard and MLflow leave out: the report's bookkeeping, evaluation constants (chance levels, set sizes)
-NOT_PLOTTED = ("step", "first_step", "resumed_from", "time", "elapsed_s")
+NOT_PLOTTED = ("step", "first_step", "resumed_from", "time", "elapsed_s", "checkpoint")
 CONSTANT = ("_chance_", "zeroshot_classes", "zeroshot_templates", "_images", "_captions", "_pairs", "_queries",
             "linear_probe_train", "linear_probe_test")
 
@@ -46,7 +46,7 @@ def scalars(row: dict) -> dict[str, float]:
         if isinstance(value, (int, float)) and math.isfinite(value):
             group = "eval" if key.startswith(METRIC_PREFIXES) else "data" if key.startswith(
                 ("samples_", "caption_", "data_", "bow_", "tonics_rows")) else "train"
-            out[f"{group}/{key}"] = float(value)
+            out[f"{group}/{key.removeprefix('data_')}"] = float(value)  # data/rows_trained, not data/data_rows_trained
     return out
 
 
@@ -80,7 +80,8 @@ class RunLog(UserCallback):
 
     def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
         now = time.time()
-        row = {**metrics[0], "time": round(now, 1), "elapsed_s": round(now - self.started, 1)}
+        row = {**metrics[0], "time": round(now, 1), "elapsed_s": round(now - self.started, 1),
+               **({"checkpoint": True} if checkpoint is not None else {})}  # the dashboard marks it
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / METRICS_FILE, "a") as f:
             f.write(json.dumps(rounded(row)) + "\n")
