@@ -70,6 +70,7 @@ def test_rayvl_eval_prints_every_task_and_embeds_as_one_process(ray_local, check
     for table in ("== zeroshot ==", "== retrieval ==", "== paraphrase ==", "== sts ==", "== linear_probe =="):
         assert table in printed
     results = json.loads((out / "eval.json").read_text())
+    assert results["checkpoint"].endswith("checkpoint_000") and results["step"] == 0  # what it scored
     assert results["retrieval"]["retrieval_images"] == 64 and results["paraphrase"]["paraphrase_pairs"] == 64
     assert "skipped" not in results
     assert results["data"]["samples_seen"] == results["data"]["samples_kept"] == 64

@@ -97,7 +97,8 @@ def run_eval(checkpoint: str, tasks: list[str] | None = None, sources: Sources |
     """Every task of ``tasks`` on a checkpoint; ``tasks`` and the actor pool's settings left None come from its
     config (``eval.checkpoint_tasks``, ``settings``)."""
     uri = checkpoint_uri(checkpoint)  # local or a URL; every embedding actor loads it on its own node
-    config = read_meta(uri)["config"]
+    meta = read_meta(uri)
+    config = meta["config"]
     sources = sources or default_sources(config)
     out = storage.normalize(out) if out else storage.join(storage.parent(uri), "eval")
     pool = settings(config, actors=actors, cpus_per_actor=cpus_per_actor, gpus_per_actor=gpus_per_actor,
@@ -122,7 +123,8 @@ def run_eval(checkpoint: str, tasks: list[str] | None = None, sources: Sources |
     skipped = [t for t in tasks if t not in metrics]
     if skipped:
         results["skipped"] = {t: SKIP_REASONS[t] for t in skipped}
-    storage.write_text(storage.join(out, "eval.json"), json.dumps(results, indent=2))
+    scored = {"checkpoint": uri, "step": meta["step"]}  # the file says what it scored
+    storage.write_text(storage.join(out, "eval.json"), json.dumps({**scored, **results}, indent=2))
     return results
 
 
