@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import tarfile
-import time
 import uuid
 import zlib
 from collections import Counter, deque

@@ -106,11 +106,22 @@ def log_dir(store: str, name: str) -> Path:
     local = storage.local_path(run_dir)
     if local is not None:
         return local
-    key = hashlib.sha1(run_dir.encode()).hexdigest()[:16]
-    return Path(os.environ.get("RAYVL_CACHE", "~/.cache/rayvl")).expanduser() / "runs" / key / name
+    return Path(os.environ.get("RAYVL_CACHE", "~/.cache/rayvl")).expanduser() / "runs" / run_key(run_dir) / name
+
+
+def run_key(run_dir: str) -> str:
+    """A short name of a run directory's URL: its local log folder's and its W&B run's id."""
+    return hashlib.sha1(run_dir.encode()).hexdigest()[:16]
+
+
+def copy_logs(logs: Path, run_dir: str) -> None:
+    """The log folder copied into the run directory, when that is not the log folder itself (object storage)."""
+    if storage.local_path(run_dir) != logs:
+        storage.upload(logs, run_dir)
 
 
 MLFLOW_DIR = "mlruns"
+TENSORBOARD_DIR = "tensorboard"
 
 
 def mlflow_uri(cfg: RayvlConfig, logs: Path) -> str:
@@ -125,7 +136,7 @@ def mlflow_uri(cfg: RayvlConfig, logs: Path) -> str:
     return f"sqlite:///{root / MLFLOW_DIR / 'mlflow.db'}"
 
 
-RECORDS = (METRICS_FILE, "tensorboard", MLFLOW_DIR)  # what a run's log folder grows, kept across its starts
+RECORDS = (METRICS_FILE, TENSORBOARD_DIR, MLFLOW_DIR)  # what a run's log folder grows, kept across its starts
 
 
 def continue_records(run_dir: str, logs: Path, resume: bool) -> None:
@@ -269,8 +280,7 @@ def finish(run_dir: str, logs: Path, result, data_report: dict, stopped: bool = 
     (logs / "data_report.json").write_text(json.dumps(data_report, indent=2))
     end_record(run_dir, logs, "stopped" if stopped else "finished", metrics)
     log_artifacts([logs / PLOTS_DIR / DASHBOARD_FILE, logs / EVAL_FILE, logs / RUN_FILE])
-    if storage.local_path(run_dir) != logs:
-        storage.upload(logs, run_dir)
+    copy_logs(logs, run_dir)
     return RunResult(run_dir, checkpoint_dir, metrics, data_report)
 
 
@@ -292,7 +302,6 @@ def failed(run_dir: str, logs: Path, error: BaseException) -> None:
     best effort, the error itself is what the caller reports."""
     try:
         end_record(run_dir, logs, "failed", {}, error=f"{type(error).__name__}: {error}"[:2000])
-        if storage.local_path(run_dir) != logs and logs.is_dir():
-            storage.upload(logs, run_dir)
+        copy_logs(logs, run_dir)  # end_record has made the folder
     except Exception as e:  # noqa: BLE001
         logging.getLogger("rayvl").warning(f"recording the failed run in {run_dir} failed: {e!r}")

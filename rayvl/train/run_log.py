@@ -10,7 +10,6 @@ pickled to the controller and opens them there, on the first report.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -20,13 +19,11 @@ from pathlib import Path
 
 from ray.train import UserCallback
 
-from rayvl import storage
 from rayvl.checkpoints import METRICS_FILE
 from rayvl.eval.tasks import METRIC_PREFIXES
 from rayvl.plots import PLOTS_DIR, history, plot_runs
-from rayvl.train.run_dir import rounded
+from rayvl.train.run_dir import TENSORBOARD_DIR, copy_logs, rounded, run_key
 
-TENSORBOARD_DIR = "tensorboard"
 RUN_TAG = "rayvl.run_dir"  # the MLflow tag a resumed run is found by
 
 
@@ -98,8 +95,7 @@ class RunLog(UserCallback):
     def sync(self) -> None:
         """Redraw the dashboard from metrics.jsonl and copy the log directory into the run directory."""
         plot_runs({self.run["name"]: history(str(self.log_dir))}, self.log_dir / PLOTS_DIR)
-        if storage.local_path(self.run["run_dir"]) != self.log_dir:
-            storage.upload(self.log_dir, self.run["run_dir"])
+        copy_logs(self.log_dir, self.run["run_dir"])
 
     def _write_tensorboard(self, values: dict, step: int) -> None:
         if self._tensorboard is None:
@@ -120,7 +116,7 @@ class RunLog(UserCallback):
 
             recipe = self.run["config"]["recipe"]
             self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT") or recipe, name=self.run["name"],
-                                     id=wandb_id(self.run["run_dir"]), resume="allow", dir=str(self.log_dir),
+                                     id=run_key(self.run["run_dir"]), resume="allow", dir=str(self.log_dir),
                                      config=self.run["config"], tags=[recipe])
         self._wandb.log(values, step=step)
         train = self.run["config"]["train"]
@@ -182,7 +178,6 @@ class RunLog(UserCallback):
         self._mlflow = client, run_id
         return self._mlflow
 
-
     def log_artifacts(self, files: list[Path]) -> None:
         """The run's end in MLflow: the dashboard, eval.json and run.json (the config) as artifacts of its run."""
         if "mlflow" not in self.report_to:
@@ -194,11 +189,6 @@ class RunLog(UserCallback):
                 if f.is_file():
                     client.log_artifact(run_id, str(f))
         _quietly(log, "train.report_to: mlflow artifacts")
-
-
-def wandb_id(run_dir: str) -> str:
-    """The W&B run id of a rayvl run: the same for every start of it, different for every run directory."""
-    return hashlib.sha1(run_dir.encode()).hexdigest()[:16]
 
 
 def artifact_root(uri: str, recipe: str) -> str | None:
