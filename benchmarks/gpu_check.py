@@ -203,10 +203,15 @@ def read_rows(result) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def steady_state(rows: list[dict], per_step: int) -> dict:
+def steady_state(rows: list[dict], per_step: int, skip: range = range(0)) -> dict:
     """samples/s, data-wait share and MFU (when every window has one) over the windows after the first and after
-    each restart's first (start-up, compilation, a restored engine), each window weighted by its seconds."""
-    windows = [r for i, r in enumerate(rows) if i > 0 and r.get("resumed_from") is None] or rows[-1:]
+    each restart's first (start-up, compilation, a restored engine), each window weighted by its seconds; windows
+    holding a step of ``skip`` (the profiled ones, slowed by the profiler) are left out."""
+    def profiled(r: dict) -> bool:
+        return any(s in skip for s in range(r.get("first_step", r["step"]), r["step"] + 1))
+
+    windows = [r for i, r in enumerate(rows) if i > 0 and r.get("resumed_from") is None and not profiled(r)] \
+        or rows[-1:]
     samples = seconds = waited = mfu_seconds = 0.0
     for row in windows:
         n = (row["step"] - row.get("first_step", row["step"]) + 1) * per_step
@@ -224,7 +229,9 @@ def measure(check: Check, cfg, rows: list[dict], outcome: Outcome) -> None:
     from rayvl.train.flops import mfu, peak_flops, table_precision
 
     t = cfg.train
-    steady = steady_state(rows, t.num_workers * t.micro_batch_size * t.grad_accumulation)
+    profiled = check.args.profile and check.args.profile == outcome.case and check.micro_batch == check.args.batch
+    skip = range(PROFILED_STEPS[0], sum(PROFILED_STEPS)) if profiled else range(0)
+    steady = steady_state(rows, t.num_workers * t.micro_batch_size * t.grad_accumulation, skip)
     outcome.samples_per_s, outcome.data_wait_share = steady["samples_per_s"], steady["data_wait_share"]
     if rows and (phases := startup.summary(rows[0])) is not None:  # where the time before the first step went
         outcome.first_step_s = rows[0]["startup_total_s"]
@@ -577,6 +584,8 @@ CASES = [
          lambda c: ["train.zero_stage=2", "memory_bank.size=8192", NO_EVAL]),
     Case("pseudo_label", "rayvl pseudo-label, GPU actors + GPU faiss index", pseudo_label_case),
     Case("eval", "rayvl eval --gpus 1 of zero2's run", eval_case),
+    Case("compile", "zero2 through torch.compile (inductor)", train_case, "laion_adapt",
+         lambda c: ["train.zero_stage=2", NO_EVAL, "train.compile=inductor"]),
     Case("kill_resume", "a worker killed mid-run; resume from its checkpoint", kill_resume_case, "laion_adapt",
          kill_settings),
 ]
@@ -630,14 +639,15 @@ def machine(gpus: int) -> dict:
             "cpus": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0))}
 
 
-def report(check: Check, outcomes: list[Outcome], argv: list[str]) -> dict:
+def report(check: Check, outcomes: list[Outcome], argv: list[str], not_run: list[str] = ()) -> dict:
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(["python benchmarks/gpu_check.py",
                                                                                  *argv]),
             "machine": machine(check.gpus), "goals": GOALS,
             "settings": {"vision": VISION, "image_size": IMAGE_SIZE, "precision": PRECISION, "steps": check.steps,
                          "micro_batch_size": check.args.batch, "workers": check.gpus, "storage": str(check.storage),
                          "set": list(check.args.set)},
-            "cases": [asdict(o) for o in outcomes], "passed": all(o.passed for o in outcomes)}
+            "cases": [asdict(o) for o in outcomes], "not_run": list(not_run),
+            "passed": all(o.passed for o in outcomes)}
 
 
 def _pct(value: float | None, goal: float, better: str) -> str:
@@ -688,6 +698,8 @@ def format_text(rep: dict) -> str:
             f"torch {m['torch']}, CUDA {m['cuda']}, {m['cpus']} CPUs ==\n{rep['command']}")
     verdict = "all cases passed" if rep["passed"] else \
         f"FAILED: {', '.join(c['case'] for c in rep['cases'] if not c['passed'])}"
+    if rep.get("not_run"):
+        verdict += f"; not run (--deadline-s): {', '.join(rep['not_run'])}"
     return "\n".join([head, *lines, verdict])
 
 
@@ -733,7 +745,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for every training case")
     p.add_argument("--storage", default="", help="where the runs go (default: a new temporary folder)")
-    p.add_argument("--out", default="", help="also write the report to PATH.json and PATH.md")
+    p.add_argument("--out", default="", help="also write the report to PATH.json and PATH.md (after every case)")
+    p.add_argument("--deadline-s", type=float, default=0,
+                   help="start no case after this many seconds (a lease's time): the cases left are listed as not "
+                        "run, the table is printed (0: no deadline)")
     p.add_argument("--verbose", action="store_true", help="show Ray's and the workers' own output")
     args = p.parse_args(argv)
     unknown = set(args.cases.split(",")) - {c.name for c in CASES}
@@ -764,14 +779,22 @@ def main(argv: list[str] | None = None) -> int:
     check.storage.mkdir(parents=True, exist_ok=True)
     selected = args.cases.split(",")
     sizes = batches(check) if {"bare", "zero2"} & set(selected) else [args.batch]
-    outcomes = []
+    outcomes, not_run, started = [], [], time.perf_counter()
     for case in (c for c in CASES if c.name in selected):
         for batch in sizes if case.per_batch else [args.batch]:
+            if args.deadline_s and time.perf_counter() - started > args.deadline_s:
+                not_run.append(f"{case.name}@{batch}")
+                continue
             check.batch = batch
             outcomes.append(run_case(check, case))
+            check.batch = 0
+            compare_to_bare(outcomes)
+            if args.out:  # a lease that ends mid-check keeps what ran
+                write(report(check, outcomes, argv, not_run), args.out)
+            print("gpu_check row: " + " | ".join(rows([asdict(outcomes[-1])])[0]), flush=True)
     check.batch = 0
     compare_to_bare(outcomes)
-    rep = report(check, outcomes, argv)
+    rep = report(check, outcomes, argv, not_run)
     print("\n" + format_text(rep))
     if args.out:
         print("report: " + ", ".join(str(p) for p in write(rep, args.out)))

@@ -194,7 +194,7 @@ def test_gpu_check_on_a_machine_without_gpu_says_so_and_starts_nothing(tmp_path)
 
 def _check(gc, tmp_path, **args):
     options = Namespace(**{**dict(quick=False, steps=0, batch=256, batches="", profile="", eval_images=0, out="",
-                                    set=[], verbose=False), **args})
+                                    set=[], verbose=False, deadline_s=0), **args})
     return gc.Check(options, tmp_path, gpus=1, device_name="NVIDIA H100 80GB HBM3")
 
 
@@ -203,7 +203,7 @@ def test_every_training_case_of_the_gpu_check_has_a_valid_config(tmp_path):
     gc = _gpu_check()
     check = _check(gc, tmp_path, quick=True)
     trained = [c for c in gc.CASES if c.recipe]
-    assert [c.name for c in trained] == ["zero2", "zero3", "tonics", "memory_bank", "kill_resume"]
+    assert [c.name for c in trained] == ["zero2", "zero3", "tonics", "memory_bank", "compile", "kill_resume"]
     for case in trained:
         cfg = gc.train_config(check, case)
         t = cfg.train
@@ -211,7 +211,8 @@ def test_every_training_case_of_the_gpu_check_has_a_valid_config(tmp_path):
             (True, 1, "bf16", 224, "vit_base_patch32_224")
         assert t.max_steps == 30 and t.run_name == f"gpu-check-{case.name}"
     zero = {c.name: gc.train_config(check, c).train.zero_stage for c in trained}
-    assert zero == {"zero2": 2, "zero3": 3, "tonics": 2, "memory_bank": 2, "kill_resume": 2}
+    assert zero == {"zero2": 2, "zero3": 3, "tonics": 2, "memory_bank": 2, "compile": 2, "kill_resume": 2}
+    assert gc.train_config(check, gc.CASES_BY_NAME["compile"]).train.compile == "inductor"
     assert gc.train_config(check, gc.CASES_BY_NAME["tonics"]).tonics.enabled
     assert gc.train_config(check, gc.CASES_BY_NAME["memory_bank"]).memory_bank.size == 8192
     # the kill falls between two checkpoints, after the first: the run must resume from that one
@@ -234,6 +235,8 @@ def test_steady_state_leaves_out_the_first_window_and_a_restarts_first(tmp_path)
     assert steady == pytest.approx({"samples_per_s": 2000 / 3, "data_wait_share": 0.2 / 3, "windows": 2,
                                     "mfu": (0.3 * 1 + 0.15 * 2) / 3})
     assert gc.steady_state(rows, 100)["windows"] == 2
+    # a window holding a profiled step is left out (the profiler slows it)
+    assert gc.steady_state(rows[:3], 100, skip=range(25, 27))["samples_per_s"] == pytest.approx(1000.0)
     without = gc.steady_state([{k: v for k, v in r.items() if k != "mfu"} for r in rows[:3]], 100)
     assert without["mfu"] is None
     # the first report's start-up phases: the time to the first step beside its goal, the phases in the notes
