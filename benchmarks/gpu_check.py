@@ -3,6 +3,7 @@ a hand-written loop — about ten minutes on one GPU.
 
     python benchmarks/gpu_check.py [--quick] [--out PATH] [--cases bare,zero2,eval] [--batch 256]
                                    [--batches 256,1024,max] [--profile zero2] [--eval-images 20000] [--set k=v ...]
+                                   [--deadline-s 400]
     make gpu-check
 
 Every training case is a short run on the embedded demo dataset at 224 px with a ViT-B/32 image tower (timm
@@ -17,6 +18,7 @@ Every training case is a short run on the embedded demo dataset at 224 px with a
   keys until there are that many) with zero2's model, its actors on GPUs, its faiss index on a GPU;
 - eval: ``rayvl eval --gpus 1`` of zero2's run, retrieval over ``--eval-images`` held-out images (copied likewise):
   images/s once running, not start-up;
+- compile: zero2 through ``torch.compile`` (inductor), not in the default cases;
 - kill_resume: a worker killed (SIGKILL, ``RAYVL_FAIL_AT``) between two checkpoints; the run must resume from the
   earlier one and end at its last step, no row trained twice.
 
@@ -361,19 +363,24 @@ def _profile_bare(check: Check, loop: BareLoop) -> None:
 
 
 def largest_batch(check: Check, start: int) -> int:
-    """The largest power-of-two micro-batch ≥ ``start`` whose bare-loop step fits this GPU (two steps each)."""
+    """The largest power-of-two micro-batch ≥ ``start`` whose bare-loop step fits this GPU (two steps each) and
+    whose training case's config is valid (a global batch the demo's 4,000 training samples fill)."""
     import torch
+
+    from rayvl.errors import ConfigError
 
     fits, batch = 0, start
     while batch <= 1 << 16:
         loop = None
         try:
+            check.batch = batch
+            train_config(check, CASES_BY_NAME["zero2"])
             loop = BareLoop(check, batch)
             loop.step()
             loop.step()
             torch.cuda.synchronize()
             fits, batch = batch, batch * 2
-        except torch.cuda.OutOfMemoryError:
+        except (torch.cuda.OutOfMemoryError, ConfigError):
             break
         finally:
             if loop is not None:
@@ -741,7 +748,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--eval-images", type=int, default=20000,
                    help="images the eval and pseudo-label cases process, the demo's copied under new keys "
                         "(0: the demo's own)")
-    p.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma list of cases to run")
+    p.add_argument("--cases", default=",".join(c.name for c in CASES if c.name != "compile"),
+                   help="comma list of cases to run (compile only when named)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for every training case")
     p.add_argument("--storage", default="", help="where the runs go (default: a new temporary folder)")
