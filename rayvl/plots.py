@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rayvl import storage
 from rayvl.checkpoints import METRICS_FILE
-from rayvl.eval.tasks import METRIC_PREFIXES
+from rayvl.eval.tasks import METRIC_PREFIXES, is_constant
 
 PLOTS_DIR = "plots"
 DASHBOARD_FILE = "run.png"
@@ -21,7 +21,6 @@ TRAINING = {"loss": "training loss", "lr": "learning rate", "samples_per_s": "sa
             "data_wait_share": "data wait (% of step time)", "logit_scale": "logit scale (1/τ)",
             "grad_norm": "gradient norm"}
 SCALE = {"data_wait_share": 100.0}  # a share in the file, a percentage on the axis
-SKIPPED = ("_chance_", "zeroshot_classes", "zeroshot_templates", "_images", "_captions", "_pairs")
 COLUMNS = 3
 
 
@@ -55,7 +54,7 @@ def history(run: str) -> list[dict]:
 def plotted_metrics(rows: list[dict]) -> list[str]:
     """The training curves, then every evaluation metric the run reported (not chance levels or set sizes)."""
     keys = {k for r in rows for k in r}
-    evals = sorted((k for k in keys if k.startswith(METRIC_PREFIXES) and not any(s in k for s in SKIPPED)),
+    evals = sorted((k for k in keys if k.startswith(METRIC_PREFIXES) and not is_constant(k)),
                    key=lambda k: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", k)])  # R@5 before R@10
     return [k for k in TRAINING if k in keys] + evals
 

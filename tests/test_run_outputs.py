@@ -78,6 +78,31 @@ def test_run_log_scalars_group_metrics_and_fit_mlflow_names():
     assert mlflow_name("eval/t2i_R@1") == "eval/t2i_R_at_1"
 
 
+def test_evaluation_constants_stand_in_metrics_jsonl_once_and_again_when_they_change(tmp_path):
+    """Chance levels and set sizes: on the first evaluation's line, then only where their value changes — both as the
+    run goes (RunLog) and in the final rewrite from the checkpoint's history (_keep_history)."""
+    from rayvl.train.run_dir import _keep_history
+    from rayvl.train.run_log import RunLog
+
+    rows = [{**ROW, "step": s, "t2i_R@1": float(s), "t2i_chance_R@1": 1.5625, "retrieval_images": n}
+            for s, n in ((2, 64), (4, 64), (6, 128))]
+    log = RunLog(str(tmp_path), {"name": "r", "run_dir": str(tmp_path), "config": {"train": {"max_steps": 6}}}, [],
+                 "", sync_every_s=1e9)
+    for row in rows:
+        log.after_report(None, [row], None)
+    for lines in ([json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()],
+                  _rewritten(rows, tmp_path, _keep_history)):
+        assert [x["t2i_R@1"] for x in lines] == [2.0, 4.0, 6.0]  # the metrics on every line
+        assert [x.get("t2i_chance_R@1") for x in lines] == [1.5625, None, None]
+        assert [x.get("retrieval_images") for x in lines] == [64, None, 128]
+
+
+def _rewritten(rows: list[dict], tmp_path, keep_history) -> list[dict]:
+    live = tmp_path / "rewritten.jsonl"
+    keep_history("".join(json.dumps(r) + "\n" for r in rows), live)
+    return [json.loads(x) for x in live.read_text().splitlines()]
+
+
 def _runs(tmp_path) -> None:
     """Runs a and b: 3 steps of training curves, t2i_R@1 evaluated at steps 2 and 3, zero-shot only at step 2 —
     and in b only, i2t_R@1 twice."""

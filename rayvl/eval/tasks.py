@@ -29,6 +29,15 @@ SKIP_REASONS = {"zeroshot": "no class names or labels", "retrieval": "the data h
 # what the tasks' metric names start with (training reports mix them with the training metrics)
 log = logging.getLogger("rayvl")
 METRIC_PREFIXES = ("eval_", "zeroshot", "single_template", "t2i", "i2t", "retrieval", "paraphrase", "qe_", "sts")
+# parts of the names of what an evaluation reports about itself, not the model: chance levels and set sizes. They
+# stay the same from one evaluation to the next; plots, TensorBoard and MLflow leave them out, metrics.jsonl holds
+# each once (and again when it changes), eval.json all of them
+CONSTANTS = ("_chance_", "zeroshot_classes", "zeroshot_templates", "_images", "_captions", "_pairs", "_queries",
+             "linear_probe_train", "linear_probe_test")
+
+
+def is_constant(key: str) -> bool:
+    return any(part in key for part in CONSTANTS)
 
 
 class Embedder(Protocol):

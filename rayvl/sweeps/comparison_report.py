@@ -94,10 +94,10 @@ def format_summary(summary: dict, rows: list[Row], seeds: int) -> str:
 def default_rows(trials: list[dict]) -> list[Row]:
     """For a space file with variants (`rayvl tune`): every evaluation metric the trials report, and the loss."""
     from rayvl.eval.tasks import METRIC_PREFIXES
-    from rayvl.plots import SKIPPED
+    from rayvl.eval.tasks import is_constant
 
     keys = sorted({k for t in trials for k in t["metrics"] if k.startswith(METRIC_PREFIXES)
-                   and not any(s in k for s in SKIPPED)})
+                   and not is_constant(k)})
     return [(k, k, ".2f") for k in keys] + [("final training loss", "loss", ".3f")]
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from rayvl import __version__, storage
 from rayvl.checkpoints import METRICS_FILE, latest_checkpoint_dir, read_meta
 from rayvl.config import ConfigError, RayvlConfig, TrainConfig, from_dict
-from rayvl.eval.tasks import METRIC_PREFIXES
+from rayvl.eval.tasks import METRIC_PREFIXES, is_constant
 from rayvl.plots import DASHBOARD_FILE, PLOTS_DIR, history, plot_runs
 
 RUN_FILE = "run.json"
@@ -199,6 +199,14 @@ def end_record(run_dir: str, logs: Path, status: str, metrics: dict, **more) -> 
     return record
 
 
+def constants_once(row: dict, written: dict) -> dict:
+    """``row`` without the evaluation constants (chance levels, set sizes) that an earlier row of ``written`` (updated
+    here) gave with the same value: metrics.jsonl holds each once, and again when it changes."""
+    out = {k: v for k, v in row.items() if not (is_constant(k) and k in written and written[k] == v)}
+    written.update((k, v) for k, v in row.items() if is_constant(k))
+    return out
+
+
 def rounded(metrics: dict, digits: int = 7) -> dict:
     """Floats to ``digits`` significant digits — what a float32 metric holds: ``91.00000262260437`` → ``91.0`` —
     but for numbers of 10⁷ and more (a Unix time keeps its decimals)."""
@@ -293,8 +301,9 @@ def _keep_history(checkpointed: str, live: Path) -> None:
             row = json.loads(line) if line.strip() else {}
             if "time" in row:
                 when[row["step"]] = {k: row[k] for k in ("time", "elapsed_s", "checkpoint") if k in row}
-    rows = [json.loads(x) for x in checkpointed.splitlines() if x.strip()]
-    live.write_text("".join(json.dumps(rounded({**r, **when.get(r["step"], {})})) + "\n" for r in rows))
+    rows, written = [json.loads(x) for x in checkpointed.splitlines() if x.strip()], {}
+    live.write_text("".join(json.dumps(rounded(constants_once({**r, **when.get(r["step"], {})}, written))) + "\n"
+                            for r in rows))
 
 
 def failed(run_dir: str, logs: Path, error: BaseException) -> None:

@@ -20,17 +20,15 @@ from pathlib import Path
 from ray.train import UserCallback
 
 from rayvl.checkpoints import METRICS_FILE
-from rayvl.eval.tasks import METRIC_PREFIXES
+from rayvl.eval.tasks import METRIC_PREFIXES, is_constant
 from rayvl.plots import PLOTS_DIR, history, plot_runs
-from rayvl.train.run_dir import TENSORBOARD_DIR, copy_logs, rounded, run_key
+from rayvl.train.run_dir import TENSORBOARD_DIR, constants_once, copy_logs, rounded, run_key
 
 RUN_TAG = "rayvl.run_dir"  # the MLflow tag a resumed run is found by
 
 
-# what TensorBoard and MLflow leave out: the report's bookkeeping, evaluation constants (chance levels, set sizes)
+# what TensorBoard and MLflow leave out: the report's bookkeeping (and evaluation constants, eval.tasks.CONSTANTS)
 NOT_PLOTTED = ("step", "first_step", "resumed_from", "time", "elapsed_s", "checkpoint")
-CONSTANT = ("_chance_", "zeroshot_classes", "zeroshot_templates", "_images", "_captions", "_pairs", "_queries",
-            "linear_probe_train", "linear_probe_test")
 
 
 def scalars(row: dict) -> dict[str, float]:
@@ -38,7 +36,7 @@ def scalars(row: dict) -> dict[str, float]:
     not the bookkeeping, nor an evaluation's constants (its chance levels and set sizes: eval.json has them)."""
     out = {}
     for key, value in row.items():
-        if key in NOT_PLOTTED or isinstance(value, bool) or any(c in key for c in CONSTANT):
+        if key in NOT_PLOTTED or isinstance(value, bool) or is_constant(key):
             continue
         if isinstance(value, (int, float)) and math.isfinite(value):
             group = "eval" if key.startswith(METRIC_PREFIXES) else "data" if key.startswith(
@@ -74,6 +72,7 @@ class RunLog(UserCallback):
         self.wandb_env = {k: v for k, v in os.environ.items() if k.startswith("WANDB_")}
         self._tensorboard = self._mlflow = self._wandb = None
         self._synced = -math.inf  # the first report is copied at once: the run shows up in its directory early
+        self._constants: dict = {}  # the evaluation constants metrics.jsonl holds already
 
     def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
         now = time.time()
@@ -81,7 +80,7 @@ class RunLog(UserCallback):
                **({"checkpoint": True} if checkpoint is not None else {})}  # the dashboard marks it
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / METRICS_FILE, "a") as f:
-            f.write(json.dumps(rounded(row)) + "\n")
+            f.write(json.dumps(rounded(constants_once(row, self._constants))) + "\n")
         values, step = scalars(row), int(row["step"])
         writers = {"tensorboard": lambda: self._write_tensorboard(values, step),
                    "mlflow": lambda: self._write_mlflow(values, step, step == self.run["config"]["train"]["max_steps"]),
