@@ -134,7 +134,7 @@ def no_gpu_message() -> str | None:
     if torch.cuda.is_available():
         return None
     return (f"gpu_check: no CUDA GPU visible to torch (torch {torch.__version__}, built for CUDA "
-            f"{torch.version.cuda or 'none'}) — run it on a GPU machine; see README 'GPU machine'")
+            f"{torch.version.cuda or 'none'}) — run it on a GPU machine; see docs/gpu.md")
 
 
 # ----------------------------------------------------------------------------- training cases
@@ -548,7 +548,7 @@ def pseudo_label_case(check: Check, case: Case, outcome: Outcome) -> None:
     outcome.run_dir = str(out)
     if not gpus:  # not a failure: make install GPU=1 takes faiss-cpu where faiss-gpu-cu12 has no kernels (H100)
         outcome.notes += ("; faiss-cpu: the index searched on the CPU (faiss-gpu-cu12 has no kernels for compute "
-                          "capability 9.0+; README 'A GPU machine')")
+                          "capability 9.0+; docs/gpu.md)")
 
 
 EMBEDDED = re.compile(r"eval: (\d+) images embedded \(([\d.]+) s\)")

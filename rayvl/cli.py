@@ -348,7 +348,7 @@ def assets_main(args) -> int:
     lines, missing = assets.check()
     print("\n".join(lines))
     if not missing:  # and the language resources read through nltk's own readers
-        from rayvl.methods.tonics.ontology import wordnet
+        from rayvl.data.ontology import wordnet
         from rayvl.data.text import stopwords
 
         print(f"nltk English stopwords: {len(stopwords())} words; WordNet {wordnet().get_version()}: "

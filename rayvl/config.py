@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 import yaml
 
+from rayvl import plugins
 from rayvl.errors import ConfigError  # raised here; callers import it from here too
-from rayvl.methods import checks
 
 REPORT_TO = ("tensorboard", "mlflow", "wandb")
 
@@ -661,7 +661,7 @@ def validate(cfg: RayvlConfig) -> None:
     if cfg.tune.driver_cpus == 0 and not cfg.tune.driver_resources:
         raise ConfigError("tune.driver_cpus: a trial driver needs some resource (Ray schedules no empty bundle): "
                           "> 0, or name tune.driver_resources")
-    checks.check(cfg)  # each method's own constraints (rayvl.methods.checks)
+    plugins.check(cfg)  # each registered method's own constraints
 
 
 def _validate_train(t: TrainConfig) -> None:

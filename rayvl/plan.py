@@ -9,7 +9,6 @@ import json
 import math
 from collections import Counter
 from itertools import islice
-from pathlib import Path
 
 from rayvl import storage
 from rayvl.assets import VISION_ASSETS
@@ -75,27 +74,23 @@ def sample_lines(key: str, paths: list[str], policy: ReadPolicy, read: dict | No
 
 
 def data_lines(key: str, check: SpecCheck, policy: ReadPolicy, given: int = 0,
-               read: dict | None = None) -> tuple[list[str], int | None]:
+               read: dict | None = None, known: tuple[int | None, str] | None = None) -> tuple[list[str], int | None]:
     """``given``: the samples a pass holds as the config says (data.samples_per_pass; 0 = from the shards' files);
-    ``read``: as sample_lines."""
-    samples, how = samples_per_pass(given, check.paths)
+    ``read``: as sample_lines; ``known``: (samples a pass, how it was found) as a run's plan found it."""
+    samples, how = known or samples_per_pass(given, check.paths)
     size = f"{samples:,} samples a pass ({how})" if samples else f"samples a pass unknown ({how})"
     return [f"  {key}: {check.summary}", f"    {size}", *sample_lines(key, check.paths, policy, read)], samples
 
 
 def describe(cfg: RayvlConfig) -> str:
     """The plan of one training run (``--dry-run``); raises ConfigError for what would fail."""
-    from rayvl.methods import rows as methods
-    from rayvl.train import datasets
-    from rayvl.train.run_dir import run_paths
-    from rayvl.train.trainer import check_init_from
+    from rayvl.train.run_plan import plan_run
 
     d, t = cfg.data, cfg.train
-    checks = datasets.check_inputs(cfg, d.train, d.eval)
-    # each enabled method's inputs (its data part, resolved as a run would: on the demo, with the demo's held-out split)
-    parts = methods.parts(cfg, d.train, d.eval or ("" if d.train else str(Path(d.demo_dir).expanduser() / "eval")))
-    check_init_from(cfg)
-    store, name = run_paths(cfg)
+    # the plan a run would make (each enabled method's data part on the demo's paths when no data is given), with
+    # nothing written: its checks, parts, pass size and paths are what the lines below print
+    planned = plan_run(cfg, finished_ok=False, dry=True)
+    checks, parts, store, name = planned.data.checks, planned.data.parts, planned.storage, planned.name
     policy = ReadPolicy.of(d)
     lines = [f"recipe {cfg.recipe}: config valid", "data:"]
     per_pass = None
@@ -105,7 +100,8 @@ def describe(cfg: RayvlConfig) -> str:
         per_pass = d.demo_samples
     read: dict = {}  # the samples the data lines read, by shard: the evaluation lines look at the held-out ones
     for key, check in checks.items():
-        more, samples = data_lines(key, check, policy, d.samples_per_pass if key == "data.train" else 0, read)
+        more, samples = data_lines(key, check, policy, read=read,
+                                   known=(planned.pass_size, planned.pass_size_from) if key == "data.train" else None)
         lines += more
         per_pass = samples if key == "data.train" else per_pass
     if d.train and not d.eval and cfg.eval.tasks:

@@ -81,7 +81,7 @@ USER_ERRORS = (ConfigError, MissingAssetError, DataPlaneError)
 def _train(cfg: RayvlConfig, verbose: bool):
     from rayvl.train.trainer import train  # Ray Train and DeepSpeed load only once the config is valid
 
-    return train(cfg, progress=True, verbose=verbose)
+    return train(cfg, progress=True, verbose=verbose, finished_ok=False)  # a user's --resume of a finished run: refused
 
 
 def run_recipe(default_config: str, argv: list[str] | None = None) -> int:
@@ -93,21 +93,12 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> int:
     return train_command(args)
 
 
-def _left_to_train(cfg: RayvlConfig) -> RayvlConfig:
-    """``cfg``; a ``--resume`` of a finished run is a ConfigError (rayvl.train.run_dir.refuse_finished)."""
-    if cfg.train.resume:
-        from rayvl.train.run_dir import refuse_finished
-
-        refuse_finished(cfg)
-    return cfg
-
-
 def train_command(args: argparse.Namespace) -> int:
     """Validate (before Ray starts), train, print the evaluation table and where the run is."""
     if args.dry_run:
-        return dry_run(lambda: plan.describe(_left_to_train(config_from_args(args))))
+        return dry_run(lambda: plan.describe(config_from_args(args)))
     try:
-        result = _train(_left_to_train(config_from_args(args)), args.verbose)
+        result = _train(config_from_args(args), args.verbose)
     except USER_ERRORS as e:
         return user_error(e)
     except Exception as e:  # a run that failed because of its data says so in one line, not a worker traceback

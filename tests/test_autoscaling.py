@@ -1,8 +1,8 @@
 """Autoscaling for real: Ray's fake-provider autoscaler (`ray.cluster_utils.AutoscalingCluster`) starts worker
 raylets on this machine when pending work asks for them, as a cloud provider would start machines for
 `cluster.yaml`. The head is cluster.yaml's (no CPUs, an `on_demand` resource for drivers), the CPU worker type
-starts at 0 nodes and grows to 2 (of 3 logical CPUs each). Two jobs go through `ray job submit`, as the README's
-"Clusters" section submits them: the README's own sweep command, its data and sweeps in the session's S3-compatible
+starts at 0 nodes and grows to 2 (of 3 logical CPUs each). Two jobs go through `ray job submit`, as the Clusters
+section of docs/running.md submits them: its own sweep command, its data and sweeps in the session's S3-compatible
 store, then a run with one worker per node (STRICT_SPREAD)."""
 import json
 import os
@@ -108,11 +108,11 @@ def _submit(options: list[str], job: list[str]) -> str:
     return out
 
 
-def readme_command(script: str) -> list[str]:
-    """The `ray job submit ...` command that runs ``script`` in the README's "Clusters" section, as the shell would
-    split it."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("### Clusters (`cluster.yaml`)"):]
+def cluster_command(script: str) -> list[str]:
+    """The `ray job submit ...` command that runs ``script`` in the "Clusters" section of docs/running.md (the one
+    home of the cluster commands, which the README points to), as the shell would split it."""
+    text = (REPO / "docs" / "running.md").read_text()
+    section = text[text.index("## Clusters\n"):]
     joined = []
     for line in section[:section.index("\n## ")].splitlines():  # join the shell's continued lines
         if joined and joined[-1].endswith("\\"):
@@ -122,11 +122,11 @@ def readme_command(script: str) -> list[str]:
     return shlex.split(next(x for x in joined if x.startswith("ray job submit") and f" {script} " in x))
 
 
-# what the test changes in the README's sweep command: in its data and storage URLs, the bucket (the test's
+# what the test changes in the docs' cluster sweep command: in its data and storage URLs, the bucket (the test's
 # S3-compatible store) and the shard ranges' ends (the demo's 3 training shards and 1 held-out) ...
 DATA_AND_STORAGE = ("data.train", "data.eval", "tune.storage_path")
 RANGES = {"{00000..01242}": "{00000..00002}", "{00000..00004}": "{00000..00000}"}
-# ... and, appended after the README's arguments (a later --set wins), the budget of a trial on 2 cores and no GPU.
+# ... and, appended after the command's arguments (a later --set wins), the budget of a trial on 2 cores and no GPU.
 TOY = ["train.use_gpu=false",  # no GPUs here: the fake nodes declare none
        # a trial per 3-CPU node, 2 for its worker and 1 for its Ray Data: two trials' workers cannot share a node (as
        # two 8-GPU trials cannot share 4-GPU nodes), so the second trial's placement group asks for the second node
@@ -138,12 +138,12 @@ TOY = ["train.use_gpu=false",  # no GPUs here: the fake nodes declare none
 
 
 def test_the_readmes_sweep_runs_its_trials_side_by_side_as_nodes_arrive(cluster, demo_dir, s3):
-    """The README's cluster sweep, submitted as it is written (its space, its trial drivers on the head's
+    """The docs' cluster sweep, submitted as it is written (its space, its trial drivers on the head's
     `on_demand`, its overrides, its data and sweeps in S3) with the bucket and the ranges' ends replaced and a toy
     budget appended, on a cluster whose workers start at 0: every trial driver is scheduled on the head (no CPUs
     there); the sweep runs as many trials at once as the cluster holds at its largest (2: a trial per node), not
     the none the empty cluster held at launch; the autoscaler starts both worker nodes and two trials train side
-    by side on them, never three; the README's overrides win over the space file (its `demo` budget does not
+    by side on them, never three; the command's overrides win over the space file (its `demo` budget does not
     apply); the trials' runs, the sweep's state and its report live in the store."""
     import ray
     from ray.util.state import list_actors, list_tasks
@@ -152,13 +152,13 @@ def test_the_readmes_sweep_runs_its_trials_side_by_side_as_nodes_arrive(cluster,
 
     for split, prefix in (("train", "cc12m"), ("eval", "coco-val")):  # shards with their parquet and stats files
         s3.upload_folder(demo_dir / split, prefix)
-    command = readme_command("jobs/sweep.py")
+    command = cluster_command("jobs/sweep.py")
     options, job = command[3:command.index("--")], command[command.index("--") + 1:]
     replaced = []
     for i, arg in enumerate(job):
         key, _, value = arg.partition("=")
         if job[i - 1] == "--set" and key in DATA_AND_STORAGE:
-            assert value.startswith("s3://BUCKET/"), arg  # the README's data and storage are in S3
+            assert value.startswith("s3://BUCKET/"), arg  # the command's data and storage are in S3
             value = value.replace("s3://BUCKET/", "s3://rayvl-test/")
             for readme_range, demo_range in RANGES.items():
                 value = value.replace(readme_range, demo_range)
@@ -203,7 +203,7 @@ def _most_at_once(spans: list[tuple[float, float]]) -> int:
 
 
 def test_ray_job_submit_to_an_autoscaling_cluster_gets_its_nodes(cluster, demo_dir, tmp_path):
-    """The README's run on the fake cloud: `ray job submit --working-dir . -- python jobs/laion_adapt.py` with one
+    """The docs' cluster run on the fake cloud: `ray job submit --working-dir . -- python jobs/laion_adapt.py` with one
     worker per node; the run's placement group gets its two CPU nodes from the autoscaler, and the job succeeds."""
     job = ["python", "jobs/laion_adapt.py", "--data", str(demo_dir / "train"),
            "--eval-data", str(demo_dir / "eval"), "--set", f"data.classes={demo_dir / 'classes.json'}",

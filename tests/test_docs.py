@@ -82,3 +82,30 @@ def test_every_docs_page_is_in_the_nav():
 def test_every_image_of_the_site_is_in_docs():
     images = [t for p in DOCS.glob("*.md") for t in re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", p.read_text())]
     assert images and all((DOCS / t).is_file() and t.startswith("img/") for t in images), images
+
+
+def _homes() -> dict[str, set[str]]:
+    """Every command or code line (fenced blocks, over 25 characters, comments cut) and every table row of the README,
+    the site and cluster.yaml's header comment, by the files that hold it."""
+    found: dict[str, set[str]] = {}
+    cluster = (REPO / "cluster.yaml").read_text().split("\ncluster_name:")[0]
+    texts = {p.relative_to(REPO).as_posix(): p.read_text() for p in [README, *sorted(DOCS.glob("*.md"))]}
+    texts["cluster.yaml"] = "```\n" + "\n".join(line.lstrip("# ") for line in cluster.splitlines()) + "\n```"
+    for name, text in texts.items():
+        for block in re.findall(r"^```[a-z]*\n(.*?)^```", text, flags=re.S | re.M):
+            for line in block.splitlines():
+                code = re.sub(r"\s+#.*$", "", line.strip())
+                if len(code) > 25 and not code.startswith("#"):
+                    found.setdefault(code, set()).add(name)
+        for line in _prose(text).splitlines():
+            if line.startswith("|") and len(line) > 40 and set(line) - set("|-: "):
+                found.setdefault(line.strip(), set()).add(name)
+    return found
+
+
+def test_each_command_table_row_and_snippet_has_one_home():
+    """The README points into docs/, the docs pages point to each other: a command, a table row or a snippet written
+    in two places is one that goes stale in one of them (as the README's and the docs' copies of the install steps,
+    the cluster commands and the rayvl.load lines did)."""
+    twice = {line: sorted(names) for line, names in _homes().items() if len(names) > 1}
+    assert not twice, "\n".join(f"{names}: {line[:100]}" for line, names in sorted(twice.items()))

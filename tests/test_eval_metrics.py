@@ -5,7 +5,7 @@ import torch
 
 from rayvl.eval.knn import top_k
 from rayvl.eval.linear_probe import linear_probe, split_indices
-from rayvl.methods.paraphrase.metrics import average_overlap, expand_queries, jaccard, paraphrase_metrics
+from rayvl.eval.paraphrase import average_overlap, expand_queries, jaccard, paraphrase_metrics
 from rayvl.eval.retrieval import retrieval_metrics, retrieval_metrics_bruteforce
 from rayvl.eval.sts import read_sts, sts_metrics
 from rayvl.eval.zeroshot import zeroshot_metrics

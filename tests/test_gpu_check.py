@@ -180,7 +180,7 @@ def test_gpu_check_on_a_machine_without_gpu_says_so_and_starts_nothing(tmp_path)
                          text=True, timeout=120, env=_no_gpu_env(tmp_path))
     assert run.returncode == 2, run.stderr[-2000:]
     assert f"gpu_check: no CUDA GPU visible to torch (torch {torch.__version__}, built for CUDA " \
-           f"{torch.version.cuda or 'none'}) — run it on a GPU machine; see README 'GPU machine'" in run.stderr
+           f"{torch.version.cuda or 'none'}) — run it on a GPU machine; see docs/gpu.md" in run.stderr
     assert "Traceback" not in run.stderr and not (tmp_path / "ray").exists()
     assert time.time() - started < 60
     # the same run, watched from inside: Ray was never imported

@@ -154,7 +154,7 @@ def test_a_caption_naming_one_class_twice_is_one_row_through_sampler_position_se
     from rayvl import assets
     from rayvl.data import shards
     from rayvl.data.demo import SHAPES
-    from rayvl.methods.tonics.ontology import Ontology
+    from rayvl.data.ontology import Ontology
     from rayvl.methods.tonics.rows import Objects
     from rayvl.data.report import report_actor
     from rayvl.data.text import validate_caption

@@ -140,20 +140,20 @@ def test_cluster_yaml_passes_rays_schema_and_keeps_the_dashboard_private(tmp_pat
         assert (tmp_path / "ran").read_text() == ran
 
 
-def test_the_readmes_cluster_sweep_fits_cluster_yaml(monkeypatch):
-    """The README's cluster sweep against cluster.yaml, on paper: its overrides win over the space file (whose `demo`
+def test_the_docs_cluster_sweep_fits_cluster_yaml(monkeypatch):
+    """The docs' cluster sweep against cluster.yaml, on paper: its overrides win over the space file (whose `demo`
     budget is the embedded demo's only), ASHA's first rung is its first evaluation, its trial drivers need only the
     head's `on_demand` (the head has no CPUs and no worker type declares it), and the cluster at its largest holds
     8 such trials at once (8 GPUs each; 16 g5.12xlarge of 4 GPUs, resources as `ray up` fills them in) — without
     its GPU type, the sweep is refused before any trial starts. The same command runs on a fake cloud in
     test_autoscaling.py."""
-    from test_autoscaling import readme_command
+    from test_autoscaling import cluster_command
 
     from rayvl import session
     from rayvl.sweeps.capacity import trials_at_once
     from rayvl.sweeps.spaces import grace_period
 
-    command = readme_command("jobs/sweep.py")
+    command = cluster_command("jobs/sweep.py")
     job = command[command.index("--") + 1:]  # python jobs/sweep.py SPACE --set ...
     sweep = load_sweep(REPO / job[2], [job[i + 1] for i, a in enumerate(job) if a == "--set"])
     cfg = sweep.base_config()

@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 
 from conftest import REPO, small_config, tonics_shapes
 from rayvl.config import ConfigError
-from rayvl.methods.tonics import ontology as onto
+from rayvl.data import ontology as onto
 from rayvl.data.tar import iter_tar_samples
 from rayvl.data.artifacts import ArtifactMismatch
 from rayvl.data.demo import SHAPES

@@ -2,6 +2,7 @@
 import json
 import math
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 from conftest import small_config, tonics_shapes, untrained_checkpoint
 from rayvl.models.dual_encoder import build_model
 from rayvl.train.engine import lr_lambda
+from rayvl.data import specs
 from rayvl.data.report import format_data_report
 from rayvl.train.trainer import train
 
@@ -39,7 +41,12 @@ def test_zero_stage_trains_two_workers(ray_local, demo_dir, tmp_path, stage, mon
                  "train.max_steps=4", "train.stop_at_step=3",  # stops at 3 of 4: _check_memory_bank resumes it
                  "model.activation_checkpointing=true", "eval.tasks=[retrieval]"]  # both towers, in bf16
     cfg = small_config(demo_dir, tmp_path, f"train.zero_stage={stage}", *extra)
+    listed = Counter()  # every listing of a shard spec on the driver (specs.resolve: the one function that lists)
+    resolve = specs.resolve
+    monkeypatch.setattr(specs, "resolve", lambda spec: listed.update([spec]) or resolve(spec))
     result = train(cfg)
+    # the run's plan lists each spec once; the checks, the BoW statistics pass and the datasets read its lists
+    assert set(listed.values()) == {1} and cfg.data.train in listed, listed
     captions = result.data_report["captions"]
     if stage == 1:
         assert (result.run_dir / "bow_stats.json").is_file()

@@ -3,7 +3,7 @@
 Bad samples are dropped here and counted by reason into the read task's counts, which ``shards.ShardStream``
 records in the run's data report once per shard. What a method changes of a row — where its caption comes from,
 the caption itself, the training rows one sample becomes and the columns they carry — comes from the row transforms
-``Rows`` holds (``rayvl.methods.base.RowTransform``), applied in order: this module knows none of them by name.
+``Rows`` holds (``rayvl.data.parts.RowTransform``), applied in order: this module knows none of them by name.
 """
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ import numpy as np
 
 from rayvl import assets
 from rayvl.data.images import decode_and_crop
+from rayvl.data.parts import RowTransform, Sample
 from rayvl.data.position import unit_of
 from rayvl.data.seeding import row_rng
 from rayvl.data.text import tokenize, validate_caption
 
 if TYPE_CHECKING:
     from rayvl.config import RayvlConfig
-    from rayvl.methods.base import RowTransform
 
 # the model inputs a training iterator takes (keys and captions are strings and stay behind)
 TRAIN_COLUMNS = ["image", "input_ids", "attention_mask", "label"]
@@ -66,21 +66,6 @@ class Rows:
     def draws(self) -> bool:
         """Every row gets its random generator: for its crop, or for a transform that draws even outside training."""
         return self.train or any(t.draws for t in self.transforms)
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One shard sample as the row transforms see it."""
-
-    key: str
-    meta: bytes | str | None
-    """its JSON metadata as read."""
-    info: dict
-    """that metadata parsed ({} when absent or not a JSON object)."""
-    cls: int
-    """its ``cls`` (−1 when absent)."""
-    rng: np.random.Generator | None
-    """drawn from (seed, key, pass) alone when ``Rows.draws``, else None."""
 
 
 def preprocess(batch: dict, counts: Counter, rows: Rows) -> dict:

@@ -26,7 +26,7 @@ from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import lru_cache, partial
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -169,7 +169,7 @@ class ShardStream(Datasource):
         side while the task emits the one before. JPEG decode, resize and the Rust tokenizer release the GIL, so one
         read task keeps more than its one core busy and covers what Ray leaves idle around its tasks (the second
         task's late start, the gap between one task's end and the next one's start, the last task of a run); the
-        measurement is in the README, "Data plane"."""
+        measurement is in docs/benchmarks.md, "Data plane"."""
         def transform(first: int, rows: list[dict]):
             batch_counts: Counter = Counter()
             return self._transformed(rows, row_ids(pass_, shard, first, len(rows)), batch_counts), batch_counts
@@ -283,8 +283,10 @@ def _grouped(paths, columns, fn, fn_kwargs, key, aggregate, reading: Reading):
 
 # ----------------------------------------------------------------------------- datasets
 
-def read_shards(spec: str, rows: Rows, reading: Reading, columns: list[str] | None = None) -> ray.data.Dataset:
-    """The streaming Ray Dataset of model inputs for a shard spec: the shards read as ``reading`` says, each row
+def read_shards(spec: str | Sequence[str], rows: Rows, reading: Reading,
+                columns: list[str] | None = None) -> ray.data.Dataset:
+    """The streaming Ray Dataset of model inputs for a shard spec (or the shards it resolved to): the shards read as
+    ``reading`` says, each row
     made what ``rows`` says, only ``columns`` of the model inputs kept (all of them when None)."""
     source = ShardStream(resolve_shards(spec), reading, transform=partial(_transform, rows=rows, columns=columns))
     ds = read(source)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,9 +89,11 @@ def resolve(spec: str) -> Resolved:
     return found
 
 
-def resolve_shards(spec: str) -> list[str]:
-    """The shard paths of a spec (see the module docstring)."""
-    return resolve(spec).paths
+def resolve_shards(spec: str | Sequence[str]) -> list[str]:
+    """The shard paths of a spec (see the module docstring). A list of shards already resolved is taken as it is:
+    a run's plan resolves each spec once (on object storage every listing is a request per folder) and hands the
+    list on."""
+    return list(spec) if not isinstance(spec, str) else resolve(spec).paths
 
 
 def _add(item: str, found: Resolved, named: list[str]) -> None:

@@ -16,7 +16,7 @@ from rayvl.config import EVAL_TASKS
 from rayvl.eval.data import EvalData
 from rayvl.eval.linear_probe import linear_probe as fit_linear_probe
 from rayvl.eval.linear_probe import split_indices
-from rayvl.methods.paraphrase.metrics import expand_queries, paraphrase_metrics
+from rayvl.eval.paraphrase import expand_queries, paraphrase_metrics
 from rayvl.eval.retrieval import retrieval_metrics
 from rayvl.eval.sts import sts_metrics
 from rayvl.eval.zeroshot import class_embeddings, zeroshot_metrics

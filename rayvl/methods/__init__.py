@@ -1,14 +1,28 @@
-"""Each paper's method in one place. A method contributes, through small interfaces, what it changes at each stage
-of a run; the config check, the data pipeline and the training loop iterate over the enabled methods and name none
-of them.
+"""Each paper's method in one place, registered with the core below (``rayvl.plugins``): one ``register`` line a
+method. A method fills the core's interfaces with what it changes at each stage of a run; the config check, the
+data pipeline and the training loop iterate over the registered methods and name none of them.
 
-- ``<method>/check.py``: ``check(cfg)`` — its config constraints, each error naming the dotted key (torch-free:
-  ``rayvl.config`` calls it).
-- ``<method>/rows.py``: its row transform (``base.RowTransform``), run inside Ray Data's read tasks (torch-free),
-  and what the driver resolves for it before the run starts.
-- ``<method>/train.py``: its training part (``base.TrainPart``): a batch source, the loss targets, a train-state
-  component, metrics and what it does after a step, on every worker.
+- ``<method>/check.py``: ``check(cfg)`` — its config constraints, each error naming the dotted key (torch-free).
+- ``<method>/rows.py``: ``plan(cfg, train, evalset)`` — its ``rayvl.data.parts.DataPart`` (what the driver resolves
+  for its data before and after Ray starts) and row transform (``RowTransform``, run inside Ray Data's read tasks);
+  torch-free.
+- ``<method>/train.py``: its ``rayvl.train.parts.TrainPart``: a batch source, the loss targets or loss, a
+  train-state component, metrics and what it does after a step, on every worker.
 
 Papers: [BoW] Bag-of-Words captions and the memory bank, [TOnICS] ontology-bucketed curriculum minibatches,
-[UniCL] image-label data in the contrastive loss, [Paraphrase] text strategies and paraphrase metrics.
+[UniCL] image-label data in the contrastive loss, [Paraphrase] text strategies (rayvl.models.text_strategies) and
+paraphrase metrics (rayvl.eval.paraphrase), whose config constraints live here.
 """
+from rayvl.methods.bow import check as bow
+from rayvl.methods.paraphrase import check as paraphrase
+from rayvl.methods.tonics import check as tonics
+from rayvl.methods.unicl import check as unicl
+from rayvl.plugins import Method, register
+
+# the order counts (rayvl.plugins): a caption is deformed ([BoW]) before its nouns make rows ([TOnICS]);
+# image-label data is a stream of its own ([UniCL]). Checks are imported here (the config runs them); data and
+# training parts by name, where a run needs them
+register(Method("paraphrase", paraphrase.check))
+register(Method("bow", bow.check, "rayvl.methods.bow.rows:plan", "rayvl.methods.bow.train:MemoryBankPart"))
+register(Method("tonics", tonics.check, "rayvl.methods.tonics.rows:plan", "rayvl.methods.tonics.train:TonicsPart"))
+register(Method("unicl", unicl.check, "rayvl.methods.unicl.rows:plan", "rayvl.methods.unicl.train:UniclPart"))

@@ -7,7 +7,7 @@ from torch import nn
 
 from rayvl import assets
 from rayvl.compat import ensure_torchvision_importable
-from rayvl.methods.paraphrase.text_strategies import alignment_layers_for, insert_adapters
+from rayvl.models.text_strategies import alignment_layers_for, insert_adapters
 
 
 class VisionTower(nn.Module):

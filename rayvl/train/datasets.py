@@ -1,25 +1,24 @@
 """A run's data, in two steps: ``plan`` before Ray starts (demo data, files, the checks a typo fails, each enabled
-method's data part — rayvl.methods.rows) and ``build`` once Ray is up (the methods' corpus passes and the Ray
+method's data part — rayvl.plugins.data_parts) and ``build`` once Ray is up (the methods' corpus passes and the Ray
 Datasets the run trains and evaluates on). Methods enter only through their data parts: this module names none."""
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import ray
 
-from rayvl import assets
+from rayvl import assets, plugins
 from rayvl.config import ConfigError, RayvlConfig
 from rayvl.data import shards, specs
 from rayvl.data.demo import DEMO_SEED, ensure_demo
-from rayvl.data.pipeline import Rows
+from rayvl.data.parts import DataPart, RowTransform, RunData
+from rayvl.data.pipeline import TRAIN_COLUMNS, Rows
 from rayvl.data.shards import Reading
 from rayvl.data.specs import resolve_shards
-from rayvl.methods import rows as methods
-from rayvl.methods.base import DataPart, RowTransform, RunData
-from rayvl.data.pipeline import TRAIN_COLUMNS
 from rayvl.train.batches import ROW
 
 log = logging.getLogger("rayvl")
@@ -38,7 +37,12 @@ class DataPlan:
     files: dict[str, str]
     """classes_file, paraphrases_file, sts_file ('' = none)."""
     parts: tuple[DataPart, ...] = ()
-    """the enabled methods' data parts (rayvl.methods.rows)."""
+    """the enabled methods' data parts (rayvl.plugins.data_parts)."""
+    train_shards: tuple[str, ...] = ()
+    eval_shards: tuple[str, ...] = ()
+    """the shards ``train`` and ``eval`` name, listed once here: everything after reads these lists."""
+    checks: dict = dataclasses.field(default_factory=dict)
+    """what the checks of the data specs found, by key (rayvl.data.specs.SpecCheck: the shards and a summary)."""
 
     def reports(self, report_name: str) -> dict[str, str]:
         """The data report of each stream the run reads, by stream: "train" is ``report_name``; the held-out
@@ -55,45 +59,38 @@ class Built:
 
     datasets: dict[str, ray.data.Dataset]
     """by name: "train", "eval" (held-out, when evaluating), "labeled" (a second training stream)."""
-    pass_size: int | None
-    """samples a pass over the training shards holds, by data.samples_per_pass or img2dataset's files (None:
-    unknown)."""
-    train_shards: int
-    """shards a pass over the training data holds (the data position's size)."""
     worker_inputs: dict[str, dict]
     """what each method's training part needs on the workers, by method name."""
-    pass_size_from: str = ""
-    """how ``pass_size`` was found, or why it is unknown."""
-    read_ahead_bytes: int | None = None
-    """the training stream's object-store budget (read_ahead_bytes; None: Ray Data's default)."""
 
 
-def plan(cfg: RayvlConfig) -> DataPlan:
-    """Everything about a run's data that can be wrong, found before Ray starts (ConfigError naming the key)."""
-    train, evalset, files = resolve_data(cfg)
-    check_inputs(cfg, train, evalset)
-    parts = methods.parts(cfg, train, evalset)
+def plan(cfg: RayvlConfig, make_demo: bool = True) -> DataPlan:
+    """Everything about a run's data that can be wrong, found before Ray starts (ConfigError naming the key).
+    ``make_demo=False`` (the dry run): with no data given, the demo dataset is not written — its shards are neither
+    checked nor listed, its methods' parts planned on its paths."""
+    train, evalset, files = resolve_data(cfg, make_demo)
+    made = make_demo or bool(cfg.data.train)
+    checks = check_inputs(cfg, train if made else "", evalset if made else cfg.data.eval)
+    parts = plugins.data_parts(cfg, train, evalset)
     cfg = evaluation_or_off(cfg, evalset)
     for part in parts:
         cfg = part.run_config(cfg)
-    return DataPlan(cfg, train, evalset, files, parts)
+    listed = {key: tuple(check.paths) for key, check in checks.items()}
+    return DataPlan(cfg, train, evalset, files, parts, listed.get("data.train", ()), listed.get("data.eval", ()),
+                    checks)
 
 
-def build(plan: DataPlan, run_dir: str, report_name: str) -> Built:
-    """The run's Ray Datasets and the methods' worker inputs; the methods' corpus passes (Ray Data) run here, their
-    artifacts under ``run_dir``. The data reports ``plan.reports(report_name)`` names must exist."""
+def build(plan: DataPlan, run_dir: str, report_name: str, passes: int) -> Built:
+    """The run's Ray Datasets — ``passes`` passes over the training shards (rayvl.train.run_plan) — and the methods'
+    worker inputs; the methods' corpus passes (Ray Data) run here, their artifacts under ``run_dir``, over the shards
+    the plan listed. The data reports ``plan.reports(report_name)`` names must exist."""
     cfg = plan.cfg
-    run = RunData(cfg, plan.train, run_dir, plan.reports(report_name))
+    run = RunData(cfg, plan.train, plan.train_shards, run_dir, plan.reports(report_name))
     made = {part.name: part.build(run) for part in plan.parts}
-    paths = resolve_shards(plan.train)  # listed once: on object storage each listing is a request per folder
-    pass_size, how = shards.samples_per_pass(cfg.data.samples_per_pass, paths)
     transforms = tuple(c.transform for c in made.values() if c.transform is not None)
-    passes = train_passes(plan, pass_size, len(paths))
-    sets = shard_datasets(cfg, plan.train, plan.eval, report_name, transforms, passes)
+    sets = shard_datasets(cfg, plan.train_shards, plan.eval_shards, report_name, transforms, passes)
     for contribution in made.values():
         sets.update(contribution.datasets)
-    return Built(sets, pass_size, len(paths), {name: c.worker for name, c in made.items() if c.worker}, how,
-                 read_ahead_bytes(plan))
+    return Built(sets, {name: c.worker for name, c in made.items() if c.worker})
 
 
 def evaluation_or_off(cfg: RayvlConfig, evalset: str) -> RayvlConfig:
@@ -109,7 +106,7 @@ def evaluation_or_off(cfg: RayvlConfig, evalset: str) -> RayvlConfig:
 def check_inputs(cfg: RayvlConfig, train: str, evalset: str) -> dict[str, specs.SpecCheck]:
     """What a typo makes wrong, as a config error naming the key before Ray starts: shards that match nothing,
     a text tower that is neither an asset nor a local HF folder, a vision tower timm does not know. Returns what
-    the checks of the data specs found, by key. (Each method's own inputs: rayvl.methods.rows.)"""
+    the checks of the data specs found, by key. (Each method's own inputs: its data part.)"""
     checks = {key: specs.checked(key, spec) for key, spec in (("data.train", train), ("data.eval", evalset)) if spec}
     try:
         if cfg.model.text_tower == "lm":
@@ -138,24 +135,29 @@ def _check_image_size(vision: str, size: int) -> None:
                           f"images: set data.image_size={fixed[0]}")
 
 
-def resolve_data(cfg: RayvlConfig) -> tuple[str, str, dict]:
-    """(train shards, eval shards, eval files); generates the embedded demo dataset when no data is given."""
+def resolve_data(cfg: RayvlConfig, make_demo: bool = True) -> tuple[str, str, dict]:
+    """(train shards, eval shards, eval files); generates the embedded demo dataset when no data is given (its
+    paths only with ``make_demo=False``)."""
     d = cfg.data
     train, evalset = d.train, d.eval
-    files = {"classes_file": d.classes, "paraphrases_file": d.paraphrases, "sts_file": d.sts}
-    if not train:
+    given = {"classes_file": d.classes, "paraphrases_file": d.paraphrases, "sts_file": d.sts}
+    files = dict(given)
+    if not train and not make_demo:  # its paths, as a run would make them
+        root = Path(d.demo_dir).expanduser()
+    elif not train:
         log.info(f"demo dataset: {d.demo_dir} (generated on first use: {d.demo_samples} + {d.demo_eval_samples} "
                  f"scenes)")
         # the same dataset whatever train.seed is: the seeds of a comparison (rayvl.sweeps.comparison) train on
         # identical data
         root = ensure_demo(d.demo_dir, d.demo_samples, d.demo_eval_samples, seed=DEMO_SEED)
+    if not train:
         train = str(root / "train")
         evalset = evalset or str(root / "eval")
         for key, name in (("classes_file", "classes.json"), ("paraphrases_file", "paraphrases.jsonl"),
                           ("sts_file", "sts.tsv")):
             files[key] = files[key] or str(root / name)
     for key, value in files.items():
-        if value and not Path(value).expanduser().is_file():
+        if value and (make_demo or given[key]) and not Path(value).expanduser().is_file():
             raise ConfigError(f"data.{EVAL_FILES[key]}: {value!r} does not exist")
     return train, evalset, {k: str(Path(v).expanduser()) if v else "" for k, v in files.items()}
 
@@ -184,10 +186,10 @@ def train_passes(plan: DataPlan, samples_per_pass: int | None, shard_count: int)
     return shards.passes_needed(rows_needed(plan), samples_per_pass, shard_count)
 
 
-def shard_datasets(cfg: RayvlConfig, train: str, evalset: str, report_name: str,
+def shard_datasets(cfg: RayvlConfig, train: str | Sequence[str], evalset: str | Sequence[str], report_name: str,
                    transforms: tuple[RowTransform, ...] = (), passes: int = 1) -> dict:
     """{"train": ``passes`` passes over the training shards, their rows changed by ``transforms``, "eval": … (the
-    held-out rows as they are, counted in their own report "<report_name>-eval")}."""
+    held-out rows as they are, counted in their own report "<report_name>-eval"); each a spec or its shards."""
     # only tensor columns go to the training iterator (keys and captions are strings)
     columns = list(dict.fromkeys(TRAIN_COLUMNS + [ROW] + [c for t in transforms for c in t.columns]))
     reading = Reading.of(cfg, report_name)
@@ -201,6 +203,6 @@ def shard_datasets(cfg: RayvlConfig, train: str, evalset: str, report_name: str,
     return datasets
 
 
-def eval_report(cfg: RayvlConfig, evalset: str, report_name: str) -> str | None:
+def eval_report(cfg: RayvlConfig, evalset: str | Sequence[str], report_name: str) -> str | None:
     """The data report of the held-out stream, or None when the run reads none (no tasks or no held-out shards)."""
     return f"{report_name}-eval" if cfg.eval.tasks and evalset else None

@@ -31,7 +31,7 @@ def check_cuda(device: torch.device) -> None:
         raise RuntimeError(
             f"train.use_gpu: Ray gave this worker GPU {device}, but torch {torch.__version__} sees no CUDA device "
             f"(built for CUDA {torch.version.cuda or 'none'}): install rayvl's GPU stack on the node "
-            f"(`make install GPU=1`, README 'GPU machine')")
+            f"(`make install GPU=1`, docs/gpu.md)")
 
 
 def fast_math(device: torch.device, tf32: bool) -> None:

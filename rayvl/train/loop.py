@@ -1,5 +1,5 @@
 """The per-worker training loop: fetch a batch, step, log, checkpoint. What each paper changes comes from the
-enabled methods' training parts (rayvl.methods); the data position from rayvl.train.resume."""
+enabled methods' training parts (rayvl.train.parts, registered in rayvl.plugins); the data position from rayvl.train.resume."""
 from __future__ import annotations
 
 import math
@@ -12,7 +12,6 @@ import torch
 
 from rayvl.config import RayvlConfig
 from rayvl.export import weights
-from rayvl.methods.train import train_parts
 from rayvl.models.dual_encoder import build_model
 from rayvl.train import devices, flops, resume
 from rayvl.train.batches import batch_stream
@@ -20,6 +19,7 @@ from rayvl.train.engine import broadcast_buffers, build_engine, rayvl_clips
 from rayvl.train.evaluation import Evaluation
 from rayvl.train.faults import fail_here
 from rayvl.train.objective import Objective
+from rayvl.train.parts import train_parts
 from rayvl.train.profiling import StepProfiler
 from rayvl.train.resume import DataResume
 from rayvl.train.startup import Startup

@@ -5,8 +5,14 @@ from __future__ import annotations
 import torch
 
 from rayvl.losses import clip_loss, unicl_loss
-from rayvl.methods.base import TrainPart
-from rayvl.methods.unicl.train import unique_labels
+from rayvl.train.parts import TrainPart
+
+
+def unique_labels(batch: dict, batch_index: int) -> torch.Tensor:
+    """One label per row, unique across ranks, steps and so across a memory bank's queue: every image-text row is
+    its own class ([UniCL] Algorithm 1, TargetM)."""
+    b = batch["label"].shape[0]
+    return -1 - (batch_index * b + torch.arange(b, device=batch["label"].device))
 
 
 class Objective:

@@ -42,9 +42,9 @@ class RunResult:
 STAMPED = re.compile(r"-\d{8}-\d{6}$")  # <recipe>-<YYYYmmdd-HHMMSS>, the name a run gets by default
 
 
-def run_paths(cfg: RayvlConfig) -> tuple[str, str]:
-    """(storage path, run name). A run with checkpoints is continued only with train.resume; train.resume without
-    a run name continues the newest run of the recipe."""
+def run_paths(cfg: RayvlConfig) -> tuple[str, str, int]:
+    """(storage path, run name, the step of the checkpoint a resume continues — 0 for none). A run with checkpoints
+    is continued only with train.resume; train.resume without a run name continues the newest run of the recipe."""
     store = storage.normalize(cfg.train.storage_path)
     name = cfg.train.run_name or (newest_run(store, cfg.recipe) if cfg.train.resume else "") \
         or f"{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -55,9 +55,12 @@ def run_paths(cfg: RayvlConfig) -> tuple[str, str]:
                           f"set train.resume=true (--resume) to continue it, or choose another name")
     if cfg.train.resume and latest is None:
         raise ConfigError(f"train.resume: run {run_dir!r} has no checkpoint to resume from")
+    step = 0
     if latest is not None:
-        check_resumable(cfg, read_meta(latest), run_dir)
-    return store, name
+        meta = read_meta(latest)
+        check_resumable(cfg, meta, run_dir)
+        step = meta["step"]
+    return store, name, step
 
 
 def newest_run(store: str, recipe: str) -> str:
@@ -237,14 +240,11 @@ def git_commit() -> str:
 SCHEDULE_KEYS = ("lr", "warmup_steps", "max_steps", "weight_decay", "betas", "eps")
 
 
-def refuse_finished(cfg: RayvlConfig) -> None:
-    """A user's resume (``--resume``) of a run that reached train.max_steps is refused: nothing is left to train. (A
-    sweep's restored trial may resume a finished run of its own: it gets that run's result.)"""
-    store, name = run_paths(cfg)
-    run = storage.join(store, name)
-    latest = latest_checkpoint_dir(run)
-    step = read_meta(latest)["step"] if latest is not None else 0
-    if step >= cfg.train.max_steps:
+def refuse_finished(cfg: RayvlConfig, run: str, step: int) -> None:
+    """A user's resume (``--resume``) of a run that reached train.max_steps (its checkpoint's ``step``) is refused:
+    nothing is left to train. (A sweep's restored trial may resume a finished run of its own: it gets that run's
+    result.)"""
+    if cfg.train.resume and step >= cfg.train.max_steps:
         raise ConfigError(f"train.resume: run {run!r} finished at step {step} (train.max_steps): nothing is left to "
                           f"train — to train it further, start a new run from its weights with --init-from {run} "
                           f"(train.init_from), on a schedule of its own")

@@ -1,39 +1,38 @@
-"""Driver side, wiring only: the config's data plan → Ray Datasets → TorchTrainer(DeepSpeed) → the run directory."""
+"""Driver side, wiring only: the run's plan (rayvl.train.run_plan) → Ray Datasets → TorchTrainer(DeepSpeed) → the run
+directory."""
 from __future__ import annotations
 
-import json
 import uuid
-from pathlib import Path
 
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from rayvl import assets, session
 from rayvl import storage as store
-from rayvl.config import ConfigError, RayvlConfig
+from rayvl.config import RayvlConfig
 from rayvl.data.report import caption_stats, position_report, report_actor, snapshot
 from rayvl.train import datasets
 from rayvl.train.resume import restored_state
 from rayvl.train.loop import train_loop_per_worker
 from rayvl.train.progress import ProgressPrinter, log
-from rayvl.train.run_dir import (RunResult, continue_records, failed, finish, log_dir, mlflow_uri, run_paths,
-                                 run_record)
+from rayvl.train.run_dir import RunResult, continue_records, failed, finish, log_dir, mlflow_uri, run_record
 from rayvl.train.run_log import RunLog
+from rayvl.train.run_plan import plan_run
 from rayvl.train.startup import Startup
 from rayvl.train.worker import WorkerPlan
 
 
 def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", progress: bool = False,
-          verbose: bool = True) -> RunResult:
+          verbose: bool = True, finished_ok: bool = True) -> RunResult:
     """Run one training job end to end and return where everything is. ``callbacks``: Ray Train UserCallbacks
     (a Tune trial passes its report callback); ``placement_registry``: the named actor a sweep collects the runs'
     placement groups in; ``progress``: log a progress line per report (rayvl.train.progress); ``verbose=False``:
-    the workers' and Ray's own output stay in Ray's log files."""
+    the workers' and Ray's own output stay in Ray's log files; ``finished_ok=False``: a resume of a finished run is
+    refused (a user's ``--resume``)."""
     startup = Startup()
-    data = datasets.plan(cfg)
-    cfg = data.cfg  # as the run's data adjusts it (evaluation off without held-out shards, the methods' values)
-    storage, name = run_paths(cfg)
-    init_weights = check_init_from(cfg)
+    planned = plan_run(cfg, finished_ok)  # once: nothing below resolves a spec or the run's paths again
+    data, cfg = planned.data, planned.cfg  # as the run's data adjusts it (evaluation off, the methods' values)
+    storage, name = planned.storage, planned.name
     session.check_local_gpus(cfg)
     local_cpus = session.planned_local_cpus(cfg)
     if local_cpus is not None:  # the local Ray's size is final and known: an impossible plan fails before it starts
@@ -49,9 +48,9 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
     reports = data.reports(report_name)
     for r in reports.values():
         report_actor(r)  # created by the driver, so they live as long as it does
-    run_dir = store.join(storage, name)
-    built = datasets.build(data, run_dir, report_name)
-    sets, expected = built.datasets, built.pass_size
+    run_dir = planned.run_dir
+    built = datasets.build(data, run_dir, report_name, planned.passes)
+    sets, expected = built.datasets, planned.pass_size
     startup.mark("data")
     logs = log_dir(storage, name)
     continue_records(run_dir, logs, cfg.train.resume)
@@ -59,17 +58,17 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
                      mlflow_uri(cfg, logs) if "mlflow" in cfg.train.report_to else "", cfg.train.sync_every_s)
     plan = WorkerPlan(cfg.to_dict(), report_name=report_name, label_report=reports.get("image_label") or "",
                       tokenizer_path=str(assets.text_model_path(cfg.model.text)),
-                      train_shards=built.train_shards, init_from=init_weights, eval_files=data.files,
+                      train_shards=len(data.train_shards), init_from=planned.init_from, eval_files=data.files,
                       placement_registry=placement_registry, method_inputs=built.worker_inputs, startup=startup)
     startup.mark("fit")  # before the trainer, which may serialize its plan
-    trainer = _trainer(cfg, storage, name, sets, [run_log, *callbacks], plan, built.read_ahead_bytes)
+    trainer = _trainer(cfg, storage, name, sets, [run_log, *callbacks], plan, planned.read_ahead_bytes)
     try:
         result = _fit(trainer, logs, cfg) if progress else trainer.fit()
     except BaseException as e:  # the records say how the invocation ended, and land in the run directory
         failed(run_dir, logs, e)
         raise
     report = {**snapshot(reports["train"]), "img2dataset_successes_per_pass": expected,
-              "pass_size_from": built.pass_size_from,
+              "pass_size_from": planned.pass_size_from,
               **{stream: snapshot(name) for stream, name in reports.items() if stream != "train"}}
     report["captions"] = caption_stats(report["counts"])
     if result.checkpoint is not None:  # what the run trained on, per pass, across its resumes
@@ -91,38 +90,6 @@ def _fit(trainer: TorchTrainer, logs, cfg: RayvlConfig):
         return trainer.fit()
     finally:
         printer.stop()
-
-
-def check_init_from(cfg: RayvlConfig) -> str:
-    """``train.init_from`` resolved to a checkpoint or export whose model settings match this run's, before Ray
-    starts ('' when unset)."""
-    from rayvl.checkpoints import checkpoint_uri, read_meta
-    from rayvl.export import EXPORT_META, is_export
-
-    source = cfg.train.init_from
-    if not source:
-        return ""
-    local = Path(source).expanduser()
-    try:
-        if is_export(local):
-            path, meta = str(local.resolve()), json.loads((local / EXPORT_META).read_text())
-        else:
-            path = checkpoint_uri(source)
-            meta = read_meta(path)
-    except FileNotFoundError:
-        raise ConfigError(f"train.init_from: {source!r} is not a rayvl run, checkpoint or export") from None
-    theirs, ours = meta["config"]["model"], cfg.to_dict()["model"]
-    differ = [k for k in ours if k not in ARCHITECTURE_FREE and theirs.get(k) != ours[k]]
-    if differ:
-        raise ConfigError(f"model.{differ[0]}: {ours[differ[0]]!r} differs from {theirs.get(differ[0])!r} in "
-                          f"train.init_from={source!r} — the weights would not fit (differing: "
-                          f"{', '.join('model.' + k for k in differ)})")
-    return path
-
-
-# model settings that do not change the weights' shapes or meaning
-ARCHITECTURE_FREE = ("vision_checkpoint", "init_logit_scale", "learn_logit_scale", "max_logit_scale",
-                     "activation_checkpointing")
 
 
 def _trainer(cfg: RayvlConfig, storage: str, name: str, sets: dict, callbacks: list,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -124,7 +125,7 @@ def base_word_counts(batch: dict, *, seed: int, fraction: float) -> dict:
     return {"word": np.array(list(df), dtype=object), "df": np.array(list(df.values()), dtype=np.int64)}
 
 
-def counted_shards(spec: str) -> list[str]:
+def counted_shards(spec: str | Sequence[str]) -> list[str]:
     """The shards whose captions the statistics count: all but those a `rayvl pseudo-label` job wrote (its <rule>/
     folders sit beside its PSEUDO_MARKER). Their captions stay out of the statistics anyway (``is_pseudo``), so
     S_a + pseudo has S_a's statistics — fingerprint included, and a run on both reuses S_a's artifact."""
@@ -134,7 +135,7 @@ def counted_shards(spec: str) -> list[str]:
     return [s for s in shards if storage.parent(s) not in pseudo] or shards
 
 
-def fingerprint(spec: str, seed: int, fraction: float) -> dict:
+def fingerprint(spec: str | Sequence[str], seed: int, fraction: float) -> dict:
     return _fingerprint(counted_shards(spec), seed, fraction)
 
 
@@ -156,13 +157,13 @@ def _document_frequencies(grouped) -> dict[str, int]:
     return {row["word"]: int(row["sum(df)"]) for row in grouped.sum("df").iter_rows()}
 
 
-def compute_stats(spec: str, *, seed: int, fraction: float, reading: Reading = Reading()) -> BowStats:
+def compute_stats(spec: str | Sequence[str], *, seed: int, fraction: float, reading: Reading = Reading()) -> BowStats:
     """The statistics of the shards ``spec`` names, read as ``reading`` says (its read_cpus and io)."""
     shards = counted_shards(spec)
     return BowStats(_fingerprint(shards, seed, fraction), **_count(shards, seed, fraction, reading))
 
 
-def load_or_compute(spec: str, path: str, *, seed: int, fraction: float,
+def load_or_compute(spec: str | Sequence[str], path: str, *, seed: int, fraction: float,
                     reading: Reading = Reading()) -> tuple[BowStats, bool]:
     """(stats, reused). A saved artifact is reused only if its fingerprint matches the data and split now."""
     shards = counted_shards(spec)  # listed once: on object storage a listing is a round trip per folder

@@ -5,18 +5,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from rayvl.data.artifacts import ArtifactMismatch
+from rayvl.data.parts import Contribution, DataPart, RowTransform, RunData, Sample
 from rayvl.data.shards import Reading
 from rayvl.data.text import PSEUDO_FLAG
 from rayvl.errors import ConfigError
-from rayvl.methods.base import Contribution, DataPart, RowTransform, RunData
 from rayvl.methods.bow import deformation
 from rayvl.methods.bow.check import needs_stats, parse_ops
-
-if TYPE_CHECKING:
-    from rayvl.data.pipeline import Sample
 
 log = logging.getLogger("rayvl")
 
@@ -46,7 +42,7 @@ class BowData(DataPart):
     name = "bow"
 
     def build(self, run: RunData) -> Contribution:
-        return Contribution(transform=Deform(deformer(run.cfg, run.train, run.run_dir)))
+        return Contribution(transform=Deform(deformer(run.cfg, run.train, run.run_dir, run.train_shards)))
 
 
 def plan(cfg, train: str, evalset: str) -> BowData | None:
@@ -54,9 +50,9 @@ def plan(cfg, train: str, evalset: str) -> BowData | None:
     return BowData() if cfg.bow.enabled else None
 
 
-def deformer(cfg, train: str, run_dir: str) -> deformation.Deformer | None:
-    """The configured BoW cascade with its base-split statistics (reused from the artifact when it matches);
-    None when bow.enabled is off."""
+def deformer(cfg, train: str, run_dir: str, shards: tuple[str, ...] = ()) -> deformation.Deformer | None:
+    """The configured BoW cascade with its base-split statistics (reused from the artifact when it matches) over the
+    shards of ``train`` (``shards``: as the run's plan listed them); None when bow.enabled is off."""
     b = cfg.bow
     if not b.enabled:
         return None
@@ -67,7 +63,7 @@ def deformer(cfg, train: str, run_dir: str) -> deformation.Deformer | None:
         log.info(f"BoW statistics of the base split: reading {path} or a Ray Data pass over {train}")
         start = time.perf_counter()
         try:
-            stats, reused = deformation.load_or_compute(train, path, seed=b.seed, fraction=b.base_fraction,
+            stats, reused = deformation.load_or_compute(shards or train, path, seed=b.seed, fraction=b.base_fraction,
                                                         reading=Reading.of(cfg, None))
         except ArtifactMismatch as e:
             raise ConfigError(str(e)) from None

@@ -6,8 +6,8 @@ import torch
 
 from rayvl.config import RayvlConfig
 from rayvl.losses import gather_features, unicl_loss
-from rayvl.methods.base import TrainPart
 from rayvl.methods.bow.memory_bank import MemoryBank
+from rayvl.train.parts import TrainPart
 from rayvl.train.worker import Worker
 
 

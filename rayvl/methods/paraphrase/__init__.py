@@ -1,2 +1,3 @@
-"""[Paraphrase] text strategies and alignment layers (``text_strategies``) and the paraphrase rank-similarity
-metrics (``metrics``); ``check``: the config constraints."""
+"""[Paraphrase]: the config constraints of its text strategies and metrics (``check``). The strategies themselves
+are model structure (``rayvl.models.text_strategies``), the rank-similarity metrics evaluation
+(``rayvl.eval.paraphrase``): the core uses both."""

@@ -6,17 +6,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from rayvl import assets
 from rayvl.data.artifacts import ArtifactMismatch
+from rayvl.data.ontology import UNALIGNED, Ontology, keep_frequent, load_or_count
+from rayvl.data.parts import Contribution, DataPart, RowTransform, RunData, Sample
 from rayvl.data.shards import Reading
 from rayvl.errors import ConfigError
-from rayvl.methods.base import Contribution, DataPart, RowTransform, RunData
-from rayvl.methods.tonics.ontology import UNALIGNED, Ontology, keep_frequent, load_or_count
-
-if TYPE_CHECKING:
-    from rayvl.data.pipeline import Sample
 
 log = logging.getLogger("rayvl")
 
@@ -48,7 +44,7 @@ class TonicsData(DataPart):
         self.ontology = ontology
 
     def build(self, run: RunData) -> Contribution:
-        kept, sizes = class_counts(run.cfg, self.ontology, run.train, run.run_dir)
+        kept, sizes = class_counts(run.cfg, self.ontology, run.train, run.run_dir, run.train_shards)
         return Contribution(transform=Objects(kept), worker={"sizes": sizes})
 
 
@@ -76,14 +72,16 @@ def resolve_ontology(cfg) -> Ontology | None:
         raise ConfigError(f"tonics.classes{e}" if str(e).startswith("[") else f"tonics.{e}") from None
 
 
-def class_counts(cfg, ontology: Ontology, train: str, run_dir: str) -> tuple[Ontology, list[int]]:
-    """|X(η_o)| per class (Ray Data groupby, reused from the artifact when it matches); rare classes dropped."""
+def class_counts(cfg, ontology: Ontology, train: str, run_dir: str,
+                 shards: tuple[str, ...] = ()) -> tuple[Ontology, list[int]]:
+    """|X(η_o)| per class over the shards of ``train`` (``shards``: as the run's plan listed them; Ray Data groupby,
+    reused from the artifact when it matches); rare classes dropped."""
     x = cfg.tonics
     path = x.counts_path or f"{run_dir.rstrip('/')}/tonics_counts.json"
     log.info(f"TOnICS rows per class: reading {path} or a Ray Data pass over {train}")
     start = time.perf_counter()
     try:
-        counts, reused = load_or_count(train, path, ontology, Reading.of(cfg, None))
+        counts, reused = load_or_count(shards or train, path, ontology, Reading.of(cfg, None))
     except ArtifactMismatch as e:
         raise ConfigError(str(e)) from None
     kept, sizes = keep_frequent(ontology, counts, x.min_instances)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from rayvl.config import RayvlConfig
-from rayvl.methods.base import TrainPart
-from rayvl.methods.tonics.sampler import SAMPLER_COUNTS, BucketSampler, Curriculum, SamplerTotals
 from rayvl.data.pipeline import TRAIN_COLUMNS
+from rayvl.methods.tonics.sampler import SAMPLER_COUNTS, BucketSampler, Curriculum, SamplerTotals
 from rayvl.train.batches import CPU, ROW, epochs, prefetched, shuffle_seeds, to_device
+from rayvl.train.parts import TrainPart
 from rayvl.train.worker import Worker
 
 

@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from rayvl.config import RayvlConfig
-from rayvl.methods.base import TrainPart
 from rayvl.data.pipeline import TRAIN_COLUMNS
 from rayvl.methods.unicl.rows import label_rows
 from rayvl.train.batches import CPU, ROW, batch_stream
+from rayvl.train.objective import unique_labels
+from rayvl.train.parts import TrainPart
 from rayvl.train.worker import Worker
 
 
@@ -33,13 +34,6 @@ def _mixed(labels, texts) -> Iterator[tuple[dict, float]]:
         if ROW in b:  # image-label rows are not position-tracked (row −1)
             batch[ROW] = torch.cat([torch.full_like(a["label"], -1), b[ROW]])
         yield batch, wait_a + wait_b
-
-
-def unique_labels(batch: dict, batch_index: int) -> torch.Tensor:
-    """One label per row, unique across ranks, steps and so across a memory bank's queue: every image-text row is
-    its own class ([UniCL] Algorithm 1, TargetM)."""
-    b = batch["label"].shape[0]
-    return -1 - (batch_index * b + torch.arange(b, device=batch["label"].device))
 
 
 def class_labels(batch: dict, batch_index: int) -> torch.Tensor:

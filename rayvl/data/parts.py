@@ -1,14 +1,30 @@
-"""The interfaces a method implements: what it changes of a row in the read tasks (``RowTransform``, torch-free),
-what the driver resolves for its data before and after Ray starts (``DataPart``, torch-free) and what it changes of
-training on a worker (``TrainPart``). Every hook's default changes nothing."""
+"""What a method adds to a run's data — the interfaces the core's data plane and driver define and the methods
+(``rayvl.methods``, registered in ``rayvl.plugins``) fill; torch-free: they run in Ray Data's read tasks and on the
+driver before Ray starts. ``RowTransform``: what a method changes of a shard row in the read tasks;
+``DataPart``: what the driver resolves for its data before and after Ray starts. Every hook's default changes
+nothing."""
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any
 
-if TYPE_CHECKING:
-    from rayvl.data.pipeline import Sample
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One shard sample as the row transforms see it."""
+
+    key: str
+    meta: bytes | str | None
+    """its JSON metadata as read."""
+    info: dict
+    """that metadata parsed ({} when absent or not a JSON object)."""
+    cls: int
+    """its ``cls`` (−1 when absent)."""
+    rng: np.random.Generator | None
+    """drawn from (seed, key, pass) alone when ``Rows.draws``, else None."""
 
 
 class RowTransform:
@@ -42,7 +58,9 @@ class RunData:
     cfg: Any
     """the run's config (``rayvl.config.RayvlConfig``, as the data plan adjusted it)."""
     train: str
-    """the training shards (a resolved spec)."""
+    """the training shards' spec (for messages)."""
+    train_shards: tuple[str, ...]
+    """its shards, resolved once by the run's plan: what a method's passes read (no listing again)."""
     run_dir: str
     """the run's directory: where artifacts such as corpus statistics are saved."""
     reports: dict[str, str]
@@ -81,39 +99,3 @@ class DataPart:
     def build(self, run: RunData) -> Contribution:
         """Its transform, datasets and worker inputs (may run Ray Data passes over ``run.train``)."""
         return Contribution()
-
-
-class TrainPart:
-    """A method's part of the training loop on every worker (``rayvl.train.loop``)."""
-
-    name: str = ""
-
-    def batches(self) -> Callable[[int, int], tuple[dict, float]] | None:
-        """``next_batch(step, micro) → (batch on the device, seconds waited)``, or None to leave the batch source
-        to another part (one part at most provides it)."""
-        return None
-
-    def targets(self, batch: dict, batch_index: int):
-        """The loss's labels for ``batch`` (a tensor), or None: another part's, else one unique label per row."""
-        return None
-
-    def loss(self, features, batch: dict, labels):
-        """The loss of the step (a tensor) from ``features`` = (image, text, scale) in fp32, or None: another
-        part's, else InfoNCE / label-aware InfoNCE over the gathered batch."""
-        return None
-
-    def model_built(self, model) -> None:
-        """The model as built, before DeepSpeed wraps it (e.g. to copy it)."""
-
-    def components(self) -> dict[str, Any]:
-        """Train-state components by name (``state_dict`` / ``load_state_dict``), saved in every checkpoint."""
-        return {}
-
-    def after_step(self, engine, step: int) -> bool:
-        """After optimizer step ``step`` (e.g. the key encoders' EMA, a curriculum refresh); True when the step
-        must be reported (it did something a report should show)."""
-        return False
-
-    def metrics(self, device) -> dict:
-        """What this part adds to a report (called on every rank: a part may all-reduce)."""
-        return {}

@@ -1,5 +1,7 @@
-"""The TOnICS ontology ([TOnICS] §3 "Ontology Construction", App. A.1): object classes, the nouns that name them,
-and one training row per (image-text pair, aligned class) — the paper's triplets, one per class (``aligned``).
+"""The object ontology of [TOnICS] §3 "Ontology Construction", App. A.1 — object classes, the nouns that name them,
+and one training row per (image-text pair, aligned class): the paper's triplets, one per class (``aligned``) — and
+the WordNet reader under it. The TOnICS method (rayvl.methods.tonics) and the contextual evaluation
+(rayvl.eval.contextual) both use it.
 
 A caption's nouns are told apart from its adjectives and verbs without a tagger model (none ships offline):
 a word is a noun where WordNet's sense-tagged counts (SemCor, ``cntlist``) make the noun reading its most frequent
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -270,13 +273,13 @@ def batch_objects(batch: dict, *, ontology: Ontology) -> dict:
     return {"object": np.array(objects, dtype=np.int64)}
 
 
-def fingerprint(spec: str, ontology: Ontology) -> dict:
+def fingerprint(spec: str | Sequence[str], ontology: Ontology) -> dict:
     return {"shards": artifacts.shard_sizes(resolve_shards(spec)), "classes": ontology.synsets,
             "overrides": dict(sorted(ontology.overrides.items())), "tags_field": ontology.tags_field,
             "format": COUNTS_FORMAT}
 
 
-def count_rows(spec: str, ontology: Ontology, reading: Reading = Reading()) -> dict[int, int]:
+def count_rows(spec: str | Sequence[str], ontology: Ontology, reading: Reading = Reading()) -> dict[int, int]:
     """Rows per object id over the shards: map to objects, then groupby("object").count() on Ray Data."""
     return group_over_shards(resolve_shards(spec), ("key", "txt", "json"), batch_objects, {"ontology": ontology},
                              "object", _object_counts, reading)
@@ -286,7 +289,7 @@ def _object_counts(grouped) -> dict[int, int]:
     return {int(r["object"]): int(r["count()"]) for r in grouped.count().iter_rows()}
 
 
-def load_or_count(spec: str, path: str, ontology: Ontology,
+def load_or_count(spec: str | Sequence[str], path: str, ontology: Ontology,
                   reading: Reading = Reading()) -> tuple[dict[int, int], bool]:
     """(rows per object id, reused). A saved artifact is reused only if its fingerprint still matches."""
     content, reused = artifacts.load_or_make(

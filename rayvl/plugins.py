@@ -1,0 +1,72 @@
+"""Where the core meets the methods, one way. The core — ``rayvl.config``, ``rayvl.data``, ``rayvl.train``,
+``rayvl.eval`` — defines what a method may fill (``rayvl.data.parts``: a row transform and a data part;
+``rayvl.train.parts``: a training part) and never imports a method. Each method registers itself here with one
+``register`` line in ``rayvl/methods/__init__.py``; the core asks ``methods()``, which imports that package by name
+the first time.
+
+Order: registration order. The data parts' row transforms apply in it (a transform that rewrites a caption comes
+before one that makes rows from its words), the config checks run in it, and the first training part that gives a batch source,
+targets or a loss is the one used (the config checks refuse the combinations where two would give one)."""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+PACKAGE = "rayvl.methods"
+
+
+@dataclass(frozen=True)
+class Method:
+    """One method's parts; each is optional."""
+
+    name: str
+    check: Callable[[Any], None] | None = None
+    """``check(cfg)``: its config constraints, raising ``rayvl.errors.ConfigError`` naming the dotted key; torch-free
+    (``rayvl.config.validate`` runs it before Ray starts, whether or not the method is on)."""
+    plan: str = ""
+    """``"module:function"`` of ``plan(cfg, train, evalset)``: its ``rayvl.data.parts.DataPart`` for a run reading
+    those specs, or None when the method is off; torch-free, imported by the driver only (its data part reads with
+    Ray Data: a config check or ``rayvl.load`` imports no Ray)."""
+    train_part: str = ""
+    """``"module:Class"`` of its ``rayvl.train.parts.TrainPart``, imported on the workers only (it needs torch)."""
+
+
+_registered: dict[str, Method] = {}
+
+
+def register(method: Method) -> None:
+    if method.name in _registered:
+        raise ValueError(f"a method named {method.name!r} is registered already")
+    _registered[method.name] = method
+
+
+def methods() -> tuple[Method, ...]:
+    """Every registered method, in registration order."""
+    importlib.import_module(PACKAGE)  # its __init__ registers each method, once
+    return tuple(_registered.values())
+
+
+def check(cfg) -> None:
+    """Each method's constraints on ``cfg``; the first one broken raises."""
+    for method in methods():
+        if method.check is not None:
+            method.check(cfg)
+
+
+def data_parts(cfg, train: str, evalset: str) -> tuple:
+    """The enabled methods' data parts for a run reading ``train`` (and ``evalset``, '' = none); a problem is a
+    ConfigError naming the key."""
+    plans = (_named(m.plan)(cfg, train, evalset) for m in methods() if m.plan)
+    return tuple(part for part in plans if part is not None)
+
+
+def train_part_classes() -> list[type]:
+    """Every method's training part class (imported here: on a worker)."""
+    return [_named(m.train_part) for m in methods() if m.train_part]
+
+
+def _named(where: str):
+    """The object ``"module:name"`` names, its module imported."""
+    module, name = where.split(":")
+    return getattr(importlib.import_module(module), name)

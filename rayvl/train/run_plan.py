@@ -1,0 +1,97 @@
+"""A run's plan, made once before Ray starts: what it reads (its data plan — each shard spec listed once, the
+methods' data parts), how much (samples a pass, the passes one Ray Data execution lists, the read-ahead budget),
+where it goes (storage, run name, the checkpoint a resume continues) and what it starts from (train.init_from).
+``--dry-run`` prints it (rayvl.plan); the trainer executes it without resolving any of it again."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from rayvl import storage
+from rayvl.config import ConfigError, RayvlConfig
+from rayvl.data import shards
+from rayvl.train import datasets
+from rayvl.train.datasets import DataPlan
+from rayvl.train.run_dir import refuse_finished, run_paths
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    data: DataPlan
+    storage: str
+    """train.storage_path, normalised."""
+    name: str
+    """the run's name under it (a resume's, or a new timestamped one)."""
+    resumes_at: int
+    """the step of the checkpoint the run continues from (0: none)."""
+    init_from: str
+    """train.init_from resolved to a checkpoint or export whose model settings match ('' = none)."""
+    pass_size: int | None
+    """samples a pass over the training shards holds (None: unknown)."""
+    pass_size_from: str
+    """how it was found, or why it is unknown."""
+    passes: int
+    """passes over the training shards the run's Ray Data execution lists."""
+    read_ahead_bytes: int
+    """the training stream's object-store budget."""
+
+    @property
+    def cfg(self) -> RayvlConfig:
+        """the run's config, as its data adjusts it (rayvl.train.datasets.plan)."""
+        return self.data.cfg
+
+    @property
+    def run_dir(self) -> str:
+        return storage.join(self.storage, self.name)
+
+
+def plan_run(cfg: RayvlConfig, finished_ok: bool = True, dry: bool = False) -> RunPlan:
+    """Everything about a run that can be wrong before Ray starts, found once (a ConfigError naming the key).
+    ``finished_ok=False``: a resume of a run that reached train.max_steps is refused (a user's ``--resume``; a sweep's
+    restored trial may resume its own finished run). ``dry``: as the dry run sees it — the demo dataset is not
+    written, so its shards are not listed and its pass holds data.demo_samples."""
+    data = datasets.plan(cfg, make_demo=not dry)
+    cfg = data.cfg
+    store, name, step = run_paths(cfg)
+    if not finished_ok:
+        refuse_finished(cfg, storage.join(store, name), step)
+    init = check_init_from(cfg)
+    if data.train_shards:
+        pass_size, how = shards.samples_per_pass(cfg.data.samples_per_pass, list(data.train_shards))
+    else:  # the dry run of the demo
+        pass_size, how = cfg.data.demo_samples, "the demo's training split"
+    passes = datasets.train_passes(data, pass_size, len(data.train_shards) or 1)
+    return RunPlan(data, store, name, step, init, pass_size, how, passes, datasets.read_ahead_bytes(data))
+
+
+def check_init_from(cfg: RayvlConfig) -> str:
+    """``train.init_from`` resolved to a checkpoint or export whose model settings match this run's, before Ray
+    starts ('' when unset)."""
+    from rayvl.checkpoints import checkpoint_uri, read_meta
+    from rayvl.export import EXPORT_META, is_export
+
+    source = cfg.train.init_from
+    if not source:
+        return ""
+    local = Path(source).expanduser()
+    try:
+        if is_export(local):
+            path, meta = str(local.resolve()), json.loads((local / EXPORT_META).read_text())
+        else:
+            path = checkpoint_uri(source)
+            meta = read_meta(path)
+    except FileNotFoundError:
+        raise ConfigError(f"train.init_from: {source!r} is not a rayvl run, checkpoint or export") from None
+    theirs, ours = meta["config"]["model"], cfg.to_dict()["model"]
+    differ = [k for k in ours if k not in ARCHITECTURE_FREE and theirs.get(k) != ours[k]]
+    if differ:
+        raise ConfigError(f"model.{differ[0]}: {ours[differ[0]]!r} differs from {theirs.get(differ[0])!r} in "
+                          f"train.init_from={source!r} — the weights would not fit (differing: "
+                          f"{', '.join('model.' + k for k in differ)})")
+    return path
+
+
+# model settings that do not change the weights' shapes or meaning
+ARCHITECTURE_FREE = ("vision_checkpoint", "init_logit_scale", "learn_logit_scale", "max_logit_scale",
+                     "activation_checkpointing")
