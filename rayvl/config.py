@@ -211,6 +211,15 @@ class ModelConfig:
     """learn the temperature (CLIP) or keep it fixed at ``init_logit_scale``."""
     max_logit_scale: float = 100.0
     """clamp on exp(s), as in CLIP."""
+    vision_strategy: Literal["finetune", "frozen"] = "finetune"
+    """finetune: every image-tower weight trains; frozen: the backbone is locked (LiT, Zhai et al. 2022,
+    arXiv:2111.07991 — give it pretrained weights), run without a graph, its projection still training."""
+    patch_dropout: float = 0.0
+    """share of a ViT image tower's patch tokens dropped at random in each training forward (FLIP, Li et al. 2023,
+    arXiv:2212.00794: 0.5–0.75), through timm's patch_drop_rate; evaluation sees all of them. ViTs only."""
+    init_logit_bias: float | None = None
+    """a learnable bias b added to every logit, at this initial value: loss.kind=siglip's (−10 unless set); None:
+    no bias (a softmax loss has no use for one)."""
     activation_checkpointing: bool = False
     """recompute layer activations in the backward pass instead of keeping them — the text tower's trained layers
     and a transformer image tower (ViT; a BatchNorm tower is not recomputed, its statistics would move twice): less
@@ -221,10 +230,12 @@ class ModelConfig:
 class LossConfig:
     gather_with_grad: bool = True
     """gather features from all workers with gradients flowing back to their owners (open_clip semantics)."""
-    kind: Literal["clip", "unicl", "ce"] = "clip"
+    kind: Literal["clip", "unicl", "ce", "siglip"] = "clip"
     """clip: InfoNCE with one positive per query; unicl: label-aware targets, every key with the query's label is
     a positive ([UniCL] eq. (1)–(3)); identical when all labels are unique (image-text data only); ce: cross-
-    entropy against a learned class-embedding matrix ([UniCL] eq. (4); needs model.text_tower=class_embedding)."""
+    entropy against a learned class-embedding matrix ([UniCL] eq. (4); needs model.text_tower=class_embedding);
+    siglip: SigLIP's sigmoid loss (Zhai et al. 2023, arXiv:2303.15343), a binary term per image-text pair with a
+    learnable bias — model.init_logit_scale and model.init_logit_bias default to the paper's 10 and −10."""
 
 
 @dataclass
@@ -616,9 +627,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         values = loaded
     for text in overrides or []:
         values = _merge(values, parse_override(text))
-    cfg = _build(RayvlConfig, values)
+    cfg = _build(RayvlConfig, _loss_defaults(values))
     validate(cfg)
     return cfg
+
+
+def _loss_defaults(values: dict) -> dict:
+    """SigLIP's own initial temperature and bias (Zhai et al. 2023 §3: t' = log 10, b = −10) where loss.kind=siglip
+    and neither the recipe nor a --set gives them."""
+    if (values.get("loss") or {}).get("kind") != "siglip":
+        return values
+    model = {"init_logit_scale": 10.0, "init_logit_bias": -10.0, **(values.get("model") or {})}
+    return {**values, "model": model}
 
 
 def check_overrides(overrides: list[str]) -> None:
@@ -648,6 +668,11 @@ def validate(cfg: RayvlConfig) -> None:
             f"model.init_logit_scale: must be in (0, model.max_logit_scale={m.max_logit_scale}], "
             f"got {m.init_logit_scale}"
         )
+    if not 0.0 <= m.patch_dropout < 1.0:
+        raise ConfigError(f"model.patch_dropout: a share of the patch tokens, in [0, 1), got {m.patch_dropout}")
+    if (m.init_logit_bias is None) == (cfg.loss.kind == "siglip"):
+        raise ConfigError("model.init_logit_bias: the siglip loss learns a logit bias (the paper starts it at -10) "
+                          "and only it: set it with loss.kind=siglip, leave it unset otherwise")
     for i, task in enumerate(cfg.eval.tasks):
         if task == "linear_probe":
             raise ConfigError(f"eval.tasks[{i}]: linear_probe fits a classifier and runs in `rayvl eval`, "

@@ -12,7 +12,8 @@ folder anyone can copy:
                         and ``config.json`` (timm's architecture name, the pixel mean/std, the image size)
     heads.safetensors   what neither library holds: ``vision_proj.*``, ``text_proj.*`` (``0.``, ``2.``: the MLP's
                         two linear layers around a GELU), ``alignment.<i>.*`` (layers shaped like the LM's last),
-                        ``logit_scale`` (log of the temperature's inverse)
+                        ``logit_scale`` (log of the temperature's inverse), ``logit_bias`` (SigLIP's b, with
+                        loss.kind=siglip)
     README.md           a model card (Hugging Face metadata): recipe, data, steps, evaluation, how to load it, with
                         rayvl and without
 
@@ -86,6 +87,13 @@ class Model:
     @torch.no_grad()
     def logit_scale(self) -> float:
         return float(self.module.scale())
+
+    @torch.no_grad()
+    def logit_bias(self) -> float | None:
+        """SigLIP's learned bias (loss.kind=siglip; None otherwise): σ(scale · image·text + bias) is the
+        probability that an image and a text match."""
+        bias = self.module.bias()
+        return None if bias is None else float(bias)
 
 
 def is_export(path: str | Path) -> bool:
@@ -162,6 +170,8 @@ def write_towers(model: Model, out: Path) -> None:
         "architecture": assets.vision_timm_name(cfg.vision), "num_classes": 0, "image_size": model.image_size,
         "mean": (m.vision.mean.flatten() / scale).tolist(), "std": (m.vision.std.flatten() / scale).tolist()}, indent=2))
     heads = {**_tensors(m.vision_proj, "vision_proj."), "logit_scale": m.logit_scale.detach().float().clone()}
+    if cfg.init_logit_bias is not None:
+        heads["logit_bias"] = m.logit_bias.detach().float().clone()
     if cfg.text_tower != "class_embedding":
         heads.update(_tensors(m.text_proj, "text_proj."))
         for i, layer in enumerate(m.text.alignment):
@@ -282,5 +292,7 @@ def encode_text(texts):
     return F.normalize({project[m["text_projection"]].format(x="x", p="text_proj")}, dim=-1)
 ```
 
-Logit scale: `h["logit_scale"].exp().clamp(max={m["max_logit_scale"]})`.
+Logit scale: `h["logit_scale"].exp().clamp(max={m["max_logit_scale"]})`{
+    '; logit bias (SigLIP): `h["logit_bias"]` — `torch.sigmoid(scale * image @ text.T + bias)` is the probability '
+    'that they match' if m.get("init_logit_bias") is not None else ""}.
 """

@@ -1,4 +1,4 @@
-"""Contrastive loss with negatives gathered from every worker.
+"""Contrastive losses with negatives gathered from every worker (InfoNCE, UniCL's label-aware form, SigLIP's sigmoid).
 
 open_clip's ``ClipLoss(local_loss=True, gather_with_grad=True)`` semantics: each rank scores its own B queries
 against the world's W·B keys, so the logits matrix is B × WB (not WB × WB), and the all-gather is differentiable,
@@ -69,3 +69,20 @@ def unicl_loss(image_features: torch.Tensor, text_features: torch.Tensor, logit_
     logits_per_image = logit_scale * image_features @ text_keys.T
     logits_per_text = logit_scale * text_features @ image_keys.T
     return (F.cross_entropy(logits_per_image, targets) + F.cross_entropy(logits_per_text, targets)) / 2
+
+
+def siglip_loss(image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
+                logit_bias: torch.Tensor, labels: torch.Tensor, gather_with_grad: bool = True) -> torch.Tensor:
+    """SigLIP's sigmoid loss (Zhai et al. 2023, arXiv:2303.15343, Algorithm 1): every image-text pair of the global
+    batch is a binary term −log σ(z_ij (t·x_i·y_j + b)), z_ij = +1 for a positive and −1 for every other pair,
+    summed and divided by the batch size. A pair is positive where its rows' labels agree: the pair's own row alone
+    for image-text data (unique labels), also the other rows of the same pair where a method makes several (TOnICS's
+    one row per object). This rank scores its B images against the world's W·B texts, gathered with gradients
+    flowing back to their owners as in ``clip_loss``: averaged over ranks (data-parallel gradient averaging), it is
+    the paper's −1/|global batch| Σ_i Σ_j over the global batch — all-gather instead of the paper's chunked
+    exchange between neighbours, the same sum."""
+    all_texts = gather_features(text_features, gather_with_grad)
+    all_labels = gather_features(labels, with_grad=False)
+    logits = logit_scale * image_features @ all_texts.T + logit_bias
+    signs = 2.0 * (labels[:, None] == all_labels[None, :]).to(logits.dtype) - 1.0
+    return -F.logsigmoid(signs * logits).sum() / image_features.shape[0]

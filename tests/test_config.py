@@ -26,11 +26,26 @@ RECIPE = REPO / "configs" / "laion_adapt.yaml"
     ("train.warmup_steps=500", "train.warmup_steps"),
     ("data.read_cpus=0", "data.read_cpus"),
     ("train.stop_at_step=500", "train.stop_at_step"),
+    ("model.init_logit_bias=-10", "model.init_logit_bias"),  # a bias with a softmax loss
 ])
 def test_bad_config_names_the_key(override, key):
     with pytest.raises(ConfigError) as err:
         load_config(RECIPE, [override])
     assert str(err.value).startswith(key), str(err.value)
+
+
+def test_siglip_gets_the_papers_init_unless_set_and_refuses_what_it_cannot_take():
+    """loss.kind=siglip: t = 10 and b = −10 (Zhai et al. 2023 §3) where nothing sets them, a recipe's or --set's
+    value where one does; the memory bank's InfoNCE and UniCL's image-label targets are refused before Ray starts."""
+    m = load_config(RECIPE, ["loss.kind=siglip"]).model
+    assert (m.init_logit_scale, m.init_logit_bias) == (10.0, -10.0)
+    m = load_config(RECIPE, ["loss.kind=siglip", "model.init_logit_bias=-5", "model.init_logit_scale=20"]).model
+    assert (m.init_logit_scale, m.init_logit_bias) == (20.0, -5.0)
+    assert load_config(RECIPE).model.init_logit_bias is None
+    with pytest.raises(ConfigError, match="^memory_bank.size: .*SigLIP"):
+        load_config(RECIPE, ["loss.kind=siglip", "memory_bank.size=64"])
+    with pytest.raises(ConfigError, match="^loss.kind: siglip does not take"):
+        load_config(RECIPE, ["loss.kind=siglip", "image_label.data=fashion-mnist"])
 
 
 def test_numbers_as_users_write_them_and_files_that_are_not_there(tmp_path):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from rayvl.losses import clip_loss, unicl_loss
+from rayvl.losses import clip_loss, siglip_loss, unicl_loss
 
 
 def reference_clip_loss(img: np.ndarray, txt: np.ndarray, scale: float) -> float:
@@ -34,6 +34,14 @@ def reference_unicl_loss(img_q, txt_q, img_k, txt_k, labels_q, labels_k, scale) 
     return 0.5 * (side(img_q, txt_k) + side(txt_q, img_k))
 
 
+def reference_siglip_loss(img: np.ndarray, txt: np.ndarray, scale: float, bias: float, labels: np.ndarray) -> float:
+    """SigLIP (Zhai et al. 2023, Algorithm 1) over the whole global batch in float64 numpy: −Σ_ij log σ(z_ij (t x·y +
+    b)) / n, z_ij = +1 where the rows' labels agree (the diagonal for unique labels), −1 elsewhere."""
+    logits = scale * img @ txt.T + bias
+    z = np.where(labels[:, None] == labels[None, :], 1.0, -1.0)
+    return float(np.sum(np.logaddexp(0.0, -z * logits)) / len(img))  # −log σ(x) = log(1 + e^−x)
+
+
 def _features(seed, n, d):
     g = torch.Generator().manual_seed(seed)
     img = torch.nn.functional.normalize(torch.randn(n, d, generator=g, dtype=torch.float64), dim=-1)
@@ -45,6 +53,21 @@ def test_single_process_matches_reference():
     img, txt = _features(0, 12, 7)
     loss = clip_loss(img, txt, torch.tensor(9.5, dtype=torch.float64))
     assert loss.item() == pytest.approx(reference_clip_loss(img.numpy(), txt.numpy(), 9.5), rel=1e-12)
+
+
+def test_siglip_matches_float64_reference_with_unique_and_shared_labels():
+    img, txt = _features(3, 12, 7)
+    unique = -1 - torch.arange(12)
+    shared = torch.tensor([0, 0, 1, 2, 2, 2, -1, -2, 3, 3, -3, -4])  # several rows of one pair (TOnICS's objects)
+    for labels in (unique, shared):
+        got = siglip_loss(img, txt, torch.tensor(10.0, dtype=torch.float64), torch.tensor(-10.0, dtype=torch.float64),
+                          labels)
+        ref = reference_siglip_loss(img.numpy(), txt.numpy(), 10.0, -10.0, labels.numpy())
+        assert got.item() == pytest.approx(ref, rel=1e-12)
+    # the paper's init on random features: the bias makes every pair start near "no match", σ(−10 ± 10)
+    assert siglip_loss(img, txt, torch.tensor(10.0, dtype=torch.float64), torch.tensor(-10.0, dtype=torch.float64),
+                       unique).item() < siglip_loss(img, txt, torch.tensor(10.0, dtype=torch.float64),
+                                                    torch.tensor(0.0, dtype=torch.float64), unique).item()
 
 
 def test_unicl_with_unique_labels_is_clip_exactly():
@@ -92,6 +115,13 @@ def _two_worker_loss(config):
     unicl = unicl_loss(mine_img.detach(), mine_txt.detach(), torch.tensor(config["scale"], dtype=torch.float64),
                        labels).detach()
     dist.all_reduce(unicl)
+    # SigLIP on its own leaves, with the shared labels: positives across the two ranks' rows
+    sig_img, sig_txt = mine_img.detach().clone().requires_grad_(True), mine_txt.detach().clone().requires_grad_(True)
+    siglip = siglip_loss(sig_img, sig_txt, torch.tensor(config["scale"], dtype=torch.float64),
+                         torch.tensor(-3.0, dtype=torch.float64), labels)
+    siglip.backward()
+    mean_siglip = siglip.detach().clone()
+    dist.all_reduce(mean_siglip)
     # what a report says: the loss of the steps since the last one, over ranks (train/window.py)
     from rayvl.train.window import Window
 
@@ -100,7 +130,8 @@ def _two_worker_loss(config):
     reported = window.over_ranks("cpu")["loss"]
     with open(f"{config['out']}/rank{rank}.json", "w") as f:
         json.dump({"loss": loss.item(), "mean_loss": mean_loss.item() / world, "unicl": unicl.item() / world,
-                   "reported": reported,
+                   "reported": reported, "siglip": mean_siglip.item() / world, "siglip_grad_img": sig_img.grad.tolist(),
+                   "siglip_grad_txt": sig_txt.grad.tolist(),
                    "grad_img": mine_img.grad.tolist(), "grad_txt": mine_txt.grad.tolist()}, f)
 
 
@@ -139,3 +170,18 @@ def test_two_ray_workers_match_float64_reference(ray_local, tmp_path):
         np.testing.assert_allclose(np.array(out["grad_txt"]) / world, gt.grad[r * b:(r + 1) * b].numpy(),
                                    rtol=1e-9, atol=1e-12)
     assert ranks[0]["loss"] != pytest.approx(ranks[1]["loss"])  # local losses differ; only their mean is global
+
+    # SigLIP: the mean over ranks is the global batch's loss, and so are the averaged gradients
+    si, st = img.clone().requires_grad_(True), txt.clone().requires_grad_(True)
+    logits = scale * si @ st.T - 3.0
+    z = torch.where(torch.tensor(labels)[:, None] == torch.tensor(labels)[None, :], 1.0, -1.0).double()
+    global_siglip = -torch.nn.functional.logsigmoid(z * logits).sum() / n
+    global_siglip.backward()
+    assert global_siglip.item() == pytest.approx(
+        reference_siglip_loss(img.numpy(), txt.numpy(), scale, -3.0, np.array(labels)), rel=1e-12)
+    for r, out in enumerate(ranks):
+        assert out["siglip"] == pytest.approx(global_siglip.item(), rel=1e-10)
+        np.testing.assert_allclose(np.array(out["siglip_grad_img"]) / world, si.grad[r * b:(r + 1) * b].numpy(),
+                                   rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(np.array(out["siglip_grad_txt"]) / world, st.grad[r * b:(r + 1) * b].numpy(),
+                                   rtol=1e-9, atol=1e-12)

@@ -34,7 +34,7 @@ def test_zero_stage_trains_two_workers(ray_local, demo_dir, tmp_path, stage, mon
                  "bow.ops=[shuffle, rm_stop_nalpha, limit_to_base_vocab, {rm_top_freq: 3}, {keep: 3}]",
                  f"train.init_from={untrained_checkpoint(demo_dir, tmp_path, 5, 'seeded')}",
                  "train.report_to=[tensorboard, mlflow, wandb]", f"train.mlflow_uri=sqlite:///{tmp_path}/mlflow.db",
-                 "train.compile=eager"]
+                 "train.compile=eager", "model.vision_strategy=frozen"]  # LiT's locked image tower
     else:  # UniCL against an EMA memory bank of 40 keys ([BoW] §2.1): 3 steps × 16 keys wrap around; in bf16
         # (DeepSpeed's CPU accelerator), the precision every GPU user takes, with the alignment layers recomputed
         extra = ["memory_bank.size=40", "loss.kind=unicl", "memory_bank.momentum=0.9", "train.precision=bf16",
@@ -81,6 +81,11 @@ def test_zero_stage_trains_two_workers(ray_local, demo_dir, tmp_path, stage, mon
         own = build_model(cfg.model, seed=cfg.train.seed).state_dict()
         key = "vision_proj.weight"
         assert (state[key] - seeded[key]).norm() < (own[key] - seeded[key]).norm() / 5
+        # the locked image tower: every backbone weight and BatchNorm statistic as the run started, bit for bit,
+        # while its projection trained
+        backbone = [k for k in seeded if k.startswith("vision.backbone.")]
+        assert len(backbone) > 100 and all(torch.equal(state[k], seeded[k]) for k in backbone)
+        assert not torch.equal(state[key], seeded[key])
     if stage == 2:
         _check_bf16_weights_and_embeddings(result, state)
         _check_memory_bank(cfg, result, state, demo_dir, tmp_path)
@@ -338,8 +343,9 @@ def test_checkpoint_round_trip_and_resume(ray_local, demo_dir, tmp_path, tonics_
     tonics = tonics_shapes("tonics.refresh_every=1", "tonics.threshold=0", "tonics.alpha=0.8", "tonics.buffer_rows=64",
                            f"tonics.counts_path={tonics_counts_path}")  # counted once for the session (test_tonics)
     # a checkpoint every step; every task is evaluated at the end: ZeRO-3's forwards gather the partitioned weights
+    # ... and SigLIP's loss (its pairs' positives are the rows of one pair: TOnICS makes a row per object)
     cfg = small_config(demo_dir, tmp_path, "train.zero_stage=3", "train.max_steps=4", "train.checkpoint_every=1",
-                       *tonics)
+                       "loss.kind=siglip", *tonics)
     # rank 1 is killed (SIGKILL) after writing its DeepSpeed files of step 3, before reporting them
     first = ray_local.get(fit_in_task(cfg.to_dict(), {"RAYVL_FAIL_AT": "checkpoint_write:3:1"}))
     assert json.loads((Path(first.checkpoint_dir) / "rayvl.json").read_text())["step"] == 4
@@ -367,6 +373,9 @@ def test_checkpoint_round_trip_and_resume(ray_local, demo_dir, tmp_path, tonics_
     assert Path(tonics_counts_path).is_file()
     assert "TOnICS:" in format_data_report(first.data_report)
     assert all(k in first.metrics for k in ("zeroshot_top1", "t2i_R@10", "paraphrase_AO@10", "sts_spearman"))
+    # SigLIP's bias and temperature start at the paper's −10 and 10 and are learned (reported every window)
+    assert [h["logit_bias"] != -10.0 for h in history] == [True] * 4 and history[0]["logit_scale"] != 10.0
+    assert all(math.isfinite(h["loss"]) for h in history)
 
     out = tmp_path / "restore.json"
     TorchTrainer(_check_restore, train_loop_config={"rayvl": cfg.to_dict(), "out": str(out)},

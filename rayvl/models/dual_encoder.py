@@ -17,8 +17,12 @@ class DualEncoder(nn.Module):
         weights are loaded next, from a checkpoint or an export)."""
         super().__init__()
         self.cfg = cfg
-        self.vision = VisionTower(cfg.vision, cfg.vision_checkpoint, pretrained)
+        self.vision = VisionTower(cfg.vision, cfg.vision_checkpoint, pretrained, cfg.vision_strategy,
+                                  cfg.patch_dropout)
         self.vision_proj = projection(cfg.vision_projection, self.vision.out_dim, cfg.embed_dim)
+        if self.vision.clip_projection is not None:  # a CLIP checkpoint's own (shape checked before Ray starts)
+            with torch.no_grad():
+                self.vision_proj.weight.copy_(self.vision.clip_projection)
         if cfg.text_tower == "class_embedding":
             # [UniCL] eq. (4): CE is the special case whose "text encoder" is a linear embedding per class
             if cfg.num_classes < 1:
@@ -38,6 +42,8 @@ class DualEncoder(nn.Module):
         # DeepSpeed broadcasts parameters as byte views, which 0-dim tensors do not allow
         self.logit_scale = nn.Parameter(torch.full((1,), math.log(cfg.init_logit_scale)),
                                         requires_grad=cfg.learn_logit_scale)
+        if cfg.init_logit_bias is not None:  # SigLIP's learnable bias b (Zhai et al. 2023, Algorithm 1)
+            self.logit_bias = nn.Parameter(torch.full((1,), float(cfg.init_logit_bias)))
 
     def encode_image(self, images: torch.Tensor) -> torch.Tensor:
         return F.normalize(self.vision_proj(self.vision(images)), dim=-1)
@@ -51,11 +57,16 @@ class DualEncoder(nn.Module):
     def encode_classes(self) -> torch.Tensor:
         return F.normalize(self.class_embed, dim=-1)
 
+    def bias(self) -> torch.Tensor | None:
+        """SigLIP's logit bias (None without one)."""
+        return self.logit_bias.squeeze(0) if self.cfg.init_logit_bias is not None else None
+
     def forward(self, image, input_ids, attention_mask):
-        """(image features, text features — or the class embeddings of a CE model —, logit scale)."""
+        """(image features, text features — or the class embeddings of a CE model —, logit scale[, logit bias])."""
         if self.cfg.text_tower == "class_embedding":
             return self.encode_image(image), self.encode_classes(), self.scale()
-        return self.encode_image(image), self.encode_text(input_ids, attention_mask), self.scale()
+        out = self.encode_image(image), self.encode_text(input_ids, attention_mask), self.scale()
+        return out if self.cfg.init_logit_bias is None else (*out, self.bias())
 
 
 def build_model(cfg: ModelConfig, seed: int = 0) -> DualEncoder:

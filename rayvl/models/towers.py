@@ -7,19 +7,32 @@ from torch import nn
 
 from rayvl import assets
 from rayvl.compat import ensure_torchvision_importable
+from rayvl.models import clip_checkpoint
 from rayvl.models.text_strategies import alignment_layers_for, insert_adapters
 
 
 class VisionTower(nn.Module):
-    """A timm backbone without its classifier; takes uint8 images and normalises them on the device."""
+    """A timm backbone without its classifier; takes uint8 images and normalises them on the device.
 
-    def __init__(self, name: str, checkpoint: str = "", pretrained: bool = True):
+    - ``strategy``: ``finetune`` trains every weight; ``frozen`` locks the backbone (LiT, Zhai et al. 2022,
+      arXiv:2111.07991: a pretrained image tower locked, the text tower learning to read it) — no gradients, no
+      graph, BatchNorm statistics and dropout as at evaluation; the projection into the shared space still trains.
+    - ``patch_dropout``: the share of a ViT's patch tokens dropped at random in every training forward (FLIP, Li et
+      al. 2023, arXiv:2212.00794: 50–75%), through timm's own ``patch_drop_rate``; evaluation sees every patch."""
+
+    def __init__(self, name: str, checkpoint: str = "", pretrained: bool = True, strategy: str = "finetune",
+                 patch_dropout: float = 0.0):
         super().__init__()
         ensure_torchvision_importable()
         import timm
 
-        self.backbone = timm.create_model(assets.vision_timm_name(name), pretrained=False)
+        extra = {"patch_drop_rate": patch_dropout} if patch_dropout else {}
+        self.backbone = timm.create_model(assets.vision_timm_name(name), pretrained=False, **extra)
         state = assets.vision_state_dict(name, checkpoint) if pretrained else None
+        self.clip_projection = None  # CLIP's image projection, for the dual encoder's vision_proj
+        if state is not None and clip_checkpoint.is_clip(state):
+            state, self.clip_projection = clip_checkpoint.convert(state, self.backbone, checkpoint)
+            self.backbone.reset_classifier(0)  # CLIP's projection is no classifier: it goes to vision_proj
         if state is not None:
             self.backbone.load_state_dict(state, strict=True)
         self.backbone.reset_classifier(0)
@@ -28,6 +41,15 @@ class VisionTower(nn.Module):
         self.register_buffer("std", torch.tensor(cfg.get("std", (0.229, 0.224, 0.225))).view(1, 3, 1, 1) * 255)
         self.out_dim = self.backbone.num_features
         self.channels_last = False
+        self.frozen = strategy == "frozen"
+        if self.frozen:
+            self.backbone.requires_grad_(False)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.frozen:
+            self.backbone.eval()  # a locked tower is the pretrained function: fixed statistics, no dropout
+        return self
 
     def to_channels_last(self) -> "VisionTower":
         """Weights and inputs in NHWC, for inference: oneDNN's depthwise and pointwise convolutions run faster on it
@@ -43,7 +65,8 @@ class VisionTower(nn.Module):
         x = (images.float() - self.mean.float()) / self.std.float()
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        return self.backbone(x.to(next(self.backbone.parameters()).dtype))
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):  # a locked tower needs no graph
+            return self.backbone(x.to(next(self.backbone.parameters()).dtype))
 
 
 class TextTower(nn.Module):

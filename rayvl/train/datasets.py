@@ -113,6 +113,7 @@ def check_inputs(cfg: RayvlConfig, train: str, evalset: str) -> dict[str, specs.
             assets.text_model_path(cfg.model.text)
         assets.check_vision_name(cfg.model.vision)
         _check_image_size(cfg.model.vision, cfg.data.image_size)
+        _check_vision_options(cfg.model)
     except assets.MissingAssetError as e:
         raise ConfigError(str(e)) from None
     return checks
@@ -133,6 +134,41 @@ def _check_image_size(vision: str, size: int) -> None:
     if fixed is not None and fixed != (size, size):
         raise ConfigError(f"data.image_size: {size} px, but model.vision={vision!r} takes {fixed[0]}×{fixed[1]} px "
                           f"images: set data.image_size={fixed[0]}")
+
+
+def _check_vision_options(m) -> None:
+    """Patch dropout needs a ViT's patch tokens; a locked image tower needs pretrained weights to lock; a CLIP
+    checkpoint's projection needs a linear vision projection of its width."""
+    if m.vision_checkpoint and m.vision not in assets.VISION_ASSETS:
+        _check_clip_checkpoint(m)
+    if m.vision_strategy == "frozen" and m.vision not in assets.VISION_ASSETS and not m.vision_checkpoint:
+        raise ConfigError(f"model.vision_strategy: frozen locks the image tower, but model.vision={m.vision!r} starts "
+                          f"from a random init: give it weights with model.vision_checkpoint (or a tower shipped "
+                          f"with weights: {', '.join(assets.VISION_ASSETS)})")
+    if not m.patch_dropout:
+        return
+    import timm
+    import torch
+
+    with torch.device("meta"):
+        model = None if m.vision in assets.VISION_ASSETS else timm.create_model(m.vision, pretrained=False)
+    if not hasattr(model, "patch_drop"):
+        raise ConfigError(f"model.patch_dropout: drops a ViT's patch tokens; model.vision={m.vision!r} has none "
+                          f"(a ViT such as vit_base_patch32_224 has)")
+
+
+def _check_clip_checkpoint(m) -> None:
+    from rayvl.models import clip_checkpoint
+
+    try:
+        state = assets.vision_state_dict(m.vision, m.vision_checkpoint)  # memory-mapped reads of a file's tensors
+    except Exception as e:  # noqa: BLE001 — any unreadable file is the key's problem, named
+        raise ConfigError(f"model.vision_checkpoint: cannot read {m.vision_checkpoint!r}: {e}") from None
+    shape = clip_checkpoint.projection_shape(state) if clip_checkpoint.is_clip(state) else None
+    if shape is not None and (m.vision_projection != "linear" or m.embed_dim != shape[1]):
+        raise ConfigError(f"model.embed_dim: the CLIP checkpoint {m.vision_checkpoint!r} projects images to "
+                          f"{shape[1]} dimensions: set model.embed_dim={shape[1]} and model.vision_projection=linear "
+                          f"(now {m.embed_dim}, {m.vision_projection}) to start from its image embedding")
 
 
 def resolve_data(cfg: RayvlConfig, make_demo: bool = True) -> tuple[str, str, dict]:

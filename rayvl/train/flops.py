@@ -111,6 +111,9 @@ def _count(model: nn.Module, *inputs: torch.Tensor) -> tuple[int, int]:
     # rematerialisation is not model FLOPs: checkpointing off (timm's flag; HF's and rayvl's act in training only)
     checkpointed = [m for m in model.modules() if getattr(m, "grad_checkpointing", False) is True]
     model.eval()  # the same products as training, without touching BatchNorm statistics or drawing dropout masks
+    for m in model.modules():  # ... but a ViT's patch dropout (FLIP) as in training: the tokens it leaves are the
+        if type(m).__name__ == "PatchDropout":  # products computed (its kept count is fixed, only which ones vary)
+            m.training = True
     for m in checkpointed:
         m.grad_checkpointing = False
     counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: _conv_backward})

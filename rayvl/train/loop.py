@@ -49,7 +49,7 @@ def train_loop_per_worker(config: dict) -> None:
         state.progress.resumed_at.append(state.progress.step)
     _before_steps(plan, cfg, rank, evaluation)
     startup.mark("restore")
-    objective, t = Objective(parts, cfg.loss.gather_with_grad), cfg.train
+    objective, t = Objective(parts, cfg.loss.gather_with_grad, cfg.loss.kind == "siglip"), cfg.train
     # a restart record: the first window after a resume says which checkpoint step the group continued from
     progress = state.progress
     window = Window(first_step=progress.step + 1,

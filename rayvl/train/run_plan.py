@@ -94,4 +94,4 @@ def check_init_from(cfg: RayvlConfig) -> str:
 
 # model settings that do not change the weights' shapes or meaning
 ARCHITECTURE_FREE = ("vision_checkpoint", "init_logit_scale", "learn_logit_scale", "max_logit_scale",
-                     "activation_checkpointing")
+                     "activation_checkpointing", "vision_strategy", "patch_dropout")

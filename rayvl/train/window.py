@@ -73,6 +73,8 @@ class Window:
             "grad_norm": None if self.grad_norm is None else float(self.grad_norm),
             "image_label_share": int(self.label_rows) / max(1, self.samples),
         }
+        if (bias := engine.module.bias()) is not None:  # SigLIP's (loss.kind=siglip)
+            metrics["logit_bias"] = bias.item()
         if self.resumed_from is not None:
             metrics["resumed_from"] = self.resumed_from
         metrics.update(self.startup)

@@ -60,6 +60,9 @@ def check(cfg) -> None:
     """The bow, memory_bank and pseudo_label sections, each error naming the key."""
     _check_ops(cfg.bow)
     _check_memory_bank(cfg.memory_bank, cfg.train)
+    if cfg.memory_bank.size and cfg.loss.kind == "siglip":
+        raise ConfigError("memory_bank.size: the EMA memory bank's loss is InfoNCE over its queue ([BoW] eq. (1)–(2)), "
+                          "not SigLIP's sigmoid terms: set memory_bank.size=0 or loss.kind=clip (or unicl)")
     _check_pseudo_label(cfg.pseudo_label)
 
 

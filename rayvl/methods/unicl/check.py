@@ -18,6 +18,9 @@ def check(cfg) -> None:
     if cfg.loss.kind == "ce" and (cfg.eval.tasks or cfg.memory_bank.size):
         raise ConfigError("eval.tasks: a class-embedding model has no text encoder; set eval.tasks=[] (and no "
                           "memory bank) — evaluate it with its class embeddings")
+    if il.data and cfg.loss.kind == "siglip":
+        raise ConfigError("loss.kind: siglip does not take [UniCL]'s image-label targets (a softmax over each "
+                          "query's positives); train image-label data with loss.kind=unicl")
     if il.data and cfg.tonics.enabled:
         raise ConfigError("tonics.enabled: TOnICS batches come from one image-text stream; it does not combine "
                           "with image_label.data")

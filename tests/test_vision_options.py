@@ -1,0 +1,103 @@
+"""The image tower's options open_clip users reach for: patch dropout (FLIP, Li et al. 2023, arXiv:2212.00794) on a
+ViT — fewer tokens in training, all of them at evaluation, the saving in the FLOPs the MFU is made of — and a locked
+image tower (LiT, Zhai et al. 2022, arXiv:2111.07991): no gradient, no graph, statistics as they were. The locked
+tower over a whole run: test_training's ZeRO-1 run, whose backbone ends bit for bit as it started."""
+import dataclasses
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from rayvl.config import ConfigError, load_config
+from rayvl.models.dual_encoder import build_model, param_groups
+from rayvl.train.datasets import check_inputs
+from rayvl.train.flops import model_flops_per_sample
+
+VIT = ["model.vision=vit_tiny_patch16_224", "data.image_size=224"]  # 14 × 14 patches + the class token
+
+
+def _vision_flops(model, images) -> int:
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model.vision(images)
+    return counter.get_total_flops()
+
+
+def test_patch_dropout_drops_tokens_in_training_only_and_the_flops_count_what_is_computed():
+    cfg = load_config(None, [*VIT, "model.patch_dropout=0.5"]).model
+    model, plain = build_model(cfg), build_model(dataclasses.replace(cfg, patch_dropout=0.0))
+    plain.load_state_dict(model.state_dict())  # the same weights, with and without the dropout
+    tokens = []
+    model.vision.backbone.blocks[0].register_forward_hook(lambda m, args, out: tokens.append(args[0].shape[1]))
+    images = torch.randint(0, 256, (2, 3, 224, 224), dtype=torch.uint8)
+    model.train()
+    first = model.encode_image(images)
+    second = model.encode_image(images)
+    model.eval()
+    plain.eval()
+    with torch.no_grad():
+        evaluated = model.encode_image(images)
+        np_ = plain.encode_image(images)
+    assert tokens == [1 + 98, 1 + 98, 197]  # half the patches (the class token kept) while training; all at eval
+    assert not torch.allclose(first, second)  # other patches each forward
+    torch.testing.assert_close(evaluated, np_)  # evaluation is the plain tower
+    model.train()
+    dropped, full = _vision_flops(model, images[:1]), _vision_flops(plain, images[:1])
+    assert 0.4 < dropped / full < 0.55  # the blocks see 99 of 197 tokens (attention's quadratic part saves more)
+    # the MFU's FLOPs per sample count the tokens the training forward keeps, forward and backward
+    saved = model_flops_per_sample(plain, 224, 16) - model_flops_per_sample(model, 224, 16)
+    assert saved > 2 * (full - dropped)
+    assert model.training and all(m.training for m in model.modules() if type(m).__name__ == "PatchDropout")
+
+
+def test_a_locked_image_tower_takes_no_gradient_and_keeps_its_statistics():
+    model = build_model(load_config(None, ["model.vision_strategy=frozen"]).model)  # EfficientNet-Lite0: BatchNorm
+    model.train()
+    backbone = set(model.vision.backbone.parameters())
+    assert not any(p.requires_grad for p in backbone)
+    assert not backbone & {p for g in param_groups(model, 0.1) for p in g["params"]}  # nothing of it reaches AdamW
+    before = {k: v.clone() for k, v in model.vision.state_dict().items()}
+    images = torch.randint(0, 256, (4, 3, 64, 64), dtype=torch.uint8)
+    assert model.vision(images).grad_fn is None  # no graph through the locked tower
+    model.encode_image(images).sum().backward()
+    assert model.vision_proj.weight.grad is not None  # its projection into the shared space trains
+    assert all(torch.equal(v, model.vision.state_dict()[k]) for k, v in before.items())  # running statistics too
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.patch_dropout=0.5"], "model.patch_dropout: drops a ViT's patch tokens; model.vision='efficientnet"),
+    ([*VIT, "model.vision_strategy=frozen"], "model.vision_strategy: frozen locks the image tower, but"),
+    ([*VIT, "model.patch_dropout=1.0"], "model.patch_dropout: a share of the patch tokens, in [0, 1)"),
+])
+def test_what_the_image_tower_cannot_do_is_refused_before_ray_starts(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        check_inputs(load_config(None, overrides), "", "")
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_an_open_clip_checkpoint_gives_rayvl_open_clips_image_embedding(tmp_path):
+    """A checkpoint saved by open_clip itself (ViT-B-32, random init: nothing downloaded) starts rayvl's image tower
+    and projection: rayvl's image embedding of uint8 images is open_clip's of the same images, normalised as open_clip
+    normalises them. A projection width other than model.embed_dim is refused before Ray starts, naming the key."""
+    from rayvl.compat import ensure_torchvision_importable
+
+    ensure_torchvision_importable()  # open_clip imports torchvision, as timm does
+    import open_clip
+
+    torch.manual_seed(0)
+    theirs = open_clip.create_model("ViT-B-32", pretrained=None).eval()
+    path = tmp_path / "vit_b32_open_clip.pt"
+    torch.save(theirs.state_dict(), path)
+    clip = ["model.vision=vit_base_patch32_clip_224", "data.image_size=224", f"model.vision_checkpoint={path}",
+            "model.vision_projection=linear"]
+    with pytest.raises(ConfigError, match="^model.embed_dim: the CLIP checkpoint .* projects images to 512"):
+        check_inputs(load_config(None, clip), "", "")
+    cfg = load_config(None, [*clip, "model.embed_dim=512"])
+    check_inputs(cfg, "", "")
+    ours = build_model(cfg.model).eval()
+    images = torch.randint(0, 256, (3, 3, 224, 224), dtype=torch.uint8)
+    mean = torch.tensor(open_clip.OPENAI_DATASET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(open_clip.OPENAI_DATASET_STD).view(1, 3, 1, 1)
+    with torch.no_grad():
+        expected = theirs.encode_image((images.float() / 255 - mean) / std, normalize=True)
+        got = ours.encode_image(images)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
