@@ -170,7 +170,7 @@ def test_zero_config_precision_and_their_checks():
     zero = deepspeed_config(load_config(None, ["train.use_gpu=true", "train.zero_stage=2",
                                                "train.zero_bucket_size=1000"]), 8)["zero_optimization"]
     assert zero == {"stage": 2, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 1000,
-                    "allgather_bucket_size": 1000}
+                    "parameter_alignment": True, "allgather_bucket_size": 1000}
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     DeepSpeedZeroConfig(**zero)  # DeepSpeed's own schema: a misspelt key is an error there

@@ -28,10 +28,9 @@ def test_the_step_reads_nothing_back_syncs_nothing_and_launches_what_a_bare_loop
     for stage in (0, 2):  # ZeRO-0: torch autocast; ZeRO-2: DeepSpeed's bf16 optimizer (ZeRO-1 is its code too)
         step, engine = sc.rayvl_step(sc.config(stage, "bf16"))
         assert sc.trainable_tensors(engine.module) == 188  # laion_adapt's layout at ViT-B/32
-        # every weight and bias a GEMM reads starts 16-byte aligned in ZeRO's flat buffer (the logit scale, one
-        # element, sat ahead of the biases and put them off by 2 bytes: cuBLAS's alignment-1 kernels on an H100)
-        off = [n for n, p in engine.module.named_parameters() if p.requires_grad and p.numel() % 8 == 0
-               and p.data_ptr() % 16]
+        # every trainable tensor starts 16-byte aligned in ZeRO's flat buffer (the logit scale, one element, sat
+        # ahead of the biases and put them off by 2 bytes: cuBLAS's alignment-1 kernels on an H100)
+        off = [n for n, p in engine.module.named_parameters() if p.requires_grad and p.data_ptr() % 16]
         assert off == [], (stage, off[:3])
         rayvl = sc.census(step)
         assert rayvl.scalar_reads == 0, (stage, rayvl.by_op)
@@ -77,3 +76,43 @@ def test_device_side_norm_and_clip_step_as_deepspeeds_own_and_a_non_finite_step_
     train_step(engine, Objective([], True), lambda s, m: (batch, 0.0), 4, 1, None, 0, 1, TrainedRows(), Window())
     assert not math.isfinite(float(engine.get_global_grad_norm()))
     assert all(torch.isfinite(p).all() for p in engine.module.parameters())
+
+
+def test_a_checkpoint_resumes_in_the_buffer_padding_it_was_written_with(sc, tmp_path):
+    """ZeRO-1/2's flat buffers are padded for alignment now; a checkpoint written before (no record of it in
+    rayvl.json) holds the unpadded layout, which DeepSpeed loads only into unpadded buffers: a resume builds them as
+    its checkpoint says, and restores weights and optimizer state exactly."""
+    import json
+
+    import ray.train
+
+    from rayvl.train.engine import build_engine
+    from rayvl.train.loop import train_step
+    from rayvl.train.objective import Objective
+    from rayvl.train.resume import ALIGNED, TrainedRows, aligned_buffers
+    from rayvl.train.window import Window
+
+    cfg = sc.config(2, "bf16")
+    batch = sc.batch()
+
+    def step(engine):
+        train_step(engine, Objective([], True), lambda s, m: (batch, 0.0), 4, 1, None, 0, 1, TrainedRows(), Window())
+
+    old = build_engine(sc.small_model(cfg), cfg, 1, aligned=False)  # as rayvl built it before
+    step(old)
+    assert any(p.data_ptr() % 16 for p in old.module.parameters() if p.requires_grad)  # unpadded: views off
+    old.save_checkpoint(str(tmp_path), tag="t")
+    (tmp_path / "rayvl.json").write_text(json.dumps({"step": 1}))  # an old checkpoint's record: no padding named
+    assert aligned_buffers(ray.train.Checkpoint.from_directory(str(tmp_path))) is False
+    with pytest.raises(RuntimeError, match="parameter-alignment layout does not match"):
+        build_engine(sc.small_model(cfg), cfg, 1).load_checkpoint(str(tmp_path), tag="t")
+    resumed = build_engine(sc.small_model(cfg), cfg, 1, aligned=False)
+    resumed.load_checkpoint(str(tmp_path), tag="t", load_optimizer_states=True)
+    for engine in (old, resumed):  # one more step each: the optimizer's moments came along too
+        step(engine)
+    trained = dict(old.module.named_parameters())
+    assert all(torch.equal(p, trained[n]) for n, p in resumed.module.named_parameters())
+    # new engines pad, and their checkpoints say so
+    assert build_engine(sc.small_model(cfg), cfg, 1).rayvl_aligned is True and aligned_buffers(None) is True
+    (tmp_path / "rayvl.json").write_text(json.dumps({"step": 1, ALIGNED: True}))
+    assert aligned_buffers(ray.train.Checkpoint.from_directory(str(tmp_path))) is True

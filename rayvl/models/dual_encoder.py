@@ -74,22 +74,12 @@ def build_model(cfg: ModelConfig, seed: int = 0) -> DualEncoder:
     return DualEncoder(cfg)
 
 
-ALIGN_ELEMENTS = 8
-"""16 bytes of bf16: where a tensor must start for cuBLAS's vectorised GEMM kernels."""
-
-
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Trainable parameters only (frozen LM weights never reach the optimizer or its ZeRO state); no decay on
-    biases, norms and the logit scale (CLIP / open_clip convention).
-
-    Tensors whose size is not a multiple of 8 elements (the 1-element logit scale) come in groups of their own, after
-    the two main ones: ZeRO-1/2 flattens each group into one bf16 buffer and gives the model views of it, so a
-    1-element tensor ahead of the biases put every later bias 2 bytes off 16-byte alignment, and cuBLAS then ran
-    each linear layer whose bias was such a view on its alignment-1 kernels (measured on an H100: docs/gpu.md)."""
-    groups = {(decay, aligned): [] for aligned in (True, False) for decay in (True, False)}
+    biases, norms and the logit scale (CLIP / open_clip convention)."""
+    decay, no_decay = [], []
     for name, p in model.named_parameters():
-        if p.requires_grad:
-            decay = p.ndim >= 2 and "logit_scale" not in name
-            groups[decay, p.numel() % ALIGN_ELEMENTS == 0].append(p)
-    return [{"params": params, "weight_decay": weight_decay if decay else 0.0}
-            for (decay, aligned), params in groups.items() if aligned or params]
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or "logit_scale" in name else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

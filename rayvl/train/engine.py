@@ -32,7 +32,7 @@ def rayvl_clips(t: TrainConfig) -> bool:
     return t.zero_stage == 0 and precision(t) != "fp16"
 
 
-def deepspeed_config(cfg: RayvlConfig, world_size: int) -> dict:
+def deepspeed_config(cfg: RayvlConfig, world_size: int, aligned: bool = True) -> dict:
     t = cfg.train
     mode = precision(t)
     config = {
@@ -40,7 +40,7 @@ def deepspeed_config(cfg: RayvlConfig, world_size: int) -> dict:
         "gradient_accumulation_steps": t.grad_accumulation,
         "train_batch_size": t.micro_batch_size * t.grad_accumulation * world_size,
         "gradient_clipping": 0.0 if rayvl_clips(t) else t.grad_clip,
-        "zero_optimization": zero_config(t, world_size),
+        "zero_optimization": zero_config(t, world_size, aligned),
         # bf16 needs no loss scaling, so no overflow check: DeepSpeed's walks every gradient and reads the GPU;
         # a step with non-finite gradients takes zero gradients instead (rayvl.train.syncfree)
         "bf16": {"enabled": mode == "bf16" and not autocast_bf16(t), "check_grad_overflow": False},
@@ -61,15 +61,21 @@ def deepspeed_config(cfg: RayvlConfig, world_size: int) -> dict:
     return config
 
 
-def zero_config(t: TrainConfig, world_size: int = 2) -> dict:
+def zero_config(t: TrainConfig, world_size: int = 2, aligned: bool = True) -> dict:
     """DeepSpeed's zero_optimization section. Communication overlaps the backward pass on GPUs of a group of two or
     more only (on CPUs there is no second stream to overlap it on, and one GPU has nothing to communicate — the
-    overlap would only add its end-of-backward synchronisation); offloaded state lives in pinned host memory."""
+    overlap would only add its end-of-backward synchronisation); offloaded state lives in pinned host memory.
+    ``aligned``: ZeRO-1/2's flat buffers padded so that every parameter starts 16-byte aligned — unpadded, the
+    1-element logit scale put every later bias 2 bytes off, and cuBLAS ran those linear layers on its alignment-1
+    kernels (an H100's profile: docs/gpu.md). A checkpoint loads only into the padding it was written with, so a
+    resume takes its checkpoint's (rayvl.train.resume.aligned_buffers: none recorded = unpadded)."""
     config: dict = {"stage": t.zero_stage}
     if t.zero_stage == 0:
         return config
     config.update(overlap_comm=t.use_gpu and t.zero_overlap_comm and world_size > 1, contiguous_gradients=True,
                   reduce_bucket_size=t.zero_bucket_size)
+    if t.zero_stage < 3:
+        config["parameter_alignment"] = aligned
     if t.zero_stage < 3:
         config["allgather_bucket_size"] = t.zero_bucket_size
     else:
@@ -115,9 +121,11 @@ def use_own_ninja() -> None:
         os.environ["PATH"] = os.pathsep.join([bin_dir, *path])
 
 
-def build_engine(model: torch.nn.Module, cfg: RayvlConfig, world_size: int, device: torch.device | None = None):
+def build_engine(model: torch.nn.Module, cfg: RayvlConfig, world_size: int, device: torch.device | None = None,
+                 aligned: bool = True):
     """``device``: the worker's GPU (rayvl.train.devices). DeepSpeed would otherwise put the model on
-    ``cuda:LOCAL_RANK``, which Ray Train does not promise to be the GPU it gave the worker."""
+    ``cuda:LOCAL_RANK``, which Ray Train does not promise to be the GPU it gave the worker. ``aligned``: ZeRO-1/2's
+    padded buffers (zero_config), kept as the engine's ``rayvl_aligned`` for the checkpoints it writes."""
     if not cfg.train.use_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         no_cpu_comm_op()  # on GPUs DeepSpeed asks for no such op (and reading its table probes every op builder)
@@ -133,8 +141,9 @@ def build_engine(model: torch.nn.Module, cfg: RayvlConfig, world_size: int, devi
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.warmup_steps, t.max_steps))
     on = SimpleNamespace(device_rank=device.index) if device is not None and device.type == "cuda" else None
     engine, _, _, _ = deepspeed.initialize(args=on, model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=deepspeed_config(cfg, world_size))
+                                           config=deepspeed_config(cfg, world_size, aligned))
     syncfree.install(engine)
+    engine.rayvl_aligned = aligned
     if t.zero_stage == 0 and world_size == 1:
         # one rank has nothing to all-reduce; DeepSpeed would still flatten and copy back every gradient
         engine.enable_backward_allreduce = False

@@ -21,7 +21,7 @@ from rayvl.train.faults import fail_here
 from rayvl.train.objective import Objective
 from rayvl.train.parts import train_parts
 from rayvl.train.profiling import StepProfiler
-from rayvl.train.resume import DataResume
+from rayvl.train.resume import DataResume, aligned_buffers
 from rayvl.train.startup import Startup
 from rayvl.train.state import Progress, TrainState
 from rayvl.train.window import Window
@@ -139,7 +139,7 @@ def _engine(cfg: RayvlConfig, world: int, init_from: str, device: torch.device, 
     for part in parts:
         part.model_built(model)
     speed = flops.speed_fields(model, cfg, device)  # before DeepSpeed: ZeRO-3 partitions the weights away
-    engine = build_engine(model, cfg, world, device)
+    engine = build_engine(model, cfg, world, device, aligned_buffers(ray.train.get_checkpoint()))
     if cfg.train.compile:
         engine.compile(backend=cfg.train.compile)
     startup.mark("engine")

@@ -64,13 +64,26 @@ def saved(engine, state: TrainState, config: dict, final: bool):
         if torch.distributed.get_rank() == 0:
             torch.save(state.state_dict(), Path(tmp) / STATE_FILE)
             meta = {"step": state.progress.step, "config": config,
-                    "final": state.progress.step == config["train"]["max_steps"]}
+                    "final": state.progress.step == config["train"]["max_steps"],
+                    ALIGNED: getattr(engine, "rayvl_aligned", True)}
             (Path(tmp) / META_FILE).write_text(json.dumps(meta))
             with open(Path(tmp) / METRICS_FILE, "w") as f:
                 f.writelines(json.dumps(row) + "\n" for row in state.progress.history)
             if weights is not None:
                 torch.save(weights, Path(tmp) / MODEL_FILE)
         yield ray.train.Checkpoint.from_directory(tmp)
+
+
+ALIGNED = "zero_parameter_alignment"  # rayvl.json: the checkpoint's ZeRO-1/2 buffers are padded (engine.zero_config)
+
+
+def aligned_buffers(checkpoint: ray.train.Checkpoint | None) -> bool:
+    """Whether a resume builds ZeRO-1/2's buffers padded: as its checkpoint was written — unpadded for one written
+    before the padding was recorded (DeepSpeed loads a checkpoint into its own layout only); padded for a new run."""
+    if checkpoint is None:
+        return True
+    with checkpoint.filesystem.open_input_file(f"{checkpoint.path}/{META_FILE}") as f:
+        return bool(json.loads(f.read()).get(ALIGNED, False))
 
 
 def restored_state(checkpoint: ray.train.Checkpoint) -> dict:
