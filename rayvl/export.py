@@ -16,6 +16,8 @@ folder anyone can copy:
                         loss.kind=siglip)
     README.md           a model card (Hugging Face metadata): recipe, data, steps, evaluation, how to load it, with
                         rayvl and without
+    without_rayvl.py    the towers, heads and pooling in transformers + timm + torch: ``encode_image``,
+                        ``encode_text``, ``logit_scale`` (not for class embeddings or adapters inside the LM)
 
 Not a ``transformers`` ``VisionTextDualEncoderModel``: that class embeds text as ``text_projection(pooler_output)``
 — the LM's tanh pooler over the CLS token, one bias-free linear map — while rayvl's text tower pools (mean or raw
@@ -146,6 +148,9 @@ def export(source: str, out: str | Path) -> Path:
     (out / EXPORT_META).write_text(json.dumps(record, indent=2))
     write_towers(model, out)
     (out / "README.md").write_text(model_card({**record, "export_dir": str(out)}))
+    code = standalone_code(record)
+    if code is not None:
+        (out / STANDALONE_FILE).write_text(code)
     for f in out.rglob("*"):  # safetensors writes 0600: a shared filesystem's readers could not open it
         f.chmod(0o755 if f.is_dir() else 0o644)
     return out
@@ -247,36 +252,73 @@ this text tower's pooling and projection.
 """
 
 
+STANDALONE_FILE = "without_rayvl.py"
+
+
 def without_rayvl(record: dict) -> str:
-    """The model card's section that embeds with transformers, timm and torch alone (the suite runs it)."""
-    m, d = record["config"]["model"], record["config"]["data"]
-    if m["text_tower"] == "class_embedding" or m["text_strategy"] == "frozen_adapters":
+    """The model card's section that embeds with transformers, timm and torch alone, through the export's own
+    ``without_rayvl.py`` (the suite runs it)."""
+    d = record.get("export_dir", ".")
+    if standalone_code(record) is None:
         return "\nThis text tower (class embeddings, or adapters inside the LM's layers) loads with `rayvl.load` only.\n"
-    project = {"linear": "F.linear({x}, h['{p}.weight'])",
-               "mlp2": "F.linear(F.gelu(F.linear({x}, h['{p}.0.weight'], h['{p}.0.bias'])), h['{p}.2.weight'], "
-                       "h['{p}.2.bias'])"}
-    pool = "x[:, 0]" if m["pooling"] == "cls" else "(x * a).sum(1) / a.sum(1).clamp(min=1)"
     return f"""
 ## Use without rayvl
 
 ```python
-import copy, json, timm, torch, torch.nn.functional as F, transformers
+import sys
+sys.path.insert(0, "{d}")  # the export's without_rayvl.py: transformers, timm and torch, no rayvl
+import without_rayvl as model
+images = model.encode_image(pixels)  # uint8 (N, 3, H, W), RGB, centre-cropped
+texts = model.encode_text(["a photo of a cat", "a photo of a dog"])
+similarity = model.logit_scale * images @ texts.T
+```
+"""
+
+
+def standalone_code(record: dict) -> str | None:
+    """``without_rayvl.py``: this export's towers, heads and pooling in transformers + timm + torch — what
+    rayvl.load computes, in code a user can read and keep (None where only rayvl.load can: class embeddings, or
+    adapters inside the LM)."""
+    m, d = record["config"]["model"], record["config"]["data"]
+    if m["text_tower"] == "class_embedding" or m["text_strategy"] == "frozen_adapters":
+        return None
+    project = {"linear": "F.linear({x}, h['{p}.weight'])",
+               "mlp2": "F.linear(F.gelu(F.linear({x}, h['{p}.0.weight'], h['{p}.0.bias'])), h['{p}.2.weight'], "
+                       "h['{p}.2.bias'])"}
+    pool = "x[:, 0]" if m["pooling"] == "cls" else "(x * a).sum(1) / a.sum(1).clamp(min=1)"
+    layers = m["alignment_layers"] if m["text_strategy"] == "frozen_alignment" else 0
+    bias = ('logit_bias = float(h["logit_bias"])  # SigLIP: torch.sigmoid(logit_scale * image @ text.T + logit_bias)'
+            '\n') if m.get("init_logit_bias") is not None else ""
+    return f'''"""A rayvl export, embedded without rayvl: transformers (the language model), timm (the image tower) and
+torch (the heads). encode_image(uint8 (N, 3, {d["image_size"]}, {d["image_size"]}) RGB, centre-cropped) and
+encode_text(list of str) give L2-normalised embeddings; logit_scale turns their dot products into logits."""
+import copy
+import json
+import os
+
+import timm
+import torch
+import torch.nn.functional as F
+import transformers
 from safetensors.torch import load_file
-d = "{record.get("export_dir", ".")}"
+
+d = os.path.dirname(os.path.abspath(__file__))
 v, h = json.load(open(f"{{d}}/vision/config.json")), load_file(f"{{d}}/heads.safetensors")
 vision = timm.create_model(v["architecture"], num_classes=0, checkpoint_path=f"{{d}}/vision/model.safetensors").eval()
 lm = transformers.AutoModel.from_pretrained(f"{{d}}/text", add_pooling_layer=False).eval()
 tokenizer = transformers.AutoTokenizer.from_pretrained(f"{{d}}/text")
-align = [copy.deepcopy(lm.encoder.layer[-1]) for _ in range({m["alignment_layers"] if
-         m["text_strategy"] == "frozen_alignment" else 0})]  # alignment layers: shaped like the LM's last
+align = [copy.deepcopy(lm.encoder.layer[-1]) for _ in range({layers})]  # alignment layers: shaped like the LM's last
 for i, layer in enumerate(align):
     layer.load_state_dict({{k.split(".", 2)[2]: w for k, w in h.items() if k.startswith(f"alignment.{{i}}.")}})
 mean, std = (torch.tensor(v[k]).view(1, 3, 1, 1) for k in ("mean", "std"))
+logit_scale = float(h["logit_scale"].exp().clamp(max={m["max_logit_scale"]}))
+{bias}
 
 @torch.no_grad()
-def encode_image(pixels):  # uint8 (N, 3, {d["image_size"]}, {d["image_size"]}), RGB, centre-cropped
+def encode_image(pixels):
     x = vision((pixels.float() / 255 - mean) / std)
     return F.normalize({project[m["vision_projection"]].format(x="x", p="vision_proj")}, dim=-1)
+
 
 @torch.no_grad()
 def encode_text(texts):
@@ -290,9 +332,4 @@ def encode_text(texts):
     a = a.unsqueeze(-1).float()
     x = {pool}
     return F.normalize({project[m["text_projection"]].format(x="x", p="text_proj")}, dim=-1)
-```
-
-Logit scale: `h["logit_scale"].exp().clamp(max={m["max_logit_scale"]})`{
-    '; logit bias (SigLIP): `h["logit_bias"]` — `torch.sigmoid(scale * image @ text.T + bias)` is the probability '
-    'that they match' if m.get("init_logit_bias") is not None else ""}.
-"""
+'''
