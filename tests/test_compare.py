@@ -211,13 +211,13 @@ def _job(name: str):
 
 # the jobs whose table has rows training reports only when it evaluates on held-out shards (data.eval)
 EVALUATED_ROWS = {"tonics_align": "t2i_R@1", "bow_pretrain": "zeroshot_top1", "paraphrase_strategies": "zeroshot_top1",
-                  "pseudo_label": "zeroshot_top1"}
+                  "pseudo_label": "zeroshot_top1", "open_clip_options": "zeroshot_top1"}
 # what a job's command line needs besides the defaults for its variants to name their data
 ARGUMENTS = {"unicl_coverage": ["--covered", "s3://b/with/", "--uncovered", "s3://b/without/"]}
 
 
 @pytest.mark.parametrize("job", ["tonics_align", "unicl", "unicl_coverage", "bow_pretrain", "paraphrase_strategies",
-                                 "pseudo_label"])
+                                 "pseudo_label", "open_clip_options"])
 def test_every_comparison_job_validates_on_the_demo_and_on_real_data(job, demo_dir, tmp_path):
     """Each job's variants × 3 seeds, with its demo budget and defaults (the session's small demo) and with real
     data, checked against the config tree (the whole grid builds before Ray starts); the after hook and the rows'
