@@ -656,6 +656,15 @@ def from_dict(values: dict) -> RayvlConfig:
     return cfg
 
 
+def _validate_logit_bias(cfg: RayvlConfig) -> None:
+    if (cfg.model.init_logit_bias is None) == (cfg.loss.kind == "siglip"):
+        raise ConfigError("model.init_logit_bias: the siglip loss learns a logit bias (the paper starts it at -10) "
+                          "and only it: set it with loss.kind=siglip, leave it unset otherwise")
+    if cfg.loss.kind == "siglip" and not cfg.loss.gather_with_grad:
+        raise ConfigError("loss.gather_with_grad: siglip pairs each rank's images with every rank's texts, each pair "
+                          "once; the texts' gradients must flow back to their owners: set it true")
+
+
 def validate(cfg: RayvlConfig) -> None:
     """Impossible combinations, each naming the key to change."""
     _validate_train(cfg.train)
@@ -670,9 +679,10 @@ def validate(cfg: RayvlConfig) -> None:
         )
     if not 0.0 <= m.patch_dropout < 1.0:
         raise ConfigError(f"model.patch_dropout: a share of the patch tokens, in [0, 1), got {m.patch_dropout}")
-    if (m.init_logit_bias is None) == (cfg.loss.kind == "siglip"):
-        raise ConfigError("model.init_logit_bias: the siglip loss learns a logit bias (the paper starts it at -10) "
-                          "and only it: set it with loss.kind=siglip, leave it unset otherwise")
+    if m.patch_dropout and m.vision_strategy == "frozen":
+        raise ConfigError("model.patch_dropout: a locked image tower runs as at evaluation, with every patch "
+                          "(model.vision_strategy=frozen): drop patches of a tower that trains")
+    _validate_logit_bias(cfg)
     for i, task in enumerate(cfg.eval.tasks):
         if task == "linear_probe":
             raise ConfigError(f"eval.tasks[{i}]: linear_probe fits a classifier and runs in `rayvl eval`, "

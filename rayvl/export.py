@@ -265,9 +265,9 @@ def without_rayvl(record: dict) -> str:
 ## Use without rayvl
 
 ```python
-import sys
-sys.path.insert(0, "{d}")  # the export's without_rayvl.py: transformers, timm and torch, no rayvl
-import without_rayvl as model
+import importlib.util  # the export's without_rayvl.py: transformers, timm and torch, no rayvl
+spec = importlib.util.spec_from_file_location("without_rayvl", "{d}/without_rayvl.py")
+model = importlib.util.module_from_spec(spec); spec.loader.exec_module(model)
 images = model.encode_image(pixels)  # uint8 (N, 3, H, W), RGB, centre-cropped
 texts = model.encode_text(["a photo of a cat", "a photo of a dog"])
 similarity = model.logit_scale * images @ texts.T

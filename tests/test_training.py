@@ -225,8 +225,6 @@ def _check_export_without_rayvl(export, exported, captions, images):
     np.testing.assert_allclose(model.encode_text(captions).numpy(), exported.encode_text(captions).numpy(), atol=1e-5)
     np.testing.assert_allclose(namespace["images"].numpy(), exported.encode_image(images).numpy(), atol=1e-5)
     assert model.logit_scale == pytest.approx(exported.logit_scale())
-    sys.modules.pop("without_rayvl", None)
-    sys.path.remove(str(export))
     readme = f"""
 import sys, warnings
 import rayvl

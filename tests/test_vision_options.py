@@ -51,6 +51,7 @@ def test_patch_dropout_drops_tokens_in_training_only_and_the_flops_count_what_is
 
 def test_a_locked_image_tower_takes_no_gradient_and_keeps_its_statistics():
     model = build_model(load_config(None, ["model.vision_strategy=frozen"]).model)  # EfficientNet-Lite0: BatchNorm
+    assert not any(m.training for m in model.vision.backbone.modules())  # as built: a run never calls train() first
     model.train()
     backbone = set(model.vision.backbone.parameters())
     assert not any(p.requires_grad for p in backbone)
@@ -67,6 +68,8 @@ def test_a_locked_image_tower_takes_no_gradient_and_keeps_its_statistics():
     (["model.patch_dropout=0.5"], "model.patch_dropout: drops a ViT's patch tokens; model.vision='efficientnet"),
     ([*VIT, "model.vision_strategy=frozen"], "model.vision_strategy: frozen locks the image tower, but"),
     ([*VIT, "model.patch_dropout=1.0"], "model.patch_dropout: a share of the patch tokens, in [0, 1)"),
+    ([*VIT, "model.patch_dropout=0.5", "model.vision_strategy=frozen", "model.vision_checkpoint=x.pt"],
+     "model.patch_dropout: a locked image tower runs as at evaluation"),
 ])
 def test_what_the_image_tower_cannot_do_is_refused_before_ray_starts(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -101,3 +104,23 @@ def test_an_open_clip_checkpoint_gives_rayvl_open_clips_image_embedding(tmp_path
         expected = theirs.encode_image((images.float() / 255 - mean) / std, normalize=True)
         got = ours.encode_image(images)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_a_clip_checkpoint_for_another_architecture_is_refused_before_ray_starts(tmp_path):
+    """open_clip's ViT-B-32 (saved as its distributed training saves it, keys under module.) named for timm's plain
+    ViT-B/32 (no pre-norm, as CLIP's has) or a wider one: refused naming model.vision, before any worker would fail on
+    a strict load. (A patch-size change is timm's to make: its converter resamples the patch embedding.)"""
+    from rayvl.compat import ensure_torchvision_importable
+
+    ensure_torchvision_importable()
+    import open_clip
+
+    state = {f"module.{k}": v for k, v in open_clip.create_model("ViT-B-32", pretrained=None).state_dict().items()}
+    path = tmp_path / "ddp.pt"
+    torch.save(state, path)
+    common = [f"model.vision_checkpoint={path}", "data.image_size=224", "model.embed_dim=512",
+              "model.vision_projection=linear"]
+    check_inputs(load_config(None, ["model.vision=vit_base_patch32_clip_224", *common]), "", "")  # module. read
+    for other in ("vit_base_patch32_224", "vit_large_patch14_clip_224"):
+        with pytest.raises(ConfigError, match=f"^model.vision: '{other}' is not the architecture"):
+            check_inputs(load_config(None, [f"model.vision={other}", *common]), "", "")

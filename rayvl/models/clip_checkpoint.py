@@ -17,27 +17,49 @@ PROJECTION = "visual.proj"
 
 
 def is_clip(state: dict) -> bool:
-    """An OpenAI / open_clip CLIP state dict (its image transformer's class embedding under ``visual.``)."""
-    return "visual.class_embedding" in state
+    """An OpenAI / open_clip CLIP state dict (its image transformer's class embedding under ``visual.``, or
+    ``module.visual.`` as open_clip's distributed training saves it)."""
+    return "visual.class_embedding" in state or "module.visual.class_embedding" in state
+
+
+def unwrapped(state: dict) -> dict:
+    """The state without the ``module.`` prefix a DistributedDataParallel model's keys carry."""
+    return {k.removeprefix("module."): v for k, v in state.items()} if "module.visual.class_embedding" in state \
+        else state
 
 
 def projection_shape(state: dict) -> tuple[int, int] | None:
     """(image width, embedding width) of CLIP's image projection, None when the state has none."""
-    proj = state.get(PROJECTION)
+    proj = unwrapped(state).get(PROJECTION)
     return None if proj is None else tuple(proj.shape)
+
+
+def mismatch(state: dict, backbone: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """(the timm backbone's keys the converted state lacks, the converted state's keys it has no place for — or
+    a place of another shape)."""
+    converted, _ = _converted(state, backbone)
+    converted.pop("head.weight", None)  # CLIP's projection: rayvl's vision_proj, not the backbone's
+    expected = {k: tuple(v.shape) for k, v in backbone.state_dict().items() if not k.startswith("head.")}
+    wrong = [f"{k} {tuple(v.shape)} ≠ {expected[k]}" for k, v in converted.items()
+             if k in expected and tuple(v.shape) != expected[k]]
+    return sorted(set(expected) - set(converted)), sorted(set(converted) - set(expected)) + wrong
+
+
+def _converted(state: dict, backbone: torch.nn.Module) -> tuple[dict, dict]:
+    from timm.models.vision_transformer import checkpoint_filter_fn
+
+    visual = {k: v for k, v in unwrapped(state).items() if k.startswith("visual.")}
+    converted = checkpoint_filter_fn(visual, backbone)
+    converted.pop("head.bias", None)  # zeros timm adds; CLIP's projection has none
+    return converted, visual
 
 
 def convert(state: dict, backbone: torch.nn.Module, source: str) -> tuple[dict, torch.Tensor | None]:
     """(the timm backbone's state dict, CLIP's projection as a ``nn.Linear(width, embed)`` weight — or None), with
     a line saying what was loaded, mapped and left."""
-    from timm.models.vision_transformer import checkpoint_filter_fn
-
-    visual = {k: v for k, v in state.items() if k.startswith("visual.")}
-    converted = checkpoint_filter_fn(visual, backbone)
+    converted, visual = _converted(state, backbone)
     weight = converted.pop("head.weight", None)  # timm makes visual.proj a head of its own: [embed, width]
-    converted.pop("head.bias", None)  # zeros timm adds; CLIP's projection has none
-    expected = set(backbone.state_dict()) - {k for k in backbone.state_dict() if k.startswith("head.")}
-    missing, unexpected = sorted(expected - set(converted)), sorted(set(converted) - expected)
+    missing, unexpected = mismatch(state, backbone)
     log.info(f"model.vision_checkpoint {source}: a CLIP checkpoint — {len(visual)} image-transformer keys mapped to "
              f"{len(converted)} timm keys (missing {len(missing)}{': ' + ', '.join(missing[:5]) if missing else ''}; "
              f"unexpected {len(unexpected)}{': ' + ', '.join(unexpected[:5]) if unexpected else ''}), "

@@ -42,8 +42,8 @@ class VisionTower(nn.Module):
         self.out_dim = self.backbone.num_features
         self.channels_last = False
         self.frozen = strategy == "frozen"
-        if self.frozen:
-            self.backbone.requires_grad_(False)
+        if self.frozen:  # and in eval mode from the start: nothing calls train() before the first step
+            self.backbone.requires_grad_(False).eval()
 
     def train(self, mode: bool = True):
         super().train(mode)

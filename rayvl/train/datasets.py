@@ -164,7 +164,19 @@ def _check_clip_checkpoint(m) -> None:
         state = assets.vision_state_dict(m.vision, m.vision_checkpoint)  # memory-mapped reads of a file's tensors
     except Exception as e:  # noqa: BLE001 — any unreadable file is the key's problem, named
         raise ConfigError(f"model.vision_checkpoint: cannot read {m.vision_checkpoint!r}: {e}") from None
-    shape = clip_checkpoint.projection_shape(state) if clip_checkpoint.is_clip(state) else None
+    if not clip_checkpoint.is_clip(state):
+        return
+    import timm
+    import torch
+
+    with torch.device("meta"):  # the architecture only: do CLIP's image transformer's keys fit it?
+        missing, unexpected = clip_checkpoint.mismatch(state, timm.create_model(m.vision, pretrained=False))
+    if missing or unexpected:
+        raise ConfigError(f"model.vision: {m.vision!r} is not the architecture of the CLIP checkpoint "
+                          f"{m.vision_checkpoint!r} (missing {', '.join(missing[:3]) or 'none'}; unexpected "
+                          f"{', '.join(unexpected[:3]) or 'none'}): name the timm CLIP ViT it was trained as, e.g. "
+                          f"vit_base_patch32_clip_224")
+    shape = clip_checkpoint.projection_shape(state)
     if shape is not None and (m.vision_projection != "linear" or m.embed_dim != shape[1]):
         raise ConfigError(f"model.embed_dim: the CLIP checkpoint {m.vision_checkpoint!r} projects images to "
                           f"{shape[1]} dimensions: set model.embed_dim={shape[1]} and model.vision_projection=linear "

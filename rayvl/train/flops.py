@@ -120,7 +120,9 @@ def _count(model: nn.Module, *inputs: torch.Tensor) -> tuple[int, int]:
     try:
         # attention as plain matrix products, which the counter knows on every device (it has no formula for
         # CPU's fused attention kernel)
-        with torch.random.fork_rng(devices=[]), torch.enable_grad(), sdpa_kernel(SDPBackend.MATH), counter:
+        device = next(model.parameters()).device  # patch dropout draws there: the run's stream stays untouched
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.enable_grad(), \
+                sdpa_kernel(SDPBackend.MATH), counter:
             outputs = [t for t in model(*inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
             forward = counter.get_total_flops()
             if outputs:  # a surrogate loss: elementwise (not counted), its gradients reach every trained layer

@@ -84,6 +84,9 @@ def check_init_from(cfg: RayvlConfig) -> str:
     except FileNotFoundError:
         raise ConfigError(f"train.init_from: {source!r} is not a rayvl run, checkpoint or export") from None
     theirs, ours = meta["config"]["model"], cfg.to_dict()["model"]
+    # a logit bias's initial value is not architecture; whether the model has one is
+    theirs = {**theirs, "init_logit_bias": theirs.get("init_logit_bias") is not None}
+    ours = {**ours, "init_logit_bias": ours.get("init_logit_bias") is not None}
     differ = [k for k in ours if k not in ARCHITECTURE_FREE and theirs.get(k) != ours[k]]
     if differ:
         raise ConfigError(f"model.{differ[0]}: {ours[differ[0]]!r} differs from {theirs.get(differ[0])!r} in "
