@@ -34,35 +34,36 @@ def projection_shape(state: dict) -> tuple[int, int] | None:
     return None if proj is None else tuple(proj.shape)
 
 
-def mismatch(state: dict, backbone: torch.nn.Module) -> tuple[list[str], list[str]]:
-    """(the timm backbone's keys the converted state lacks, the converted state's keys it has no place for — or
-    a place of another shape)."""
-    converted, _ = _converted(state, backbone)
-    converted.pop("head.weight", None)  # CLIP's projection: rayvl's vision_proj, not the backbone's
-    expected = {k: tuple(v.shape) for k, v in backbone.state_dict().items() if not k.startswith("head.")}
-    wrong = [f"{k} {tuple(v.shape)} ≠ {expected[k]}" for k, v in converted.items()
-             if k in expected and tuple(v.shape) != expected[k]]
-    return sorted(set(expected) - set(converted)), sorted(set(converted) - set(expected)) + wrong
-
-
-def _converted(state: dict, backbone: torch.nn.Module) -> tuple[dict, dict]:
+def converted(state: dict, backbone: torch.nn.Module) -> dict:
+    """CLIP's image transformer renamed for the timm ``backbone`` (timm's converter; CLIP's projection as
+    ``head.weight``: [embed, width])."""
     from timm.models.vision_transformer import checkpoint_filter_fn
 
-    visual = {k: v for k, v in unwrapped(state).items() if k.startswith("visual.")}
-    converted = checkpoint_filter_fn(visual, backbone)
-    converted.pop("head.bias", None)  # zeros timm adds; CLIP's projection has none
-    return converted, visual
+    out = checkpoint_filter_fn({k: v for k, v in unwrapped(state).items() if k.startswith("visual.")}, backbone)
+    out.pop("head.bias", None)  # zeros timm adds; CLIP's projection has none
+    return out
+
+
+def mismatch(timm_state: dict, backbone: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """(the timm backbone's keys the converted state lacks, the converted state's keys it has no place for — or
+    a place of another shape); CLIP's projection, rayvl's vision_proj, is not the backbone's."""
+    expected = {k: tuple(v.shape) for k, v in backbone.state_dict().items() if not k.startswith("head.")}
+    mine = {k: v for k, v in timm_state.items() if k != "head.weight"}
+    wrong = [f"{k} {tuple(v.shape)} ≠ {expected[k]}" for k, v in mine.items()
+             if k in expected and tuple(v.shape) != expected[k]]
+    return sorted(set(expected) - set(mine)), sorted(set(mine) - set(expected)) + wrong
 
 
 def convert(state: dict, backbone: torch.nn.Module, source: str) -> tuple[dict, torch.Tensor | None]:
     """(the timm backbone's state dict, CLIP's projection as a ``nn.Linear(width, embed)`` weight — or None), with
     a line saying what was loaded, mapped and left."""
-    converted, visual = _converted(state, backbone)
-    weight = converted.pop("head.weight", None)  # timm makes visual.proj a head of its own: [embed, width]
-    missing, unexpected = mismatch(state, backbone)
-    log.info(f"model.vision_checkpoint {source}: a CLIP checkpoint — {len(visual)} image-transformer keys mapped to "
-             f"{len(converted)} timm keys (missing {len(missing)}{': ' + ', '.join(missing[:5]) if missing else ''}; "
+    timm_state = converted(state, backbone)
+    missing, unexpected = mismatch(timm_state, backbone)
+    weight = timm_state.pop("head.weight", None)
+    visual = sum(k.startswith("visual.") for k in unwrapped(state))
+    log.info(f"model.vision_checkpoint {source}: a CLIP checkpoint — {visual} image-transformer keys mapped to "
+             f"{len(timm_state)} timm keys (missing {len(missing)}{': ' + ', '.join(missing[:5]) if missing else ''}; "
              f"unexpected {len(unexpected)}{': ' + ', '.join(unexpected[:5]) if unexpected else ''}), "
-             f"{PROJECTION} → vision_proj{'' if weight is not None else ' (absent)'}, {len(state) - len(visual)} text "
+             f"{PROJECTION} → vision_proj{'' if weight is not None else ' (absent)'}, {len(state) - visual} text "
              f"keys left (rayvl's text tower is a Hugging Face encoder)")
-    return converted, weight
+    return timm_state, weight

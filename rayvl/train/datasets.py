@@ -18,7 +18,6 @@ from rayvl.data.demo import DEMO_SEED, ensure_demo
 from rayvl.data.parts import DataPart, RowTransform, RunData
 from rayvl.data.pipeline import TRAIN_COLUMNS, Rows
 from rayvl.data.shards import Reading
-from rayvl.data.specs import resolve_shards
 from rayvl.train.batches import ROW
 
 log = logging.getLogger("rayvl")
@@ -170,7 +169,8 @@ def _check_clip_checkpoint(m) -> None:
     import torch
 
     with torch.device("meta"):  # the architecture only: do CLIP's image transformer's keys fit it?
-        missing, unexpected = clip_checkpoint.mismatch(state, timm.create_model(m.vision, pretrained=False))
+        backbone = timm.create_model(m.vision, pretrained=False)
+        missing, unexpected = clip_checkpoint.mismatch(clip_checkpoint.converted(state, backbone), backbone)
     if missing or unexpected:
         raise ConfigError(f"model.vision: {m.vision!r} is not the architecture of the CLIP checkpoint "
                           f"{m.vision_checkpoint!r} (missing {', '.join(missing[:3]) or 'none'}; unexpected "
