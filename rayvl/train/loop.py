@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import ray
 import ray.train
@@ -33,21 +34,21 @@ def train_loop_per_worker(config: dict) -> None:
     cfg, ctx = plan.rayvl(), ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = _device(cfg)
-    # the data position first (read tasks plan from it), then the batch source: Ray Data warms up while the model
-    # and the engine are built
+    # the data position first (read tasks plan from it); the held-out set, then the batch source, beside the engine
     data_resume = DataResume(plan, rank, world)
     saved, begin = data_resume.restore()
     startup = Startup.on_worker(plan.startup, entered, resumed=saved is not None)
     evaluation = Evaluation(cfg, plan.eval_files, plan.tokenizer_path, rank, world)
     parts = train_parts(Worker(plan, cfg, rank, world, device, begin, evaluation))
-    next_batch = _batch_source(parts, cfg, rank, begin, device)
+    data = _in_thread(_data_sources, parts, cfg, rank, begin, device, evaluation)
     startup.mark("setup")
     engine, speed = _engine(cfg, world, plan.init_from if saved is None else "", device, parts, startup)
     components = {name: c for part in parts for name, c in part.components().items()}
     state = TrainState(Progress(), data_position=data_resume.position, **components)
     if resume.restore(engine, state, saved):
         state.progress.resumed_at.append(state.progress.step)
-    _before_steps(plan, cfg, rank, evaluation)
+    _register_placement_group(plan.placement_registry if rank == 0 else "", cfg.train.run_name)
+    next_batch = data.result()  # raises what the thread raised: an unreadable held-out set, a part's source
     startup.mark("restore")
     objective, t = Objective(parts, cfg.loss.gather_with_grad, cfg.loss.kind == "siglip"), cfg.train
     # a restart record: the first window after a resume says which checkpoint step the group continued from
@@ -116,6 +117,25 @@ def _device(cfg: RayvlConfig) -> torch.device:
     return device
 
 
+def _in_thread(fn, *args) -> Future:
+    """``fn(*args)`` run in a thread of its own, its result (or what it raised) in the returned future."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="rayvl-data")
+    future = pool.submit(fn, *args)
+    pool.shutdown(wait=False)  # the thread ends with fn; nothing more is submitted
+    return future
+
+
+def _data_sources(parts, cfg: RayvlConfig, rank: int, begin, device: torch.device, evaluation: Evaluation):
+    """The held-out set read whole, then next_batch(step, micro) → (batch on ``device``, seconds waited): a method's
+    source, else the training shard's batches in order. In this order: a training stream started first fills its
+    read-ahead and pauses its read tasks (Ray Data's back-pressure), which keep their CPUs; on a cluster with no CPU
+    to spare beyond them the held-out read this rank then waits on is never scheduled (ray-project/ray#46783; seen
+    here with a locked image tower on 2 CPUs: 7 min, no step). The held-out read ends: its rows go to a list."""
+    if cfg.eval.tasks:
+        evaluation.load(ray.train.get_dataset_shard("eval"))
+    return _batch_source(parts, cfg, rank, begin, device)
+
+
 def _batch_source(parts, cfg: RayvlConfig, rank: int, begin, device: torch.device):
     """next_batch(step, micro) → (batch on ``device``, seconds waited): a method's source, else the training
     shard's batches in order."""
@@ -146,18 +166,12 @@ def _engine(cfg: RayvlConfig, world: int, init_from: str, device: torch.device, 
     return engine, speed
 
 
-def _before_steps(plan: WorkerPlan, cfg: RayvlConfig, rank: int, evaluation: Evaluation) -> None:
-    """Once the engine is restored: the sweep's registry told of this run's placement group (a sweep removes what a
-    stopped trial leaves behind), the held-out set loaded."""
-    if plan.placement_registry and rank == 0:
-        _register_placement_group(plan.placement_registry, cfg.train.run_name)
-    if cfg.eval.tasks:
-        evaluation.load(ray.train.get_dataset_shard("eval"))
-
-
 def _register_placement_group(registry: str, run_name: str) -> None:
-    """Tell the sweep's registry which placement group this run's workers hold (Train V2 creates it without a name,
-    in its controller, so nothing else can tell one trial's group from another's)."""
+    """Once the engine is restored, rank 0 of a sweep's trial tells the sweep's ``registry`` which placement group
+    this run's workers hold (a sweep removes what a stopped trial leaves behind; Train V2 creates the group without
+    a name, in its controller, so nothing else can tell one trial's group from another's)."""
+    if not registry:
+        return
     group = ray.util.get_current_placement_group()
     if group is not None:
         ray.get(ray.get_actor(registry, namespace="rayvl").register.remote(run_name, group.id.hex()))
