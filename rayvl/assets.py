@@ -76,11 +76,9 @@ def check_vision_name(name: str) -> None:
     """A rayvl asset or a model timm can build (``timm.list_models``), else MissingAssetError naming the key."""
     if name in VISION_ASSETS:
         return
-    from rayvl.compat import ensure_torchvision_importable  # imports torch: only when a timm name is checked
+    from rayvl.compat import import_timm  # imports torch: only when a timm name is checked
 
-    ensure_torchvision_importable()
-    import timm
-
+    timm = import_timm()
     if not timm.is_model(name):
         close = timm.list_models(f"*{name.split('.')[0][:12]}*")[:5]
         raise MissingAssetError(f"model.vision: {name!r} is neither a rayvl asset ({', '.join(VISION_ASSETS)}) nor "

@@ -1,4 +1,5 @@
-"""Make timm importable next to a CPU build of torch.
+"""Make timm importable next to a CPU build of torch, and import timm and DeepSpeed without the loggers they import
+for features rayvl does not use (``import_without``).
 
 timm imports torchvision at import time (timm/layers/create_norm.py). On machines without CUDA the only
 torchvision 0.28 on the registry is a CUDA build (``0.28.0+cu130``); its C extension cannot load over CPU torch,
@@ -10,6 +11,7 @@ schemas itself), so a GPU cluster runs the stock packages untouched.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import re
 import sys
@@ -43,3 +45,25 @@ def ensure_torchvision_importable() -> None:
     _library = torch.library.Library("torchvision", "DEF")
     for schema in _SCHEMAS:
         _library.define(schema)
+
+
+def import_without(module: str, optional: str):
+    """``import module`` leaving out ``optional``, a package that ``module`` imports only where it is installed
+    (``try: import optional / except ImportError``) for a feature rayvl never calls — unless this process imported
+    either already. Every Ray Train worker imports timm and DeepSpeed in its start-up; timm imports wandb for its
+    training scripts' summaries (timm.utils.summary), DeepSpeed mlflow for its autotuner, while only the driver logs
+    to W&B or MLflow (rayvl.train.run_log). ``module`` then sees ``optional`` as absent; a later ``import optional``
+    in this process imports it as usual."""
+    if module in sys.modules or optional in sys.modules:
+        return importlib.import_module(module)
+    sys.modules[optional] = None  # `import optional` raises ImportError, which module's optional import catches
+    try:
+        return importlib.import_module(module)
+    finally:
+        del sys.modules[optional]
+
+
+def import_timm():
+    """timm, importable next to a CPU torch and without wandb (import_without)."""
+    ensure_torchvision_importable()
+    return import_without("timm", "wandb")

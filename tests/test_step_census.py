@@ -116,3 +116,19 @@ def test_a_checkpoint_resumes_in_the_buffer_padding_it_was_written_with(sc, tmp_
     assert build_engine(sc.small_model(cfg), cfg, 1).rayvl_aligned is True and aligned_buffers(None) is True
     (tmp_path / "rayvl.json").write_text(json.dumps({"step": 1, ALIGNED: True}))
     assert aligned_buffers(ray.train.Checkpoint.from_directory(str(tmp_path))) is True
+
+
+
+def test_a_worker_imports_timm_and_deepspeed_without_the_loggers_they_import_and_those_import_as_usual_after():
+    """timm imports wandb and DeepSpeed's autotuner mlflow when they are installed; a worker, which never logs to
+    either, imports them without (rayvl.compat.import_without), and both still import later in that process."""
+    import os
+    import subprocess
+
+    code = ("import sys\nfrom rayvl.compat import import_timm, import_without\nimport_timm()\n"
+            "import_without('deepspeed', 'mlflow')\nfrom deepspeed.autotuning import autotuner\n"
+            "assert not {'mlflow', 'wandb'} & set(sys.modules) and not autotuner.has_mlflow, 'a logger imported'\n"
+            "import mlflow, wandb\nprint(mlflow.MlflowClient.__name__, wandb.init.__name__)")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.split()[-2:] == ["MlflowClient", "init"], r.stderr[-2000:]

@@ -6,7 +6,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from rayvl import assets
-from rayvl.compat import ensure_torchvision_importable
+from rayvl.compat import import_timm
 from rayvl.models import clip_checkpoint
 from rayvl.models.text_strategies import alignment_layers_for, insert_adapters
 
@@ -23,9 +23,7 @@ class VisionTower(nn.Module):
     def __init__(self, name: str, checkpoint: str = "", pretrained: bool = True, strategy: str = "finetune",
                  patch_dropout: float = 0.0):
         super().__init__()
-        ensure_torchvision_importable()
-        import timm
-
+        timm = import_timm()
         extra = {"patch_drop_rate": patch_dropout} if patch_dropout else {}
         self.backbone = timm.create_model(assets.vision_timm_name(name), pretrained=False, **extra)
         state = assets.vision_state_dict(name, checkpoint) if pretrained else None

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
+from rayvl.compat import import_without
 from rayvl.config import RayvlConfig, TrainConfig, precision
 from rayvl.models.dual_encoder import param_groups
 from rayvl.models.precision import keep_batchnorm_fp32
@@ -127,10 +128,11 @@ def build_engine(model: torch.nn.Module, cfg: RayvlConfig, world_size: int, devi
     ``cuda:LOCAL_RANK``, which Ray Train does not promise to be the GPU it gave the worker. ``aligned``: ZeRO-1/2's
     padded buffers (zero_config), kept as the engine's ``rayvl_aligned`` for the checkpoints it writes."""
     if not cfg.train.use_gpu:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed's import picks its accelerator
+    deepspeed = import_without("deepspeed", "mlflow")  # the worker's first import of it (rayvl.compat)
+    if not cfg.train.use_gpu:
         no_cpu_comm_op()  # on GPUs DeepSpeed asks for no such op (and reading its table probes every op builder)
     use_own_ninja()
-    import deepspeed
 
     t = cfg.train
     if precision(t) != "fp32" and not autocast_bf16(t):  # before DeepSpeed casts the weights: fp32 BatchNorm
