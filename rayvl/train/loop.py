@@ -43,12 +43,12 @@ def train_loop_per_worker(config: dict) -> None:
     data = _in_thread(_data_sources, parts, cfg, rank, begin, device, evaluation)
     startup.mark("setup")
     engine, speed = _engine(cfg, world, plan.init_from if saved is None else "", device, parts, startup)
+    next_batch = data.result()  # raises what the thread raised; the parts' sources (and their state) exist now
     components = {name: c for part in parts for name, c in part.components().items()}
     state = TrainState(Progress(), data_position=data_resume.position, **components)
     if resume.restore(engine, state, saved):
         state.progress.resumed_at.append(state.progress.step)
     _register_placement_group(plan.placement_registry if rank == 0 else "", cfg.train.run_name)
-    next_batch = data.result()  # raises what the thread raised: an unreadable held-out set, a part's source
     startup.mark("restore")
     objective, t = Objective(parts, cfg.loss.gather_with_grad, cfg.loss.kind == "siglip"), cfg.train
     # a restart record: the first window after a resume says which checkpoint step the group continued from

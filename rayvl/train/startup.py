@@ -18,8 +18,8 @@ WORKER_PHASES = ("workers", "setup", "model", "engine", "restore", "first_step")
 """workers: Ray Train's controller, placement group, worker processes and process group, until the training function
 runs; setup: device, data position, evaluation and the methods' parts, and a thread that reads the held-out set, then
 starts the batch source (Ray Data reads beside the next phases); model: the dual encoder built (and ``init_from``
-loaded); engine: DeepSpeed's engine (and ``torch.compile``'s wrapper); restore: a checkpoint restored, then the wait
-for that thread; first_step: the first optimizer step as the host sees it (a GPU may still be finishing it), its
+loaded); engine: DeepSpeed's engine (and ``torch.compile``'s wrapper); restore: the wait for that thread, then a
+checkpoint restored; first_step: the first optimizer step as the host sees it (a GPU may still be finishing it), its
 batch wait included (``startup_first_batch_wait_s``: what Ray Data had not read by then) and, with
 ``train.compile``, the compilation."""
 

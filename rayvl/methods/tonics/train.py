@@ -59,12 +59,13 @@ class TonicsPart(TrainPart):
         # [TOnICS] §3: the node of step s is drawn from (seed, s), the same on every rank
         self.curriculum = Curriculum(worker.inputs("tonics")["sizes"], x.alpha, x.beta, x.threshold,
                                      worker.cfg.train.seed, moves=x.curriculum)
-        import ray.train
-
-        self.source = TonicsBatches(ray.train.get_dataset_shard("train"), worker.cfg, worker.rank, worker.begin,
-                                    worker.device)
+        self.source: TonicsBatches | None = None  # its stream starts in batches(), after the held-out read
 
     def batches(self):
+        import ray.train
+
+        w = self.worker
+        self.source = TonicsBatches(ray.train.get_dataset_shard("train"), w.cfg, w.rank, w.begin, w.device)
         return lambda step, micro: self.source.next(self.curriculum.node(step), step, micro)
 
     def targets(self, batch: dict, batch_index: int) -> torch.Tensor:
