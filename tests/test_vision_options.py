@@ -44,8 +44,12 @@ def test_patch_dropout_drops_tokens_in_training_only_and_the_flops_count_what_is
     dropped, full = _vision_flops(model, images[:1]), _vision_flops(plain, images[:1])
     assert 0.4 < dropped / full < 0.55  # the blocks see 99 of 197 tokens (attention's quadratic part saves more)
     # the MFU's FLOPs per sample count the tokens the training forward keeps, forward and backward
-    saved = model_flops_per_sample(plain, 224, 16) - model_flops_per_sample(model, 224, 16)
+    trained = model_flops_per_sample(model, 224, 16)
+    saved = model_flops_per_sample(plain, 224, 16) - trained
     assert saved > 2 * (full - dropped)
+    # a memory bank's EMA key encoders run as at evaluation: one more forward, of every token
+    keys = model_flops_per_sample(model, 224, 16, key_encoders=True) - trained
+    assert keys == model_flops_per_sample(plain, 224, 16, key_encoders=True) - model_flops_per_sample(plain, 224, 16)
     assert model.training and all(m.training for m in model.modules() if type(m).__name__ == "PatchDropout")
 
 

@@ -90,19 +90,24 @@ def model_flops_per_sample(model: nn.Module, image_size: int, text_tokens: int, 
     at ``image_size`` px and ``text_tokens`` tokens (the padded length: padding is computed too), counted on a
     batch of 2. Call it on the built model before DeepSpeed wraps it (ZeRO-3 partitions the weights away); the
     model is left as it was — modes, gradients, BatchNorm statistics and the random state. ``key_encoders``: add
-    the memory bank's EMA key encoders, one more forward of both towers per sample ([BoW] eq. (3), MoCo). The
-    contrastive loss's similarity matrix is not counted: it grows with the global batch, not with the model."""
+    the memory bank's EMA key encoders, one more forward of both towers per sample ([BoW] eq. (3), MoCo), with every
+    patch token: the EMA copy runs as at evaluation, where a ViT's patch dropout keeps them all. The contrastive
+    loss's similarity matrix is not counted: it grows with the global batch, not with the model."""
     device = next(model.parameters()).device
     batch = 2
     image = torch.zeros(batch, 3, image_size, image_size, dtype=torch.uint8, device=device)
     input_ids = torch.zeros(batch, text_tokens, dtype=torch.long, device=device)
     attention_mask = torch.ones(batch, text_tokens, dtype=torch.long, device=device)
-    forward, total = _count(model, image, input_ids, attention_mask)
+    inputs = (image, input_ids, attention_mask)
+    forward, total = _count(model, *inputs)
+    if key_encoders and any(type(m).__name__ == "PatchDropout" for m in model.modules()):
+        forward, _ = _count(model, *inputs, patch_dropout=False)
     return (total + (forward if key_encoders else 0)) / batch
 
 
-def _count(model: nn.Module, *inputs: torch.Tensor) -> tuple[int, int]:
-    """(forward FLOPs, forward + backward FLOPs) of ``model(*inputs)``, the model restored afterwards."""
+def _count(model: nn.Module, *inputs: torch.Tensor, patch_dropout: bool = True) -> tuple[int, int]:
+    """(forward FLOPs, forward + backward FLOPs) of ``model(*inputs)``, the model restored afterwards;
+    ``patch_dropout=False``: as at evaluation, every patch token."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -113,7 +118,7 @@ def _count(model: nn.Module, *inputs: torch.Tensor) -> tuple[int, int]:
     model.eval()  # the same products as training, without touching BatchNorm statistics or drawing dropout masks
     for m in model.modules():  # ... but a ViT's patch dropout (FLIP) as in training: the tokens it leaves are the
         if type(m).__name__ == "PatchDropout":  # products computed (its kept count is fixed, only which ones vary)
-            m.training = True
+            m.training = patch_dropout
     for m in checkpointed:
         m.grad_checkpointing = False
     counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: _conv_backward})
