@@ -212,6 +212,25 @@ def _job(name: str):
 # the jobs whose table has rows training reports only when it evaluates on held-out shards (data.eval)
 EVALUATED_ROWS = {"tonics_align": "t2i_R@1", "bow_pretrain": "zeroshot_top1", "paraphrase_strategies": "zeroshot_top1",
                   "pseudo_label": "zeroshot_top1", "open_clip_options": "zeroshot_top1"}
+def test_a_set_key_that_a_variant_sets_wins_over_it_unless_two_variants_become_one():
+    """The documented GPU command for the ViT arms: --set model.vision gives both arms that tower (the variants'
+    own ViT-tiny would win otherwise: a variant comes after --set), each keeping its own patch dropout."""
+    from rayvl.sweeps.spaces import trial_config
+
+    job = _job("open_clip_options").COMPARISON
+    parse = job.parser().parse_args
+    comparison, overrides = job.configured(parse(["--variants", "vit,vit_patch_dropout", "--data", "s3://b/t/",
+                                                  "--eval-data", "s3://b/e/", "--set", "train.lr=0.01",
+                                                  "--set", "model.vision=vit_small_patch16_224"]))
+    grid = comparison.sweep(overrides, seeds=1)
+    arms = {n: trial_config(grid.recipe, grid.fixed, {}, v).model for n, v in grid.variants.items()}
+    assert {n: (m.vision, m.patch_dropout) for n, m in arms.items()} == {
+        "vit": ("vit_small_patch16_224", 0.0), "vit_patch_dropout": ("vit_small_patch16_224", 0.5)}
+    comparison, overrides = job.configured(parse(["--variants", "clip,siglip", "--set", "loss.kind=siglip"]))
+    with pytest.raises(SweepError, match=r"--set loss\.kind: variants 'clip' and 'siglip' would be the same"):
+        comparison.sweep(overrides, seeds=1)
+
+
 # what a job's command line needs besides the defaults for its variants to name their data
 ARGUMENTS = {"unicl_coverage": ["--covered", "s3://b/with/", "--uncovered", "s3://b/without/"]}
 

@@ -65,6 +65,9 @@ class Comparison:
     metric: str = "loss"
     """what Tune ranks trials by (every report carries the loss)."""
     mode: str = "min"
+    pinned: list[str] = field(default_factory=list)
+    """the command line's --set: it wins over a variant's value of the same key, as over the recipe's and the
+    demo's (``--variants vit,vit_patch_dropout --set model.vision=vit_base_patch16_224``: both arms a ViT-B)."""
 
     # ------------------------------------------------------------------------- what a job's subclass may add
 
@@ -122,10 +125,26 @@ class Comparison:
             raise SweepError(f"{self.title}: --seeds: must be ≥ 1, got {seeds}")
         grid = Sweep(path=self.title, recipe=self.recipe, metric=self.metric, mode=self.mode,
                      space={"train.seed": {"grid": list(range(seeds))}}, fixed=PAIRED + self.fixed + list(overrides),
-                     name=name, variants=dict(self.variants))
+                     name=name, variants=self.pinned_variants())
         validate(grid, extra_metrics=tuple(self.after_metrics))
         check_evaluated(grid, {key: f"row {label!r}" for label, key, _ in self.rows if key != self.metric})
         return grid
+
+    def pinned_variants(self) -> dict[str, list[str]]:
+        """Each variant's overrides, then the --set values of the keys it sets too (its own would win over ``fixed``
+        otherwise: a variant comes after it). --set that makes two different variants the same is an error naming
+        both (``--variants clip,siglip --set loss.kind=siglip``: two SigLIP arms)."""
+        pins = {_key(o): o for o in self.pinned}
+        variants = {name: v + [pins[k] for k in dict.fromkeys(map(_key, v)) if k in pins]
+                    for name, v in self.variants.items()}
+        seen: dict[tuple, str] = {}
+        for name, v in variants.items():
+            first = seen.setdefault(_settings([*pins.values(), *v]), name)
+            if first != name and _settings(self.variants[first]) != _settings(self.variants[name]):
+                keys = set(pins) & {_key(o) for o in self.variants[first] + self.variants[name]}
+                raise SweepError(f"{self.title}: --set {', '.join(sorted(keys))}: variants {first!r} and {name!r} "
+                                 f"would be the same")
+        return variants
 
     def run(self, overrides: list[str], seeds: int, name: str, resume: bool = False, after_kwargs: dict | None = None,
             stages: Stages | None = None) -> str:
@@ -192,7 +211,8 @@ class Comparison:
         (without --data), the job's defaults, then --set, --data and --eval-data."""
         from rayvl.recipes import config_overrides
 
-        comparison = dataclasses.replace(self, recipe=args.config).bind(args).chosen(args.variants, not args.data)
+        comparison = dataclasses.replace(self, recipe=args.config, pinned=list(args.set)).bind(args) \
+            .chosen(args.variants, not args.data)
         return comparison, (comparison.demo if not args.data else []) + comparison.defaults(args) \
             + config_overrides(args)
 
@@ -228,3 +248,13 @@ class Comparison:
               + ", ".join(n for n in files if n.endswith(".png"))
               + f"\n  runs:      {storage.join(sweep_dir, 'runs')}/trial-*  (again: {Path(sys.argv[0]).name} "
               f"--report {sweep_dir})")
+
+
+def _key(override: str) -> str:
+    """The dotted config key of a "key=value" override."""
+    return override.partition("=")[0].strip()
+
+
+def _settings(overrides: list[str]) -> tuple:
+    """What "key=value" overrides set, the last of a key winning, as a comparable value."""
+    return tuple(sorted({_key(o): o.partition("=")[2].strip() for o in overrides}.items()))
