@@ -42,13 +42,13 @@ def train_loop_per_worker(config: dict) -> None:
     parts = train_parts(Worker(plan, cfg, rank, world, device, begin, evaluation))
     data = _in_thread(_data_sources, parts, cfg, rank, begin, device, evaluation)
     startup.mark("setup")
+    _register_placement_group(plan.placement_registry if rank == 0 else "", cfg.train.run_name)  # before any wait
     engine, speed = _engine(cfg, world, plan.init_from if saved is None else "", device, parts, startup)
     next_batch = data.result()  # raises what the thread raised; the parts' sources (and their state) exist now
     components = {name: c for part in parts for name, c in part.components().items()}
     state = TrainState(Progress(), data_position=data_resume.position, **components)
     if resume.restore(engine, state, saved):
         state.progress.resumed_at.append(state.progress.step)
-    _register_placement_group(plan.placement_registry if rank == 0 else "", cfg.train.run_name)
     startup.mark("restore")
     objective, t = Objective(parts, cfg.loss.gather_with_grad, cfg.loss.kind == "siglip"), cfg.train
     # a restart record: the first window after a resume says which checkpoint step the group continued from
@@ -167,9 +167,10 @@ def _engine(cfg: RayvlConfig, world: int, init_from: str, device: torch.device, 
 
 
 def _register_placement_group(registry: str, run_name: str) -> None:
-    """Once the engine is restored, rank 0 of a sweep's trial tells the sweep's ``registry`` which placement group
-    this run's workers hold (a sweep removes what a stopped trial leaves behind; Train V2 creates the group without
-    a name, in its controller, so nothing else can tell one trial's group from another's)."""
+    """Before the model's build and the held-out read (either may wait), rank 0 of a sweep's trial tells the
+    sweep's ``registry`` which placement group this run's workers hold (a sweep removes what a stopped trial leaves
+    behind; Train V2 creates the group without a name, in its controller, so nothing else can tell one trial's
+    group from another's)."""
     if not registry:
         return
     group = ray.util.get_current_placement_group()

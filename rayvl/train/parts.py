@@ -22,9 +22,9 @@ class TrainPart:
 
     def batches(self) -> Callable[[int, int], tuple[dict, float]] | None:
         """``next_batch(step, micro) → (batch on the device, seconds waited)``, or None to leave the batch source
-        to another part (one part at most provides it). Called once, in a thread of the worker's own after the
-        held-out set is read and beside the model's build (rayvl.train.loop._data_sources): a part starts its Ray
-        Data streams here, not before."""
+        to another part (one part at most provides it). Called at most once (in registration order, until a part
+        returns a source), in a thread of the worker's own after the held-out set is read and beside the model's
+        build (rayvl.train.loop._data_sources): a part starts its Ray Data streams here, not before."""
         return None
 
     def targets(self, batch: dict, batch_index: int):
