@@ -128,14 +128,12 @@ def config(stage: int, precision: str, overrides: list[str] = ()):
 def small_model(cfg):
     """The recipe's dual encoder with a ViT-B/32-shaped image tower shrunk to 64 channels at 32 px: the tensor
     layout of laion_adapt at ViT-B/32 (each trainable tensor a kernel launch of the optimizer), cheap on a CPU."""
-    from rayvl.compat import ensure_torchvision_importable
-
-    ensure_torchvision_importable()
-    import timm
     from torch import nn
 
+    from rayvl.compat import import_timm
     from rayvl.models.dual_encoder import DualEncoder
 
+    timm = import_timm()
     torch.manual_seed(cfg.train.seed)
     model = DualEncoder(cfg.model)
     backbone = timm.create_model("vit_base_patch32_224", pretrained=False, img_size=IMAGE, embed_dim=64,

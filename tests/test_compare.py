@@ -209,9 +209,6 @@ def _job(name: str):
         sys.path.remove(str(REPO / "jobs"))
 
 
-# the jobs whose table has rows training reports only when it evaluates on held-out shards (data.eval)
-EVALUATED_ROWS = {"tonics_align": "t2i_R@1", "bow_pretrain": "zeroshot_top1", "paraphrase_strategies": "zeroshot_top1",
-                  "pseudo_label": "zeroshot_top1", "open_clip_options": "zeroshot_top1"}
 def test_a_set_key_that_a_variant_sets_wins_over_it_unless_two_variants_become_one():
     """The documented GPU command for the ViT arms: --set model.vision gives both arms that tower (the variants'
     own ViT-tiny would win otherwise: a variant comes after --set), each keeping its own patch dropout."""
@@ -231,6 +228,9 @@ def test_a_set_key_that_a_variant_sets_wins_over_it_unless_two_variants_become_o
         comparison.sweep(overrides, seeds=1)
 
 
+# the jobs whose table has rows training reports only when it evaluates on held-out shards (data.eval)
+EVALUATED_ROWS = {"tonics_align": "t2i_R@1", "bow_pretrain": "zeroshot_top1", "paraphrase_strategies": "zeroshot_top1",
+                  "pseudo_label": "zeroshot_top1", "open_clip_options": "zeroshot_top1"}
 # what a job's command line needs besides the defaults for its variants to name their data
 ARGUMENTS = {"unicl_coverage": ["--covered", "s3://b/with/", "--uncovered", "s3://b/without/"]}
 

@@ -118,7 +118,6 @@ def test_a_checkpoint_resumes_in_the_buffer_padding_it_was_written_with(sc, tmp_
     assert aligned_buffers(ray.train.Checkpoint.from_directory(str(tmp_path))) is True
 
 
-
 def test_a_worker_imports_timm_and_deepspeed_without_the_loggers_they_import_and_those_import_as_usual_after():
     """timm imports wandb and DeepSpeed's autotuner mlflow when they are installed; a worker, which never logs to
     either, imports them without (rayvl.compat.import_without), and both still import later in that process."""

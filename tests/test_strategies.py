@@ -1,6 +1,7 @@
 """Text-tower strategies of [Paraphrase] §4: parameter counts for MiniLM, and every strategy training under real
 DeepSpeed ZeRO 0 and 2 with 2 Ray Train workers — frozen LM weights bit-identical and absent from the optimizer."""
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -72,19 +73,18 @@ def _train_each_strategy(config):
             frozen = {n: p.detach().clone() for n, p in model.text.lm.named_parameters() if not p.requires_grad}
             trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
             engine = build_engine(model, cfg, world)
-            losses = []
             loss = clip_loss(*engine(images, ids, mask))
             engine.backward(loss)
             engine.step()
-            losses.append(loss.item())
+            finite = math.isfinite(loss.item())
             if stage == 3:  # partitioned parameters: the entry says that the bf16 ZeRO-3 engine trains
-                out[f"{strategy}/{stage}/{precision}"] = {"losses_finite": all(torch.isfinite(torch.tensor(losses)))}
+                out[f"{strategy}/{stage}/{precision}"] = {"losses_finite": finite}
                 del engine
                 continue
             params = dict(engine.module.named_parameters())
             optimized = {id(p) for p in _optimized(engine)}
             out[f"{strategy}/{stage}/{precision}"] = {
-                "losses_finite": all(torch.isfinite(torch.tensor(losses))),
+                "losses_finite": finite,
                 # under bf16 DeepSpeed holds the frozen weights rounded to bf16, and never changes them
                 "frozen_identical": all(torch.equal(params[f"text.lm.{n}"], v.to(params[f"text.lm.{n}"].dtype))
                                         for n, v in frozen.items()),

@@ -40,9 +40,9 @@ def keep_batchnorm_fp32(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -
 def _forwards() -> tuple:
     """The forwards ``_fp32_forward`` reproduces: torch's BatchNorm{1,2,3}d and timm's BatchNormAct2d (its batch
     norm followed by its dropout and activation)."""
-    from rayvl.compat import ensure_torchvision_importable
+    from rayvl.compat import import_timm
 
-    ensure_torchvision_importable()
+    import_timm()  # as the towers import it: next to a CPU torch, without wandb
     from timm.layers import BatchNormAct2d
 
     return nn.modules.batchnorm._BatchNorm.forward, BatchNormAct2d.forward
