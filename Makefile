@@ -73,7 +73,7 @@ test: install
 	$(PY) -m pytest -q -ra --durations=15 tests || { rc=$$?; [ $$rc -eq 5 ] && echo "make test: no tests ran" >&2; exit $$rc; }
 
 # exits non-zero, saying why, where torch or faiss cannot use a GPU
-# ARGS: the check's options, e.g. make gpu-check GPU=1 ARGS='--batches 256,1024,max --profile zero2'
+# ARGS: the check's options, e.g. make gpu-check GPU=1 ARGS='--batches 256,1024,max --profile zero0'
 gpu-check: install
 	$(PY) benchmarks/gpu_check.py $(ARGS)
 

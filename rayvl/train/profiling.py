@@ -1,25 +1,41 @@
-"""A torch.profiler trace of a few steady steps of a run: ``RAYVL_PROFILE=<dir>:<first step>:<steps>`` in the
-workers' environment (benchmarks/gpu_check.py ``--profile``). Rank 0 records steps first..first+steps-1 with CPU
-and CUDA activity and writes ``<dir>/trace-rank0.json`` (chrome://tracing, Perfetto) and ``<dir>/ops-rank0.txt``
-(the ops by host time, then by device time). Without the variable nothing is imported or recorded."""
+"""What a run's steady steps do on the device, watched from the workers' environment (benchmarks/gpu_check.py sets
+both). Without the variables nothing is imported or recorded.
+
+- ``RAYVL_PROFILE=<dir>:<first step>:<steps>``: a torch.profiler trace. Rank 0 records steps first..first+steps-1
+  with CPU and CUDA activity and writes ``<dir>/trace-rank0.json`` (chrome://tracing, Perfetto) and
+  ``<dir>/ops-rank0.txt`` (the ops by host time, then by device time).
+- ``RAYVL_SYNC_DEBUG=<dir>[:<first step>]``: every step from the first (default 3) runs under
+  ``torch.cuda.set_sync_debug_mode("warn")``, and each rank appends to ``<dir>/syncs-rank<r>-<pid>.jsonl`` the
+  synchronisations it caught a step and the first few with their stacks (``read_syncs`` sums them). Only the step
+  is watched: the loop's reports and checkpoints read the device on purpose.
+"""
 from __future__ import annotations
 
+import json
 import os
+import threading
+import traceback
+import warnings
 from pathlib import Path
 
 ENV = "RAYVL_PROFILE"
+SYNC_ENV = "RAYVL_SYNC_DEBUG"
+SYNC_MESSAGE = "called a synchronizing CUDA operation"  # torch's warning in the "warn" sync debug mode
+SYNC_FIRST_STEP = 3  # steps 1-2 hold one-off work: cuDNN and cuBLAS choices, the allocator's first blocks
 
 
 class StepProfiler:
-    def __init__(self, spec: str, rank: int):
-        """``spec``: the variable's value ('' or another rank than 0: records nothing)."""
+    def __init__(self, spec: str, rank: int, sync_spec: str = ""):
+        """``spec``: RAYVL_PROFILE's value ('' or another rank than 0: records nothing); ``sync_spec``:
+        RAYVL_SYNC_DEBUG's."""
         out, first, steps = spec.rsplit(":", 2) if spec else ("", "0", "0")
         self.out, self.first, self.last, self.rank = Path(out), int(first), int(first) + int(steps) - 1, rank
         self.on, self.profile = bool(spec) and rank == 0, None
+        self.syncs = SyncWatch(sync_spec, rank)
 
     @classmethod
     def from_env(cls, rank: int) -> "StepProfiler":
-        return cls(os.environ.get(ENV, ""), rank)
+        return cls(os.environ.get(ENV, ""), rank, os.environ.get(SYNC_ENV, ""))
 
     def before(self, step: int) -> None:
         """Called before optimizer step ``step``."""
@@ -31,9 +47,11 @@ class StepProfiler:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.profile = torch.profiler.profile(activities=activities, record_shapes=False, with_stack=False)
             self.profile.__enter__()
+        self.syncs.before(step)  # after the profiler's start, which is not the step's
 
     def after(self, step: int) -> None:
         """Called after optimizer step ``step``: the last profiled one writes the trace."""
+        self.syncs.after(step)  # before the trace's own synchronisation
         if self.profile is None or step != self.last:
             return
         import torch
@@ -49,3 +67,91 @@ class StepProfiler:
             f"steps {self.first}-{self.last}\n\n" + table.table(sort_by="self_cpu_time_total", row_limit=40)
             + "\n\n" + table.table(sort_by=device, row_limit=40) + "\n")
         self.profile = None
+
+
+class SyncWatch:
+    """RAYVL_SYNC_DEBUG: the host synchronisations of each step from ``first`` on, one line a step appended to this
+    rank's file (a whole file rewritten a step would cost the step more than a line) — a run that stops early keeps
+    what it saw. A no-op where the step does not run on CUDA: the sync debug mode is CUDA's, and a CPU step's
+    synchronisations are the step census's to count (benchmarks/step_census.py)."""
+
+    SAMPLES = 5  # the stacks kept: the first few say where; the count says how often
+
+    def __init__(self, spec: str, rank: int):
+        out, _, first = spec.rpartition(":")
+        if not first.isdigit():  # a folder alone (which may hold a colon itself)
+            out, first = spec, str(SYNC_FIRST_STEP)
+        self.out, self.first, self.rank = Path(out), int(first), rank
+        self.cuda: bool | None = None if spec else False  # decided at the first watched step
+        self.file, self.catching, self.shown = None, None, warnings.showwarning
+        self.step, self.caught, self.samples = 0, 0, 0
+
+    def before(self, step: int) -> None:
+        if self.cuda is False or step < self.first:
+            return
+        import torch
+
+        if self.cuda is None:  # CUDA already initialised by the first steps: the step runs there
+            self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+            if not self.cuda:
+                return
+        self.step, self.caught = step, 0
+        self.catching = warnings.catch_warnings()  # restores the filters and showwarning in after()
+        self.catching.__enter__()
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")  # setting it says so
+        warnings.filterwarnings("always", message=SYNC_MESSAGE)  # every one, not once per call site
+        self.shown, warnings.showwarning = warnings.showwarning, self._caught
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def after(self, step: int) -> None:
+        if self.catching is None:
+            return
+        import torch
+
+        torch.cuda.set_sync_debug_mode(0)
+        self.catching.__exit__(None, None, None)
+        self.catching = None
+        self._write({"step": step, "syncs": self.caught})
+
+    def _caught(self, message, category, filename, lineno, file=None, line=None) -> None:
+        """warnings.showwarning while a step runs, in whichever thread warned: a synchronisation is counted (the
+        first few with their stacks), any other warning shown as it would have been."""
+        if not str(message).startswith(SYNC_MESSAGE):
+            self.shown(message, category, filename, lineno, file, line)
+            return
+        self.caught += 1
+        if self.samples < self.SAMPLES:
+            self.samples += 1
+            self._write({"step": self.step, "thread": threading.current_thread().name,
+                         "message": " ".join(str(message).split()), "stack": _stack()})
+
+    def _write(self, record: dict) -> None:
+        if self.file is None:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.file = open(self.out / f"syncs-rank{self.rank}-{os.getpid()}.jsonl", "a")
+            self.file.write(json.dumps({"rank": self.rank, "pid": os.getpid(), "first_step": self.first}) + "\n")
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+
+def _stack(frames: int = 8) -> list[str]:
+    """The innermost ``frames`` frames that warned, without the warnings machinery and this module."""
+    here = {__file__, warnings.__file__}
+    stack = [f for f in traceback.extract_stack() if f.filename not in here]
+    return [f"{'/'.join(Path(f.filename).parts[-3:])}:{f.lineno} {f.name}" for f in stack[-frames:]]
+
+
+def read_syncs(paths: list[Path]) -> dict:
+    """SyncWatch's files (one per rank and worker process) summed: the steps watched over every rank, the
+    synchronisations caught, the steps that had any and the stacks kept."""
+    steps, syncs, at, samples = 0, 0, set(), []
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            record = json.loads(line) if line.strip() else {}
+            if "syncs" in record:
+                steps, syncs = steps + 1, syncs + record["syncs"]
+                if record["syncs"]:
+                    at.add(record["step"])
+            elif "stack" in record:
+                samples.append(record)
+    return {"steps": steps, "syncs": syncs, "steps_with_syncs": sorted(at), "samples": samples}
