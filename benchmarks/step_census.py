@@ -43,6 +43,11 @@ IMAGE, TOKENS, BATCH = 32, 16, 4
 # ops that allocate or alias without launching a kernel
 NO_KERNEL = {"aten.empty", "aten.empty_strided", "aten.set_", "aten._unsafe_view", "aten.lift_fresh"}
 SCALAR_READ = "aten._local_scalar_dense"
+# ops that make a CUDA host wait for the GPU, which a CPU run does not show as a wait: a scalar read (.item(),
+# bool(t)); a fresh tensor from host data (torch.tensor(x, device=cuda): a pageable copy, then a stream sync); a
+# fill with a tensor-valued scalar (an .item() inside); nonzero (its output size is read back)
+SYNC_OPS = {"aten._local_scalar_dense.default", "aten.lift_fresh.default", "aten.masked_fill_.Tensor",
+            "aten.masked_fill.Tensor", "aten.nonzero.default", "aten.masked_select.default"}
 
 
 @dataclass
@@ -52,6 +57,8 @@ class Counts:
     ops: int = 0
     kernels: int = 0
     scalar_reads: int = 0
+    sync_ops: int = 0
+    """ops of SYNC_OPS: each a wait for the GPU on CUDA"""
     synchronizes: int = 0
     threads: int = 0
     by_op: collections.Counter = field(default_factory=collections.Counter)
@@ -73,6 +80,9 @@ class Census(TorchDispatchMode):
             c.kernels += 1
         if name == SCALAR_READ:
             c.scalar_reads += 1
+        if str(func) in SYNC_OPS:
+            c.sync_ops += 1
+            c.by_op[str(func)] += 1
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):
@@ -256,12 +266,12 @@ def run(stages: list[int], precision: str, batch_path: bool) -> list[tuple[str, 
 def table(rows: list[tuple[str, Counts]], precision: str) -> str:
     base = rows[0][1]
     head = (f"{'step':<32} {'aten ops':>9} {'×bare':>6} {'kernels':>8} {'×bare':>6} {'scalar reads':>13} "
-            f"{'synchronizes':>13} {'threads':>8}")
+            f"{'sync ops':>9} {'synchronizes':>13} {'threads':>8}")
     lines = [f"step census, {precision}, 188 trainable tensors, batch {BATCH}, counts per optimizer step", head,
              "-" * len(head)]
     for name, c in rows:
         lines.append(f"{name:<32} {c.ops:>9} {c.ops / base.ops:>6.2f} {c.kernels:>8} {c.kernels / base.kernels:>6.2f} "
-                     f"{c.scalar_reads:>13} {c.synchronizes:>13} {c.threads:>8}")
+                     f"{c.scalar_reads:>13} {c.sync_ops:>9} {c.synchronizes:>13} {c.threads:>8}")
     return "\n".join(lines)
 
 

@@ -169,8 +169,11 @@ def test_zero_config_precision_and_their_checks():
     assert precision(gpu) == "bf16" and precision(load_config(None, []).train) == "fp32"
     zero = deepspeed_config(load_config(None, ["train.use_gpu=true", "train.zero_stage=2",
                                                "train.zero_bucket_size=1000"]), 8)["zero_optimization"]
-    assert zero == {"stage": 2, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 1000,
+    assert zero == {"stage": 2, "overlap_comm": True, "contiguous_gradients": False, "reduce_bucket_size": 1000,
                     "parameter_alignment": True, "allgather_bucket_size": 1000}
+    # ZeRO-1 on 8 GPUs: neither setting that makes DeepSpeed hook every gradient
+    one = deepspeed_config(load_config(None, ["train.use_gpu=true", "train.zero_stage=1"]), 8)["zero_optimization"]
+    assert one["overlap_comm"] is False and one["contiguous_gradients"] is False
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     DeepSpeedZeroConfig(**zero)  # DeepSpeed's own schema: a misspelt key is an error there
@@ -186,7 +189,7 @@ def test_zero_config_precision_and_their_checks():
     one_gpu = deepspeed_config(load_config(None, ["train.use_gpu=true", "train.zero_stage=2"]), 1)
     assert one_gpu["zero_optimization"]["overlap_comm"] is False  # one rank: nothing to overlap
     # ZeRO-0 at bf16: torch autocast over fp32 weights, gradients all-reduced in fp32, clipped by rayvl
-    zero0 = deepspeed_config(load_config(None, ["train.use_gpu=true", "train.grad_clip=0.5"]), 8)
+    zero0 = deepspeed_config(load_config(None, ["train.use_gpu=true", "train.zero_stage=0", "train.grad_clip=0.5"]), 8)
     assert zero0["bf16"]["enabled"] is False and zero0["gradient_clipping"] == 0.0
     assert zero0["torch_autocast"] == {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
     assert deepspeed_config(load_config(None, ["train.use_gpu=true", "train.zero_stage=1", "train.grad_clip=0.5"]),
@@ -197,11 +200,11 @@ def test_zero_config_precision_and_their_checks():
         # this process as the whole world: the global batch of one rank)
         parsed = DeepSpeedConfig({**ds, "train_batch_size": ds["train_micro_batch_size_per_gpu"]})
     assert parsed.torch_autocast_enabled and parsed.torch_autocast_dtype == torch.bfloat16
-    for bad, key in (("train.zero_offload=optimizer", "train.zero_offload"),
+    for bad, key in (("train.zero_stage=0 train.zero_offload=optimizer", "train.zero_offload"),
                      ("train.compile=no-such-backend", "train.compile"),
                      ("train.zero_bucket_size=0", "train.zero_bucket_size")):
         with pytest.raises(ConfigError, match=key):
-            load_config(None, [bad])
+            load_config(None, bad.split())
     with pytest.raises(ConfigError, match="train.zero_offload"):
         load_config(None, ["train.zero_stage=2", "train.zero_offload=optimizer_and_params"])
 

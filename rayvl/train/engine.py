@@ -35,6 +35,9 @@ def rayvl_clips(t: TrainConfig) -> bool:
 
 def deepspeed_config(cfg: RayvlConfig, world_size: int, aligned: bool = True) -> dict:
     t = cfg.train
+    if t.zero_stage == "auto":
+        raise ValueError("train.zero_stage=auto reached the engine: rayvl.train.layout.resolve decides it before the "
+                         "workers start")
     mode = precision(t)
     config = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -73,7 +76,12 @@ def zero_config(t: TrainConfig, world_size: int = 2, aligned: bool = True) -> di
     config: dict = {"stage": t.zero_stage}
     if t.zero_stage == 0:
         return config
-    config.update(overlap_comm=t.use_gpu and t.zero_overlap_comm and world_size > 1, contiguous_gradients=True,
+    # DeepSpeed hooks every gradient (a Python call each on the autograd thread) at ZeRO-1 whenever overlap_comm or
+    # contiguous_gradients is on, and at ZeRO-2 always: ZeRO-1 goes without both and reduces the gradients once
+    # after the backward; contiguous_gradients also copies each gradient into a bucket as it is made, which costs
+    # host time a step (benchmarks/host_time.py) and saves fragmentation only near the GPU's memory limit
+    config.update(overlap_comm=t.zero_stage > 1 and t.use_gpu and t.zero_overlap_comm and world_size > 1,
+                  contiguous_gradients=t.zero_stage == 3 or t.zero_contiguous_gradients,
                   reduce_bucket_size=t.zero_bucket_size)
     if t.zero_stage < 3:
         config["parameter_alignment"] = aligned

@@ -1,0 +1,91 @@
+"""Host CPU time of one training step per engine layout, against a bare loop: the CPU measure of issue 54.
+
+    .venv/bin/python benchmarks/host_time.py [--stages 0,1,2,3] [--precision bf16] [--rounds 12] [--steps 4]
+
+On a GPU the host only launches kernels; when the host's time per step exceeds the GPU's, the GPU waits and the
+framework, not the model, sets the speed (DeepSpeed ZeRO-2's per-gradient hooks did on an H200: docs/gpu.md). On a
+CPU with one intra-op thread, ``time.thread_time()`` of the step counts the host's work and the model's arithmetic
+together; on the census's tiny model (benchmarks/step_census.py: the laion_adapt layout at ViT-B/32, 188 trainable
+tensors, 32 px, batch 4) the arithmetic is small, so what a layout adds over the bare loop is host work a GPU would
+wait on.
+
+Every layout is rayvl's own step (``rayvl.train.engine.build_engine``, ``rayvl.train.loop.train_step``) in one
+process beside the bare loop (fused AdamW, foreach clipping, bf16 autocast); rounds interleave them in a rotating
+order, each round times ``--steps`` steps of each, and the table gives each layout's median per-step thread time and
+the median over rounds of its ratio to the bare loop in the same round (a busy machine slows a whole round, not one
+layout). The sync-type ops per step (step_census.SYNC_OPS: each a wait for the GPU on CUDA) come from one counted
+step. Timings are printed, never asserted; tests/test_step_census.py pins the counts.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import step_census as sc  # noqa: E402
+import torch  # noqa: E402
+
+GOALS = {0: 1.10, 1: 1.5}
+BATCH, TOKENS = 2, 8  # the census's model at the smallest batch: the frozen text tower's arithmetic is most of it  # issue 54 on a CPU: the auto layout (stage 0 there) and ZeRO-1, × the bare loop
+
+
+def layouts(stages: list[int], precision: str) -> dict[str, tuple]:
+    """name → (step, census counts) for the bare loop and each stage."""
+    steps = {"bare loop": sc.bare_step(sc.config(0, precision))}
+    for stage in stages:
+        steps[f"rayvl ZeRO-{stage}" + (" (auto)" if stage == 0 else "")] = sc.rayvl_step(sc.config(stage, precision))[0]
+    return {name: (step, sc.census(step)) for name, step in steps.items()}
+
+
+def measure(steps: dict[str, object], rounds: int, per_round: int) -> dict[str, list[float]]:
+    """Seconds of this thread's CPU time per step, one value per round for each name; the order rotates."""
+    names, times = list(steps), {name: [] for name in steps}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            started = time.thread_time()
+            for _ in range(per_round):
+                steps[name]()
+            times[name].append((time.thread_time() - started) / per_round)
+    return times
+
+
+def table(times: dict[str, list[float]], counts: dict, precision: str) -> str:
+    bare = times["bare loop"]
+    head = f"{'step':<26} {'host ms/step':>13} {'× bare':>7} {'goal':>6} {'sync ops':>9} {'aten ops':>9}"
+    lines = [f"host CPU time per step, {precision}, one thread, 188 trainable tensors, batch {sc.BATCH}, "
+             f"{len(bare)} interleaved rounds (median)", head, "-" * len(head)]
+    for name, values in times.items():
+        ratio = statistics.median(v / b for v, b in zip(values, bare))
+        stage = int(name.split("ZeRO-")[1][0]) if "ZeRO-" in name else None
+        goal = f"≤{GOALS[stage]:.2f}" if stage in GOALS else ""
+        c = counts[name]
+        lines.append(f"{name:<26} {1e3 * statistics.median(values):>13.2f} {ratio:>7.2f} {goal:>6} {c.sync_ops:>9} "
+                     f"{c.ops:>9}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages, comma-separated")
+    p.add_argument("--precision", default="fp32", choices=["bf16", "fp32"])
+    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--steps", type=int, default=4, help="steps of each layout per round")
+    args = p.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(1)  # thread time then holds all of the step's arithmetic
+    sc.BATCH, sc.TOKENS = BATCH, TOKENS
+    built = layouts([int(s) for s in args.stages.split(",") if s], args.precision)
+    times = measure({name: step for name, (step, _) in built.items()}, args.rounds, args.steps)
+    print(table(times, {name: counts for name, (_, counts) in built.items()}, args.precision))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
