@@ -154,7 +154,8 @@ class TonicsConfig:
     """floor of P_S(root) (paper: 0.2)."""
     counts_path: str = ""
     """per-class row counts |X(η_o)| (JSON artifact, Ray Data aggregation); reused when its fingerprint matches
-    ('' = <run directory>/tonics_counts.json)."""
+    ('' = <storage path>/artifacts/tonics_counts-<hash of the shards' sizes and the ontology>.json: counted once per
+    data set, for every run over it)."""
 
 
 @dataclass
@@ -270,10 +271,17 @@ class TrainConfig:
     """samples per worker per step."""
     grad_accumulation: int = 1
     """micro-batches per optimizer step."""
-    zero_stage: int = 0
-    """DeepSpeed ZeRO stage 0-3."""
+    zero_stage: Literal["auto", 0, 1, 2, 3] = "auto"
+    """DeepSpeed ZeRO stage 0-3; auto = the fastest layout whose weights, gradients and optimizer state fit the
+    GPUs beside the activations: stage 0 where it fits, then ZeRO-1, 2, 3, then offload (rayvl.train.layout; stage 0
+    on CPU workers). A resume takes its checkpoint's stage."""
     zero_overlap_comm: bool = True
-    """ZeRO ≥ 1 on GPUs: reduce gradients while the backward pass goes on (DeepSpeed's overlap_comm)."""
+    """ZeRO-2/3 on two or more GPUs: reduce gradients while the backward pass goes on (DeepSpeed's overlap_comm;
+    ZeRO-1 reduces after the backward, without DeepSpeed's per-gradient hooks)."""
+    zero_contiguous_gradients: bool = False
+    """ZeRO-1/2: copy each gradient into one contiguous buffer as the backward makes it (DeepSpeed's
+    contiguous_gradients: less memory fragmentation for a model near the GPU's memory, a host-side copy per gradient
+    every step; ZeRO-1 then hooks every gradient too). ZeRO-3 always does."""
     zero_bucket_size: int = 50_000_000
     """elements per ZeRO gradient-reduction / all-gather bucket (and ZeRO-3's prefetch bucket): larger buckets mean
     fewer, larger collectives and more memory."""
@@ -702,11 +710,11 @@ def validate(cfg: RayvlConfig) -> None:
 def _validate_train(t: TrainConfig) -> None:
     if t.sync_every_s < 0:
         raise ConfigError(f"train.sync_every_s: must be ≥ 0, got {t.sync_every_s}")
-    if t.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"train.zero_stage: {t.zero_stage} is not a DeepSpeed ZeRO stage (0, 1, 2 or 3)")
+    if t.zero_stage not in ("auto", 0, 1, 2, 3) or isinstance(t.zero_stage, bool):
+        raise ConfigError(f"train.zero_stage: {t.zero_stage} is not a DeepSpeed ZeRO stage (0, 1, 2 or 3) or auto")
     if t.zero_offload == "optimizer" and t.zero_stage == 0:
         raise ConfigError("train.zero_offload: offloading the optimizer state needs train.zero_stage ≥ 1")
-    if t.zero_offload == "optimizer_and_params" and t.zero_stage != 3:
+    if t.zero_offload == "optimizer_and_params" and t.zero_stage not in (3, "auto"):
         raise ConfigError("train.zero_offload: offloading parameters needs train.zero_stage=3")
     if t.compile:
         import torch._dynamo

@@ -125,8 +125,9 @@ def describe(cfg: RayvlConfig) -> str:
     gpu = {"GPU": 1} if t.use_gpu else {}
     lines += ["cluster:",
               f"  {t.num_workers} Ray Train workers of {{CPU: {t.cpus_per_worker:g}"
-              + (", GPU: 1" if gpu else "") + f"}} (train.placement_strategy={t.placement_strategy}), DeepSpeed "
-              f"ZeRO-{t.zero_stage}, {precision(t)}",
+              + (", GPU: 1" if gpu else "") + f"}} (train.placement_strategy={t.placement_strategy}), "
+              f"{precision(t)}",
+              f"  engine: {engine_line(planned.layout, t.zero_stage)}",
               f"  Ray Data read tasks of data.read_cpus={d.read_cpus:g} CPU each, {d.read_threads} transform threads, "
               f"I/O: {d.io_retries} retries, unreadable shards: {d.unreadable_shards}",
               "storage:",
@@ -134,6 +135,16 @@ def describe(cfg: RayvlConfig) -> str:
               + (" (continued from its latest checkpoint)" if t.resume else ""),
               f"  checkpoint every {t.checkpoint_every:,} steps, {t.checkpoints_to_keep} kept"]
     return "\n".join(lines)
+
+
+def engine_line(layout, stage) -> str:
+    """The engine layout the run trains in, and why where auto chose it."""
+    if layout is not None:
+        return layout.line()
+    if stage == "auto":
+        return ("DeepSpeed ZeRO stage auto — chosen when the run joins its cluster, from the GPU type Ray reports "
+                "(rayvl.train.layout)")
+    return f"DeepSpeed ZeRO-{stage} (train.zero_stage)"
 
 
 def _scale_warnings(cfg: RayvlConfig, steps_a_pass: float | None) -> list[str]:

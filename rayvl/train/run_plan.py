@@ -4,6 +4,7 @@ where it goes (storage, run name, the checkpoint a resume continues) and what it
 ``--dry-run`` prints it (rayvl.plan); the trainer executes it without resolving any of it again."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ from rayvl.config import ConfigError, RayvlConfig
 from rayvl.data import shards
 from rayvl.train import datasets
 from rayvl.train.datasets import DataPlan
+from rayvl.train.layout import Layout, resolve
 from rayvl.train.run_dir import refuse_finished, run_paths
 
 
@@ -35,6 +37,9 @@ class RunPlan:
     """passes over the training shards the run's Ray Data execution lists."""
     read_ahead_bytes: int
     """the training stream's object-store budget."""
+    layout: Layout | None = None
+    """what train.zero_stage=auto chose, and why (None: the stage was set, or auto waits for the cluster's GPUs:
+    ``cfg`` still says auto then, and the trainer resolves it once Ray reports them)."""
 
     @property
     def cfg(self) -> RayvlConfig:
@@ -53,7 +58,7 @@ def plan_run(cfg: RayvlConfig, finished_ok: bool = True, dry: bool = False) -> R
     written, so its shards are not listed and its pass holds data.demo_samples."""
     data = datasets.plan(cfg, make_demo=not dry)
     cfg = data.cfg
-    store, name, step = run_paths(cfg)
+    store, name, step, stage = run_paths(cfg)
     if not finished_ok:
         refuse_finished(cfg, storage.join(store, name), step)
     init = check_init_from(cfg)
@@ -62,7 +67,9 @@ def plan_run(cfg: RayvlConfig, finished_ok: bool = True, dry: bool = False) -> R
     else:  # the dry run of the demo
         pass_size, how = cfg.data.demo_samples, "the demo's training split"
     passes = datasets.train_passes(data, pass_size, len(data.train_shards) or 1)
-    return RunPlan(data, store, name, step, init, pass_size, how, passes, datasets.read_ahead_bytes(data))
+    resolved, layout = resolve(cfg, checkpoint_stage=stage, cluster=None)
+    return RunPlan(dataclasses.replace(data, cfg=resolved), store, name, step, init, pass_size, how, passes,
+                   datasets.read_ahead_bytes(data), layout)
 
 
 def check_init_from(cfg: RayvlConfig) -> str:

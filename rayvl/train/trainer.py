@@ -12,6 +12,7 @@ from rayvl import storage as store
 from rayvl.config import RayvlConfig
 from rayvl.data.report import caption_stats, position_report, report_actor, snapshot
 from rayvl.train import datasets
+from rayvl.train.layout import resolve
 from rayvl.train.resume import restored_state
 from rayvl.train.loop import train_loop_per_worker
 from rayvl.train.progress import ProgressPrinter, log
@@ -43,6 +44,11 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
     if not placement_registry:  # a sweep's driver checked the cluster; a trial's driver may sit on another node
         session.check_gpus(cfg, fixed_size=started_here)
     session.check_storage(cfg)
+    layout = planned.layout
+    if cfg.train.zero_stage == "auto":  # GPUs on a cluster: their memory is known now, from Ray's accelerator types
+        cfg, layout = resolve(cfg, cluster=session.largest_cluster()[0])
+    if layout is not None and verbose:
+        log.info(f"engine: {layout.line()}")
     startup.mark("ray")
     report_name = f"rayvl-data-report-{name}-{uuid.uuid4().hex[:8]}"
     reports = data.reports(report_name)
