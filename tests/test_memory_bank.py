@@ -14,16 +14,32 @@ def test_ema_update_math():
     model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
     bank = MemoryBank(model, size=4, dim=2, momentum=0.9)
     start = {k: v.clone() for k, v in bank.ema.state_dict().items()}
+    model[1].weight.requires_grad_(False)  # a frozen parameter: its EMA is itself as built
     with torch.no_grad():
         model[0].weight.add_(1.0)
+        model[1].weight.add_(1.0)  # as DeepSpeed's bf16 copy of a frozen weight differs from its fp32 original
         model[1].running_mean.fill_(5.0)
     bank.update(model)
     ema = bank.ema.state_dict()
     # θ' ← 0.9·θ' + 0.1·θ with θ = θ'_0 + 1 → θ'_0 + 0.1; buffers are copied, not averaged
     assert torch.allclose(ema["0.weight"], start["0.weight"] + 0.1, atol=1e-7)
-    assert torch.equal(ema["0.bias"], start["0.bias"])
+    assert torch.equal(ema["0.bias"], start["0.bias"]) and torch.equal(ema["1.weight"], start["1.weight"])
     assert torch.equal(ema["1.running_mean"], torch.full((2,), 5.0))
     assert not any(p.requires_grad for p in bank.ema.parameters())
+
+
+def test_keys_are_encoded_in_the_trained_towers_precision_and_kept_fp32():
+    from rayvl.models.dual_encoder import build_model
+
+    cfg = load_config(None, ["model.embed_dim=8", "model.alignment_layers=1"])
+    model = build_model(cfg.model).eval()
+    images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
+    ids, mask = torch.randint(1000, 2000, (2, 6)), torch.ones(2, 6, dtype=torch.long)
+    plain = MemoryBank(model, size=4, dim=8, momentum=0.9).encode(images, ids, mask)
+    bf16 = MemoryBank(model, size=4, dim=8, momentum=0.9, autocast=torch.bfloat16).encode(images, ids, mask)
+    for a, b in zip(plain, bf16):
+        assert b.dtype == torch.float32 and not torch.equal(a, b)  # computed in bf16: close, not equal
+        assert torch.nn.functional.cosine_similarity(a, b).min() > 0.98
 
 
 def test_queue_wraps_around_and_keeps_labels():

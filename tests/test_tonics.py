@@ -82,9 +82,16 @@ class TrialDriver:
 
 
 def test_class_counts_are_a_ray_data_aggregation(ray_local, demo_dir, tmp_path, caplog):
+    from rayvl.methods.tonics.rows import counts_path
+
     o = onto.Ontology.build(SHAPES)
     (tmp_path / "run").mkdir()
-    saved = str(tmp_path / "run" / "tonics_counts.json")  # where a run without tonics.counts_path keeps them
+    # where a run without tonics.counts_path keeps them: under the storage path, named by what they count
+    saved = counts_path(str(tmp_path / "run"), onto.fingerprint(str(demo_dir / "train"), o))
+    assert saved.startswith(str(tmp_path / "artifacts" / "tonics_counts-"))
+    other = onto.Ontology.build(SHAPES[:-1])
+    assert counts_path(str(tmp_path / "run2"), onto.fingerprint(str(demo_dir / "train"), other)) != saved
+    assert counts_path(str(tmp_path / "run2"), onto.fingerprint(str(demo_dir / "train"), o)) == saved  # another run
     counts, reused = onto.load_or_count(str(demo_dir / "train"), saved, o)  # counted (a Ray Data pass), then saved
     assert not reused and onto.load_or_count(str(demo_dir / "train"), saved, o) == (counts, True)
     reference: Counter = Counter()
@@ -269,6 +276,23 @@ def test_bucket_sampler_fills_from_its_bucket_and_counts_every_fallback_row():
     assert wide.batch(2, step=1)["object"].tolist() == [1] * 4 and wide.counts["tonics_fallback_rows"] == 0
     rows = [r for step in range(2, 30) for r in wide.batch(0, step)["row"].tolist()]
     assert len(rows) == len(set(rows))  # root draws: no row handed out twice
+
+
+def test_root_draws_take_every_buffered_row_with_the_same_chance():
+    """A root node's micro-batch is k rows drawn uniformly from everything buffered: rows of an object three times
+    as common come three times as often (a draw uniform over buckets would give each object half)."""
+    from rayvl.methods.tonics.sampler import BucketSampler
+
+    def stream():  # object 0 in 3 of every 4 rows
+        for i in range(100_000):
+            yield {"object": np.array([0, 0, 0, 1]), "row": np.arange(4 * i, 4 * i + 4)}
+
+    sampler = BucketSampler(stream(), ["object", "row"], micro_batch=8, buffer_rows=64, max_wait_rows=8, seed=0,
+                            rank=0)
+    objects = np.concatenate([sampler.batch(0, step)["object"] for step in range(1, 1001)])
+    assert abs((objects == 0).mean() - 0.75) < 0.02  # 8,000 draws: the standard error is 0.005
+    first = sampler.buckets[0][:3]
+    assert all(len(r) == 2 for r in first)  # buffered rows keep every column
 
 
 def _sample_nodes(config):

@@ -290,10 +290,11 @@ def _object_counts(grouped) -> dict[int, int]:
 
 
 def load_or_count(spec: str | Sequence[str], path: str, ontology: Ontology,
-                  reading: Reading = Reading()) -> tuple[dict[int, int], bool]:
-    """(rows per object id, reused). A saved artifact is reused only if its fingerprint still matches."""
+                  reading: Reading = Reading(), made_from: dict | None = None) -> tuple[dict[int, int], bool]:
+    """(rows per object id, reused). A saved artifact is reused only if its fingerprint still matches
+    (``made_from``: the fingerprint, where the caller has it already)."""
     content, reused = artifacts.load_or_make(
-        path, fingerprint(spec, ontology), "tonics.counts_path",
+        path, made_from or fingerprint(spec, ontology), "tonics.counts_path",
         lambda: {"counts": {str(k): v for k, v in sorted(count_rows(spec, ontology, reading).items())}})
     return {int(k): v for k, v in content["counts"].items()}, reused
 

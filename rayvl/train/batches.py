@@ -54,13 +54,6 @@ def shuffle_seeds(cfg: RayvlConfig, rank: int, stream: int = 0) -> Iterator[int]
     return (shuffle_seed(cfg.train.seed, rank, execution, stream) for execution in itertools.count())
 
 
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``: to a GPU through pinned memory and a copy that does not block the host."""
-    if device.type != "cuda":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
 def epochs(iterate, begin=None) -> Iterator:
     """Execution after execution of a Ray Data iterator (streaming_split(equal=True) gives every rank the same
     count). A training dataset lists every pass its run needs (shards.passes_needed), so a second execution — and

@@ -15,6 +15,7 @@ every step, which ZeRO-3 exists to avoid (gathering them each step would undo it
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -22,9 +23,11 @@ from torch import nn
 
 
 class MemoryBank:
-    def __init__(self, model: nn.Module, size: int, dim: int, momentum: float):
+    def __init__(self, model: nn.Module, size: int, dim: int, momentum: float, autocast: torch.dtype | None = None):
+        """``autocast``: the dtype the trained towers compute in (bf16 on GPUs), for the key encoders' forward."""
         self.ema = copy.deepcopy(model).eval().requires_grad_(False)
-        self.momentum, self.size = momentum, size
+        self.momentum, self.size, self.autocast = momentum, size, autocast
+        self.pairs: tuple[list, list] | None = None  # (EMA, trained) parameters that train: update()'s lists
         device = next(model.parameters()).device
         self.images = torch.zeros(size, dim, device=device)
         self.texts = torch.zeros(size, dim, device=device)
@@ -39,9 +42,14 @@ class MemoryBank:
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
-        """θ' ← m·θ' + (1 − m)·θ for every parameter (frozen ones stay equal); buffers are copied."""
+        """θ' ← m·θ' + (1 − m)·θ for every trained parameter (frozen ones stay equal: their EMA is themselves);
+        buffers are copied."""
+        if self.pairs is None:  # once: the parameter objects stay (DeepSpeed re-points their data, not them)
+            ema = dict(self.ema.named_parameters())
+            trained = [(ema[name], p) for name, p in model.named_parameters() if p.requires_grad]
+            self.pairs = ([e for e, _ in trained], [p for _, p in trained])
+        ema, trained = self.pairs
         # foreach: a kernel per list, not one per tensor and operation (on a GPU each is a launch)
-        ema, trained = list(self.ema.parameters()), [p.detach() for p in model.parameters()]
         torch._foreach_mul_(ema, self.momentum)
         torch._foreach_add_(ema, trained, alpha=1.0 - self.momentum)
         buffers = list(self.ema.buffers())
@@ -50,8 +58,13 @@ class MemoryBank:
 
     @torch.no_grad()
     def encode(self, images, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
-        """EMA keys (u', v') of a local batch."""
-        return self.ema.encode_image(images), self.ema.encode_text(input_ids, attention_mask)
+        """EMA keys (u', v') of a local batch, computed in the precision the trained towers compute in (the copy
+        keeps fp32 weights, whose fp32 forward would cost a GPU twice the trained towers' bf16 one), made fp32."""
+        cast = torch.autocast(images.device.type, self.autocast) if self.autocast else contextlib.nullcontext()
+        with cast:
+            image, text = self.ema.encode_image(images), self.ema.encode_text(input_ids, attention_mask)
+        # unit length in fp32: the queue keeps them for many steps, and a bf16 normalisation is off by ~1e-3
+        return nn.functional.normalize(image.float(), dim=-1), nn.functional.normalize(text.float(), dim=-1)
 
     def keys(self, images: torch.Tensor, texts: torch.Tensor, labels: torch.Tensor):
         """The global batch's EMA keys followed by the filled part of the queue (with labels)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rayvl.config import RayvlConfig
+from rayvl.config import RayvlConfig, precision
 from rayvl.losses import gather_features, unicl_loss
 from rayvl.methods.bow.memory_bank import MemoryBank
 from rayvl.train.parts import TrainPart
@@ -24,8 +24,9 @@ class MemoryBankPart(TrainPart):
 
     def model_built(self, model) -> None:
         """The key encoders: a copy of the towers as built, before DeepSpeed casts or partitions them."""
-        mb = self.cfg.memory_bank
-        self.bank = MemoryBank(model, mb.size, self.cfg.model.embed_dim, mb.momentum).to(self.device)
+        mb, mode = self.cfg.memory_bank, precision(self.cfg.train)
+        autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode)
+        self.bank = MemoryBank(model, mb.size, self.cfg.model.embed_dim, mb.momentum, autocast).to(self.device)
 
     def components(self) -> dict:
         return {"memory_bank": self.bank}

@@ -3,13 +3,15 @@ resolves for it — the ontology (before Ray starts: a bad class is a config err
 |X(η_o)| (a Ray Data groupby once Ray is up, reused from its artifact when that matches)."""
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from collections import Counter
 
-from rayvl import assets
+from rayvl import assets, storage
 from rayvl.data.artifacts import ArtifactMismatch
-from rayvl.data.ontology import UNALIGNED, Ontology, keep_frequent, load_or_count
+from rayvl.data.ontology import UNALIGNED, Ontology, fingerprint, keep_frequent, load_or_count
 from rayvl.data.parts import Contribution, DataPart, RowTransform, RunData, Sample
 from rayvl.data.shards import Reading
 from rayvl.errors import ConfigError
@@ -72,16 +74,25 @@ def resolve_ontology(cfg) -> Ontology | None:
         raise ConfigError(f"tonics.classes{e}" if str(e).startswith("[") else f"tonics.{e}") from None
 
 
+def counts_path(run_dir: str, made_from: dict) -> str:
+    """Where a run without tonics.counts_path keeps the counts: beside its run, under the storage path, named by
+    what they were counted from — every run, sweep trial and comparison arm over the same shards and ontology
+    reads them instead of counting again (a Ray Data pass before the first step)."""
+    digest = hashlib.sha256(json.dumps(made_from, sort_keys=True).encode()).hexdigest()[:16]
+    return storage.join(storage.parent(run_dir.rstrip("/")), "artifacts", f"tonics_counts-{digest}.json")
+
+
 def class_counts(cfg, ontology: Ontology, train: str, run_dir: str,
                  shards: tuple[str, ...] = ()) -> tuple[Ontology, list[int]]:
     """|X(η_o)| per class over the shards of ``train`` (``shards``: as the run's plan listed them; Ray Data groupby,
     reused from the artifact when it matches); rare classes dropped."""
     x = cfg.tonics
-    path = x.counts_path or f"{run_dir.rstrip('/')}/tonics_counts.json"
+    made_from = fingerprint(shards or train, ontology)
+    path = x.counts_path or counts_path(run_dir, made_from)
     log.info(f"TOnICS rows per class: reading {path} or a Ray Data pass over {train}")
     start = time.perf_counter()
     try:
-        counts, reused = load_or_count(shards or train, path, ontology, Reading.of(cfg, None))
+        counts, reused = load_or_count(shards or train, path, ontology, Reading.of(cfg, None), made_from)
     except ArtifactMismatch as e:
         raise ConfigError(str(e)) from None
     kept, sizes = keep_frequent(ontology, counts, x.min_instances)

@@ -155,18 +155,26 @@ class BucketSampler:
         return bucket.pop()
 
     def _random_rows(self, k: int, rng: np.random.Generator) -> list[tuple]:
-        """k rows uniformly at random from everything buffered (a root-node draw)."""
+        """k rows uniformly at random from everything buffered, none twice (a root-node draw): one draw of k
+        distinct positions over the buckets laid end to end — not a draw per row, which rebuilt the buckets'
+        sizes each time on the training thread."""
+        keys = [key for key, b in self.buckets.items() if b]
+        ends = np.cumsum([len(self.buckets[key]) for key in keys])
+        picks = rng.choice(int(ends[-1]), size=k, replace=False)
+        which = np.searchsorted(ends, picks, side="right")
+        positions = picks - np.concatenate([[0], ends[:-1]])[which]
         rows = []
-        for _ in range(k):
-            keys = [key for key, b in self.buckets.items() if b]
-            sizes = np.array([len(self.buckets[key]) for key in keys], dtype=np.float64)
-            key = keys[int(rng.choice(len(keys), p=sizes / sizes.sum()))]
-            rows.append(self._pop(self.buckets[key], rng))
+        # within a bucket, the highest position first: a swap-remove then never moves a row still to be taken
+        for b, i in sorted(zip(which.tolist(), positions.tolist()), key=lambda bi: (bi[0], -bi[1])):
+            bucket = self.buckets[keys[b]]
+            bucket[i], bucket[-1] = bucket[-1], bucket[i]
+            rows.append(bucket.pop())
         self.total -= k
         return rows
 
-    def batch(self, node: int, step: int, micro: int = 0) -> dict:
-        """The micro-batch of this rank for ``node`` at global step ``step`` (micro-step ``micro``)."""
+    def batch(self, node: int, step: int, micro: int = 0, stack=np.stack) -> dict:
+        """The micro-batch of this rank for ``node`` at global step ``step`` (micro-step ``micro``); ``stack``
+        makes a column of it from its rows' arrays."""
         rng = np.random.default_rng([self.seed, step, micro, self.rank, 1])
         self._fill()
         self.counts[f"tonics_node_{'root' if node == ROOT else 'object'}_batches"] += 1
@@ -184,4 +192,4 @@ class BucketSampler:
                 self.counts["tonics_fallback_rows"] += self.n - len(rows)
                 self.counts["tonics_fallback_batches"] += 1
                 rows += self._random_rows(self.n - len(rows), rng)
-        return {c: np.stack([r[j] for r in rows]) for j, c in enumerate(self.columns)}
+        return {c: stack([r[j] for r in rows]) for j, c in enumerate(self.columns)}
