@@ -1,20 +1,21 @@
 """Host CPU time of one training step per engine layout, against a bare loop: the CPU measure of issue 54.
 
-    .venv/bin/python benchmarks/host_time.py [--stages 0,1,2,3] [--precision bf16] [--rounds 12] [--steps 4]
+    .venv/bin/python benchmarks/host_time.py [--stages 0,1,2,3] [--precision fp32] [--rounds 12] [--steps 4]
 
 On a GPU the host only launches kernels; when the host's time per step exceeds the GPU's, the GPU waits and the
 framework, not the model, sets the speed (DeepSpeed ZeRO-2's per-gradient hooks did on an H200: docs/gpu.md). On a
 CPU with one intra-op thread, ``time.thread_time()`` of the step counts the host's work and the model's arithmetic
 together; on the census's tiny model (benchmarks/step_census.py: the laion_adapt layout at ViT-B/32, 188 trainable
-tensors, 32 px, batch 4) the arithmetic is small, so what a layout adds over the bare loop is host work a GPU would
-wait on.
+tensors, 32 px) at batch 2 and 8 tokens the arithmetic is small, so what a layout adds over the bare loop is host
+work a GPU would wait on. fp32 by default: this CPU emulates bf16's matrix products, which would bury the host's
+work (``--precision bf16`` runs DeepSpeed's bf16 path all the same).
 
 Every layout is rayvl's own step (``rayvl.train.engine.build_engine``, ``rayvl.train.loop.train_step``) in one
-process beside the bare loop (fused AdamW, foreach clipping, bf16 autocast); rounds interleave them in a rotating
-order, each round times ``--steps`` steps of each, and the table gives each layout's median per-step thread time and
-the median over rounds of its ratio to the bare loop in the same round (a busy machine slows a whole round, not one
-layout). The sync-type ops per step (step_census.SYNC_OPS: each a wait for the GPU on CUDA) come from one counted
-step. Timings are printed, never asserted; tests/test_step_census.py pins the counts.
+process beside the bare loop (fused AdamW, foreach clipping; bf16 autocast at bf16); rounds interleave them in a
+rotating order, each round times ``--steps`` steps of each, and the table gives each layout's median per-step thread
+time and the median over rounds of its ratio to the bare loop in the same round (a busy machine slows a whole round,
+not one layout). The sync-type ops per step (step_census.SYNC_OPS: each a wait for the GPU on CUDA) come from one
+counted step. Timings are printed, never asserted; tests/test_step_census.py pins the counts.
 """
 from __future__ import annotations
 
@@ -29,8 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step_census as sc  # noqa: E402
 import torch  # noqa: E402
 
+# issue 54 on a CPU, × the bare loop: the auto layout (stage 0 there) and ZeRO-1
 GOALS = {0: 1.10, 1: 1.5}
-BATCH, TOKENS = 2, 8  # the census's model at the smallest batch: the frozen text tower's arithmetic is most of it  # issue 54 on a CPU: the auto layout (stage 0 there) and ZeRO-1, × the bare loop
+# the census's model at a small batch: the frozen text tower's arithmetic is most of a step even so
+BATCH, TOKENS = 2, 8
 
 
 def layouts(stages: list[int], precision: str) -> dict[str, tuple]:

@@ -75,10 +75,19 @@ def read_text(path: str) -> str:
 
 
 def write_bytes(path: str, data: bytes) -> None:
+    """Write ``path`` whole: a reader sees the old file or the new one, never a part (an object store's put is
+    whole already; on a local or shared filesystem the bytes go to a temporary name first, then are renamed —
+    sweep trials that share an artifact write and read it at once)."""
     fs, inner = filesystem(path)
     fs.create_dir(posixpath.dirname(inner), recursive=True)
-    with fs.open_output_stream(inner) as f:
+    if is_url(path) and not str(path).startswith("file://"):
+        with fs.open_output_stream(inner) as f:
+            f.write(data)
+        return
+    partial = f"{inner}.partial-{os.getpid()}"
+    with fs.open_output_stream(partial) as f:
         f.write(data)
+    fs.move(partial, inner)
 
 
 def write_text(path: str, text: str) -> None:

@@ -65,12 +65,14 @@ def test_auto_skips_the_layouts_a_method_refuses_and_an_asked_offload_narrows_th
     assert chosen.stage == 2 and "add GPUs" in chosen.why  # ZeRO-3 refused: the least a bank can hold
     offloaded = choose(gpu_config("train.zero_offload=optimizer"), Params(1000, 1000), 80.0, "test")
     assert (offloaded.stage, offloaded.offload) == (2, "optimizer")
-    with pytest.raises(ConfigError, match="train.zero_stage"):
+    with pytest.raises(ConfigError, match="train.zero_stage: auto found no layout .*memory_bank"):
         choose(gpu_config("memory_bank.size=64", "train.zero_offload=optimizer_and_params"), Params(1, 1), 80.0, "t")
 
 
 def test_gpu_memory_from_this_machine_or_from_rays_accelerator_type(tmp_path, monkeypatch):
     cfg = gpu_config(*VIT_B32)
+    assert layout.on_cluster(gpu_config("ray_address=ray://head:10001"))  # a cluster's GPUs are not this machine's
+    monkeypatch.setattr(layout, "on_cluster", lambda cfg: False)  # a run that starts its own Ray
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi here: the cluster's GPUs are asked
     assert resolve(cfg, cluster=None) == (cfg, None)  # the trainer asks again once Ray reports them
     resolved, chosen = resolve(cfg, cluster={"GPU": 8.0, "accelerator_type:H100": 1.0})
@@ -92,12 +94,14 @@ def test_a_resume_keeps_its_checkpoints_stage_and_the_dry_run_names_the_layout(d
     base = [f"train.storage_path={tmp_path}", "train.run_name=run", "eval.tasks=[]"]
     cfg = load_config(REPO / "configs" / "laion_adapt.yaml", base + [f"data.train={demo_dir / 'train'}"])
     assert "  engine: DeepSpeed ZeRO-0 (train.zero_stage=auto: CPU workers" in describe(cfg)
-    written = load_config(REPO / "configs" / "laion_adapt.yaml", base + ["train.zero_stage=1"])
+    written = load_config(REPO / "configs" / "laion_adapt.yaml", base + ["train.zero_stage=3",
+                                                                          "train.zero_offload=optimizer"])
     checkpoint = tmp_path / "run" / "checkpoint_000002"
     checkpoint.mkdir(parents=True)
     (checkpoint / "rayvl.json").write_text(json.dumps({"step": 2, "config": written.to_dict(), "final": False}))
     resumed = load_config(REPO / "configs" / "laion_adapt.yaml",
                           base + [f"data.train={demo_dir / 'train'}", "train.resume=true"])
     planned = plan_run(resumed)
-    assert planned.cfg.train.zero_stage == 1 and "the stage of the checkpoint" in planned.layout.why
+    t = planned.cfg.train  # stage and offload as written: DeepSpeed's files hold that layout's partitions
+    assert (t.zero_stage, t.zero_offload) == (3, "optimizer") and "the layout of the checkpoint" in planned.layout.why
     assert os.path.isdir(checkpoint)

@@ -109,6 +109,39 @@ def test_device_side_norm_and_clip_step_as_deepspeeds_own_and_a_non_finite_step_
     assert all(torch.isfinite(p).all() for p in _weights(engine).values())
 
 
+@pytest.mark.parametrize("stage, clip", [(0, 1.0), (2, 0.0)])
+def test_a_step_of_non_finite_gradients_leaves_the_weights_finite_with_and_without_clipping(sc, stage, clip):
+    """Stage 0 (rayvl clips): the fused AdamW takes a non-finite norm as GradScaler's found_inf — weights, moments and
+    step count unchanged, nothing read back. ZeRO-2 without clipping (DeepSpeed's bf16 step neither checks nor
+    clips then): the step takes zero gradients, so AdamW moves the weights by momentum and decay only."""
+    from rayvl.train.loop import train_step
+    from rayvl.train.objective import Objective
+    from rayvl.train.resume import TrainedRows
+    from rayvl.train.window import Window
+
+    step, engine = sc.rayvl_step(sc.config(stage, "bf16", [f"train.grad_clip={clip}"]))
+    step()
+    before = _masters(engine) if stage else [p.detach().clone() for p in engine.module.parameters()]
+    moments = {k: v.clone() for k, v in engine.optimizer.state_dict()["state"][0].items()} if stage == 0 else {}
+    hook = engine.module.logit_scale.register_hook(lambda g: g * math.nan)
+    batch = sc.batch()
+    own_clip = clip if stage == 0 else None
+    train_step(engine, Objective([], True), lambda s, m: (batch, 0.0), 2, 1, own_clip, 0, 1, TrainedRows(), Window())
+    after = _masters(engine) if stage else [p.detach().clone() for p in engine.module.parameters()]
+    assert all(torch.isfinite(t).all() for t in after)
+    if stage:  # zero gradients: the same move as a step whose gradients are all 0
+        return
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # skipped, not moved by momentum or decay
+    if stage == 0:  # the moments and the step count too (fused AdamW undoes its step count)
+        assert moments and all(torch.equal(v, engine.optimizer.state_dict()["state"][0][k])
+                               for k, v in moments.items())
+    hook.remove()
+    step()  # the next step trains again
+    trained = _masters(engine) if stage else [p.detach() for p in engine.module.parameters()]
+    assert not all(torch.equal(a, b) for a, b in zip(after, trained))
+    assert all(torch.isfinite(t).all() for t in trained)
+
+
 def test_a_checkpoint_resumes_in_the_buffer_padding_it_was_written_with(sc, tmp_path):
     """ZeRO-1/2's flat buffers are padded for alignment now; a checkpoint written before (no record of it in
     rayvl.json) holds the unpadded layout, which DeepSpeed loads only into unpadded buffers: a resume builds them as

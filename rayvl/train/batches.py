@@ -3,7 +3,9 @@
 Ray Data inside Ray Train can starve silently (operators stay "pending" when workers hold every CPU). A producer
 thread iterates the shard epoch after epoch; the training thread waits at most ``data.stall_timeout_s`` for a
 batch and then fails with an error that says what to change, instead of hanging. On a GPU the batches arrive on
-the worker's own device (rayvl.train.devices), copied from pinned host memory without blocking.
+the worker's own device (rayvl.train.devices), copied from pinned host memory on a CUDA stream of the producer's
+own, so that the copy overlaps the step (on the device's default stream, where Ray Data's own thread would copy, it
+waits for the step's kernels and they for it); the training thread's stream waits for each batch's copy only.
 """
 from __future__ import annotations
 
@@ -32,20 +34,20 @@ def batch_stream(shard, cfg: RayvlConfig, size: int | None = None, begin=None, r
                  stream: int = 0, device: torch.device = CPU) -> Iterator[tuple[dict, float]]:
     """(micro-batch of torch tensors on ``device``, seconds waited for it), endlessly. ``begin(n)`` is called
     before the n-th further execution of the dataset (``epochs``); the shuffle buffer is seeded per (rank,
-    ``stream``, execution). ``device`` carries its index: Ray Data moves batches in threads of its own, where a
-    bare "cuda" would mean GPU 0."""
+    ``stream``, execution). ``device`` carries its index: the producer thread binds it (a bare "cuda" in a new
+    thread would mean GPU 0)."""
     t = cfg.train
     seeds = shuffle_seeds(cfg, rank, stream)
 
     def batches():
-        for batch in epochs(lambda: shard.iter_torch_batches(
+        for batch in epochs(lambda: shard.iter_torch_batches(  # pinned host tensors: the copy is prefetched's
                 batch_size=t.micro_batch_size if size is None else size, drop_last=True,
                 prefetch_batches=cfg.data.prefetch_batches, local_shuffle_seed=next(seeds),
-                local_shuffle_buffer_size=cfg.data.local_shuffle_buffer or None, device=device,
+                local_shuffle_buffer_size=cfg.data.local_shuffle_buffer or None, device=CPU,
                 pin_memory=device.type == "cuda"), begin):
             yield {k: batch[k] for k in TRAIN_COLUMNS + [ROW] if k in batch}
 
-    return prefetched(batches, cfg, device)
+    return prefetched(batches, cfg, device, copy=True)
 
 
 def shuffle_seeds(cfg: RayvlConfig, rank: int, stream: int = 0) -> Iterator[int]:
@@ -71,27 +73,61 @@ def epochs(iterate, begin=None) -> Iterator:
                                  "fewer samples than train.micro_batch_size × train.num_workers")
 
 
-def prefetched(make, cfg: RayvlConfig, device: torch.device = CPU) -> Iterator[tuple[object, float]]:
+def prefetched(make, cfg: RayvlConfig, device: torch.device = CPU,
+               copy: bool = False) -> Iterator[tuple[object, float]]:
     """Items of ``make()`` produced by a thread started now, bound to ``device`` — the Ray Data execution starts
     while the caller builds the model and the DeepSpeed engine, instead of at the first step; the consumer waits
-    at most data.stall_timeout_s for each item."""
+    at most data.stall_timeout_s for each item. ``copy``: the items are dicts of host tensors, pinned where
+    ``device`` is a GPU, which the producer copies there on a stream of its own (DeviceCopy)."""
     q: queue.Queue = queue.Queue(maxsize=max(1, cfg.data.prefetch_batches))
     failure: list[BaseException] = []
+    copies = DeviceCopy(device) if copy else None
 
     def produce():
         try:
             devices.bind(device)  # a new thread's CUDA device is GPU 0, whatever its worker's is
             for item in make():
-                q.put(item)
+                q.put(copies.send(item) if copies else (item, None))
         except BaseException as e:  # handed to the training thread, which raises it
             failure.append(e)
             q.put(_END)
 
     threading.Thread(target=produce, name="rayvl-batches", daemon=True).start()
-    return _consume(q, failure, cfg.data.stall_timeout_s)
+    return _consume(q, failure, cfg.data.stall_timeout_s, copies)
 
 
-def _consume(q: queue.Queue, failure: list, stall_timeout_s: float) -> Iterator[tuple[object, float]]:
+class DeviceCopy:
+    """Host-to-GPU copies of batches on a CUDA stream of their own: ``send`` (in the producer thread) queues a
+    batch's non-blocking copies there and marks their end with an event; ``receive`` (in the training thread)
+    makes the training stream wait for that event — on the GPU, not the host — and tells the caching allocator
+    that the training stream uses the tensors (their memory came from the copy stream). On a CPU both pass the
+    batch through."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = None  # made in the producer thread, on its bound device
+
+    def send(self, batch: dict) -> tuple[dict, object]:
+        if self.device.type != "cuda":
+            return batch, None
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self.stream):
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            return batch, self.stream.record_event()
+
+    def receive(self, batch: dict, copied) -> dict:
+        if copied is None:
+            return batch
+        training = torch.cuda.current_stream(self.device)
+        training.wait_event(copied)
+        for v in batch.values():
+            v.record_stream(training)
+        return batch
+
+
+def _consume(q: queue.Queue, failure: list, stall_timeout_s: float,
+             copies: DeviceCopy | None = None) -> Iterator[tuple[object, float]]:
     while True:
         started = time.perf_counter()
         try:
@@ -103,4 +139,5 @@ def _consume(q: queue.Queue, failure: list, stall_timeout_s: float) -> Iterator[
             ) from None
         if item is _END:
             raise failure[0]
-        yield item, time.perf_counter() - started
+        item, copied = item
+        yield (copies.receive(item, copied) if copies else item), time.perf_counter() - started

@@ -6,11 +6,13 @@ bucket and then into its partition; at ZeRO-3 the weights are gathered before ev
 the GPU beside its activations trains fastest with none of that — stage 0, torch autocast over fp32 weights and one
 fused optimizer, as a hand-written PyTorch loop does. So ``auto`` takes the first layout, in the order of their cost
 per step, whose state fits: stage 0, ZeRO-1 (its gradients reduced once after the backward, no hooks), ZeRO-2,
-ZeRO-3, then the optimizer state offloaded to host memory (ZeRO-2, then ZeRO-3), then the parameters too — and on CPU workers
-stage 0, since host memory is not what ZeRO is for. A layout the config's own checks refuse (a memory bank needs
-its weights whole: no ZeRO-3) is skipped.
+ZeRO-3, then the optimizer state offloaded to host memory (ZeRO-2, then ZeRO-3), then the parameters too — and on
+CPU workers stage 0, since host memory is not what ZeRO is for. A layout the config's own checks refuse (a memory
+bank needs its weights whole: no ZeRO-3) is skipped.
 
-A resume keeps its checkpoint's stage: DeepSpeed's files hold the partitions of the layout they were written in.
+GPU memory: this machine's (nvidia-smi) where the run starts its own Ray; a cluster's from the accelerator types Ray
+reports once connected. A resume keeps its checkpoint's stage and offload: DeepSpeed's files hold the partitions of
+the layout they were written in.
 """
 from __future__ import annotations
 
@@ -78,19 +80,22 @@ def choose(cfg: RayvlConfig, params: Params, gpu_gib: float | None, gpu_from: st
         return Layout(0, "none", "CPU workers: ZeRO partitions state to save GPU memory and costs host time every "
                                  "step, so stage 0")
     mode, budget = precision(t), STATE_SHARE * gpu_gib * 2**30
-    fits = []
+    least, refused = None, []
     for stage, offload in CANDIDATES:
         if t.zero_offload != "none" and offload != t.zero_offload:
             continue  # an offload the user asked for narrows the choice to the layouts that have it
-        need = state_bytes(stage, offload, params, t.num_workers, mode)
-        if not _accepted(cfg, stage, offload):
+        try:
+            validate(_with(cfg, stage, offload))
+        except ConfigError as e:
+            refused.append(f"ZeRO-{stage}/{offload}: {e}")
             continue
-        fits.append((stage, offload, need))
-        if need <= budget:
-            return Layout(stage, offload, _why(stage, need, params, gpu_gib, gpu_from))
-    if not fits:
-        raise ConfigError("train.zero_stage: auto found no layout this config accepts; set the stage")
-    stage, offload, need = fits[-1]
+        least = (stage, offload, state_bytes(stage, offload, params, t.num_workers, mode))
+        if least[2] <= budget:
+            return Layout(stage, offload, _why(stage, least[2], params, gpu_gib, gpu_from))
+    if least is None:
+        raise ConfigError("train.zero_stage: auto found no layout this config accepts (" + "; ".join(refused)
+                          + "); set the stage")
+    stage, offload, need = least
     return Layout(stage, offload, f"{_gib(need)} of state a rank does not fit {STATE_SHARE:.0%} of "
                                   f"{gpu_gib:.3g} GiB ({gpu_from}) in any layout — the least it can be; add GPUs")
 
@@ -103,14 +108,6 @@ def _why(stage: int, need: int, params: Params, gpu_gib: float, gpu_from: str) -
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
-
-
-def _accepted(cfg: RayvlConfig, stage: int, offload: str) -> bool:
-    try:
-        validate(_with(cfg, stage, offload))
-    except ConfigError:
-        return False
-    return True
 
 
 def _with(cfg: RayvlConfig, stage: int, offload: str) -> RayvlConfig:
@@ -154,27 +151,37 @@ def cluster_gpu_gib(resources: dict[str, float]) -> tuple[float | None, str]:
     return gib, f"Ray's accelerator type {name}"
 
 
-def resolve(cfg: RayvlConfig, checkpoint_stage=None,
+def resolve(cfg: RayvlConfig, checkpoint: tuple | None = None,
             cluster: dict[str, float] | None = None) -> tuple[RayvlConfig, Layout | None]:
     """``cfg`` with train.zero_stage=auto replaced by the chosen stage (and offload), and the layout; (``cfg``, None)
-    when the stage was set, or when the GPUs are on a cluster not yet asked: ``cluster`` (a Ray cluster's resources)
-    is needed then. ``checkpoint_stage``: the stage of the checkpoint a resume continues, which it keeps."""
+    when the stage was set, or when the GPUs are a cluster's not yet asked: ``cluster`` (the cluster's resources,
+    once Ray is connected) is needed then. ``checkpoint``: the (stage, offload) of the checkpoint a resume
+    continues, which it keeps."""
     t = cfg.train
     if t.zero_stage != "auto":
         return cfg, None
-    if isinstance(checkpoint_stage, int):
-        layout = Layout(checkpoint_stage, t.zero_offload, "the stage of the checkpoint this run resumes")
+    if checkpoint is not None and isinstance(checkpoint[0], int):
+        layout = Layout(checkpoint[0], checkpoint[1], "the layout of the checkpoint this run resumes")
     elif not t.use_gpu:
         layout = choose(cfg, Params(0, 0), None, "")
     else:
-        gib, source = local_gpu_gib(), "this machine's GPU"
+        gib, source = (local_gpu_gib(), "this machine's GPU") if not on_cluster(cfg) else (None, "")
         if gib is None:
             if cluster is None:
                 return cfg, None
             gib, source = cluster_gpu_gib(cluster)
         if gib is None:
-            gib, source = UNKNOWN_GPU_GIB, "assumed: no GPU here and no accelerator type Ray names"
+            gib, source = UNKNOWN_GPU_GIB, "assumed: no accelerator type Ray names"
         layout = choose(cfg, count_params(cfg), gib, source)
     resolved = _with(cfg, layout.stage, layout.offload)
     validate(resolved)
     return resolved, layout
+
+
+def on_cluster(cfg: RayvlConfig) -> bool:
+    """Whether the run joins a Ray cluster (whose GPUs this machine's need not be) rather than start its own."""
+    import os
+
+    import ray
+
+    return bool(cfg.ray_address or os.environ.get("RAY_ADDRESS") or ray.is_initialized())

@@ -181,13 +181,16 @@ def _register_placement_group(registry: str, run_name: str) -> None:
 def _step(engine, grad_clip: float | None) -> torch.Tensor | float | None:
     """``engine.step()``; at an optimizer step, the global gradient norm before clipping (a device tensor where it
     is one: read at log steps only). Where rayvl clips (``grad_clip`` not None) it clips here —
-    one foreach norm and one foreach scale over the gradients, which are all-reduced by then; DeepSpeed keeps the
-    norm of the steps it clips itself."""
+    one foreach norm and one foreach scale over the gradients, which are all-reduced by then — and a step whose
+    norm is not finite is skipped on the device: the fused AdamW takes it as GradScaler's ``found_inf`` (weights,
+    moments and step count unchanged), with no read of the norm. DeepSpeed keeps the norm of the steps it clips
+    itself (rayvl.train.syncfree)."""
     norm, boundary = None, engine.is_gradient_accumulation_boundary()
     if boundary and grad_clip is not None:
         params = [p for p in engine.module.parameters() if p.grad is not None]
         if params:
             norm = torch.nn.utils.clip_grad_norm_(params, grad_clip or math.inf, foreach=True)
+            engine.optimizer.found_inf = (~torch.isfinite(norm)).float()
     engine.step()
     if norm is None and boundary:
         norm = engine.get_global_grad_norm()

@@ -42,10 +42,10 @@ class RunResult:
 STAMPED = re.compile(r"-\d{8}-\d{6}$")  # <recipe>-<YYYYmmdd-HHMMSS>, the name a run gets by default
 
 
-def run_paths(cfg: RayvlConfig) -> tuple[str, str, int, int | None]:
-    """(storage path, run name, the step of the checkpoint a resume continues — 0 for none, that checkpoint's ZeRO
-    stage — None for none). A run with checkpoints is continued only with train.resume; train.resume without a run
-    name continues the newest run of the recipe."""
+def run_paths(cfg: RayvlConfig) -> tuple[str, str, int, tuple | None]:
+    """(storage path, run name, the step of the checkpoint a resume continues — 0 for none, that checkpoint's
+    engine layout (ZeRO stage, offload) — None for none). A run with checkpoints is continued only with
+    train.resume; train.resume without a run name continues the newest run of the recipe."""
     store = storage.normalize(cfg.train.storage_path)
     name = cfg.train.run_name or (newest_run(store, cfg.recipe) if cfg.train.resume else "") \
         or f"{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -56,12 +56,13 @@ def run_paths(cfg: RayvlConfig) -> tuple[str, str, int, int | None]:
                           f"set train.resume=true (--resume) to continue it, or choose another name")
     if cfg.train.resume and latest is None:
         raise ConfigError(f"train.resume: run {run_dir!r} has no checkpoint to resume from")
-    step, stage = 0, None
+    step, layout = 0, None
     if latest is not None:
         meta = read_meta(latest)
         check_resumable(cfg, meta, run_dir)
-        step, stage = meta["step"], meta["config"]["train"]["zero_stage"]
-    return store, name, step, stage
+        written = meta["config"]["train"]
+        step, layout = meta["step"], (written["zero_stage"], written.get("zero_offload", "none"))
+    return store, name, step, layout
 
 
 def newest_run(store: str, recipe: str) -> str:

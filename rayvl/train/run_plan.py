@@ -58,7 +58,7 @@ def plan_run(cfg: RayvlConfig, finished_ok: bool = True, dry: bool = False) -> R
     written, so its shards are not listed and its pass holds data.demo_samples."""
     data = datasets.plan(cfg, make_demo=not dry)
     cfg = data.cfg
-    store, name, step, stage = run_paths(cfg)
+    store, name, step, written = run_paths(cfg)
     if not finished_ok:
         refuse_finished(cfg, storage.join(store, name), step)
     init = check_init_from(cfg)
@@ -67,7 +67,7 @@ def plan_run(cfg: RayvlConfig, finished_ok: bool = True, dry: bool = False) -> R
     else:  # the dry run of the demo
         pass_size, how = cfg.data.demo_samples, "the demo's training split"
     passes = datasets.train_passes(data, pass_size, len(data.train_shards) or 1)
-    resolved, layout = resolve(cfg, checkpoint_stage=stage, cluster=None)
+    resolved, layout = resolve(cfg, checkpoint=written, cluster=None)
     return RunPlan(dataclasses.replace(data, cfg=resolved), store, name, step, init, pass_size, how, passes,
                    datasets.read_ahead_bytes(data), layout)
 

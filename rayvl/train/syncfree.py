@@ -16,12 +16,14 @@ tensor (a host-to-device copy that waits for the stream), and read the norm back
 
 The norms these methods return are marked, and DeepSpeed's module-level ``is_invalid_grad_norm`` (with
 ``combine_grad_norm_groups``, which combines the groups' norms) is wrapped in the ZeRO modules so that for a
-marked norm it answers "valid" without reading it: the clip above has already made the step of an invalid norm
-one of zero gradients. Any norm not marked — another optimizer's, another caller's — is read as before.
+marked norm it answers "valid" without reading it: the clip above makes the step of an invalid norm one of zero
+gradients, with clipping or without. Any norm not marked — another optimizer's, another caller's — is read as
+before.
 
 bf16 needs no loss scaling, so rayvl turns DeepSpeed's bf16 overflow check off (it reads the GPU every step);
-without it a step whose gradients are not finite is not skipped but takes zero gradients: AdamW then moves the
-weights by its momentum and weight decay only, and the report's loss and grad_norm show the step.
+without it a step whose gradients are not finite is not skipped but takes zero gradients (DeepSpeed's bf16 step
+would take them as they are): AdamW then moves the weights by its momentum and weight decay only, and the report's
+loss and grad_norm show the step.
 
 The rest of DeepSpeed's step is unchanged. ``install`` says which were installed; a DeepSpeed whose optimizer
 lacks them (another version) keeps its own step.
@@ -87,10 +89,10 @@ def _marked(norm: torch.Tensor) -> torch.Tensor:
 
 
 def _device_norm(grads: list, device, group, all_reduce_model_parallel) -> torch.Tensor:
-    """√(Σ‖g‖²) over ``grads`` and the ranks of ``group`` (then the model-parallel group), on the device; non-finite
-    → DeepSpeed's -1 sentinel, made with a fill on the device (DeepSpeed's mask_nan_or_inf_with_val_inplace makes it
-    with torch.tensor(-1.0, device=…) — a host-to-device copy that waits for the stream — and fills with a tensor
-    value: a scalar read)."""
+    """√(Σ‖g‖²) over ``grads`` and the ranks of ``group`` (then the model-parallel group), on the device;
+    non-finite → DeepSpeed's -1 sentinel, made with a fill on the device (DeepSpeed's
+    mask_nan_or_inf_with_val_inplace makes it with torch.tensor(-1.0, device=…) — a host-to-device copy that waits
+    for the stream — and fills with a tensor value: a scalar read). Marked (see above)."""
     import deepspeed.comm as dist
     from deepspeed.runtime.zero.utils import get_norm_dtype
 
@@ -129,13 +131,15 @@ def _grad_norm_stage3(self, gradients, params, norm_type=2):
                         None if every_rank else self._model_parallel_all_reduce)
 
 
-def _clip_coefficient(self, total_norm) -> torch.Tensor | float:
-    """loss scale × max(1, (‖g‖ / scale + 1e-6) / clip) as a device tensor, an invalid norm clipping as infinite."""
-    if self.clip_grad <= 0.0:
-        return self.loss_scale
+def _clip_coefficient(self, total_norm) -> torch.Tensor:
+    """loss scale × max(1, (‖g‖ / scale + 1e-6) / clip) as a device tensor (without clipping: the loss scale), an
+    invalid norm making it infinite: such a step's gradients become 0."""
     norm = torch.as_tensor(total_norm, dtype=torch.float32)
     # DeepSpeed's rule: an invalid norm (non-finite, or the -1 sentinel) clips as if it were infinite
-    norm = torch.where(torch.isfinite(norm) & (norm >= 0), norm, torch.full_like(norm, math.inf))
+    valid = torch.isfinite(norm) & (norm >= 0)
+    norm = torch.where(valid, norm, torch.full_like(norm, math.inf))
+    if self.clip_grad <= 0.0:
+        return torch.where(valid, torch.full_like(norm, self.loss_scale), norm)
     return torch.clamp(((norm / self.loss_scale) + 1e-6) / self.clip_grad, min=1.0) * self.loss_scale
 
 
@@ -143,20 +147,17 @@ def _scale(self, grads, combined) -> None:
     inverse = 1.0 / combined
     for g in grads:
         g.data.mul_(inverse)
-        if self.clip_grad > 0.0:  # an invalid norm scaled by 0: non-finite entries become 0 too
-            g.data.nan_to_num_(0.0, 0.0, 0.0)
+        g.data.nan_to_num_(0.0, 0.0, 0.0)  # an invalid norm scaled by 0: non-finite entries become 0 too
 
 
 def _unscale_and_clip(self, grad_groups_flat, total_norm):
     """DeepSpeedZeroOptimizer.unscale_and_clip_grads with the clip coefficient kept a device tensor."""
-    if self.clip_grad == 0.0 and self.loss_scale == 1.0:
-        return
+    if total_norm is None:  # no norm computed (zero_optimization.compute_grad_norm=false): DeepSpeed's own
+        return type(self).unscale_and_clip_grads(self, grad_groups_flat, total_norm)
     _scale(self, [g for grad in grad_groups_flat for g in (grad if isinstance(grad, list) else [grad])],
            _clip_coefficient(self, total_norm))
 
 
 def _unscale_and_clip_stage3(self, sub_group_id, total_norm):
     """DeepSpeedZeroOptimizer_Stage3.unscale_and_clip_grads with the clip coefficient kept a device tensor."""
-    if self.clip_grad == 0.0 and self.loss_scale == 1.0:
-        return
     _scale(self, [self.fp32_partitioned_groups_flat[sub_group_id].grad], _clip_coefficient(self, total_norm))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 
+import ray
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
@@ -46,7 +47,8 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
     session.check_storage(cfg)
     layout = planned.layout
     if cfg.train.zero_stage == "auto":  # GPUs on a cluster: their memory is known now, from Ray's accelerator types
-        cfg, layout = resolve(cfg, cluster=session.largest_cluster()[0])
+        # of the nodes up now, beside what an autoscaler can add
+        cfg, layout = resolve(cfg, cluster={**ray.cluster_resources(), **session.largest_cluster()[0]})
     if layout is not None and verbose:
         log.info(f"engine: {layout.line()}")
     startup.mark("ray")

@@ -63,7 +63,8 @@ class MemoryBank:
         cast = torch.autocast(images.device.type, self.autocast) if self.autocast else contextlib.nullcontext()
         with cast:
             image, text = self.ema.encode_image(images), self.ema.encode_text(input_ids, attention_mask)
-        # unit length in fp32: the queue keeps them for many steps, and a bf16 normalisation is off by ~1e-3
+        # unit length in fp32: the queue keeps them for many steps, and where autocast normalises in bf16 (on CPUs)
+        # a key's length is off by up to ~1e-3
         return nn.functional.normalize(image.float(), dim=-1), nn.functional.normalize(text.float(), dim=-1)
 
     def keys(self, images: torch.Tensor, texts: torch.Tensor, labels: torch.Tensor):

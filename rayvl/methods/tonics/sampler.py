@@ -150,7 +150,10 @@ class BucketSampler:
 
     @staticmethod
     def _pop(bucket: list, rng: np.random.Generator) -> tuple:
-        i = int(rng.integers(len(bucket)))
+        return BucketSampler._take(bucket, int(rng.integers(len(bucket))))
+
+    @staticmethod
+    def _take(bucket: list, i: int) -> tuple:
         bucket[i], bucket[-1] = bucket[-1], bucket[i]  # swap-remove: O(1)
         return bucket.pop()
 
@@ -166,9 +169,7 @@ class BucketSampler:
         rows = []
         # within a bucket, the highest position first: a swap-remove then never moves a row still to be taken
         for b, i in sorted(zip(which.tolist(), positions.tolist()), key=lambda bi: (bi[0], -bi[1])):
-            bucket = self.buckets[keys[b]]
-            bucket[i], bucket[-1] = bucket[-1], bucket[i]
-            rows.append(bucket.pop())
+            rows.append(self._take(self.buckets[keys[b]], i))
         self.total -= k
         return rows
 

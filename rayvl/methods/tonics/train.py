@@ -45,9 +45,8 @@ class TonicsBatches:
         host copy of the images, where stacking and then pinning made two."""
         if self.device.type != "cuda":
             return torch.from_numpy(np.stack(rows))
-        first = np.asarray(rows[0])
-        pinned = torch.empty((len(rows), *first.shape), dtype=torch.from_numpy(np.empty(0, first.dtype)).dtype,
-                             pin_memory=True)
+        first = np.asarray(rows[0])  # a column's rows share its dtype (one Ray Data column)
+        pinned = torch.empty((len(rows), *first.shape), dtype=torch.from_numpy(first).dtype, pin_memory=True)
         np.stack(rows, out=pinned.numpy())
         return pinned.to(self.device, non_blocking=True)
 
