@@ -4,7 +4,6 @@ the first sample of the first and the last shard read, the batch arithmetic, the
 cluster is asked for. No Ray is started."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from collections import Counter
@@ -166,14 +165,11 @@ def _scale_warnings(cfg: RayvlConfig, steps_a_pass: float | None) -> list[str]:
 def model_lines(cfg: RayvlConfig) -> list[str]:
     """Each tower: where its weights come from, its trainable and frozen parameters (counted on the meta device:
     nothing allocated, no weights read); the optimizer and the schedule."""
-    import torch
-
-    from rayvl.models.dual_encoder import DualEncoder
+    from rayvl.models.dual_encoder import meta_model
 
     m, t = cfg.model, cfg.train
     classes = m.num_classes  # a class-embedding tower's classes: from its image-label data when 0 (the run finds them)
-    with torch.device("meta"):
-        model = DualEncoder(dataclasses.replace(m, num_classes=max(1, classes)), pretrained=False)
+    model = meta_model(m)
 
     def params(module) -> str:
         trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)

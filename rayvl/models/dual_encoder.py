@@ -69,6 +69,15 @@ class DualEncoder(nn.Module):
         return out if self.cfg.init_logit_bias is None else (*out, self.bias())
 
 
+def meta_model(cfg: ModelConfig) -> DualEncoder:
+    """The dual encoder on the meta device, for counting its parameters: nothing allocated, no weights read (a
+    class-embedding tower whose classes its data will give gets one)."""
+    import dataclasses
+
+    with torch.device("meta"):
+        return DualEncoder(dataclasses.replace(cfg, num_classes=max(1, cfg.num_classes)), pretrained=False)
+
+
 def build_model(cfg: ModelConfig, seed: int = 0) -> DualEncoder:
     torch.manual_seed(seed)  # every rank builds identical random layers; DeepSpeed also broadcasts rank 0's
     return DualEncoder(cfg)

@@ -116,13 +116,9 @@ def _with(cfg: RayvlConfig, stage: int, offload: str) -> RayvlConfig:
 
 def count_params(cfg: RayvlConfig) -> Params:
     """The dual encoder's parameters, counted on the meta device: nothing allocated, no weights read."""
-    import torch
+    from rayvl.models.dual_encoder import meta_model
 
-    from rayvl.models.dual_encoder import DualEncoder
-
-    m = cfg.model
-    with torch.device("meta"):
-        model = DualEncoder(dataclasses.replace(m, num_classes=max(1, m.num_classes)), pretrained=False)
+    model = meta_model(cfg.model)
     return Params(sum(p.numel() for p in model.parameters()),
                   sum(p.numel() for p in model.parameters() if p.requires_grad))
 
