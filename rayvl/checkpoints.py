@@ -24,7 +24,7 @@ import torch
 
 from rayvl import storage
 from rayvl.config import from_dict
-from rayvl.models.dual_encoder import DualEncoder
+from rayvl.models.dual_encoder import DualEncoder, build_model
 
 TAG = "deepspeed"
 MODEL_FILE = "model.pt"
@@ -148,6 +148,5 @@ def load_model(checkpoint: str | os.PathLike) -> tuple[DualEncoder, dict]:
     ckpt = resolve_checkpoint(checkpoint)
     config = read_meta(ckpt)["config"]
     cfg = from_dict(config)
-    model = DualEncoder(cfg.model, pretrained=False)  # every weight comes from the checkpoint
-    model.load_state_dict(load_weights(ckpt, cfg.train.zero_stage), strict=True)
+    model = build_model(cfg.model, state=load_weights(ckpt, cfg.train.zero_stage))  # every weight from it
     return model.eval(), config

@@ -39,7 +39,7 @@ from rayvl.checkpoints import METRICS_FILE, checkpoint_uri, load_weights, read_m
 from rayvl.config import RayvlConfig, from_dict, precision
 from rayvl.data.images import crop
 from rayvl.data.text import load_tokenizer, tokenize
-from rayvl.models.dual_encoder import DualEncoder
+from rayvl.models.dual_encoder import DualEncoder, build_model
 
 WEIGHTS_FILE = "model.safetensors"
 EXPORT_META = "rayvl_model.json"
@@ -121,9 +121,7 @@ def weights(path: str | Path) -> tuple[dict, RayvlConfig, str]:
 def load(path: str | Path, device: str = "cpu") -> Model:
     """The model of an export, a checkpoint or a run directory (its newest checkpoint)."""
     state, cfg, text_dir = weights(path)
-    model = DualEncoder(cfg.model, pretrained=False)
-    model.load_state_dict(state, strict=True)
-    return Model(model, cfg, text_dir, device)
+    return Model(build_model(cfg.model, state=state), cfg, text_dir, device)
 
 
 def export(source: str, out: str | Path) -> Path:

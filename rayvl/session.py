@@ -13,6 +13,9 @@ from rayvl.config import ConfigError, RayvlConfig
 # no hub at run time, quiet tokenizers and Ray Data (per-operator progress bars flood job logs)
 WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
               "TRANSFORMERS_VERBOSITY": "error", "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
+# a Ray of this machine alone: no cloud drains its node, so no run starts Ray Train's preemption watcher (an actor
+# process of its own a run, at start-up and while it idles)
+LOCAL_RAY_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 
 
 def connect(address: str = "", num_cpus: int = 0, verbose: bool = True, **init_kwargs) -> bool:
@@ -28,7 +31,7 @@ def connect(address: str = "", num_cpus: int = 0, verbose: bool = True, **init_k
             ray.init(address=address, **{"log_to_driver": True, **init_kwargs})
         else:
             # "local": a fresh Ray even if a `ray start` cluster runs on this machine; joining one is explicit
-            ray.init(address="local", num_cpus=num_cpus or None, runtime_env={"env_vars": WORKER_ENV},
+            ray.init(address="local", num_cpus=num_cpus or None, runtime_env={"env_vars": {**WORKER_ENV, **LOCAL_RAY_ENV}},
                      **init_kwargs)
             _quiet_data()
             return True

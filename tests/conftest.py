@@ -63,9 +63,11 @@ QUICK_POLLS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
 def start_session_ray():
     import ray
 
+    from rayvl.session import LOCAL_RAY_ENV
+
     # 4 logical CPUs on 2 cores: 2 train workers × 0.5 CPU leave room for Ray Data tasks (DESIGN: starvation)
     ray.init(address="local", num_cpus=4, include_dashboard=False,
-             runtime_env={"env_vars": {**worker_env(), **QUICK_POLLS}})
+             runtime_env={"env_vars": {**worker_env(), **QUICK_POLLS, **LOCAL_RAY_ENV}})
     ray.data.DataContext.get_current().enable_progress_bars = False
     return ray
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayvl.config import ModelConfig
+from rayvl.models.meta_init import load_into, parameters_on_meta
 from rayvl.models.towers import TextTower, VisionTower, projection
 
 
@@ -78,7 +79,13 @@ def meta_model(cfg: ModelConfig) -> DualEncoder:
         return DualEncoder(dataclasses.replace(cfg, num_classes=max(1, cfg.num_classes)), pretrained=False)
 
 
-def build_model(cfg: ModelConfig, seed: int = 0) -> DualEncoder:
+def build_model(cfg: ModelConfig, seed: int = 0, state: dict | None = None) -> DualEncoder:
+    """The dual encoder: its towers' pretrained weights and random layers of ``seed`` — or, given a whole model's
+    ``state`` (a checkpoint, an export), the architecture with those weights and no init before them."""
+    if state is not None:
+        with parameters_on_meta():
+            model = DualEncoder(cfg, pretrained=False)
+        return load_into(model, state)
     torch.manual_seed(seed)  # every rank builds identical random layers; DeepSpeed also broadcasts rank 0's
     return DualEncoder(cfg)
 

@@ -1,6 +1,8 @@
 """Image tower (timm) and text tower (HF encoder + the text strategies of [Paraphrase] §4)."""
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.utils.checkpoint
 from torch import nn
@@ -8,6 +10,7 @@ from torch import nn
 from rayvl import assets
 from rayvl.compat import import_timm
 from rayvl.models import clip_checkpoint
+from rayvl.models.meta_init import load_into, parameters_on_meta
 from rayvl.models.text_strategies import alignment_layers_for, insert_adapters
 
 
@@ -25,14 +28,16 @@ class VisionTower(nn.Module):
         super().__init__()
         timm = import_timm()
         extra = {"patch_drop_rate": patch_dropout} if patch_dropout else {}
-        self.backbone = timm.create_model(assets.vision_timm_name(name), pretrained=False, **extra)
         state = assets.vision_state_dict(name, checkpoint) if pretrained else None
+        # weights to load: no random init first (meta_init); the architecture alone: timm's init
+        with parameters_on_meta() if state is not None else nullcontext():
+            self.backbone = timm.create_model(assets.vision_timm_name(name), pretrained=False, **extra)
         self.clip_projection = None  # CLIP's image projection, for the dual encoder's vision_proj
         if state is not None and clip_checkpoint.is_clip(state):
             state, self.clip_projection = clip_checkpoint.convert(state, self.backbone, checkpoint)
             self.backbone.reset_classifier(0)  # CLIP's projection is no classifier: it goes to vision_proj
         if state is not None:
-            self.backbone.load_state_dict(state, strict=True)
+            load_into(self.backbone, state)
         self.backbone.reset_classifier(0)
         cfg = self.backbone.pretrained_cfg
         self.register_buffer("mean", torch.tensor(cfg.get("mean", (0.485, 0.456, 0.406))).view(1, 3, 1, 1) * 255)

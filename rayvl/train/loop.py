@@ -150,9 +150,7 @@ def _batch_source(parts, cfg: RayvlConfig, rank: int, begin, device: torch.devic
 def _engine(cfg: RayvlConfig, world: int, init_from: str, device: torch.device, parts, startup: Startup):
     """The DeepSpeed engine over the dual encoder on ``device`` and what the MFU of a report needs (Window's
     fields). ``init_from``: a new run starts from those weights (train.init_from; a resumed run restores its own)."""
-    model = build_model(cfg.model, cfg.train.seed)
-    if init_from:
-        model.load_state_dict(weights(init_from)[0], strict=True)
+    model = build_model(cfg.model, cfg.train.seed, weights(init_from)[0] if init_from else None)
     startup.mark("model")
     if device.type == "cuda":  # NHWC images: cuDNN's convolutions run on tensor cores in that layout
         model.vision.channels_last = True
