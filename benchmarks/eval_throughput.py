@@ -25,7 +25,8 @@ one-layer 32-wide BERT text tower (the MiniLM tokenizer's, written here as an HF
 Each line either side writes is timed on arrival, so the phases come from the outside, the same way for both:
 start-up (process start → reading begins: imports, Ray's start, the plain side's model load), the pipeline (reading
 begins → every image and caption embedded) and the rest (metrics, files, exit); rayvl's own log splits its
-pipeline into the held-out set's read (materialised before any embedding) and the two actor pools' passes. The two
+pipeline into the planning of the read, the image pass (reading, decoding and embedding streamed together, the
+embedding actors starting beside the first reads) and the text pass of the same actors. The two
 sides' retrieval metrics and embeddings are compared: they must agree (same model, same rows, same order; the
 tolerances are ``METRIC_TOLERANCE`` and ``EMBEDDING_TOLERANCE``).
 """
@@ -249,8 +250,8 @@ def phases(run: dict, images: int, reading: re.Pattern, embedded: list[re.Patter
 
 
 def rayvl_phases(run: dict, images: int) -> dict:
-    """``phases`` of `rayvl eval`, its pipeline split by its own log: the held-out set read and materialised before
-    the first image is embedded, the image actor pool's pass, the caption actor pool's pass."""
+    """``phases`` of `rayvl eval`, its pipeline split by its own log: the read planned before the image pass, the
+    image pass (read, decode and embed, streamed), the text pass (the same actors)."""
     out = phases(run, images, READING, [IMAGES, TEXTS])
     began, image_pass, text_pass = (first(run["lines"], p) for p in (READING, IMAGES, TEXTS))
     if began and image_pass:
@@ -301,9 +302,9 @@ def table(images: int, rayvl: dict, plain: dict, agreed: dict) -> str:
          ""),
         ("pipeline: images/s", num(r["pipeline_images_per_s"]), num(p["pipeline_images_per_s"]),
          ratio(r["pipeline_images_per_s"], p["pipeline_images_per_s"])),
-        ("… rayvl: held-out set read and materialised: s", num(r.get("read_s")), "", ""),
-        ("… rayvl: image actor pool (its log): s", num(r.get("images_s")), "", ""),
-        ("… rayvl: caption actor pool (its log): s", num(r.get("texts_s")), "", ""),
+        ("… rayvl: read planned, before the image pass: s", num(r.get("read_s")), "", ""),
+        ("… rayvl: image pass, read + decode + embed streamed (its log): s", num(r.get("images_s")), "", ""),
+        ("… rayvl: text pass, the same actors (its log): s", num(r.get("texts_s")), "", ""),
         ("metrics, files, exit: s", num(r["rest_s"]), num(p["rest_s"]), ""),
     ]
     out = [f"eval of {images} held-out images (retrieval), towers of ~0 compute", "",

@@ -1,8 +1,8 @@
 """Pseudo-BoW captions for images without captions ([BoW] §2.3, Table 7, Fig. 5), on Ray Data and faiss.
 
 1. Caption pool: every intact, valid caption of the aligned set S_a (sorted by sample key), embedded by the
-   labelling model's text tower through the evaluation's embedding path (``eval.embed.RayDataEmbedder``: Ray Data
-   ``map_batches`` over an actor pool), and S_a's word document frequencies — the BoW statistics pass
+   labelling model's text tower through the evaluation's embedding path (``eval.embed.ActorEmbedder``: a pool of warm
+   actors, the captions split among them), and S_a's word document frequencies — the BoW statistics pass
    (``bow.load_or_compute``) with every caption in the "base" split, saved as its fingerprinted artifact.
 2. Index: faiss over the pool (``eval.knn``): exact up to ``index_exact_max`` captions, IVF above; an approximate
    index's recall@k against exact search is measured on crops of real unaligned images. Pool, index and recall
@@ -56,7 +56,7 @@ from rayvl.methods.bow.deformation import rm_stop_nalpha
 from rayvl.methods.bow.word_rank import WordRanker, neighbour_counts
 from rayvl.eval import knn
 from rayvl.eval.data import IMAGE_EXTENSIONS
-from rayvl.eval.embed import RayDataEmbedder, actor_device, check_gpus, inference
+from rayvl.eval.embed import ActorEmbedder, actor_device, check_gpus, inference
 
 log = logging.getLogger("rayvl")
 META, INDEX_DIR, FORMAT = PSEUDO_MARKER, "index", 1
@@ -151,7 +151,11 @@ def build_index(cfg: RayvlConfig, ckpt: str, folder: Path, expected: dict, units
     started = time.time()
     keys, captions = read_pool(x.aligned, cfg.data.read_cpus, ReadPolicy.of(cfg.data))
     log.info("caption pool: embedding %d captions of %s", len(captions), x.aligned)
-    vectors = RayDataEmbedder(ckpt, x.actors, x.cpus_per_actor, x.batch_size, x.gpus_per_actor).texts(captions)
+    embedder = ActorEmbedder(ckpt, x.actors, x.cpus_per_actor, x.batch_size, x.gpus_per_actor)
+    try:
+        vectors = embedder.texts(captions)
+    finally:
+        embedder.close()
     index = knn.build_index(vectors, x.index, exact_max=x.index_exact_max, nlist=x.index_nlist,
                             nprobe=x.index_nprobe, seed=x.seed)
     kind = type(index).__name__

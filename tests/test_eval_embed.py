@@ -35,8 +35,9 @@ def test_the_tasks_texts_are_embedded_in_one_call_and_score_as_each_tasks_own(ra
     model, config = load_model(checkpoint)
     tokenizer, max_tokens = str(assets.text_model_path("minilm-l6")), config["data"]["max_text_tokens"]
     data = datasets.load_shards(str(demo_dir / "eval"), config["data"]["image_size"], tokenizer, max_tokens, 0.5)
-    rows = sorted(data.images.take_all(), key=lambda r: r["index"])
-    data = replace(data, images=np.stack([r["image"] for r in rows])).with_text_sets(
+    rows = sorted(data.images.take_all(), key=lambda r: r["key"])
+    data = replace(data, images=np.stack([r["image"] for r in rows])).with_rows(
+        {c: [r[c] for r in rows] for c in ("key", "caption", "cls")}).with_text_sets(
         str(demo_dir / "classes.json"), str(demo_dir / "paraphrases.jsonl"), str(demo_dir / "sts.tsv"))
 
     class Counted(ModelEmbedder):
@@ -58,8 +59,9 @@ def test_the_tasks_texts_are_embedded_in_one_call_and_score_as_each_tasks_own(ra
 
 
 def test_rayvl_eval_prints_every_task_and_embeds_as_one_process(ray_local, checkpoint, demo_dir, tmp_path, capsys):
-    """`rayvl eval` with two embedding actors (a Ray Data actor pool): all five task tables, and the image and
-    caption embeddings it writes equal a single-process embedding of the same rows."""
+    """`rayvl eval` with two embedding actors (each pulling its share of the streamed held-out rows, then embedding
+    half the texts): all five task tables, and the image and caption embeddings it writes, in key order, equal a
+    single-process embedding of the same rows."""
     from rayvl import assets
     from rayvl.cli import main
 
@@ -78,11 +80,13 @@ def test_rayvl_eval_prints_every_task_and_embeds_as_one_process(ray_local, check
     model, config = load_model(checkpoint)
     tokenizer, max_tokens = str(assets.text_model_path("minilm-l6")), config["data"]["max_text_tokens"]
     data = datasets.load_shards(str(demo_dir / "eval"), config["data"]["image_size"], tokenizer, max_tokens, 0.5)
-    rows = sorted(data.images.take_all(), key=lambda r: r["index"])
+    rows = sorted(data.images.take_all(), key=lambda r: r["key"])
     local = ModelEmbedder(model, tokenizer, max_tokens)
     images = np.stack([r["image"] for r in rows])
+    assert json.loads((out / "keys.json").read_text()) == [r["key"] for r in rows]
     np.testing.assert_allclose(np.load(out / "image_embeddings.npy"), local.images(images), atol=1e-5)
-    np.testing.assert_allclose(np.load(out / "caption_embeddings.npy"), local.texts(data.captions), atol=1e-5)
+    captions = [r["caption"] for r in rows]
+    np.testing.assert_allclose(np.load(out / "caption_embeddings.npy"), local.texts(captions), atol=1e-5)
 
 
 def test_imagefolder_and_fashion_mnist(ray_local, tmp_path):

@@ -28,7 +28,9 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 
 @dataclass
 class EvalData:
-    images: np.ndarray | ray.data.Dataset  # uint8 [N, 3, S, S], or a Dataset with columns index, image[, cls]
+    # uint8 [N, 3, S, S]; or a Dataset with columns index, image[, cls]; or streamed shards (load_shards), whose size
+    # and row fields are 0 and empty until their rows are read (with_rows)
+    images: np.ndarray | ray.data.Dataset
     size: int
     labels: np.ndarray  # class id per image (-1 unknown)
     classes: list[str] = field(default_factory=list)
@@ -49,6 +51,14 @@ class EvalData:
         if sts:
             out.sts = read_sts(sts)
         return out
+
+    def with_rows(self, rows: dict) -> "EvalData":
+        """The set whose rows, in key order, are ``rows`` (key, caption and cls columns): one caption and one
+        label per image."""
+        n = len(rows["key"])
+        return replace(self, size=n, labels=np.asarray(rows["cls"], np.int64),
+                       captions=[str(c) for c in rows["caption"]], caption_to_image=np.arange(n),
+                       keys=[str(k) for k in rows["key"]])
 
     def head(self, n: int) -> "EvalData":
         """The first n images with their captions (one caption per image), in memory: a quick held-out check."""
@@ -75,29 +85,21 @@ def from_batches(batches: list[dict]) -> EvalData:
     """In memory, from numpy batches of preprocessed shard rows (key, caption, image, cls), in key order."""
     cols = {c: np.concatenate([b[c] for b in batches]) for c in ("key", "caption", "image", "cls")}
     order = np.argsort(cols["key"].astype(str), kind="stable")
-    n = len(order)
-    return EvalData(cols["image"][order], n, cols["cls"][order].astype(np.int64),
-                    captions=[str(c) for c in cols["caption"][order]], caption_to_image=np.arange(n),
-                    keys=[str(k) for k in cols["key"][order]])
+    return EvalData(cols["image"][order], 0, np.zeros(0, np.int64)).with_rows({c: cols[c][order] for c in cols})
 
 
-def _add_index(batch: dict, index_of: dict) -> dict:
-    batch["index"] = np.array([index_of[k] for k in batch["key"]], dtype=np.int64)
-    return batch
+SHARD_COLUMNS = ["key", "caption", "cls", "image"]
 
 
 def load_shards(spec: str, image_size: int, tokenizer_path: str, max_tokens: int, read_cpus: float,
-                report_name: str | None = None, threads: int = 1) -> EvalData:
-    """Dropped samples are counted in the DataReport ``report_name`` (created by the caller)."""
-    reading = Reading(read_cpus=read_cpus, batch_size=64, threads=threads, report_name=report_name)
-    ds = read_shards(spec, Rows(image_size, 1.0, False, tokenizer_path, max_tokens), reading).materialize()
-    meta = sorted(ds.select_columns(["key", "caption", "cls"]).take_all(), key=lambda r: r["key"])
-    index_of = {r["key"]: i for i, r in enumerate(meta)}
-    images = ds.map_batches(_add_index, fn_kwargs={"index_of": index_of}, batch_format="numpy",
-                            num_cpus=read_cpus).select_columns(["index", "image", "cls"])
-    return EvalData(images, len(meta), np.array([r["cls"] for r in meta], np.int64),
-                    captions=[r["caption"] for r in meta], caption_to_image=np.arange(len(meta)),
-                    keys=[r["key"] for r in meta])
+                report_name: str | None = None, threads: int = 1, batch_size: int = 64) -> EvalData:
+    """The held-out shards as a stream of decoded rows (columns key, caption, cls, image), read as they are
+    embedded and never held whole: its size, labels, captions and keys come with the rows' embeddings
+    (``with_rows``), in blocks of ``batch_size`` rows. Dropped samples are counted in the DataReport
+    ``report_name`` (created by the caller)."""
+    reading = Reading(read_cpus=read_cpus, batch_size=batch_size, threads=threads, report_name=report_name)
+    ds = read_shards(spec, Rows(image_size, 1.0, False, tokenizer_path, max_tokens), reading, SHARD_COLUMNS)
+    return EvalData(ds, 0, np.zeros(0, np.int64))
 
 
 def _decode_files(batch: dict, image_size: int, class_of: dict) -> dict:

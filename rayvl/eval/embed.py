@@ -3,9 +3,10 @@
 - ``ModelEmbedder``: a model in this process. Inside a process group of ``world`` ranks every rank embeds an equal
   slice (padded) and the slices are all-gathered in order, so every rank runs the same forwards — which ZeRO-3
   needs, since each forward all-gathers partitioned parameters.
-- ``RayDataEmbedder``: Ray Data ``map_batches`` over an actor pool, each actor loading the checkpoint once; rows
-  carry an ``index`` column so the result is put back in input order. Actors given GPUs (``gpus_per_actor``)
-  embed on theirs, in bf16 autocast; the others on CPU in fp32, as training-time evaluation on CPU does.
+- ``ActorEmbedder``: a pool of Ray actors, each loading the checkpoint once and embedding images (streamed to
+  them by Ray Data) and texts; rows carry an ``index`` or ``key`` column so the result is put back in order.
+  Actors given GPUs (``gpus_per_actor``) embed on theirs, in bf16 autocast; the others on CPU in fp32, as
+  training-time evaluation on CPU does.
 
 Both return float32 numpy arrays of L2-normalised embeddings, one row per input.
 """
@@ -15,6 +16,7 @@ import logging
 import math
 import os
 import re
+import warnings
 
 import numpy as np
 import ray
@@ -101,44 +103,50 @@ def inference(device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
-class _Actor:
-    """Ray Data actor: the checkpoint's model on this actor's device (on a GPU: NHWC image tower, bf16 autocast,
-    batches copied from pinned memory without blocking)."""
+class EmbeddingActor:
+    """One warm model, reused for every image and every text of an evaluation: the checkpoint's model (built without
+    a random init, rayvl.models.meta_init) on this actor's device — on a GPU: NHWC image tower, bf16 autocast,
+    batches copied from pinned memory without blocking, embeddings kept on the GPU and copied back once a call."""
 
     def __init__(self, checkpoint: str):
         self.device = actor_device()
-        self.model, self.config = load_model(checkpoint)
+        self.model, config = load_model(checkpoint)
         if self.device.type == "cuda":
             self.model.to(self.device).vision.to_channels_last()
+        self.tokenizer_path = str(assets.text_model_path(config["model"]["text"]))
+        self.max_tokens = config["data"]["max_text_tokens"]
+
+    def ready(self) -> bool:
+        return True
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(a))
+        with warnings.catch_warnings():  # Ray's zero-copy batches are read-only; nothing here writes into them
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            t = torch.from_numpy(np.ascontiguousarray(a))
         return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     @torch.no_grad()
-    def _encode(self, encode, *arrays: np.ndarray) -> np.ndarray:
+    def images(self, block) -> dict:
+        """The embeddings of one Ray Data block of images, and the block's other columns (index, or key, caption
+        and cls)."""
+        from ray.data.block import BlockAccessor
+
+        columns = BlockAccessor.for_block(block).to_numpy()
+        images = columns.pop("image")
+        if not len(images):
+            return {"embedding": np.zeros((0, self.model.cfg.embed_dim), np.float32), **columns}
         with inference(self.device):
-            return encode(*map(self._tensor, arrays)).float().cpu().numpy()
+            embedding = self.model.encode_image(self._tensor(images)).float()
+        return {"embedding": embedding.cpu().numpy(), **columns}
 
-
-class ImageEmbedder(_Actor):
-    """uint8 images → normalised image embeddings."""
-
-    def __call__(self, batch: dict) -> dict:
-        return {"index": batch["index"], "embedding": self._encode(self.model.encode_image, batch["image"])}
-
-
-class TextEmbedder(_Actor):
-    """strings → tokens (the tower's own fast tokenizer) → normalised text embeddings."""
-
-    def __init__(self, checkpoint: str):
-        super().__init__(checkpoint)
-        self.tokenizer_path = str(assets.text_model_path(self.config["model"]["text"]))
-        self.max_tokens = self.config["data"]["max_text_tokens"]
-
-    def __call__(self, batch: dict) -> dict:
-        ids, mask = tokenize([str(t) for t in batch["text"]], self.tokenizer_path, self.max_tokens)
-        return {"index": batch["index"], "embedding": self._encode(self.model.encode_text, ids, mask)}
+    @torch.no_grad()
+    def texts(self, texts: list[str], batch_size: int) -> np.ndarray:
+        """strings → tokens (the tower's own fast tokenizer) → normalised text embeddings."""
+        ids, mask = tokenize([str(t) for t in texts], self.tokenizer_path, self.max_tokens)
+        with inference(self.device):
+            out = [self.model.encode_text(self._tensor(ids[i:i + batch_size]), self._tensor(mask[i:i + batch_size]))
+                   .float() for i in range(0, len(ids), batch_size)]
+        return torch.cat(out).cpu().numpy()
 
 
 def gpu_shortfall(gpus_per_actor: float, node_gpus: list[float], largest: dict, autoscaled: bool) -> str:
@@ -177,30 +185,61 @@ def pool_options(actors: int, cpus_per_actor: float, gpus_per_actor: float = 0.0
     return {"concurrency": actors, "num_cpus": cpus_per_actor, "num_gpus": gpus_per_actor}
 
 
-def embed(ds: ray.data.Dataset, embedder: type, checkpoint: str, *, actors: int, cpus_per_actor: float,
-          batch_size: int, gpus_per_actor: float = 0.0) -> np.ndarray:
-    """Embeddings of every row of ``ds`` (which has an ``index`` column 0..N-1), in index order."""
-    # enough blocks that every actor of the pool gets work (an eval split is often a single shard = one block)
-    result = ds.repartition(actors * 4).map_batches(
-        embedder, fn_constructor_kwargs={"checkpoint": str(checkpoint)}, batch_size=batch_size,
-        batch_format="numpy", **pool_options(actors, cpus_per_actor, gpus_per_actor))
-    index, chunks = [], []
-    for batch in result.iter_batches(batch_size=None, batch_format="numpy"):
-        index.append(batch["index"])
-        chunks.append(batch["embedding"])
-    order = np.argsort(np.concatenate(index), kind="stable")
-    return np.concatenate(chunks)[order]
+TEXT_BATCH = 4  # texts embed in batches this many times an image batch: a text costs a fraction of an image
+IN_FLIGHT_BYTES = 512 << 20  # decoded images read ahead of the actors: what an eval holds, however large its set
 
 
-class RayDataEmbedder:
+class ActorEmbedder:
+    """A pool of ``EmbeddingActor``s, started at once (they load their model while Ray Data starts reading) and
+    kept for every call: images streamed to them block by block (nothing is materialised), then every text, split
+    among them. ``close`` ends them."""
+
     def __init__(self, checkpoint: str | os.PathLike, actors: int = 1, cpus_per_actor: float = 0.5,
                  batch_size: int = 128, gpus_per_actor: float = 0.0):
-        self.kwargs = dict(checkpoint=str(checkpoint), actors=actors, cpus_per_actor=cpus_per_actor,
-                           batch_size=batch_size, gpus_per_actor=gpus_per_actor)
+        options = pool_options(actors, cpus_per_actor, gpus_per_actor)
+        remote = ray.remote(EmbeddingActor).options(num_cpus=options["num_cpus"], num_gpus=options["num_gpus"])
+        self.actors = [remote.remote(str(checkpoint)) for _ in range(options["concurrency"])]
+        self.batch_size = batch_size
+        self.rows: dict[str, np.ndarray] = {}  # the other columns of the last images() call's rows, in its order
+
+    def warm(self) -> None:
+        """Wait until every actor holds its model (a start-up to report apart from the embedding)."""
+        ray.get([a.ready.remote() for a in self.actors])
 
     def images(self, images: ray.data.Dataset) -> np.ndarray:
-        return embed(images, ImageEmbedder, **self.kwargs)
+        """Embeddings of every row of ``images``, ordered by its ``index`` column (0..N-1) or else by ``key``;
+        the rows' other columns, in the same order, in ``rows``. The driver hands the blocks' references (never
+        their data) to the actors in turn as Ray Data makes them — the reading starts at once, beside the actors'
+        start — and keeps at most ``IN_FLIGHT_BYTES`` of decoded images in flight: past that it waits for an
+        actor, and Ray Data's backpressure holds the reading."""
+        pending, parts, sent, in_flight = [], [], 0, self.in_flight_blocks(images)
+        for bundle in images.iter_internal_ref_bundles():
+            for ref in bundle.block_refs:
+                if len(pending) >= in_flight:
+                    done, pending = ray.wait(pending, num_returns=1)
+                    parts += ray.get(done)
+                pending.append(self.actors[sent % len(self.actors)].images.remote(ref))
+                sent += 1
+        parts = [p for p in parts + ray.get(pending) if len(p["embedding"])]
+        if not parts:
+            raise ValueError("no image of the evaluation set could be read (every sample dropped, or none there)")
+        merged = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        order = np.argsort(merged["index"] if "index" in merged else merged["key"].astype(str), kind="stable")
+        self.rows = {k: v[order] for k, v in merged.items() if k != "embedding"}
+        return merged["embedding"][order]
+
+    def in_flight_blocks(self, images: ray.data.Dataset) -> int:
+        """Blocks in flight: ``IN_FLIGHT_BYTES`` of them (a shard block holds ``batch_size`` rows, load_shards),
+        at least two an actor."""
+        size = images.context.target_max_block_size or 0
+        return max(2 * len(self.actors), IN_FLIGHT_BYTES // size if size else 0)
 
     def texts(self, texts: list[str]) -> np.ndarray:
-        return embed(ray.data.from_items([{"index": i, "text": t} for i, t in enumerate(texts)]), TextEmbedder,
-                     **self.kwargs)
+        chunks = [c.tolist() for c in np.array_split(np.asarray(texts, dtype=object), len(self.actors)) if len(c)]
+        size = self.batch_size * TEXT_BATCH
+        return np.concatenate(ray.get([a.texts.remote(c, size) for a, c in zip(self.actors, chunks)]))
+
+    def close(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []

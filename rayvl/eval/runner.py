@@ -1,5 +1,5 @@
-"""`rayvl eval`: every evaluation task on a checkpoint, embeddings computed by Ray Data actor pools (on CPU, or
-each actor on its GPUs), the nearest-neighbour searches of the tasks by faiss in this process (on every GPU it sees).
+"""`rayvl eval`: every evaluation task on a checkpoint, embeddings computed by one pool of warm actors fed by Ray
+Data (on CPU, or each actor on its GPUs), the nearest-neighbour searches of the tasks by faiss in this process (on every GPU it sees).
 
 Each task writes ``<out>/<task>.json``; embeddings are saved as ``.npy`` next to them.
 """
@@ -20,8 +20,8 @@ from rayvl.checkpoints import checkpoint_uri, read_meta
 from rayvl.config import EvalConfig, from_dict
 from rayvl.data.report import report_actor, snapshot
 from rayvl.eval import data as eval_data
-from rayvl.eval.embed import RayDataEmbedder
-from rayvl.eval.tasks import SKIP_REASONS, evaluate
+from rayvl.eval.embed import ActorEmbedder
+from rayvl.eval.tasks import SKIP_REASONS, embedded_images, evaluate
 
 log = logging.getLogger("rayvl")
 
@@ -56,21 +56,23 @@ def default_sources(config: dict, data: str = "", kind: str = "auto", classes: s
                    pick(paraphrases, d["paraphrases"], "paraphrases.jsonl"), pick(sts, d["sts"], "sts.tsv"))
 
 
-def load(sources: Sources, config: dict, read_cpus: float, limit: int = 0) -> tuple[eval_data.EvalData, dict]:
-    """(the evaluation set with its text sets, the data report's counts of reading it — shards only)."""
+def load(sources: Sources, config: dict, read_cpus: float, limit: int = 0,
+         batch_size: int = 64) -> tuple[eval_data.EvalData, str]:
+    """(the evaluation set with its text sets — shards: a stream, read as it is embedded —, the name of the data
+    report counting the samples its reading drops: shards only, else '')."""
     cfg = from_dict(config)
-    size, counts = cfg.data.image_size, {}
+    size, report_name = cfg.data.image_size, ""
     if sources.kind == "shards":
         report_name = f"rayvl-eval-report-{uuid.uuid4().hex[:8]}"
         report_actor(report_name)  # owned by this driver; counts the samples dropped while reading
         data = eval_data.load_shards(sources.data, size, str(assets.text_model_path(cfg.model.text)),
-                                     cfg.data.max_text_tokens, read_cpus, report_name, cfg.data.read_threads)
-        counts = snapshot(report_name)["counts"]
+                                     cfg.data.max_text_tokens, read_cpus, report_name, cfg.data.read_threads,
+                                     batch_size)
     elif sources.kind == "imagefolder":
         data = eval_data.load_imagefolder(sources.data, size, read_cpus)
     else:
         data = eval_data.load_fashion_mnist(sources.data, size, read_cpus, limit=limit)
-    return data.with_text_sets(sources.classes, sources.paraphrases, sources.sts), counts
+    return data.with_text_sets(sources.classes, sources.paraphrases, sources.sts), report_name
 
 
 def pool_size(actors: int, gpus_per_actor: float, cpus_per_actor: float) -> int:
@@ -104,13 +106,21 @@ def run_eval(checkpoint: str, tasks: list[str] | None = None, sources: Sources |
     pool = settings(config, actors=actors, cpus_per_actor=cpus_per_actor, gpus_per_actor=gpus_per_actor,
                     batch_size=batch_size, paraphrase_k=k)
     tasks = pool.checkpoint_tasks if tasks is None else tasks
-    log.info(f"eval: reading {sources.data} ({sources.kind}) for {', '.join(tasks)}")
-    data, counts = load(sources, config, pool.cpus_per_actor, limit)
     actors = pool_size(pool.actors, pool.gpus_per_actor, pool.cpus_per_actor)
     if pool.gpus_per_actor:
         log.info(f"eval: {actors} embedding actor(s) of {pool.gpus_per_actor:g} GPU(s) each")
-    embedder = RayDataEmbedder(uri, actors, pool.cpus_per_actor, pool.batch_size, pool.gpus_per_actor)
-    metrics, embeddings = evaluate(tasks, data, embedder, pool.paraphrase_k)
+    # the actors load their model while the reading is planned and starts; the same actors embed every text
+    embedder = ActorEmbedder(uri, actors, pool.cpus_per_actor, pool.batch_size, pool.gpus_per_actor)
+    try:
+        log.info(f"eval: reading {sources.data} ({sources.kind}) for {', '.join(tasks)}")
+        data, report_name = load(sources, config, pool.cpus_per_actor, limit, pool.batch_size)
+        images = embedded_images(embedder, data.images)
+        if sources.kind == "shards":  # streamed: what the rows said came back with their embeddings
+            data = data.with_rows(embedder.rows)
+        counts = snapshot(report_name)["counts"] if report_name else {}
+        metrics, embeddings = evaluate(tasks, data, embedder, pool.paraphrase_k, images)
+    finally:
+        embedder.close()
     for name, array in embeddings.items():
         buffer = io.BytesIO()
         np.save(buffer, array)

@@ -46,11 +46,13 @@ class Embedder(Protocol):
     def texts(self, texts: list[str]) -> np.ndarray: ...
 
 
-def evaluate(tasks, data: EvalData, embedder: Embedder, k: int = 10) -> tuple[dict, dict]:
-    """({task: metrics} for every task the data allows, {name: embeddings} computed on the way)."""
-    start = time.perf_counter()
-    embeddings = {"image": embedder.images(data.images)}
-    log.info(f"eval: {len(embeddings['image'])} images embedded ({time.perf_counter() - start:.1f} s)")
+def evaluate(tasks, data: EvalData, embedder: Embedder, k: int = 10,
+             image_embeddings: np.ndarray | None = None) -> tuple[dict, dict]:
+    """({task: metrics} for every task the data allows, {name: embeddings} computed on the way); the images
+    are embedded here unless their ``image_embeddings`` are given."""
+    if image_embeddings is None:
+        image_embeddings = embedded_images(embedder, data.images)
+    embeddings = {"image": image_embeddings}
     start = time.perf_counter()
     embedder = TextsOnce(embedder, [t for task in tasks for t in _TEXTS[task](data)])
     if embedder.rows:
@@ -64,6 +66,13 @@ def evaluate(tasks, data: EvalData, embedder: Embedder, k: int = 10) -> tuple[di
         log.info(f"eval: task {i + 1}/{len(tasks)} {task} {'done' if metrics is not None else 'skipped'} "
                  f"({time.perf_counter() - start:.1f} s)")
     return results, embeddings
+
+
+def embedded_images(embedder: Embedder, images) -> np.ndarray:
+    start = time.perf_counter()
+    out = embedder.images(images)
+    log.info(f"eval: {len(out)} images embedded ({time.perf_counter() - start:.1f} s)")
+    return out
 
 
 class TextsOnce:
