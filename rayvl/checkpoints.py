@@ -54,14 +54,15 @@ def _deepspeed_records() -> list:
 
 
 @contextmanager
-def weights_only_loads(checkpoint: str | os.PathLike):
+def weights_only_loads(checkpoint: str | os.PathLike, deepspeed_files: bool = True):
     """Every ``torch.load`` inside — DeepSpeed's own too, which ask for ``weights_only=False`` — unpickles only
-    tensors, plain containers and DeepSpeed's records (``TORCH_FORCE_WEIGHTS_ONLY_LOAD``): a file from the storage
-    bucket holding any other pickled object is refused instead of run."""
+    tensors, plain containers and, where it loads ``deepspeed_files``, DeepSpeed's records
+    (``TORCH_FORCE_WEIGHTS_ONLY_LOAD``): a file from the storage bucket holding any other pickled object is refused
+    instead of run. rayvl's own files need no record, nor DeepSpeed imported (an evaluation actor never uses it)."""
     previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     try:
-        with torch.serialization.safe_globals(_deepspeed_records()):
+        with torch.serialization.safe_globals(_deepspeed_records() if deepspeed_files else []):
             yield
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpointError(
@@ -78,7 +79,7 @@ def load_file(checkpoint: str | os.PathLike, name: str):
     """One file of a checkpoint (a local folder or a URL: only that file is fetched), loaded weights-only."""
     source = storage.join(str(checkpoint), name)
     source = io.BytesIO(storage.read_bytes(source)) if storage.is_url(source) else source
-    with weights_only_loads(checkpoint):
+    with weights_only_loads(checkpoint, deepspeed_files=name.startswith(f"{TAG}/")):
         return torch.load(source, map_location="cpu", weights_only=True)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import REPO
+from conftest import REPO, untrained_checkpoint
 
 
 def _inputs():
@@ -56,3 +56,16 @@ def test_a_vision_checkpoint_is_loaded_into_a_backbone_built_without_init(tmp_pa
     assert torch.equal(torch.get_rng_state(), before)
     for name, tensor in tower.backbone.state_dict().items():
         assert tensor.dtype == torch.float32 and torch.equal(tensor, half[name].float()), name
+
+
+def test_an_evaluation_loads_a_final_checkpoint_without_importing_deepspeed(demo_dir, tmp_path):
+    """An embedding actor loads a checkpoint's consolidated weights; DeepSpeed's records are only needed for
+    DeepSpeed's own files, so it is never imported there."""
+    import subprocess
+    import sys
+
+    run = untrained_checkpoint(demo_dir, tmp_path)
+    code = ("import sys; from rayvl.checkpoints import load_model; from rayvl.eval import embed; "
+            f"load_model({str(run)!r}); print(sorted(m for m in ('deepspeed', 'timm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "['timm']"
