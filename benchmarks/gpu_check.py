@@ -625,9 +625,12 @@ def pseudo_label_case(check: Check, case: Case, outcome: Outcome) -> None:
     if check.args.eval_images:
         unaligned = copied_shards(demo_shards("train"), check.args.eval_images, check.storage / "unaligned")
     out = check.storage / "pseudo-label"
+    # one actor a GPU, cutting crops on the node's CPUs but one a GPU (left to Ray Data's reads): docs/gpu.md
+    cpus = max(1, (os.cpu_count() or 2) // max(1, check.gpus) - 1)
     proc = run_cli(check, ["pseudo-label", base_run(check), "--aligned", aligned, "--unaligned",
                            unaligned, "--out", str(out), "--set", "pseudo_label.gpus_per_actor=1",
-                           "--set", f"pseudo_label.actors={check.gpus}", "--set", "pseudo_label.top_t=4"])
+                           "--set", f"pseudo_label.actors={check.gpus}", "--set", f"pseudo_label.cpus_per_actor={cpus}",
+                           "--set", "pseudo_label.top_t=4"])
     if proc.returncode:
         raise CaseFailed(cli_failure(proc))
     summary = json.loads((out / "summary.json").read_text())

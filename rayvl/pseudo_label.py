@@ -31,8 +31,10 @@ import os
 import tarfile
 import time
 import zlib
-from collections import Counter
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -214,16 +216,38 @@ def _member_extension(path: str) -> str:
     return ext if ext in TAR_IMAGE_EXTENSIONS else "jpg"
 
 
-def decoded(samples: list) -> list[tuple[str, object, int]]:
-    """(key, RGB image, sample index) of the decodable samples."""
-    images = [(key, decode(data) if data is not None else None, i) for i, (key, data, *_) in enumerate(samples)]
+def decoded(samples: list, threads: ThreadPoolExecutor | None = None) -> list[tuple[str, object, int]]:
+    """(key, RGB image, sample index) of the decodable samples (decoded on ``threads`` when given: Pillow's decoders
+    release the GIL)."""
+    each = partial(_decoded_one, samples)
+    images = list(threads.map(each, range(len(samples)))) if threads else [each(i) for i in range(len(samples))]
     return [(key, img, i) for key, img, i in images if img is not None]
+
+
+def _decoded_one(samples: list, i: int) -> tuple[str, object, int]:
+    key, data, *_ = samples[i]
+    return key, decode(data) if data is not None else None, i
 
 
 def crops(img, key, x: PseudoLabelConfig, size: int) -> np.ndarray:
     """The image's c random resized crops, uint8 (c, 3, size, size), drawn from (seed, image key)."""
     rng = np.random.default_rng([x.seed, zlib.crc32(str(key).encode())])
     return np.stack([crop(img, size, x.crop_scale_min, rng) for _ in range(x.crops)])
+
+
+def ahead_of_use(items: list, work, threads: ThreadPoolExecutor, ahead: int):
+    """(item, work(item)) for each item in order, ``work`` running on ``threads`` for up to ``ahead`` items beyond
+    the one being used (so at most that many results are held)."""
+    pending = deque((item, threads.submit(work, item)) for item in items[:ahead])
+    for n in range(len(items)):
+        item, result = pending.popleft()
+        if n + ahead < len(items):
+            pending.append((items[n + ahead], threads.submit(work, items[n + ahead])))
+        yield item, result.result()
+
+
+def _chunk_crops(chunk: list, x: PseudoLabelConfig, size: int) -> np.ndarray:
+    return np.concatenate([crops(img, key, x, size) for key, img, _ in chunk])
 
 
 class Labeler:
@@ -248,18 +272,24 @@ class Labeler:
         self.keys, self.captions = pool["key"].to_pylist(), pool["caption"].to_pylist()
         self.ranker = WordRanker(df, self.x.words, self.x.top_t, self.x.seed)
         self.out, self.io = Path(out), io
+        # decoding and cropping on every CPU this actor holds (Pillow's decode and resize release the GIL), the
+        # next chunks' crops cut while one is embedded: one thread cropped 10 crops an image for the whole actor
+        self.cpus = max(1, int(self.x.cpus_per_actor))
+        self.threads = ThreadPoolExecutor(self.cpus, thread_name_prefix="crops")
 
     def __call__(self, batch: dict) -> dict:
         counts = [json.dumps(self.label(Unit(**json.loads(u)))) for u in batch["unit"]]
         return {"counts": np.array(counts, dtype=object)}
 
     def neighbours(self, images: list, size: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per image: (pool ids, scores) of its k·c retrievals, best first."""
+        """Per image: (pool ids, scores) of its k·c retrievals, best first. The crops of a chunk of images are cut
+        on the actor's threads, up to two chunks a thread ahead of the one being embedded (memory: that many
+        chunks of crops)."""
         x, per = self.x, max(1, self.x.batch_size // self.x.crops)
+        chunks = [images[j:j + per] for j in range(0, len(images), per)]
         out = []
-        for j in range(0, len(images), per):
-            chunk = images[j:j + per]
-            queries = np.concatenate([crops(img, key, x, size) for key, img, _ in chunk])
+        for chunk, queries in ahead_of_use(chunks, partial(_chunk_crops, x=x, size=size), self.threads,
+                                           2 * self.cpus):
             with inference(self.device):
                 embedded = self.model.encode_image(queries).cpu().numpy()
             scores, ids = knn.search(self.index, embedded, x.k)
@@ -278,7 +308,7 @@ class Labeler:
             if self.io.unreadable == "fail":
                 raise
             return {"unit": unit.id, "unreadable_shard": str(e)}
-        images = decoded(samples)
+        images = decoded(samples, self.threads)
         found = {i: (ids, scores, neighbour_counts([self.captions[j] for j in ids]))  # counted once, for all rules
                  for (_, _, i), (ids, scores) in zip(images, self.neighbours(images, self.model.image_size))}
         counts = Counter(images=len(samples), decoded=len(images))

@@ -239,7 +239,8 @@ def test_a_labeller_whose_nearest_caption_is_the_images_own_writes_that_captions
     of exactly the crops the labeller queries with, each row under the image's own caption, so every crop finds
     its own image first. With k = 1 and MaxCount, each pseudo caption is the first 4 content words of the image's
     true caption and the word precision against the shard's own captions (true_captions) is 100 %. A caption
-    index read one row off, or crops grouped with the wrong image (2 crops × 3 images per search), shows here."""
+    index read one row off, or crops grouped with the wrong image (2 crops × 3 images per search, cut on threads
+    ahead of their search), shows here."""
     from dataclasses import asdict
 
     import faiss
@@ -264,7 +265,8 @@ def test_a_labeller_whose_nearest_caption_is_the_images_own_writes_that_captions
     unaligned.mkdir()
     write_shard(unaligned, 0, [{"key": s["key"], "caption": c, "status": "success", "jpg": s["img"]}
                                for s, c in zip(samples, captions)], time.time())
-    x = PseudoLabelConfig(rules=["max_count"], crops=2, k=1, words=4, batch_size=6)
+    # 4 chunks of 3 images, their crops cut on 3 threads up to 6 chunks ahead of the one being searched
+    x = PseudoLabelConfig(rules=["max_count"], crops=2, k=1, words=4, batch_size=6, cpus_per_actor=3)
     model = load(ckpt)
     model.module.vision.to_channels_last()  # as the labeller embeds
     vectors = np.concatenate([model.encode_image(crops(decode(s["img"]), s["key"], x, model.image_size)).numpy()
@@ -284,6 +286,26 @@ def test_a_labeller_whose_nearest_caption_is_the_images_own_writes_that_captions
     truth = true_captions(str(unaligned))
     assert truth == dict(zip((s["key"] for s in samples), captions))
     assert word_precision(tmp_path / "out" / "max_count", truth) == {"pseudo_word_precision": 100.0}
+
+
+def test_crops_are_cut_ahead_on_threads_and_used_in_order_holding_no_more_than_asked():
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rayvl.pseudo_label import ahead_of_use
+
+    lock, started, held = threading.Lock(), [], []
+
+    def work(i):
+        with lock:
+            started.append(i)
+        return i * i
+
+    with ThreadPoolExecutor(3) as threads:
+        for i, result in ahead_of_use(list(range(10)), work, threads, ahead=4):
+            held.append(len(started) - i - 1)  # results started beyond the one in use
+            assert result == i * i
+    assert sorted(started) == list(range(10)) and max(held) <= 4 and max(held) > 0  # ahead, and no further
 
 
 def test_bad_inputs_are_named_before_ray_starts(demo_dir, tmp_path, capsys):
