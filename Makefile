@@ -85,6 +85,9 @@ benchmark: install
 	$(PY) benchmarks/bow.py
 	$(PY) benchmarks/sampler.py
 	$(PY) benchmarks/bookkeeping_scale.py
+	$(PY) benchmarks/host_time.py
+	$(PY) benchmarks/eval_throughput.py
+	$(PY) benchmarks/pseudo_label_throughput.py
 
 clean:
 	rm -rf $(VENV)

@@ -61,7 +61,8 @@ EMBEDDING_TOLERANCE = 1e-5
 METRIC_TOLERANCE = 0.5  # percentage points (20 queries at 4,000 images)
 
 READING = re.compile(r"eval: reading ")
-IMAGES = re.compile(r"eval: (\d+) images embedded \(([\d.]+) s\)")
+IMAGES = re.compile(r"eval: (\d+) images embedded \(([\d.]+) s[;)]")
+RUNNING = re.compile(r"first embedding actor ready ([\d.]+) s after its start, (\d+) images/s from then")
 TEXTS = re.compile(r"eval: (\d+) texts embedded \(([\d.]+) s\)")
 PLAIN_READING = re.compile(r"plain: reading ")
 PLAIN_EMBEDDED = re.compile(r"plain: (\d+) images and captions embedded \(([\d.]+) s\)")
@@ -259,6 +260,9 @@ def rayvl_phases(run: dict, images: int) -> dict:
         out["read_s"] = image_pass[0] - out["images_s"] - began[0]
     if text_pass:
         out["texts_s"] = float(text_pass[1].group(2))
+    running = first(run["lines"], RUNNING)
+    if running:
+        out["actor_startup_s"], out["running_images_per_s"] = float(running[1].group(1)), int(running[1].group(2))
     return out
 
 
@@ -304,6 +308,8 @@ def table(images: int, rayvl: dict, plain: dict, agreed: dict) -> str:
          ratio(r["pipeline_images_per_s"], p["pipeline_images_per_s"])),
         ("… rayvl: read planned, before the image pass: s", num(r.get("read_s")), "", ""),
         ("… rayvl: image pass, read + decode + embed streamed (its log): s", num(r.get("images_s")), "", ""),
+        ("… rayvl: the first embedding actor ready, after its start: s", num(r.get("actor_startup_s")), "", ""),
+        ("… rayvl: images/s from then (its log)", num(r.get("running_images_per_s"), "{:.0f}"), "", ""),
         ("… rayvl: text pass, the same actors (its log): s", num(r.get("texts_s")), "", ""),
         ("metrics, files, exit: s", num(r["rest_s"]), num(p["rest_s"]), ""),
     ]

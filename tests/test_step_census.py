@@ -94,7 +94,9 @@ def test_device_side_norm_and_clip_step_as_deepspeeds_own_and_a_non_finite_step_
     (ours, ours_masters, engine), (theirs, theirs_masters, _) = runs
     assert all(n > 0.05 for n in ours)  # clipped
     assert ours == pytest.approx(theirs, rel=1e-6)
-    assert all(torch.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(ours_masters, theirs_masters))
+    # within an fp32 ulp: ZeRO-3's own norm is summed in fp64, rayvl's foreach norm in fp32, so the clip coefficients
+    # may differ in their last bit, and so a weight by one ulp
+    assert all(torch.allclose(a, b, rtol=2 ** -22, atol=1e-7) for a, b in zip(ours_masters, theirs_masters))
 
     # a step whose gradients are not finite: reported as such, its gradients zeroed, the weights stay finite
     engine.module.logit_scale.register_hook(lambda g: g * math.nan)

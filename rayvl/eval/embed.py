@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import re
+import time
 import warnings
 
 import numpy as np
@@ -115,9 +116,12 @@ class EmbeddingActor:
             self.model.to(self.device).vision.to_channels_last()
         self.tokenizer_path = str(assets.text_model_path(config["model"]["text"]))
         self.max_tokens = config["data"]["max_text_tokens"]
+        self.ready_at = time.time()
 
-    def ready(self) -> bool:
-        return True
+    def ready(self) -> float:
+        """When this actor held its model (wall clock: the driver may be on another node, whose clock NTP keeps
+        within milliseconds of this one's)."""
+        return self.ready_at
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         with warnings.catch_warnings():  # Ray's zero-copy batches are read-only; nothing here writes into them
@@ -198,13 +202,16 @@ class ActorEmbedder:
                  batch_size: int = 128, gpus_per_actor: float = 0.0):
         options = pool_options(actors, cpus_per_actor, gpus_per_actor)
         remote = ray.remote(EmbeddingActor).options(num_cpus=options["num_cpus"], num_gpus=options["num_gpus"])
+        self.started = time.time()
         self.actors = [remote.remote(str(checkpoint)) for _ in range(options["concurrency"])]
+        self.ready = [a.ready.remote() for a in self.actors]  # answered once each actor holds its model
         self.batch_size = batch_size
         self.rows: dict[str, np.ndarray] = {}  # the other columns of the last images() call's rows, in its order
 
-    def warm(self) -> None:
-        """Wait until every actor holds its model (a start-up to report apart from the embedding)."""
-        ray.get([a.ready.remote() for a in self.actors])
+    def first_ready(self) -> float:
+        """When (wall clock) the first actor held its model: the pool's start-up ends there, and the rate once
+        running counts from there."""
+        return min(ray.get(self.ready))
 
     def images(self, images: ray.data.Dataset) -> np.ndarray:
         """Embeddings of every row of ``images``, ordered by its ``index`` column (0..N-1) or else by ``key``;

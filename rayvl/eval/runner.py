@@ -1,5 +1,6 @@
 """`rayvl eval`: every evaluation task on a checkpoint, embeddings computed by one pool of warm actors fed by Ray
-Data (on CPU, or each actor on its GPUs), the nearest-neighbour searches of the tasks by faiss in this process (on every GPU it sees).
+Data (on CPU, or each actor on its GPUs), the nearest-neighbour searches of the tasks by faiss in this process (on
+every GPU it sees).
 
 Each task writes ``<out>/<task>.json``; embeddings are saved as ``.npy`` next to them.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,7 +23,7 @@ from rayvl.config import EvalConfig, from_dict
 from rayvl.data.report import report_actor, snapshot
 from rayvl.eval import data as eval_data
 from rayvl.eval.embed import ActorEmbedder
-from rayvl.eval.tasks import SKIP_REASONS, embedded_images, evaluate
+from rayvl.eval.tasks import SKIP_REASONS, evaluate
 
 log = logging.getLogger("rayvl")
 
@@ -114,7 +116,12 @@ def run_eval(checkpoint: str, tasks: list[str] | None = None, sources: Sources |
     try:
         log.info(f"eval: reading {sources.data} ({sources.kind}) for {', '.join(tasks)}")
         data, report_name = load(sources, config, pool.cpus_per_actor, limit, pool.batch_size)
-        images = embedded_images(embedder, data.images)
+        started = time.time()
+        images = embedder.images(data.images)
+        ended, ready = time.time(), embedder.first_ready()
+        log.info(f"eval: {len(images)} images embedded ({ended - started:.1f} s; the first embedding actor ready "
+                 f"{ready - embedder.started:.1f} s after its start, {len(images) / max(ended - ready, 1e-9):.0f} "
+                 f"images/s from then)")
         if sources.kind == "shards":  # streamed: what the rows said came back with their embeddings
             data = data.with_rows(embedder.rows)
         counts = snapshot(report_name)["counts"] if report_name else {}
