@@ -81,6 +81,18 @@ def test_what_the_image_tower_cannot_do_is_refused_before_ray_starts(overrides, 
     assert str(err.value).startswith(message), str(err.value)
 
 
+def test_a_fresh_process_refuses_patch_dropout_on_a_cnn_in_one_line():
+    """As a new user meets it (issue 56): in a process that has not imported timm, the check imports it as the rest
+    of rayvl does (rayvl.compat) — before, torchvision's CUDA build over a CPU torch raised a traceback there."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "rayvl.cli", "train", "--dry-run", "--set", "model.patch_dropout=0.5"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith("rayvl: error: model.patch_dropout: drops a ViT's patch")
+
+
 def test_an_open_clip_checkpoint_gives_rayvl_open_clips_image_embedding(tmp_path):
     """A checkpoint saved by open_clip itself (ViT-B-32, random init: nothing downloaded) starts rayvl's image tower
     and projection: rayvl's image embedding of uint8 images is open_clip's of the same images, normalised as open_clip

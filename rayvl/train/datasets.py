@@ -12,6 +12,7 @@ from pathlib import Path
 import ray
 
 from rayvl import assets, plugins
+from rayvl.compat import import_timm
 from rayvl.config import ConfigError, RayvlConfig
 from rayvl.data import shards, specs
 from rayvl.data.demo import DEMO_SEED, ensure_demo
@@ -123,8 +124,9 @@ def _check_image_size(vision: str, size: int) -> None:
     or the run stops here instead of at its first forward in every worker."""
     if vision in assets.VISION_ASSETS:
         return
-    import timm
     import torch
+
+    timm = import_timm()  # beside a CPU torch too (rayvl.compat)
 
     with torch.device("meta"):  # the architecture only: no memory, no weights
         model = timm.create_model(vision, pretrained=False)
@@ -146,8 +148,9 @@ def _check_vision_options(m) -> None:
                           f"with weights: {', '.join(assets.VISION_ASSETS)})")
     if not m.patch_dropout:
         return
-    import timm
     import torch
+
+    timm = import_timm()  # beside a CPU torch too (rayvl.compat)
 
     with torch.device("meta"):
         model = None if m.vision in assets.VISION_ASSETS else timm.create_model(m.vision, pretrained=False)
@@ -165,8 +168,9 @@ def _check_clip_checkpoint(m) -> None:
         raise ConfigError(f"model.vision_checkpoint: cannot read {m.vision_checkpoint!r}: {e}") from None
     if not clip_checkpoint.is_clip(state):
         return
-    import timm
     import torch
+
+    timm = import_timm()  # beside a CPU torch too (rayvl.compat)
 
     with torch.device("meta"):  # the architecture only: do CLIP's image transformer's keys fit it?
         backbone = timm.create_model(m.vision, pretrained=False)
