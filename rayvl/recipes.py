@@ -24,7 +24,18 @@ class RayvlParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.print_usage(sys.stderr)
-        self.exit(2, f"rayvl: error: {one_line(message)}\n")
+        self.exit(2, f"rayvl: error: {one_line(message)}{expanded_spec_hint(message)}\n")
+
+
+def expanded_spec_hint(message: str) -> str:
+    """Where argparse's extra arguments are shard files, the shell expanded an unquoted brace spec
+    (``--data /x/{00000..00003}.tar`` arrives as four paths): say so."""
+    if not message.startswith("unrecognized arguments:"):
+        return ""
+    if not any(a.endswith(".tar") for a in message.split(":", 1)[1].split()):
+        return ""
+    return (" — the shell expanded a brace spec into one argument a shard: quote it, e.g. "
+            "--data '/data/{00000..00099}.tar'")
 
 
 def user_error(error: Exception | str) -> int:

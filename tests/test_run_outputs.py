@@ -304,6 +304,13 @@ def test_train_is_parsed_once_and_usage_errors_read_as_every_error(monkeypatch, 
             cli.main(argv)
         assert exit_.value.code == 2
         assert capsys.readouterr().err.splitlines()[-1] == f"rayvl: error: {message}"
+    # an unquoted brace spec, expanded by the shell into a path a shard (issue 56): the line says to quote it
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--data", "/x/00000.tar", "/x/00001.tar", "/x/00002.tar"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "rayvl: error: unrecognized arguments: /x/00001.tar /x/00002.tar — the shell expanded a brace spec into one "
+        "argument a shard: quote it, e.g. --data '/data/{00000..00099}.tar'")
 
 
 def test_rayvl_eval_refuses_unknown_tasks_and_pool_settings_naming_them(demo_dir, tmp_path, capsys):
