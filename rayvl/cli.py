@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+import rayvl
 from rayvl.config import DataConfig, EvalConfig, PseudoLabelConfig, load_config
 from rayvl.recipes import (CONFIGS, USER_ERRORS, RayvlParser, add_train_args, data_cause, dry_run, one_line,
                            train_command, user_error)
@@ -15,6 +16,7 @@ LOCAL_COMMANDS = ("plot", "export")
 
 def build_parser() -> RayvlParser:
     p = RayvlParser(prog="rayvl", description="Train, evaluate and export CLIP-style dual encoders on Ray.")
+    p.add_argument("--version", action="version", version=f"rayvl {rayvl.__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     t = sub.add_parser("train", help="train a dual encoder (default recipe: laion_adapt)")
     add_train_args(t, str(CONFIGS / "laion_adapt.yaml"))

@@ -291,6 +291,7 @@ def test_every_option_has_help_and_config_fields_keep_their_config_default():
 def test_train_is_parsed_once_and_usage_errors_read_as_every_error(monkeypatch, capsys):
     """`rayvl train` hands its parsed options to the recipe runner (no second parse); argparse's own mistakes end
     as `rayvl: error: …`, exit 2, like the ones rayvl finds."""
+    import rayvl
     import rayvl.cli as cli
 
     seen = []
@@ -304,6 +305,9 @@ def test_train_is_parsed_once_and_usage_errors_read_as_every_error(monkeypatch, 
             cli.main(argv)
         assert exit_.value.code == 2
         assert capsys.readouterr().err.splitlines()[-1] == f"rayvl: error: {message}"
+    with pytest.raises(SystemExit) as exit_:  # issue 56: the version a bug report names
+        cli.main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"rayvl {rayvl.__version__}"
     # an unquoted brace spec, expanded by the shell into a path a shard (issue 56): the line says to quote it
     with pytest.raises(SystemExit) as exit_:
         cli.main(["train", "--data", "/x/00000.tar", "/x/00001.tar", "/x/00002.tar"])
