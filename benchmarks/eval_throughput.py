@@ -332,10 +332,14 @@ def rayvl_args(checkpoint: Path, data: str, out: Path) -> list[str]:
     return ["eval", str(checkpoint), "--tasks", "retrieval", "--data", data, "--kind", "shards", "--out", str(out)]
 
 
+def rayvl_cli() -> list[str]:
+    """The venv's ``rayvl`` entry point, as a user runs it (else the module)."""
+    cli = Path(sys.executable).parent / "rayvl"
+    return [str(cli)] if cli.exists() else [sys.executable, "-m", "rayvl.cli"]
+
+
 def rayvl_command(checkpoint: Path, data: str, out: Path) -> list[str]:
-    cli = Path(sys.executable).parent / "rayvl"  # the venv's entry point, as a user runs it
-    head = [str(cli)] if cli.exists() else [sys.executable, "-m", "rayvl.cli"]
-    return [*head, *rayvl_args(checkpoint, data, out)]
+    return [*rayvl_cli(), *rayvl_args(checkpoint, data, out)]
 
 
 def plain_command(checkpoint: Path, data: str, out: Path, workers: int) -> list[str]:
@@ -354,18 +358,26 @@ def failed(name: str, run: dict) -> str:
     return f"{name} exited with status {run['returncode']}:\n{tail}"
 
 
+def run_side(name: str, command: list[str]) -> dict:
+    """``timed(command)`` in the children's environment; the benchmark stops where that side failed."""
+    say(f"{name} ...")
+    run = timed(command, child_env())
+    if run["returncode"]:
+        raise SystemExit(failed(name, run))
+    return run
+
+
+def lines(run: dict) -> list:
+    """A run's lines with their arrival in seconds, for the JSON record."""
+    return [[round(t, 2), line] for t, line in run["lines"]]
+
+
 def benchmark(images: int, work: Path, workers: int) -> dict:
     say(f"writing the tiny checkpoint and {images} held-out images under {work}")
     checkpoint = tiny_checkpoint(work)
     data = held_out(images, work / "held-out")
-    say("rayvl eval ...")
-    rayvl_run = timed(rayvl_command(checkpoint, data, work / "rayvl-eval"), child_env())
-    if rayvl_run["returncode"]:
-        raise SystemExit(failed("rayvl eval", rayvl_run))
-    say("plain loop ...")
-    plain_run = timed(plain_command(checkpoint, data, work / "plain-eval", workers), child_env())
-    if plain_run["returncode"]:
-        raise SystemExit(failed("the plain loop", plain_run))
+    rayvl_run = run_side("rayvl eval", rayvl_command(checkpoint, data, work / "rayvl-eval"))
+    plain_run = run_side("the plain loop", plain_command(checkpoint, data, work / "plain-eval", workers))
     rayvl = rayvl_phases(rayvl_run, images)
     plain = phases(plain_run, images, PLAIN_READING, [PLAIN_EMBEDDED])
     agreed = agreement(work / "rayvl-eval", work / "plain-eval")
@@ -373,13 +385,12 @@ def benchmark(images: int, work: Path, workers: int) -> dict:
             "ratio_end_to_end": rayvl["images_per_s"] / plain["images_per_s"],
             "ratio_pipeline": (rayvl["pipeline_images_per_s"] / plain["pipeline_images_per_s"]
                                if rayvl["pipeline_images_per_s"] and plain["pipeline_images_per_s"] else None),
-            "agreement": agreed, "rayvl_lines": [[round(t, 2), line] for t, line in rayvl_run["lines"]],
-            "plain_lines": [[round(t, 2), line] for t, line in plain_run["lines"]]}
+            "agreement": agreed, "rayvl_lines": lines(rayvl_run), "plain_lines": lines(plain_run)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--images", type=int, default=4000, help="held-out images (default 4000)")
+def add_common_args(p: argparse.ArgumentParser, images: int, what: str) -> None:
+    """The options both benchmarks share: how many ``what`` images, where to keep things, the plain side."""
+    p.add_argument("--images", type=int, default=images, help=f"{what} images (default {images})")
     p.add_argument("--out", default="", help="also write the measurements as JSON here")
     p.add_argument("--work", default="", help="a new folder to keep the checkpoint, shards and outputs in "
                                               "(default: a temporary folder, removed)")
@@ -387,6 +398,25 @@ def main(argv: list[str] | None = None) -> int:
                                                                           "(default: CPUs − 1)")
     p.add_argument("--plain", default="", metavar="CHECKPOINT", help="run the plain loop alone on this checkpoint "
                                                                      "(the benchmark runs it so)")
+
+
+def measure(args: argparse.Namespace, prefix: str, run, report) -> int:
+    """``run(images, work, workers)`` in ``--work`` (or a temporary folder), its ``report`` printed and its
+    record written to ``--out``; 0 where the two sides agreed."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        work = Path(args.work or tmp)
+        if args.work and work.exists() and any(work.iterdir()):
+            raise SystemExit(f"--work {work}: not empty (give a new folder)")
+        result = run(args.images, work, args.workers)
+    print(report(args.images, result["rayvl"], result["plain"], result["agreement"]))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0 if result["agreement"]["agree"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(p, 4000, "held-out")
     p.add_argument("--data", default="", help="with --plain: the shards")
     p.add_argument("--results", default="", help="with --plain: where to write its eval files")
     args = p.parse_args(argv)
@@ -394,15 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics = plain_eval(args.plain, args.data, args.results, args.workers)
         print(json.dumps({"retrieval": metrics}))
         return 0
-    with tempfile.TemporaryDirectory(prefix="eval-throughput-") as tmp:
-        work = Path(args.work or tmp)
-        if args.work and work.exists() and any(work.iterdir()):
-            raise SystemExit(f"--work {work}: not empty (give a new folder)")
-        result = benchmark(args.images, work, args.workers)
-    print(table(args.images, result["rayvl"], result["plain"], result["agreement"]))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
-    return 0 if result["agreement"]["agree"] else 1
+    return measure(args, "eval-throughput-", benchmark, table)
 
 
 if __name__ == "__main__":

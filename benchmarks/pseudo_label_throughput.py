@@ -30,7 +30,6 @@ import argparse
 import json
 import re
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -205,39 +204,24 @@ def benchmark(images: int, work: Path, workers: int) -> dict:
     checkpoint = et.tiny_checkpoint(work)
     aligned = check.demo_halves()[0]
     unaligned = check.copied_shards(check.demo_shards("train"), images, work / "unaligned")
-    et.say("rayvl pseudo-label ...")
-    cli = Path(sys.executable).parent / "rayvl"
-    head = [str(cli)] if cli.exists() else [sys.executable, "-m", "rayvl.cli"]
-    rayvl_run = et.timed([*head, "pseudo-label", str(checkpoint), "--aligned", aligned, "--unaligned", unaligned,
-                          "--out", str(work / "rayvl-labels")], et.child_env())
-    if rayvl_run["returncode"]:
-        raise SystemExit(et.failed("rayvl pseudo-label", rayvl_run))
-    et.say("plain loop ...")
-    plain_run = et.timed([sys.executable, str(Path(__file__).resolve()), "--plain", str(checkpoint), "--aligned",
-                          aligned, "--unaligned", unaligned, "--results", str(work / "plain-labels"), "--workers",
-                          str(workers)], et.child_env())
-    if plain_run["returncode"]:
-        raise SystemExit(et.failed("the plain loop", plain_run))
+    rayvl_run = et.run_side("rayvl pseudo-label", [*et.rayvl_cli(), "pseudo-label", str(checkpoint),
+                                                   "--aligned", aligned, "--unaligned", unaligned,
+                                                   "--out", str(work / "rayvl-labels")])
+    plain_run = et.run_side("the plain loop", [sys.executable, str(Path(__file__).resolve()), "--plain",
+                                               str(checkpoint), "--aligned", aligned, "--unaligned", unaligned,
+                                               "--results", str(work / "plain-labels"), "--workers", str(workers)])
     rayvl = phases(rayvl_run, images, POOL, INDEXED, LABELLED)
     plain = phases(plain_run, images, PLAIN_POOL, PLAIN_INDEXED, PLAIN_LABELLED)
     agreed = agreement(rayvl_neighbours(work / "rayvl-labels"),
                        json.loads((work / "plain-labels" / "neighbours.json").read_text()))
     return {"images": images, "workers": workers, "rayvl": rayvl, "plain": plain,
             "ratio_end_to_end": rayvl["images_per_s"] / plain["images_per_s"], "agreement": agreed,
-            "rayvl_lines": [[round(t, 2), line] for t, line in rayvl_run["lines"]],
-            "plain_lines": [[round(t, 2), line] for t, line in plain_run["lines"]]}
+            "rayvl_lines": et.lines(rayvl_run), "plain_lines": et.lines(plain_run)}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--images", type=int, default=2000, help="unaligned images (default 2000)")
-    p.add_argument("--out", default="", help="also write the measurements as JSON here")
-    p.add_argument("--work", default="", help="a new folder to keep the checkpoint, shards and outputs in "
-                                              "(default: a temporary folder, removed)")
-    p.add_argument("--workers", type=int, default=et.default_workers(), help="the plain loop's loader workers "
-                                                                             "(default: CPUs − 1)")
-    p.add_argument("--plain", default="", metavar="CHECKPOINT", help="run the plain loop alone (the benchmark "
-                                                                     "runs it so)")
+    et.add_common_args(p, 2000, "unaligned")
     p.add_argument("--aligned", default="", help="with --plain: the caption pool's shards")
     p.add_argument("--unaligned", default="", help="with --plain: the images to label")
     p.add_argument("--results", default="", help="with --plain: where to write its retrievals")
@@ -247,15 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         n = plain_label(args.plain, args.aligned, args.unaligned, args.results, args.workers)
         print(json.dumps({"images": n, "seconds": round(time.perf_counter() - start, 1)}))
         return 0
-    with tempfile.TemporaryDirectory(prefix="pseudo-label-throughput-") as tmp:
-        work = Path(args.work or tmp)
-        if args.work and work.exists() and any(work.iterdir()):
-            raise SystemExit(f"--work {work}: not empty (give a new folder)")
-        result = benchmark(args.images, work, args.workers)
-    print(table(args.images, result["rayvl"], result["plain"], result["agreement"]))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
-    return 0 if result["agreement"]["agree"] else 1
+    return et.measure(args, "pseudo-label-throughput-", benchmark, table)
 
 
 if __name__ == "__main__":

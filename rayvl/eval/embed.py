@@ -185,7 +185,7 @@ def check_gpus(gpus_per_actor: float, setting: str, off: str, fixed_size: bool) 
 
 
 def pool_options(actors: int, cpus_per_actor: float, gpus_per_actor: float = 0.0) -> dict:
-    """map_batches' arguments for a pool of ``actors`` embedding actors, each reserving these CPUs and GPUs."""
+    """A pool of ``actors`` embedding actors (``concurrency``), each reserving these CPUs and GPUs."""
     return {"concurrency": actors, "num_cpus": cpus_per_actor, "num_gpus": gpus_per_actor}
 
 
