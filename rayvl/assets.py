@@ -54,8 +54,13 @@ def _import(module: str, package: str):
         ) from e
 
 
+CLIP_TOKENIZER = "clip"  # model.text of a whole CLIP from an OpenAI or open_clip file (rayvl.models.whole_clip)
+
+
 def text_model_path(name: str) -> Path:
-    """A local directory holding an HF model + tokenizer for ``name``."""
+    """A local directory holding an HF model + tokenizer for ``name`` (for ``clip``: CLIP's tokenizer alone)."""
+    if name == CLIP_TOKENIZER:
+        return clip_tokenizer_dir()
     if name in TEXT_ASSETS:
         asset = TEXT_ASSETS[name]
         return Path(_import(asset.module, asset.package).get_model_path())
@@ -66,6 +71,42 @@ def text_model_path(name: str) -> Path:
             f"directory (rayvl never downloads from a hub at run time)"
         )
     return path
+
+
+def clip_tokenizer_dir() -> Path:
+    """CLIP's byte-level BPE tokenizer (Radford et al. 2021) as a Hugging Face ``CLIPTokenizerFast`` folder, written
+    once under data_root() from the merges open_clip_torch ships (``bpe_simple_vocab_16e6.txt.gz``, OpenAI's file):
+    the vocabulary is the 256 byte symbols, each with ``</w>``, the first 48,894 merges and the two special tokens,
+    as CLIP's own tokenizer builds it. Written in a temporary folder and renamed into place, so processes that
+    write it at once (Ray Data's tasks on a fresh node) each see a whole folder."""
+    import importlib.util
+
+    folder = data_root() / "clip-tokenizer"
+    if (folder / "tokenizer.json").is_file():
+        return folder
+    spec = importlib.util.find_spec("open_clip")
+    bpe = Path(list(spec.submodule_search_locations)[0]) / "bpe_simple_vocab_16e6.txt.gz" if spec else None
+    if bpe is None or not bpe.is_file():
+        raise MissingAssetError("model.text=clip: CLIP's tokenizer comes from open_clip_torch's BPE merges: "
+                                "`pip install open_clip_torch` (make install does this)")
+    from transformers import CLIPTokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    merges = gzip.open(bpe, "rt", encoding="utf-8").read().split("\n")[1:49152 - 256 - 2 + 1]
+    symbols = list(bytes_to_unicode().values())
+    vocab = symbols + [s + "</w>" for s in symbols] + ["".join(m.split()) for m in merges]
+    vocab += ["<|startoftext|>", "<|endoftext|>"]
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
+        out = Path(tmp) / "tokenizer"
+        CLIPTokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=[tuple(m.split()) for m in merges],
+                      model_max_length=77).save_pretrained(str(out))
+        try:
+            out.rename(folder)
+        except OSError:  # another process put it there first
+            if not (folder / "tokenizer.json").is_file():
+                raise
+    return folder
 
 
 def vision_timm_name(name: str) -> str:
@@ -258,6 +299,7 @@ def check() -> tuple[list[str], list[str]]:
     ``fetch_debian_packages`` unpacks are in place. A missing asset is a failure, never a reason to skip."""
     lines, missing = [], []
     for label, probe in (("text minilm-l6", lambda: text_model_path("minilm-l6")),
+                         ("CLIP's tokenizer (model.init_from_clip)", clip_tokenizer_dir),
                          ("vision efficientnet-lite0", lambda: f"{len(vision_state_dict('efficientnet-lite0'))} "
                                                                f"tensors"),
                          ("Fashion-MNIST", fashion_mnist_dir), ("WordNet 3.0 (nltk_data)", nltk_data_dir)):

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from rayvl import storage
-from rayvl.config import from_dict
+from rayvl.config import from_dict, load_config
 from rayvl.models.dual_encoder import DualEncoder, build_model
 
 TAG = "deepspeed"
@@ -35,7 +35,15 @@ RAY_TRAIN_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of t
 
 
 def read_meta(checkpoint: str | os.PathLike) -> dict:
-    """A checkpoint's ``rayvl.json``; the checkpoint may be a local folder or a URL."""
+    """A checkpoint's ``rayvl.json``; the checkpoint may be a local folder or a URL — or a whole CLIP (an OpenAI or
+    open_clip file, a Hugging Face CLIP folder: rayvl.models.whole_clip), read as the step 0 of a run starting
+    from it."""
+    from rayvl.models import whole_clip
+
+    if whole_clip.is_source(checkpoint):  # rayvl's defaults, the CLIP's settings, its text tower frozen as it is
+        config = load_config(None, [f"model.init_from_clip={Path(checkpoint).expanduser().resolve()}",
+                                    "model.text_strategy=frozen", "model.alignment_layers=0"])
+        return {"config": config.to_dict(), "step": 0, "final": True, "whole_clip": str(checkpoint)}
     return json.loads(storage.read_text(storage.join(str(checkpoint), META_FILE)))
 
 
@@ -112,7 +120,9 @@ def latest_checkpoint_dir(run_dir: str | os.PathLike) -> str | None:
 def checkpoint_uri(path: str | os.PathLike) -> str:
     """The checkpoint a path names: a checkpoint, or a run directory (its newest checkpoint); local or a URL."""
     path = storage.normalize(path)
-    if storage.is_file(storage.join(path, META_FILE)):
+    from rayvl.models import whole_clip
+
+    if storage.is_file(storage.join(path, META_FILE)) or whole_clip.is_source(path):
         return path
     latest = latest_checkpoint_dir(path)
     if latest is None:
@@ -149,5 +159,9 @@ def load_model(checkpoint: str | os.PathLike) -> tuple[DualEncoder, dict]:
     ckpt = resolve_checkpoint(checkpoint)
     config = read_meta(ckpt)["config"]
     cfg = from_dict(config)
+    from rayvl.models import whole_clip
+
+    if whole_clip.is_source(ckpt):  # a whole CLIP as it is: its weights read by the build
+        return build_model(cfg.model).eval(), config
     model = build_model(cfg.model, state=load_weights(ckpt, cfg.train.zero_stage))  # every weight from it
     return model.eval(), config

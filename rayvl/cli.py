@@ -64,7 +64,9 @@ def _eval_parser(sub) -> None:
     e = sub.add_parser("eval", help="evaluate a checkpoint: zero-shot, retrieval, paraphrase, STS, linear probe; "
                                     "unset options take the run's eval section")
     e.add_argument("run", metavar="RUN", help="a run directory (its newest checkpoint) or a checkpoint, local or a "
-                                              "URL; a run's name under ~/rayvl-runs; latest")
+                                              "URL; a run's name under ~/rayvl-runs; latest; or a whole CLIP as "
+                                              "it is (an OpenAI .pt, an open_clip checkpoint, a Hugging Face CLIP "
+                                              "folder): the scores a run from it starts at")
     e.add_argument("--tasks", default=None, metavar="A,B,...",
                    help=f"comma list of tasks (default: eval.checkpoint_tasks, {','.join(d.checkpoint_tasks)})")
     e.add_argument("--data", default="", help="img2dataset shards, an ImageFolder tree or Fashion-MNIST IDX files "
@@ -166,7 +168,7 @@ def eval_main(args) -> int:
     from rayvl import session, storage
     from rayvl.checkpoints import checkpoint_uri, read_meta
     from rayvl.eval.embed import check_gpus
-    from rayvl.eval.runner import default_sources, run_eval, settings
+    from rayvl.eval.runner import default_out, default_sources, run_eval, settings
     from rayvl.eval.tables import format_tables
     from rayvl.train.run_dir import find_run
 
@@ -190,7 +192,7 @@ def eval_main(args) -> int:
         return 1
     print(f"checkpoint {ckpt}\ndata {sources.data} ({sources.kind})")
     print(format_tables(results))
-    print(f"\nresults: {args.out or storage.join(storage.parent(ckpt), 'eval')}")
+    print(f"\nresults: {args.out or default_out(ckpt)}")
     return 0
 
 

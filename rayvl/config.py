@@ -179,13 +179,46 @@ class ImageLabelConfig:
 
 
 @dataclass
+class ClipArchitecture:
+    """A whole CLIP's shapes (``model.init_from_clip`` reads them from its weights before Ray starts; 0 = no CLIP).
+    Set by hand only where the weights cannot say: ``vision_heads`` / ``text_heads`` (CLIP's heads are 64 wide) and
+    ``quick_gelu`` for an open_clip model trained with it (OpenAI's releases and Hugging Face folders say so
+    themselves)."""
+
+    vision_width: int = 0
+    vision_layers: int = 0
+    vision_heads: int = 0
+    patch_size: int = 0
+    image_size: int = 0
+    """the size the image transformer is built for: data.image_size (the checkpoint's own unless set; another size
+    resamples its position embeddings)."""
+    text_width: int = 0
+    text_layers: int = 0
+    text_heads: int = 0
+    context_length: int = 0
+    vocab_size: int = 0
+    embed_dim: int = 0
+    quick_gelu: bool = False
+    """CLIP's x·sigmoid(1.702x) activation (OpenAI's models) instead of GELU."""
+
+
+@dataclass
 class ModelConfig:
     vision: str = "efficientnet-lite0"
-    """image tower: a rayvl asset name or any timm model name."""
+    """image tower: a rayvl asset name or any timm model name (``clip``: the image transformer of
+    ``init_from_clip``)."""
     vision_checkpoint: str = ""
     """checkpoint file for a timm model name ('' = random init unless ``vision`` is an asset)."""
     text: str = "minilm-l6"
-    """text tower: a rayvl asset name or a local HF model directory."""
+    """text tower: a rayvl asset name or a local HF model directory (``clip``: the text transformer of
+    ``init_from_clip``, with CLIP's tokenizer)."""
+    init_from_clip: str = ""
+    """a whole pretrained CLIP to start from: OpenAI's .pt (TorchScript or state dict), an open_clip checkpoint
+    (.pt/.bin/.safetensors, plain or as its training saves it) or a Hugging Face CLIPModel folder. Both towers, both
+    projections and the temperature load; model.vision/text/embed_dim/projections/pooling/clip and data.image_size
+    are read from it (a --set that contradicts it is an error; data.image_size may differ)."""
+    clip: ClipArchitecture = field(default_factory=ClipArchitecture)
+    """the CLIP's shapes (read from init_from_clip)."""
     text_strategy: Literal["finetune", "frozen", "frozen_adapters", "frozen_alignment"] = "frozen_alignment"
     """[Paraphrase] §4: finetune the LM, freeze it, freeze it with bottleneck adapters in every layer, or freeze it and
     append alignment layers."""
@@ -198,8 +231,8 @@ class ModelConfig:
     """rows of the class-embedding matrix (set from image_label's class list by the trainer)."""
     adapter_reduction: int = 2
     """bottleneck adapters' reduction factor: hidden size d → d / r → d ([Paraphrase] §4: 2)."""
-    pooling: Literal["avg", "cls"] = "avg"
-    """how token features become one text feature."""
+    pooling: Literal["avg", "cls", "eot"] = "avg"
+    """how token features become one text feature (eot: the end-of-text token's, CLIP's own — a whole CLIP's)."""
     embed_dim: int = 256
     """dimension of the shared embedding space."""
     vision_projection: Literal["linear", "mlp2"] = "linear"
@@ -633,11 +666,50 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: a recipe must be a mapping of sections")
         values = loaded
+    given: dict = {}
     for text in overrides or []:
-        values = _merge(values, parse_override(text))
+        given = _merge(given, parse_override(text))
+    values = _clip_settings(_merge(values, given), given)
     cfg = _build(RayvlConfig, _loss_defaults(values))
     validate(cfg)
     return cfg
+
+
+# what a whole CLIP's weights cannot say, so model.clip may set it by hand
+CLIP_BY_HAND = ("vision_heads", "text_heads", "quick_gelu")
+
+
+def _clip_settings(values: dict, given: dict) -> dict:
+    """With ``model.init_from_clip``: the settings its weights decide (rayvl.models.whole_clip.settings) replace the
+    recipe's; a ``--set`` of one of them to another value is an error naming the key — except data.image_size (a
+    CLIP fine-tuned at another resolution: its position embeddings are resampled) and the model.clip fields the
+    weights cannot say (CLIP_BY_HAND)."""
+    source = (values.get("model") or {}).get("init_from_clip")
+    if not source:
+        return values
+    if not isinstance(source, str):
+        raise ConfigError(f"model.init_from_clip: expected a path, got {source!r}")
+    from rayvl.models import whole_clip
+
+    found = whole_clip.settings(source)
+    by_hand = dict((given.get("model") or {}).get("clip") or {})
+    for key, value in by_hand.items():
+        if key not in CLIP_BY_HAND and found["model"]["clip"].get(key, value) != value:
+            raise ConfigError(f"model.clip.{key}: {value!r}, but the CLIP in model.init_from_clip has "
+                              f"{found['model']['clip'][key]!r} (only {', '.join(CLIP_BY_HAND)} are set by hand)")
+    found["model"]["clip"].update(by_hand)
+    for section, settings in found.items():
+        for key, value in settings.items():
+            mine = (given.get(section) or {}).get(key, value)
+            if key != "clip" and (section, key) != ("data", "image_size") and mine != value:
+                raise ConfigError(f"{section}.{key}: {mine!r} contradicts the CLIP in model.init_from_clip, whose "
+                                  f"{key} is {value!r} (leave it unset: it is read from the checkpoint)")
+    out = dict(values)
+    for section, settings in found.items():
+        mine = {k: v for k, v in (given.get(section) or {}).items() if (section, k) == ("data", "image_size")}
+        out[section] = {**(values.get(section) or {}), **settings, **mine}
+    out["model"]["clip"] = {**out["model"]["clip"], "image_size": out["data"]["image_size"]}
+    return out
 
 
 def _loss_defaults(values: dict) -> dict:
@@ -685,6 +757,7 @@ def validate(cfg: RayvlConfig) -> None:
             f"model.init_logit_scale: must be in (0, model.max_logit_scale={m.max_logit_scale}], "
             f"got {m.init_logit_scale}"
         )
+    _validate_clip(m, cfg.data.image_size)
     if not 0.0 <= m.patch_dropout < 1.0:
         raise ConfigError(f"model.patch_dropout: a share of the patch tokens, in [0, 1), got {m.patch_dropout}")
     if m.patch_dropout and m.vision_strategy == "frozen":
@@ -705,6 +778,24 @@ def validate(cfg: RayvlConfig) -> None:
         raise ConfigError("tune.driver_cpus: a trial driver needs some resource (Ray schedules no empty bundle): "
                           "> 0, or name tune.driver_resources")
     plugins.check(cfg)  # each registered method's own constraints
+
+
+def _validate_clip(m: ModelConfig, image_size: int) -> None:
+    """A whole CLIP is both towers at once: its shapes, its end-of-text pooling and no other image weights."""
+    named = {k for k, on in (("model.vision", m.vision == "clip"), ("model.pooling", m.pooling == "eot"),
+                             ("model.clip", m.clip.vision_width > 0)) if on}
+    if named and len(named) < 3:
+        raise ConfigError(f"{sorted({'model.vision', 'model.pooling', 'model.clip'} - named)[0]}: a whole CLIP's "
+                          f"towers (model.vision=clip, model.pooling=eot, model.clip's shapes) come together — "
+                          f"set model.init_from_clip, which sets them all")
+    if named and m.vision_checkpoint:
+        raise ConfigError("model.vision_checkpoint: the image tower's weights come from model.init_from_clip; "
+                          "leave it unset")
+    if named and m.clip.image_size != image_size:
+        raise ConfigError(f"model.clip.image_size: the CLIP's image tower is built for data.image_size "
+                          f"({image_size}), not {m.clip.image_size}")
+    if named and m.text_tower != "lm":
+        raise ConfigError("model.text_tower: a whole CLIP has its text transformer; class_embedding replaces it")
 
 
 def _validate_train(t: TrainConfig) -> None:

@@ -137,8 +137,11 @@ def export(source: str, out: str | Path) -> Path:
     state = {k: v.detach().float().contiguous().clone() if v.is_floating_point() else v.contiguous().clone()
              for k, v in model.module.state_dict().items()}
     save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt", "rayvl_step": str(meta["step"])})
-    text_path = str(assets.text_model_path(model.config.model.text))
-    AutoConfig.from_pretrained(text_path, local_files_only=True).save_pretrained(out / TEXT_DIR)
+    if model.config.model.clip.vision_width:  # a whole CLIP's text transformer: its config is the tower's own
+        model.module.text.lm.config.save_pretrained(out / TEXT_DIR)
+    else:
+        text_path = str(assets.text_model_path(model.config.model.text))
+        AutoConfig.from_pretrained(text_path, local_files_only=True).save_pretrained(out / TEXT_DIR)
     model.tokenizer.save_pretrained(out / TEXT_DIR)
     metrics = _last_evaluation(ckpt)
     record = {"config": meta["config"], "source": ckpt, "step": meta["step"], "final": meta.get("final", False),
@@ -169,8 +172,14 @@ def write_towers(model: Model, out: Path) -> None:
     vision.mkdir(exist_ok=True)
     save_file(_tensors(m.vision.backbone), str(vision / WEIGHTS_FILE))
     scale = 255.0  # the tower's buffers normalise 0–255 pixels
+    if cfg.clip.vision_width:  # a whole CLIP's ViT: timm's CLIP ViT with the checkpoint's sizes
+        from rayvl.models.whole_clip import timm_args
+
+        architecture, args = timm_args(cfg.clip)
+    else:
+        architecture, args = assets.vision_timm_name(cfg.vision), {}
     (vision / "config.json").write_text(json.dumps({
-        "architecture": assets.vision_timm_name(cfg.vision), "num_classes": 0, "image_size": model.image_size,
+        "architecture": architecture, "model_args": args, "num_classes": 0, "image_size": model.image_size,
         "mean": (m.vision.mean.flatten() / scale).tolist(), "std": (m.vision.std.flatten() / scale).tolist()}, indent=2))
     heads = {**_tensors(m.vision_proj, "vision_proj."), "logit_scale": m.logit_scale.detach().float().clone()}
     if cfg.init_logit_bias is not None:
@@ -273,6 +282,24 @@ similarity = model.logit_scale * images @ texts.T
 """
 
 
+def _text_code(pooling: str) -> tuple[str, str, str, str]:
+    """without_rayvl.py's text tower: (its load, its last layer, its forward and attention mask, its pooling)."""
+    pool = {"cls": "x[:, 0]", "avg": "(x * a).sum(1) / a.sum(1).clamp(min=1)",
+            # CLIP's: the end-of-text token's feature (causal attention: the padding after it never reached it)
+            "eot": "x[torch.arange(len(x)), (t['input_ids'] == tokenizer.eos_token_id).int().argmax(-1)]"}[pooling]
+    if pooling == "eot":  # a whole CLIP: Hugging Face's CLIPTextModel, causal attention in every layer
+        return ('lm = transformers.CLIPTextModel.from_pretrained(f"{d}/text").eval()',
+                'getattr(lm, "text_model", lm).encoder.layers[-1]',
+                'x = lm(input_ids=t["input_ids"]).last_hidden_state\n    n = x.shape[1]\n'
+                '    mask = torch.full((n, n), float("-inf")).triu(1)[None, None]  # causal, as CLIP\'s own layers',
+                pool)
+    return ('lm = transformers.AutoModel.from_pretrained(f"{d}/text", add_pooling_layer=False).eval()',
+            "lm.encoder.layer[-1]",
+            'x = lm(input_ids=t["input_ids"], attention_mask=a).last_hidden_state\n'
+            '    mask = (1.0 - a[:, None, None, :].float()) * torch.finfo(torch.float32).min  # additive: padding left '
+            'out', pool)
+
+
 def standalone_code(record: dict) -> str | None:
     """``without_rayvl.py``: this export's towers, heads and pooling in transformers + timm + torch — what
     rayvl.load computes, in code a user can read and keep (None where only rayvl.load can: class embeddings, or
@@ -283,7 +310,7 @@ def standalone_code(record: dict) -> str | None:
     project = {"linear": "F.linear({x}, h['{p}.weight'])",
                "mlp2": "F.linear(F.gelu(F.linear({x}, h['{p}.0.weight'], h['{p}.0.bias'])), h['{p}.2.weight'], "
                        "h['{p}.2.bias'])"}
-    pool = "x[:, 0]" if m["pooling"] == "cls" else "(x * a).sum(1) / a.sum(1).clamp(min=1)"
+    lm_line, last, masked, pool = _text_code(m["pooling"])
     layers = m["alignment_layers"] if m["text_strategy"] == "frozen_alignment" else 0
     bias = ('logit_bias = float(h["logit_bias"])  # SigLIP: torch.sigmoid(logit_scale * image @ text.T + logit_bias)'
             '\n') if m.get("init_logit_bias") is not None else ""
@@ -302,10 +329,11 @@ from safetensors.torch import load_file
 
 d = os.path.dirname(os.path.abspath(__file__))
 v, h = json.load(open(f"{{d}}/vision/config.json")), load_file(f"{{d}}/heads.safetensors")
-vision = timm.create_model(v["architecture"], num_classes=0, checkpoint_path=f"{{d}}/vision/model.safetensors").eval()
-lm = transformers.AutoModel.from_pretrained(f"{{d}}/text", add_pooling_layer=False).eval()
+vision = timm.create_model(v["architecture"], num_classes=0, checkpoint_path=f"{{d}}/vision/model.safetensors",
+                           **v.get("model_args", {{}})).eval()
+{lm_line}
 tokenizer = transformers.AutoTokenizer.from_pretrained(f"{{d}}/text")
-align = [copy.deepcopy(lm.encoder.layer[-1]) for _ in range({layers})]  # alignment layers: shaped like the LM's last
+align = [copy.deepcopy({last}) for _ in range({layers})]  # alignment layers: shaped like the LM's last
 for i, layer in enumerate(align):
     layer.load_state_dict({{k.split(".", 2)[2]: w for k, w in h.items() if k.startswith(f"alignment.{{i}}.")}})
 mean, std = (torch.tensor(v[k]).view(1, 3, 1, 1) for k in ("mean", "std"))
@@ -322,8 +350,7 @@ def encode_image(pixels):
 def encode_text(texts):
     t = tokenizer(texts, padding="max_length", truncation=True, max_length={d["max_text_tokens"]}, return_tensors="pt")
     a = t["attention_mask"]
-    x = lm(input_ids=t["input_ids"], attention_mask=a).last_hidden_state
-    mask = (1.0 - a[:, None, None, :].float()) * torch.finfo(torch.float32).min  # additive: padding left out
+    {masked}
     for layer in align:
         out = layer(x, mask)
         x = out[0] if isinstance(out, tuple) else out

@@ -176,15 +176,24 @@ def model_lines(cfg: RayvlConfig) -> list[str]:
         frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
         return f"{trainable:,} trainable" + (f", {frozen:,} frozen" if frozen else "") + " parameters"
 
+    c = m.clip
     vision = ("pretrained, the package's weights" if m.vision in VISION_ASSETS else
               f"pretrained, {m.vision_checkpoint}" if m.vision_checkpoint else
+              f"CLIP's ViT, width {c.vision_width}, {c.vision_layers} layers, patch {c.patch_size}, "
+              f"{c.image_size} px" if c.vision_width else
               "random init: model.vision_checkpoint gives it weights")
-    if m.text_tower == "lm":
+    clip = ([f"  a whole CLIP, {m.init_from_clip}: both towers, both projections (embedding {c.embed_dim}) and the "
+             f"temperature ({m.init_logit_scale:.4g}); {'QuickGELU' if c.quick_gelu else 'GELU'} (model.clip.quick_gelu)"]
+            if c.vision_width else [])
+    if m.text_tower == "lm" and c.vision_width:
+        text = (f"text tower CLIP's transformer (width {c.text_width}, {c.text_layers} layers, {c.context_length} "
+                f"positions), pretrained, {m.text_strategy}: {params(model.text)}")
+    elif m.text_tower == "lm":
         text = f"text tower {m.text}, pretrained, {m.text_strategy}: {params(model.text)}"
     else:
         text = f"text tower: a class embedding, {m.embed_dim} trainable parameters per class" + (
             f", {classes} classes" if classes else " (the image-label data's classes)")
-    return ["model:", f"  image tower {m.vision} ({vision}): {params(model.vision)}", f"  {text}",
+    return ["model:", *clip, f"  image tower {m.vision} ({vision}): {params(model.vision)}", f"  {text}",
             f"  in all {params(model)}" + ("" if m.text_tower == "lm" or classes else " with one class"),
             f"  AdamW lr {t.lr:g}, betas {t.betas[0]:g}/{t.betas[1]:g}, weight decay {t.weight_decay:g}; linear "
             f"warm-up over {t.warmup_steps:,} steps, cosine decay to 0 at step {t.max_steps:,}"]

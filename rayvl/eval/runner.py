@@ -104,7 +104,7 @@ def run_eval(checkpoint: str, tasks: list[str] | None = None, sources: Sources |
     meta = read_meta(uri)
     config = meta["config"]
     sources = sources or default_sources(config)
-    out = storage.normalize(out) if out else storage.join(storage.parent(uri), "eval")
+    out = storage.normalize(out) if out else default_out(uri)
     pool = settings(config, actors=actors, cpus_per_actor=cpus_per_actor, gpus_per_actor=gpus_per_actor,
                     batch_size=batch_size, paraphrase_k=k)
     tasks = pool.checkpoint_tasks if tasks is None else tasks
@@ -143,6 +143,17 @@ def run_eval(checkpoint: str, tasks: list[str] | None = None, sources: Sources |
     scored = {"checkpoint": uri, "step": meta["step"]}  # the file says what it scored
     storage.write_text(storage.join(out, "eval.json"), json.dumps({**scored, **results}, indent=2))
     return results
+
+
+def default_out(checkpoint: str) -> str:
+    """Where `rayvl eval` writes without --out: ``eval/`` beside the checkpoint (in its run directory); for a whole
+    CLIP file or folder, ``eval-<its name>/`` beside it."""
+    from rayvl.models import whole_clip
+
+    if whole_clip.is_source(checkpoint):
+        path = Path(checkpoint).expanduser().resolve()
+        return str(path.parent / f"eval-{path.stem if path.is_file() else path.name}")
+    return storage.join(storage.parent(checkpoint), "eval")
 
 
 def after_training(result, data: str = "", tasks: tuple[str, ...] = ("retrieval",), prefix: str = "heldout_") -> dict:

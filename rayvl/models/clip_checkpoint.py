@@ -54,13 +54,19 @@ def mismatch(timm_state: dict, backbone: torch.nn.Module) -> tuple[list[str], li
     return sorted(set(expected) - set(mine)), sorted(set(mine) - set(expected)) + wrong
 
 
-def convert(state: dict, backbone: torch.nn.Module, source: str) -> tuple[dict, torch.Tensor | None]:
+def convert(state: dict, backbone: torch.nn.Module, source: str, whole: bool = False) -> tuple[dict, torch.Tensor | None]:
     """(the timm backbone's state dict, CLIP's projection as a ``nn.Linear(width, embed)`` weight — or None), with
-    a line saying what was loaded, mapped and left."""
+    a line saying what was loaded, mapped and left (``whole``: the text keys load into the text tower,
+    rayvl.models.whole_clip, which says so itself)."""
     timm_state = converted(state, backbone)
     missing, unexpected = mismatch(timm_state, backbone)
     weight = timm_state.pop("head.weight", None)
     visual = sum(k.startswith("visual.") for k in unwrapped(state))
+    if whole:
+        if missing or unexpected:
+            raise ValueError(f"the CLIP's image transformer does not fit its timm ViT: missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}")
+        return timm_state, weight
     log.info(f"model.vision_checkpoint {source}: a CLIP checkpoint — {visual} image-transformer keys mapped to "
              f"{len(timm_state)} timm keys (missing {len(missing)}{': ' + ', '.join(missing[:5]) if missing else ''}; "
              f"unexpected {len(unexpected)}{': ' + ', '.join(unexpected[:5]) if unexpected else ''}), "

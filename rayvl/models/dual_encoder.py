@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayvl.config import ModelConfig
+from rayvl.models import whole_clip
 from rayvl.models.meta_init import load_into, parameters_on_meta
 from rayvl.models.towers import TextTower, VisionTower, projection
 
@@ -18,8 +19,11 @@ class DualEncoder(nn.Module):
         weights are loaded next, from a checkpoint or an export)."""
         super().__init__()
         self.cfg = cfg
+        # a whole CLIP (model.init_from_clip): both towers, both projections and the temperature from its weights
+        whole = cfg.clip.vision_width > 0
+        clip = whole_clip.read(cfg.init_from_clip) if whole and pretrained and cfg.init_from_clip else None
         self.vision = VisionTower(cfg.vision, cfg.vision_checkpoint, pretrained, cfg.vision_strategy,
-                                  cfg.patch_dropout)
+                                  cfg.patch_dropout, clip=(clip, cfg.clip) if whole else None)
         self.vision_proj = projection(cfg.vision_projection, self.vision.out_dim, cfg.embed_dim)
         if self.vision.clip_projection is not None:  # a CLIP checkpoint's own (shape checked before Ray starts)
             with torch.no_grad():
@@ -31,8 +35,11 @@ class DualEncoder(nn.Module):
             self.class_embed = nn.Parameter(torch.randn(cfg.num_classes, cfg.embed_dim) * 0.02)
         else:
             self.text = TextTower(cfg.text, cfg.text_strategy, cfg.alignment_layers, cfg.pooling,
-                                  cfg.adapter_reduction, pretrained)
+                                  cfg.adapter_reduction, pretrained, clip=(clip, cfg.clip) if whole else None)
             self.text_proj = projection(cfg.text_projection, self.text.out_dim, cfg.embed_dim)
+            if clip is not None:  # CLIP's x @ text_projection is a bias-free linear layer of its transpose
+                with torch.no_grad():
+                    self.text_proj.weight.copy_(clip["text_projection"].t())
         if cfg.activation_checkpointing:
             # not a BatchNorm tower: recomputing its blocks would update the running statistics twice per step
             if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.vision.modules()):
@@ -43,6 +50,9 @@ class DualEncoder(nn.Module):
         # DeepSpeed broadcasts parameters as byte views, which 0-dim tensors do not allow
         self.logit_scale = nn.Parameter(torch.full((1,), math.log(cfg.init_logit_scale)),
                                         requires_grad=cfg.learn_logit_scale)
+        if clip is not None:  # the checkpoint's own log(1/τ), bit for bit (not through exp and log)
+            with torch.no_grad():
+                self.logit_scale.copy_(clip["logit_scale"].reshape(1))
         if cfg.init_logit_bias is not None:  # SigLIP's learnable bias b (Zhai et al. 2023, Algorithm 1)
             self.logit_bias = nn.Parameter(torch.full((1,), float(cfg.init_logit_bias)))
 

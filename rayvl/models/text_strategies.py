@@ -36,24 +36,41 @@ class _AdaptedOutput(nn.Module):
         return self.adapter(self.dense(x))
 
 
+def encoder_layers(lm: nn.Module) -> nn.ModuleList:
+    """The LM's transformer layers: a BERT-style encoder's, or CLIP's text transformer's (``CLIPTextModel``)."""
+    encoder = getattr(lm, "text_model", lm).encoder  # transformers < 5 nests CLIP's under text_model
+    return encoder.layers if hasattr(encoder, "layers") else encoder.layer
+
+
 def insert_adapters(lm: nn.Module, reduction: int) -> list[BottleneckAdapter]:
     """A bottleneck adapter after every layer's feed-forward output ([Paraphrase] §4 "Frozen Text Encoder with
-    Bottleneck Adapter"); returns them (they train, the LM stays frozen)."""
+    Bottleneck Adapter"); returns them (they train, the LM stays frozen). In CLIP's pre-LN layers the feed-forward
+    output is ``mlp.fc2``, added to the residual directly."""
     adapters = []
-    for layer in lm.encoder.layer:
+    for layer in encoder_layers(lm):
         adapter = BottleneckAdapter(lm.config.hidden_size, reduction)
-        layer.output.dense = _AdaptedOutput(layer.output.dense, adapter)
+        if hasattr(layer, "mlp"):
+            layer.mlp.fc2 = _AdaptedOutput(layer.mlp.fc2, adapter)
+        else:
+            layer.output.dense = _AdaptedOutput(layer.output.dense, adapter)
         adapters.append(adapter)
     return adapters
 
 
 def alignment_layers_for(lm: nn.Module, n: int) -> list[nn.Module]:
     """``n`` transformer layers shaped like the LM's own, randomly initialised, to append on top of the frozen LM
-    ("alignment layers", [Paraphrase] §4, Fig. 3e)."""
+    ("alignment layers", [Paraphrase] §4, Fig. 3e). CLIP's layers are pre-LN residual blocks, x + attn(LN(x)) and
+    x + mlp(LN(x)): their two output projections start at zero, so each layer starts as the identity and a whole
+    CLIP with alignment layers starts as the pretrained CLIP (its zero-shot accuracy at step 0), as the adapters'
+    zero up-projection does."""
     layers = []
     for _ in range(n):
-        layer = copy.deepcopy(lm.encoder.layer[-1])
+        layer = copy.deepcopy(encoder_layers(lm)[-1])
         layer.apply(lm._init_weights)
+        if hasattr(layer, "mlp"):
+            for out in (layer.self_attn.out_proj, layer.mlp.fc2):
+                nn.init.zeros_(out.weight)
+                nn.init.zeros_(out.bias)
         layer.requires_grad_(True)
         layers.append(layer)
     return layers

@@ -8,8 +8,9 @@ import torch.utils.checkpoint
 from torch import nn
 
 from rayvl import assets
-from rayvl.compat import import_timm
-from rayvl.models import clip_checkpoint
+from rayvl.compat import ensure_torchvision_importable, import_timm
+from rayvl.config import ClipArchitecture
+from rayvl.models import clip_checkpoint, whole_clip
 from rayvl.models.meta_init import load_into, parameters_on_meta
 from rayvl.models.text_strategies import alignment_layers_for, insert_adapters
 
@@ -24,17 +25,26 @@ class VisionTower(nn.Module):
       al. 2023, arXiv:2212.00794: 50–75%), through timm's own ``patch_drop_rate``; evaluation sees every patch."""
 
     def __init__(self, name: str, checkpoint: str = "", pretrained: bool = True, strategy: str = "finetune",
-                 patch_dropout: float = 0.0):
+                 patch_dropout: float = 0.0, clip: tuple[dict | None, ClipArchitecture] | None = None):
+        """``clip``: a whole CLIP's (weights in OpenAI's layout or None, shapes) — its image transformer as timm's
+        CLIP ViT (``name`` is then ``clip``)."""
         super().__init__()
         timm = import_timm()
         extra = {"patch_drop_rate": patch_dropout} if patch_dropout else {}
-        state = assets.vision_state_dict(name, checkpoint) if pretrained else None
+        if clip is not None:
+            state, arch = clip
+            timm_name, args = whole_clip.timm_args(arch)
+            extra.update(args)
+        else:
+            state = assets.vision_state_dict(name, checkpoint) if pretrained else None
+            timm_name = assets.vision_timm_name(name)
         # weights to load: no random init first (meta_init); the architecture alone: timm's init
         with parameters_on_meta() if state is not None else nullcontext():
-            self.backbone = timm.create_model(assets.vision_timm_name(name), pretrained=False, **extra)
+            self.backbone = timm.create_model(timm_name, pretrained=False, **extra)
         self.clip_projection = None  # CLIP's image projection, for the dual encoder's vision_proj
         if state is not None and clip_checkpoint.is_clip(state):
-            state, self.clip_projection = clip_checkpoint.convert(state, self.backbone, checkpoint)
+            state, self.clip_projection = clip_checkpoint.convert(state, self.backbone, checkpoint or "",
+                                                                  whole=clip is not None)
             self.backbone.reset_classifier(0)  # CLIP's projection is no classifier: it goes to vision_proj
         if state is not None:
             load_into(self.backbone, state)
@@ -83,17 +93,31 @@ class TextTower(nn.Module):
     """
 
     def __init__(self, name: str, strategy: str, alignment_layers: int, pooling: str, adapter_reduction: int = 2,
-                 pretrained: bool = True):
+                 pretrained: bool = True, clip: tuple[dict | None, ClipArchitecture] | None = None):
+        """``clip``: a whole CLIP's (weights in OpenAI's layout or None, shapes) — its text transformer as Hugging
+        Face's ``CLIPTextModel``, causal, pooled at the end-of-text token (``pooling`` eot)."""
         super().__init__()
         from transformers import AutoConfig, AutoModel
 
-        path = str(assets.text_model_path(name))
-        if pretrained:
+        if clip is not None:
+            ensure_torchvision_importable()  # transformers' CLIP imports its image processor's torchvision
+            from transformers import CLIPTextModel
+
+            state, arch = clip
+            with parameters_on_meta() if state is not None else nullcontext():
+                self.lm = CLIPTextModel(whole_clip.text_config(arch))
+            if state is not None:
+                load_into(self.lm, whole_clip.text_state(state, "text_model." if hasattr(self.lm, "text_model")
+                                                         else ""))
+        elif pretrained:
+            path = str(assets.text_model_path(name))
             self.lm = AutoModel.from_pretrained(path, local_files_only=True, add_pooling_layer=False)
         else:  # the architecture only: the weights come from a rayvl checkpoint or export
+            path = str(assets.text_model_path(name))
             self.lm = AutoModel.from_config(AutoConfig.from_pretrained(path, local_files_only=True),
                                             add_pooling_layer=False)
         self.strategy, self.pooling = strategy, pooling
+        self.causal = clip is not None
         self.lm_frozen = strategy != "finetune"
         if self.lm_frozen:
             self.lm.requires_grad_(False)
@@ -118,21 +142,41 @@ class TextTower(nn.Module):
         return self
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        # a frozen LM needs no graph — unless adapters inside it train
-        mask4d = self.attention_mask(attention_mask)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and (not self.lm_frozen or len(self.adapters) > 0)):
-            hidden = self.lm(input_ids=input_ids, attention_mask=mask4d).last_hidden_state
-        if len(self.alignment):
-            for layer in self.alignment:
-                if self.checkpointing and self.training and torch.is_grad_enabled():
-                    out = torch.utils.checkpoint.checkpoint(layer, hidden, mask4d, use_reentrant=False)
-                else:
-                    out = layer(hidden, mask4d)
-                hidden = out[0] if isinstance(out, tuple) else out
+        if self.causal:  # CLIP's text transformer
+            return self.clip_forward(input_ids)
+        hidden = self.aligned(input_ids, self.attention_mask(attention_mask))
         if self.pooling == "cls":
             return hidden[:, 0]
         m = attention_mask.unsqueeze(-1).to(hidden.dtype)
         return (hidden * m).sum(1) / m.sum(1).clamp(min=1.0)
+
+    def aligned(self, input_ids: torch.Tensor, mask4d: torch.Tensor | None) -> torch.Tensor:
+        """The LM's token features, then the alignment layers', each attending under ``mask4d`` (the LM's too); None:
+        CLIP's causal attention, the LM's own, and a causal mask for the alignment layers."""
+        # a frozen LM needs no graph — unless adapters inside it train
+        with torch.set_grad_enabled(torch.is_grad_enabled() and (not self.lm_frozen or len(self.adapters) > 0)):
+            hidden = self.lm(input_ids=input_ids, attention_mask=mask4d).last_hidden_state
+        if mask4d is None and len(self.alignment):
+            n = hidden.shape[1]
+            mask4d = torch.full((n, n), float("-inf"), dtype=hidden.dtype, device=hidden.device).triu(1)[None, None]
+        for layer in self.alignment:
+            if self.checkpointing and self.training and torch.is_grad_enabled():
+                out = torch.utils.checkpoint.checkpoint(layer, hidden, mask4d, use_reentrant=False)
+            else:
+                out = layer(hidden, mask4d)
+            hidden = out[0] if isinstance(out, tuple) else out
+        return hidden
+
+    def clip_forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """CLIP's text feature: causal attention (a token sees those before it, so the padding after the end-of-text
+        token never reaches it: no padding mask is needed), the alignment layers causal too, then the end-of-text
+        token's feature after the final LayerNorm (CLIP eq.: "the activations of the highest layer of the
+        transformer at the [EOS] token"). The position is found on the device: no read-back."""
+        hidden = self.aligned(input_ids, None)
+        eos = self.lm.config.eos_token_id
+        # Hugging Face's rule: configs written before its fix name id 2, where the end-of-text id is the largest
+        position = input_ids.argmax(-1) if eos == 2 else (input_ids == eos).int().argmax(-1)
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), position]
 
     def attention_mask(self, attention_mask: torch.Tensor) -> torch.Tensor:
         """The 4D attention mask of the LM's attention implementation, made once for the LM and the alignment

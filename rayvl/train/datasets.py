@@ -111,9 +111,10 @@ def check_inputs(cfg: RayvlConfig, train: str, evalset: str) -> dict[str, specs.
     try:
         if cfg.model.text_tower == "lm":
             assets.text_model_path(cfg.model.text)
-        assets.check_vision_name(cfg.model.vision)
-        _check_image_size(cfg.model.vision, cfg.data.image_size)
-        _check_vision_options(cfg.model)
+        if cfg.model.vision != "clip":  # a whole CLIP's image ViT is its weights' shape (checked as they loaded)
+            assets.check_vision_name(cfg.model.vision)
+            _check_image_size(cfg.model.vision, cfg.data.image_size)
+            _check_vision_options(cfg.model)
     except assets.MissingAssetError as e:
         raise ConfigError(str(e)) from None
     return checks

@@ -103,5 +103,5 @@ def check_init_from(cfg: RayvlConfig) -> str:
 
 
 # model settings that do not change the weights' shapes or meaning
-ARCHITECTURE_FREE = ("vision_checkpoint", "init_logit_scale", "learn_logit_scale", "max_logit_scale",
+ARCHITECTURE_FREE = ("vision_checkpoint", "init_from_clip", "init_logit_scale", "learn_logit_scale", "max_logit_scale",
                      "activation_checkpointing", "vision_strategy", "patch_dropout")

@@ -24,6 +24,16 @@ from rayvl.train.startup import Startup
 from rayvl.train.worker import WorkerPlan
 
 
+def _say_what_runs(cfg: RayvlConfig, layout) -> None:
+    """On the console, before the workers start: the engine's layout and a whole CLIP the workers will load."""
+    if layout is not None:
+        log.info(f"engine: {layout.line()}")
+    if cfg.model.init_from_clip:
+        from rayvl.models.whole_clip import describe
+
+        log.info(describe(cfg.model.clip, cfg.model.init_from_clip))
+
+
 def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", progress: bool = False,
           verbose: bool = True, finished_ok: bool = True) -> RunResult:
     """Run one training job end to end and return where everything is. ``callbacks``: Ray Train UserCallbacks
@@ -49,8 +59,8 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
     if cfg.train.zero_stage == "auto":  # GPUs on a cluster: their memory is known now, from Ray's accelerator types
         # of the nodes up now, beside what an autoscaler can add
         cfg, layout = resolve(cfg, cluster={**ray.cluster_resources(), **session.largest_cluster()[0]})
-    if layout is not None and verbose:
-        log.info(f"engine: {layout.line()}")
+    if verbose:
+        _say_what_runs(cfg, layout)
     startup.mark("ray")
     report_name = f"rayvl-data-report-{name}-{uuid.uuid4().hex[:8]}"
     reports = data.reports(report_name)

@@ -1,0 +1,269 @@
+"""A whole pretrained CLIP as the starting point (``model.init_from_clip``): both towers, both projections and the
+temperature of CLIP (Radford et al. 2021, "Learning Transferable Visual Models From Natural Language Supervision",
+arXiv:2103.00020) as OpenAI released it, as open_clip (Ilharco et al. 2021; Cherti et al. 2023, arXiv:2212.07143)
+saves it, or as a Hugging Face ``CLIPModel`` folder.
+
+Every source is read into one layout, OpenAI's (``visual.*`` for the image transformer and its projection
+``visual.proj``; ``token_embedding``, ``positional_embedding``, ``transformer.resblocks.*``, ``ln_final`` and
+``text_projection`` for the text transformer; ``logit_scale``). From there the image transformer is timm's CLIP ViT
+(timm's own converter renames it: ``rayvl.models.clip_checkpoint``) and the text transformer Hugging Face's
+``CLIPTextModel`` (renamed here): causal attention, pooled at the end-of-text token as CLIP pools it. The shapes come
+from the weights (widths, depths, patch, grid, context length, vocabulary, embedding size); what the weights cannot
+say — the attention heads (CLIP's are 64 wide) and QuickGELU (OpenAI's releases use it, open_clip's own models
+mostly do not) — from the source where it says so (a TorchScript release is OpenAI's; an HF config names both), else
+from ``model.clip`` as set by hand.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from rayvl.errors import ConfigError
+
+KEY = "model.init_from_clip"
+HEAD_WIDTH = 64  # CLIP's attention heads: width // 64 in both towers (OpenAI's and open_clip's configs)
+# OpenAI's tokenizer: <|startoftext|> and <|endoftext|> are the vocabulary's last two ids
+EOT_ID = 49407
+# the timm CLIP ViT whose arguments (pre-norm, LayerNorm eps 1e-5, class token, CLIP's mean and std) every size
+# shares; its sizes are replaced by the checkpoint's
+TIMM_BASE = "vit_base_patch16_clip_224"
+# one residual block's parameters: OpenAI's names ↔ Hugging Face's (the attention's in_proj is split into q, k, v)
+_BLOCK = (("attn.out_proj.", "self_attn.out_proj."), ("ln_1.", "layer_norm1."), ("ln_2.", "layer_norm2."),
+          ("mlp.c_fc.", "mlp.fc1."), ("mlp.c_proj.", "mlp.fc2."))
+_BLOCKS = re.compile(r"(visual\.)?transformer\.resblocks\.(\d+)\.(.+)")
+
+
+# ----------------------------------------------------------------------------- reading
+
+def read(source: str) -> dict:
+    """The whole CLIP at ``source`` as an OpenAI-layout state dict (tensors memory-mapped where the format allows)."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return from_hugging_face(path)
+    if not path.is_file():
+        raise ConfigError(f"{KEY}: {source!r} does not exist (an OpenAI .pt, an open_clip checkpoint or a Hugging "
+                          f"Face CLIP folder)")
+    return _checked(_unwrapped(_load(path)), source)
+
+
+def is_source(path: str | Path) -> bool:
+    """A whole CLIP on this machine (what ``rayvl eval`` takes beside rayvl checkpoints: the starting point's own
+    scores): a Hugging Face CLIP folder, or a weights file (a rayvl checkpoint is a folder)."""
+    if "://" in str(path):
+        return False
+    path = Path(path).expanduser()
+    if path.is_dir():
+        try:
+            return json.loads((path / "config.json").read_text()).get("model_type") == "clip"
+        except (OSError, ValueError):
+            return False
+    return path.is_file() and path.suffix in (".pt", ".pth", ".bin", ".safetensors")
+
+
+def is_torchscript(path: Path) -> bool:
+    """OpenAI's released files are TorchScript archives (their zip holds ``code/``)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any("/code/" in n or n.startswith("code/") for n in z.namelist()[:200])
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
+def _load(path: Path) -> dict:
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    if is_torchscript(path):
+        return torch.jit.load(str(path), map_location="cpu").state_dict()
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "mmap" in str(e):  # the legacy (pre-zip) format cannot be mapped
+            return torch.load(path, map_location="cpu", weights_only=True)
+        raise
+
+
+def _unwrapped(state: dict) -> dict:
+    """open_clip's training checkpoint (``{"epoch", "state_dict": {"module.…"}}``) or a plain state dict."""
+    state = state.get("state_dict", state)
+    if any(k.startswith("module.") for k in state):
+        state = {k.removeprefix("module."): v for k, v in state.items()}
+    return state
+
+
+def _checked(state: dict, source: str) -> dict:
+    needed = ("visual.class_embedding", "visual.conv1.weight", "visual.proj", "token_embedding.weight",
+              "positional_embedding", "ln_final.weight", "text_projection", "logit_scale")
+    missing = [k for k in needed if k not in state]
+    if missing:
+        kind = ("a ResNet image tower (rayvl's CLIP image tower is a ViT)" if "visual.layer1.0.conv1.weight" in state
+                else "a text tower other than CLIP's transformer" if "text.transformer.embeddings.word_embeddings.weight"
+                in state or any(k.startswith("text.") for k in state) else "not a CLIP state dict")
+        raise ConfigError(f"{KEY}: {source!r} is {kind}: it lacks {', '.join(missing[:4])} (rayvl starts from an "
+                          f"OpenAI or open_clip ViT CLIP, or a Hugging Face CLIPModel folder)")
+    return state
+
+
+def from_hugging_face(folder: Path) -> dict:
+    """A Hugging Face ``CLIPModel`` folder (``config.json`` of model_type clip, safetensors or bin weights) in
+    OpenAI's layout."""
+    config = hugging_face_config(folder)
+    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
+    if not files:
+        raise ConfigError(f"{KEY}: {str(folder)!r} has a CLIP config.json but no model.safetensors or "
+                          f"pytorch_model.bin")
+    hf: dict = {}
+    for f in files:
+        hf.update(_load(f))
+    del config
+    return _checked(hugging_face_to_openai(hf), str(folder))
+
+
+def hugging_face_config(folder: Path) -> dict:
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{KEY}: {str(folder)!r} is a folder without a readable config.json ({e})") from None
+    if config.get("model_type") != "clip":
+        raise ConfigError(f"{KEY}: {str(folder)!r} holds a {config.get('model_type')!r} model, not a Hugging Face "
+                          f"CLIPModel (model_type clip)")
+    return config
+
+
+def hugging_face_to_openai(hf: dict) -> dict:
+    """Hugging Face's ``CLIPModel`` keys → OpenAI's (q, k, v joined into in_proj; projections transposed)."""
+    out = {"logit_scale": hf["logit_scale"],
+           "visual.proj": hf["visual_projection.weight"].t(), "text_projection": hf["text_projection.weight"].t()}
+    for tower, prefix, names in (
+            ("text_model.", "", {"embeddings.token_embedding.weight": "token_embedding.weight",
+                                 "embeddings.position_embedding.weight": "positional_embedding",
+                                 "final_layer_norm.weight": "ln_final.weight",
+                                 "final_layer_norm.bias": "ln_final.bias"}),
+            ("vision_model.", "visual.", {"embeddings.class_embedding": "class_embedding",
+                                          "embeddings.patch_embedding.weight": "conv1.weight",
+                                          "embeddings.position_embedding.weight": "positional_embedding",
+                                          "pre_layrnorm.weight": "ln_pre.weight", "pre_layrnorm.bias": "ln_pre.bias",
+                                          "post_layernorm.weight": "ln_post.weight",
+                                          "post_layernorm.bias": "ln_post.bias"})):
+        for key, name in names.items():
+            out[prefix + name] = hf[tower + key]
+        layers = {int(k.split(".")[3]) for k in hf if k.startswith(tower + "encoder.layers.")}
+        for i in sorted(layers):
+            theirs, ours = f"{tower}encoder.layers.{i}.", f"{prefix}transformer.resblocks.{i}."
+            for kind in ("weight", "bias"):
+                out[f"{ours}attn.in_proj_{kind}"] = torch.cat(
+                    [hf[f"{theirs}self_attn.{q}_proj.{kind}"] for q in "qkv"])
+                for openai, hugging_face in _BLOCK:
+                    out[f"{ours}{openai}{kind}"] = hf[f"{theirs}{hugging_face}{kind}"]
+    return out
+
+
+# ----------------------------------------------------------------------------- shapes
+
+def architecture(state: dict, source: str) -> dict:
+    """The CLIP's shapes (``model.clip``'s fields: rayvl.config.ClipArchitecture), read from its weights; heads and
+    activation from the source where it says (else CLIP's 64-wide heads and GELU, which ``model.clip`` set by hand
+    replaces)."""
+    vision_width, _, patch, _ = state["visual.conv1.weight"].shape
+    positions = state["visual.positional_embedding"].shape[0] - 1  # the class token's own
+    grid = round(positions ** 0.5)
+    if grid * grid != positions:
+        raise ConfigError(f"{KEY}: {source!r}: {positions} image positions are no square grid of patches")
+    text_width = state["ln_final.weight"].shape[0]
+    arch = SimpleNamespace(
+        vision_width=vision_width, vision_layers=_depth(state, "visual."), vision_heads=vision_width // HEAD_WIDTH,
+        patch_size=patch, image_size=grid * patch, text_width=text_width, text_layers=_depth(state, ""),
+        text_heads=text_width // HEAD_WIDTH, context_length=state["positional_embedding"].shape[0],
+        vocab_size=state["token_embedding.weight"].shape[0], embed_dim=state["text_projection"].shape[1],
+        quick_gelu=False)
+    path = Path(source).expanduser()
+    if path.is_dir():  # Hugging Face's config names the heads and the activation
+        config = hugging_face_config(path)
+        text, vision = config.get("text_config", {}), config.get("vision_config", {})
+        arch.text_heads = text.get("num_attention_heads", arch.text_heads)
+        arch.vision_heads = vision.get("num_attention_heads", arch.vision_heads)
+        arch.quick_gelu = text.get("hidden_act", "quick_gelu") == "quick_gelu"  # CLIPTextConfig's default
+    elif is_torchscript(path):
+        arch.quick_gelu = True  # every OpenAI release
+    if state["visual.proj"].shape[1] != arch.embed_dim:
+        raise ConfigError(f"{KEY}: {source!r} projects images to {state['visual.proj'].shape[1]} and texts to "
+                          f"{arch.embed_dim} dimensions: not one embedding space")
+    return dict(vars(arch))
+
+
+def _depth(state: dict, prefix: str) -> int:
+    return 1 + max(int(m.group(2)) for k in state if (m := _BLOCKS.fullmatch(k)) and bool(m.group(1)) == bool(prefix))
+
+
+def settings(source: str) -> dict:
+    """What ``model.init_from_clip`` decides of the config, as {section: {key: value}}: the towers (``clip``, its
+    tokenizer as ``model.text``), CLIP's linear projections, its embedding size, end-of-text pooling, its
+    temperature, and the image size it was trained at."""
+    state = read(source)
+    arch = architecture(state, source)
+    path = Path(source).expanduser()
+    return {
+        "model": {"vision": "clip", "text": str(path) if path.is_dir() else "clip", "clip": arch,
+                  "embed_dim": arch["embed_dim"], "vision_projection": "linear", "text_projection": "linear",
+                  "pooling": "eot", "init_logit_scale": float(state["logit_scale"].float().exp())},
+        "data": {"image_size": arch["image_size"]},
+    }
+
+
+# ----------------------------------------------------------------------------- the towers' parts
+
+def timm_args(arch) -> tuple[str, dict]:
+    """(timm name, its arguments) of the CLIP's image transformer at ``arch.image_size`` (timm's converter resamples
+    the position embeddings of a checkpoint trained at another size)."""
+    return TIMM_BASE, {"img_size": arch.image_size, "patch_size": arch.patch_size, "embed_dim": arch.vision_width,
+                       "depth": arch.vision_layers, "num_heads": arch.vision_heads,
+                       "act_layer": "quick_gelu" if arch.quick_gelu else "gelu"}
+
+
+def text_config(arch):
+    """Hugging Face's ``CLIPTextConfig`` of the CLIP's text transformer (``arch``: model.clip)."""
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(vocab_size=arch.vocab_size, hidden_size=arch.text_width,
+                          intermediate_size=4 * arch.text_width, num_hidden_layers=arch.text_layers,
+                          num_attention_heads=arch.text_heads, max_position_embeddings=arch.context_length,
+                          hidden_act="quick_gelu" if arch.quick_gelu else "gelu", layer_norm_eps=1e-5,
+                          bos_token_id=EOT_ID - 1, eos_token_id=EOT_ID, pad_token_id=EOT_ID,
+                          projection_dim=arch.embed_dim)
+
+
+def text_state(state: dict, prefix: str = "") -> dict:
+    """OpenAI's text-transformer keys → ``CLIPTextModel``'s (``prefix``: ``text_model.`` where transformers nests
+    them, before version 5)."""
+    out = {f"{prefix}embeddings.token_embedding.weight": state["token_embedding.weight"],
+           f"{prefix}embeddings.position_embedding.weight": state["positional_embedding"],
+           f"{prefix}final_layer_norm.weight": state["ln_final.weight"],
+           f"{prefix}final_layer_norm.bias": state["ln_final.bias"]}
+    for key, value in state.items():
+        m = _BLOCKS.fullmatch(key)
+        if not m or m.group(1):
+            continue
+        ours, rest = f"{prefix}encoder.layers.{m.group(2)}.", m.group(3)
+        if rest.startswith("attn.in_proj_"):
+            for q, part in zip("qkv", value.chunk(3)):
+                out[f"{ours}self_attn.{q}_proj.{rest.removeprefix('attn.in_proj_')}"] = part
+            continue
+        for openai, hugging_face in _BLOCK:
+            if rest.startswith(openai):
+                out[ours + hugging_face + rest.removeprefix(openai)] = value
+    return out
+
+
+def describe(arch, source: str) -> str:
+    """One line: what the CLIP is."""
+    return (f"{KEY} {source}: image ViT width {arch.vision_width}, {arch.vision_layers} layers, {arch.vision_heads} "
+            f"heads, patch {arch.patch_size}, {arch.image_size} px; text width {arch.text_width}, {arch.text_layers} "
+            f"layers, {arch.text_heads} heads, {arch.context_length} tokens, vocabulary {arch.vocab_size}; embedding "
+            f"{arch.embed_dim}; {'QuickGELU' if arch.quick_gelu else 'GELU'}")

@@ -1,0 +1,265 @@
+"""A whole pretrained CLIP as the starting point (model.init_from_clip): OpenAI's TorchScript release, open_clip's
+checkpoints and a Hugging Face CLIP folder give rayvl the embeddings their own libraries give (small models with
+random weights, built by open_clip and transformers in the test: nothing downloaded); what the weights decide is read
+from them, a contradicting --set is named; `rayvl eval` scores the CLIP as it is, as open_clip's own embeddings
+score on the same images; a run fine-tunes it on the shards and exports it."""
+import json
+import re
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import small_config, tonics_shapes
+from rayvl.compat import ensure_torchvision_importable
+from rayvl.config import ConfigError, load_config
+from rayvl.models.dual_encoder import build_model
+
+ensure_torchvision_importable()  # open_clip and transformers' CLIP import torchvision, as timm does
+
+CAPTIONS = ["a photo of a cat", "A large BLUE ring, to the left of a small red star!", "two green squares", "x"]
+EMBED = 64  # small_config's model.embed_dim: the CLIP's, so its --set agrees
+
+
+def open_clip_model(quick_gelu: bool = False, seed: int = 0):
+    """open_clip's CLIP at toy size (ViT: width 64, 2 layers, patch 8, 32 px; text: width 64, 2 layers, CLIP's
+    vocabulary and 77 positions), its LayerNorms moved off their init so that every weight matters."""
+    from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
+
+    torch.manual_seed(seed)
+    model = CLIP(embed_dim=EMBED, vision_cfg=CLIPVisionCfg(layers=2, width=64, head_width=64, patch_size=8,
+                                                           image_size=32),
+                 text_cfg=CLIPTextCfg(context_length=77, vocab_size=49408, width=64, heads=1, layers=2),
+                 quick_gelu=quick_gelu).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+        model.logit_scale.fill_(3.0)
+    return model
+
+
+def open_clip_embeddings(model, images: np.ndarray, texts: list[str]):
+    """open_clip's own: images normalised with CLIP's mean and std, texts through its own tokenizer (77 tokens)."""
+    import open_clip
+
+    mean = torch.tensor(open_clip.OPENAI_DATASET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(open_clip.OPENAI_DATASET_STD).view(1, 3, 1, 1)
+    with torch.no_grad():
+        pixels = (torch.from_numpy(images).float() / 255 - mean) / std
+        return (model.encode_image(pixels, normalize=True).numpy(),
+                model.encode_text(open_clip.get_tokenizer("ViT-B-32")(texts), normalize=True).numpy())
+
+
+def rayvl_embeddings(source: str, images: np.ndarray, texts: list[str], *sets: str):
+    from rayvl import assets
+    from rayvl.eval.embed import ModelEmbedder
+
+    cfg = load_config("configs/laion_adapt.yaml", [f"model.init_from_clip={source}", *sets])
+    model = build_model(cfg.model).eval()
+    embedder = ModelEmbedder(model, str(assets.text_model_path(cfg.model.text)), cfg.data.max_text_tokens)
+    return embedder.images(images), embedder.texts(texts), model, cfg
+
+
+def test_a_whole_clip_saved_each_way_embeds_as_its_own_library(tmp_path):
+    """open_clip's training checkpoint ({"epoch", "state_dict": module.*}), a plain safetensors state dict, OpenAI's
+    form (a TorchScript archive: QuickGELU told from it) and a Hugging Face CLIPModel folder: rayvl's image and text
+    embeddings and temperature are the source library's (atol 1e-5); the recipe's frozen LM + alignment layers and
+    bottleneck adapters start as the CLIP itself; shapes, embedding size and image size come from the weights."""
+    from safetensors.torch import save_file
+
+    images = np.random.default_rng(0).integers(0, 256, (5, 3, 32, 32), dtype=np.uint8)
+    theirs = open_clip_model()
+    want_images, want_texts = open_clip_embeddings(theirs, images, CAPTIONS)
+    checkpoint = tmp_path / "epoch_3.pt"
+    torch.save({"epoch": 3, "state_dict": {f"module.{k}": v for k, v in theirs.state_dict().items()}}, checkpoint)
+    plain = tmp_path / "open_clip_model.safetensors"
+    save_file({k: v.contiguous() for k, v in theirs.state_dict().items()}, str(plain))
+    for source, sets in ((checkpoint, ["model.text_strategy=finetune"]), (plain, []),  # frozen + 2 alignment layers
+                         (checkpoint, ["model.text_strategy=frozen_adapters"])):
+        got_images, got_texts, model, cfg = rayvl_embeddings(str(source), images, CAPTIONS, *sets)
+        np.testing.assert_allclose(got_images, want_images, atol=1e-5)
+        np.testing.assert_allclose(got_texts, want_texts, atol=1e-5)
+        assert float(model.scale().detach()) == pytest.approx(float(theirs.logit_scale.detach().exp()), rel=1e-7)
+    assert (cfg.model.embed_dim, cfg.data.image_size, cfg.model.vision, cfg.model.text) == (EMBED, 32, "clip", "clip")
+    assert (cfg.model.pooling, cfg.model.text_projection, cfg.model.vision_projection) == ("eot", "linear", "linear")
+    c = cfg.model.clip
+    assert (c.vision_width, c.vision_layers, c.patch_size, c.image_size, c.text_width, c.text_layers,
+            c.context_length, c.vocab_size, c.quick_gelu) == (64, 2, 8, 32, 64, 2, 77, 49408, False)
+
+    # OpenAI's release form: a TorchScript archive of a QuickGELU model
+    quick = open_clip_model(quick_gelu=True, seed=1)
+    openai = tmp_path / "ViT-toy.pt"
+    pixels, tokens = torch.ones(2, 3, 32, 32), torch.zeros(2, 77, dtype=torch.long)  # as OpenAI's jit=True files
+    with warnings.catch_warnings():  # the tracer's notes on shape checks it records as constants
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        torch.jit.trace_module(quick, {"forward": (pixels, tokens), "encode_text": (tokens,),
+                                       "encode_image": (pixels,)}).save(str(openai))
+    want_images, want_texts = open_clip_embeddings(quick, images, CAPTIONS)
+    got_images, got_texts, model, cfg = rayvl_embeddings(str(openai), images, CAPTIONS)
+    assert cfg.model.clip.quick_gelu
+    np.testing.assert_allclose(got_images, want_images, atol=1e-5)
+    np.testing.assert_allclose(got_texts, want_texts, atol=1e-5)
+    # the same weights as a plain file say nothing of their activation: model.clip.quick_gelu, set by hand
+    torch.save(quick.state_dict(), tmp_path / "quick.pt")
+    got_images, _, _, _ = rayvl_embeddings(str(tmp_path / "quick.pt"), images, CAPTIONS, "model.clip.quick_gelu=true")
+    np.testing.assert_allclose(got_images, want_images, atol=1e-5)
+
+    # a Hugging Face CLIPModel folder (two 32-wide heads a tower, as its config says), tokenizer included
+    from transformers import CLIPConfig, CLIPModel
+
+    from rayvl import assets
+
+    size = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2)
+    torch.manual_seed(2)
+    hf = CLIPModel(CLIPConfig(text_config=size, vision_config={**size, "image_size": 32, "patch_size": 8},
+                              projection_dim=48)).eval()
+    folder = tmp_path / "hf-clip"
+    hf.save_pretrained(folder)
+    for f in assets.clip_tokenizer_dir().iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    from transformers import AutoTokenizer
+
+    tokens = AutoTokenizer.from_pretrained(folder)(CAPTIONS, padding=True, return_tensors="pt")
+    mean, std = torch.tensor(assets_clip_mean()).view(1, 3, 1, 1), torch.tensor(assets_clip_std()).view(1, 3, 1, 1)
+    with torch.no_grad():
+        want_images = hf.visual_projection(hf.vision_model(
+            pixel_values=(torch.from_numpy(images).float() / 255 - mean) / std).pooler_output)
+        want_texts = hf.text_projection(hf.text_model(**tokens).pooler_output)
+    got_images, got_texts, model, cfg = rayvl_embeddings(str(folder), images, CAPTIONS, "data.max_text_tokens=16")
+    assert cfg.model.text == str(folder) and cfg.model.embed_dim == 48 and cfg.model.clip.vision_heads == 2
+    np.testing.assert_allclose(got_images, torch.nn.functional.normalize(want_images, dim=-1).numpy(), atol=1e-5)
+    np.testing.assert_allclose(got_texts, torch.nn.functional.normalize(want_texts, dim=-1).numpy(), atol=1e-5)
+
+
+def assets_clip_mean():
+    from timm.data import OPENAI_CLIP_MEAN
+
+    return OPENAI_CLIP_MEAN
+
+
+def assets_clip_std():
+    from timm.data import OPENAI_CLIP_STD
+
+    return OPENAI_CLIP_STD
+
+
+def test_what_the_weights_decide_is_read_and_a_contradiction_is_named(tmp_path, capsys):
+    """A --set that contradicts the CLIP names its key before anything runs; data.image_size may differ (the
+    position embeddings are resampled, the model embeds at the new size); heads and QuickGELU may be set by hand;
+    a file that is no ViT CLIP, or no file, is named; the dry run says what loads."""
+    from conftest import cli
+
+    path = tmp_path / "clip.pt"
+    torch.save(open_clip_model().state_dict(), path)
+    source = f"model.init_from_clip={path}"
+    for wrong, key in (("model.embed_dim=32", "model.embed_dim"), ("model.pooling=avg", "model.pooling"),
+                       ("model.text_projection=mlp2", "model.text_projection"),
+                       ("model.clip.vision_width=128", "model.clip.vision_width"),
+                       (f"model.vision_checkpoint={path}", "model.vision_checkpoint")):
+        with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: "):
+            load_config("configs/laion_adapt.yaml", [source, wrong])
+    cfg = load_config("configs/laion_adapt.yaml", [source, "data.image_size=48", "model.clip.text_heads=2"])
+    assert cfg.data.image_size == cfg.model.clip.image_size == 48 and cfg.model.clip.text_heads == 2
+    model = build_model(cfg.model).eval()
+    with torch.no_grad():
+        assert model.encode_image(torch.zeros(1, 3, 48, 48, dtype=torch.uint8)).shape == (1, EMBED)
+    torch.save({"visual.layer1.0.conv1.weight": torch.zeros(1)}, tmp_path / "rn50.pt")
+    torch.save({"weight": torch.zeros(1)}, tmp_path / "other.pt")
+    for bad, says in ((tmp_path / "rn50.pt", "a ResNet image tower"), (tmp_path / "other.pt", "not a CLIP state dict"),
+                      (tmp_path / "missing.pt", "does not exist")):
+        with pytest.raises(ConfigError, match=f"^model.init_from_clip: .*{says}"):
+            load_config("configs/laion_adapt.yaml", [f"model.init_from_clip={bad}"])
+    code, out, err = cli(capsys, "train", "--dry-run", "--set", source)
+    assert code == 0, err
+    assert f"a whole CLIP, {path}: both towers, both projections (embedding {EMBED})" in out
+    assert "image tower clip (CLIP's ViT, width 64, 2 layers, patch 8, 32 px)" in out
+
+
+def test_a_run_fine_tunes_a_whole_clip_from_the_zero_shot_it_starts_at(ray_local, demo_dir, tmp_path,
+                                                                       tonics_counts_path):
+    """`rayvl eval` on the open_clip checkpoint as it is scores what open_clip's own embeddings score on the same
+    held-out images (zero-shot and retrieval, exactly); a run starts from it — 2 workers, TOnICS batches, UniCL
+    against a memory bank, the recipe's frozen LM + alignment layers — trains and exports it, the export's "use
+    without rayvl" code embedding as rayvl.load does."""
+    from dataclasses import replace
+
+    from rayvl import assets
+    from rayvl.cli import main
+    from rayvl.eval import data as datasets
+    from rayvl.eval import tasks as eval_tasks
+    from rayvl.train.trainer import train
+
+    theirs = open_clip_model()
+    path = tmp_path / "epoch_3.pt"
+    torch.save({"epoch": 3, "state_dict": theirs.state_dict()}, path)
+    out = tmp_path / "eval"
+    assert main(["eval", str(path), "--tasks", "zeroshot,retrieval", "--data", str(demo_dir / "eval"),
+                 "--classes", str(demo_dir / "classes.json"), "--out", str(out)]) == 0
+    scored = json.loads((out / "eval.json").read_text())
+    assert scored["step"] == 0 and scored["checkpoint"] == str(path)
+
+    data = datasets.load_shards(str(demo_dir / "eval"), 32, str(assets.text_model_path("clip")), 16, 0.5)
+    rows = sorted(data.images.take_all(), key=lambda r: r["key"])
+    data = replace(data, images=np.stack([r["image"] for r in rows])).with_rows(
+        {c: [r[c] for r in rows] for c in ("key", "caption", "cls")}).with_text_sets(
+        str(demo_dir / "classes.json"), "", "")
+
+    class OpenClip:  # open_clip's own embeddings of the same rows
+        def images(self, images):
+            return open_clip_embeddings(theirs, images, ["x"])[0]
+
+        def texts(self, texts):
+            return open_clip_embeddings(theirs, np.zeros((1, 3, 32, 32), np.uint8), list(texts))[1]
+
+    theirs_scored, _ = eval_tasks.evaluate(["zeroshot", "retrieval"], data, OpenClip())
+    for task in ("zeroshot", "retrieval"):
+        assert scored[task] == pytest.approx(theirs_scored[task], abs=1e-6), task
+
+    cfg = small_config(demo_dir, tmp_path, f"model.init_from_clip={path}", "memory_bank.size=32", "loss.kind=unicl",
+                       *tonics_shapes(f"tonics.counts_path={tonics_counts_path}"), "eval.tasks=[zeroshot]")
+    result = train(cfg)
+    history = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == [1, 2, 3] and all(np.isfinite(h["loss"]) for h in history)
+    assert history[0]["logit_scale"] == pytest.approx(float(theirs.logit_scale.detach().exp()), rel=1e-2)  # CLIP's own
+    state = torch.load(result.checkpoint_dir + "/model.pt")
+    assert "text.lm.encoder.layers.1.self_attn.q_proj.weight" in state and "text.alignment.0.mlp.fc2.weight" in state
+    assert torch.equal(state["text.lm.encoder.layers.1.mlp.fc1.weight"],  # the frozen LM is CLIP's, bit for bit
+                       theirs.state_dict()["transformer.resblocks.1.mlp.c_fc.weight"])
+    assert "zeroshot_top1" in result.metrics and "tonics_p_root" in history[-1]
+
+    import rayvl
+
+    export = tmp_path / "export"
+    assert main(["export", str(result.run_dir), "--out", str(export)]) == 0
+    exported = rayvl.load(export)
+    card = (export / "README.md").read_text()
+    (snippet,) = re.findall(r"## Use without rayvl\n\n```python\n(.*?)```", card, re.S)
+    images = np.random.default_rng(0).integers(0, 256, (3, 3, 32, 32), dtype=np.uint8)
+    namespace: dict = {"pixels": torch.from_numpy(images)}
+    exec(snippet, namespace)
+    np.testing.assert_allclose(namespace["model"].encode_text(CAPTIONS).numpy(),
+                               exported.encode_text(CAPTIONS).numpy(), atol=1e-5)
+    np.testing.assert_allclose(namespace["images"].numpy(), exported.encode_image(images).numpy(), atol=1e-5)
+
+
+def test_every_row_of_the_readmes_coming_from_open_clip_table_loads(tmp_path):
+    """Each rayvl setting of the README's open_clip table, its placeholders filled (FILE: an open_clip checkpoint),
+    is a config that loads — the settings of a row together."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = readme.split("## Coming from open_clip", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ")[-1] for line in table.splitlines() if line.startswith("| `")]
+    path = tmp_path / "clip.pt"
+    torch.save(open_clip_model().state_dict(), path)
+    fill = {"model.vision": "vit_base_patch32_clip_224", "model.embed_dim": "512"}
+    loaded = 0
+    for row in rows:
+        sets = [s for s in re.findall(r"`([a-z_]+\.[a-z_.]+=[^`]*)`", row)]
+        sets = [re.sub(r"<[^>]*>", lambda _, k=s.split("=")[0]: fill[k], s).replace("FILE", str(path)) for s in sets]
+        if sets:
+            load_config("configs/laion_adapt.yaml", sets)
+            loaded += 1
+    assert loaded >= 9 and any("model.init_from_clip" in r for r in rows)
