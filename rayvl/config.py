@@ -222,6 +222,9 @@ class ModelConfig:
     text_strategy: Literal["finetune", "frozen", "frozen_adapters", "frozen_alignment"] = "frozen_alignment"
     """[Paraphrase] §4: finetune the LM, freeze it, freeze it with bottleneck adapters in every layer, or freeze it and
     append alignment layers."""
+    text_unlocked_layers: int = 0
+    """with text_strategy=frozen: the LM's last N transformer layers train (a CLIP's final LayerNorm with them), its
+    embeddings and other layers stay locked — open_clip's --lock-text-unlocked-layers."""
     alignment_layers: int = 2
     """m, the number of appended alignment layers ([Paraphrase] uses 6 at LAION scale; 0 = the frozen LM alone)."""
     text_tower: Literal["lm", "class_embedding"] = "lm"
@@ -248,6 +251,13 @@ class ModelConfig:
     vision_strategy: Literal["finetune", "frozen"] = "finetune"
     """finetune: every image-tower weight trains; frozen: the backbone is locked (LiT, Zhai et al. 2022,
     arXiv:2111.07991 — give it pretrained weights), run without a graph, its projection still training."""
+    vision_unlocked_groups: int = 0
+    """with vision_strategy=frozen: the image tower's last N layer groups (timm's grouping: the stem, each block
+    or stage; a ViT's final norm with its last block) train, the rest stay locked — open_clip's
+    --lock-image-unlocked-groups. The tower then runs with a graph and in training mode, as open_clip's does."""
+    vision_freeze_bn_stats: bool = False
+    """with vision_unlocked_groups: the locked groups' BatchNorm statistics stay as pretrained (timm's
+    FrozenBatchNorm2d) — open_clip's --lock-image-freeze-bn-stats."""
     patch_dropout: float = 0.0
     """share of a ViT image tower's patch tokens dropped at random in each training forward (FLIP, Li et al. 2023,
     arXiv:2212.00794: 0.5–0.75), through timm's patch_drop_rate; evaluation sees all of them. ViTs only."""
@@ -760,7 +770,8 @@ def validate(cfg: RayvlConfig) -> None:
     _validate_clip(m, cfg.data.image_size)
     if not 0.0 <= m.patch_dropout < 1.0:
         raise ConfigError(f"model.patch_dropout: a share of the patch tokens, in [0, 1), got {m.patch_dropout}")
-    if m.patch_dropout and m.vision_strategy == "frozen":
+    _validate_unlocking(m)
+    if m.patch_dropout and m.vision_strategy == "frozen" and not m.vision_unlocked_groups:
         raise ConfigError("model.patch_dropout: a locked image tower runs as at evaluation, with every patch "
                           "(model.vision_strategy=frozen): drop patches of a tower that trains")
     _validate_logit_bias(cfg)
@@ -778,6 +789,22 @@ def validate(cfg: RayvlConfig) -> None:
         raise ConfigError("tune.driver_cpus: a trial driver needs some resource (Ray schedules no empty bundle): "
                           "> 0, or name tune.driver_resources")
     plugins.check(cfg)  # each registered method's own constraints
+
+
+def _validate_unlocking(m: ModelConfig) -> None:
+    """Partial unlocking (open_clip's lock flags) applies to a locked tower only."""
+    for key, value, strategy, wanted in (("vision_unlocked_groups", m.vision_unlocked_groups, m.vision_strategy,
+                                          "model.vision_strategy=frozen"),
+                                         ("text_unlocked_layers", m.text_unlocked_layers, m.text_strategy,
+                                          "model.text_strategy=frozen")):
+        if value < 0:
+            raise ConfigError(f"model.{key}: must be ≥ 0, got {value}")
+        if value and strategy != "frozen":
+            raise ConfigError(f"model.{key}: unlocks the last layers of a locked tower; set {wanted} (now "
+                              f"{strategy})")
+    if m.vision_freeze_bn_stats and not m.vision_unlocked_groups:
+        raise ConfigError("model.vision_freeze_bn_stats: a wholly locked image tower keeps its statistics already; "
+                          "it is for the locked groups beside model.vision_unlocked_groups")
 
 
 def _validate_clip(m: ModelConfig, image_size: int) -> None:

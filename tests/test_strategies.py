@@ -62,12 +62,16 @@ def _train_each_strategy(config):
     ids, mask = (torch.from_numpy(a) for a in tokenize([f"caption {rank} {i}" for i in range(4)],
                                                        config["tokenizer"], 12))
     out = {}
-    for strategy in STRATEGIES:
+    for strategy in (*STRATEGIES, "unlocked"):
         # bf16 under ZeRO-2 for every strategy and under ZeRO-3 for the main recipe's (bf16 matmuls are ~50× slower
         # than fp32 on these CPUs without AVX512-BF16, so the suite keeps its bf16 work small)
         layouts = [(0, "fp32"), (2, "bf16")] + ([(3, "bf16")] if strategy == "frozen_alignment" else [])
+        # unlocked: open_clip's partial unlocking, both towers locked but their last layers (groups)
+        model_cfg = {"text_strategy": strategy} if strategy != "unlocked" else {
+            "text_strategy": "frozen", "text_unlocked_layers": 1, "vision_strategy": "frozen",
+            "vision_unlocked_groups": 2, "vision_freeze_bn_stats": True}
         for stage, precision in layouts:
-            cfg = from_dict({**config["rayvl"], "model": {**config["rayvl"]["model"], "text_strategy": strategy},
+            cfg = from_dict({**config["rayvl"], "model": {**config["rayvl"]["model"], **model_cfg},
                              "train": {**config["rayvl"]["train"], "zero_stage": stage, "precision": precision}})
             model = build_model(cfg.model, seed=0)
             frozen = {n: p.detach().clone() for n, p in model.text.lm.named_parameters() if not p.requires_grad}
@@ -114,7 +118,7 @@ def test_every_strategy_trains_under_zero_0_and_2(ray_local, tmp_path):
                  scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
                  run_config=RunConfig(name="strategies", storage_path=str(tmp_path))).fit()
     results = json.loads(out.read_text())
-    assert len(results) == 9 and "frozen_alignment/3/bf16" in results
+    assert len(results) == 11 and "frozen_alignment/3/bf16" in results
     for key, r in results.items():
         strategy = key.split("/")[0]
         if key.endswith("/3/bf16"):
@@ -122,7 +126,8 @@ def test_every_strategy_trains_under_zero_0_and_2(ray_local, tmp_path):
             continue
         assert r["losses_finite"] and r["frozen_identical"] and not r["frozen_in_optimizer"], key
         assert r["optimized_numel"] == r["trainable_numel"], key  # DeepSpeed's state holds trainables only
-        assert r["frozen_count"] == (0 if strategy == "finetune" else 22_565_376), key
+        # the LM's last of 6 layers trains when unlocked (1,774,464 weights)
+        assert r["frozen_count"] == {"finetune": 0, "unlocked": 22_565_376 - 1_774_464}.get(strategy, 22_565_376), key
         assert r["text_changed"] == (strategy != "frozen"), key  # frozen: only text_proj (outside text.) trains
 
 

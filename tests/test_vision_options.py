@@ -140,3 +140,68 @@ def test_a_clip_checkpoint_for_another_architecture_is_refused_before_ray_starts
     for other in ("vit_base_patch32_224", "vit_large_patch14_clip_224"):
         with pytest.raises(ConfigError, match=f"^model.vision: '{other}' is not the architecture"):
             check_inputs(load_config(None, [f"model.vision={other}", *common]), "", "")
+
+
+def test_open_clips_partial_unlocking_trains_the_last_groups_and_layers_only(tmp_path, capsys):
+    """open_clip's --lock-image-unlocked-groups / --lock-image-freeze-bn-stats / --lock-text-unlocked-layers as
+    model.vision_unlocked_groups, model.vision_freeze_bn_stats, model.text_unlocked_layers: exactly the last timm
+    groups and LM layers (a CLIP's final LayerNorm with them) get gradients; after an optimizer step in training mode
+    every locked weight is as it was; the locked groups' BatchNorm statistics move unless frozen (open_clip's
+    semantics); settings that cannot apply are refused naming the key."""
+    from conftest import cli
+    from rayvl.compat import import_timm
+
+    group_parameters = import_timm().models.group_parameters
+
+    def step(model):
+        model.train()
+        trained = [p for p in model.parameters() if p.requires_grad]
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        images = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8)
+        ids, mask = torch.randint(1000, 2000, (4, 8)), torch.ones(4, 8, dtype=torch.long)
+        image, text, _ = model(images, ids, mask)[:3]
+        (image @ text.T).sum().backward()
+        torch.optim.SGD(trained, lr=0.1).step()
+        return {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
+
+    for freeze in (True, False):
+        cfg = load_config(None, ["model.vision_strategy=frozen", "model.vision_unlocked_groups=2",
+                                 f"model.vision_freeze_bn_stats={str(freeze).lower()}", "model.text_strategy=frozen",
+                                 "model.text_unlocked_layers=1", "data.image_size=32"]).model
+        model = build_model(cfg)
+        backbone = model.vision.backbone
+        groups = group_parameters(backbone, backbone.group_matcher())
+        unlocked = {n for g in sorted(groups)[-2:] for n in groups[g]}
+        assert {n for n, p in backbone.named_parameters() if p.requires_grad} == unlocked
+        assert {n for n, p in model.text.lm.named_parameters() if p.requires_grad} == {
+            n for n, _ in model.text.lm.named_parameters() if n.startswith("encoder.layer.5.")}
+        changed = step(model)
+        weights = {f"vision.backbone.{n}" for n, _ in backbone.named_parameters()}
+        assert {k for k in changed if k in weights} == {f"vision.backbone.{n}" for n in unlocked}
+        stats = {k for k in changed if k.startswith("vision.backbone.bn1.running_")}  # the stem: locked
+        assert stats == (set() if freeze else {"vision.backbone.bn1.running_mean", "vision.backbone.bn1.running_var"})
+        assert not any(k.startswith("text.lm.") and ".layer.5." not in k for k in changed)
+
+    from test_whole_clip import open_clip_model
+
+    path = tmp_path / "clip.pt"
+    torch.save(open_clip_model().state_dict(), path)
+    cfg = load_config(None, [f"model.init_from_clip={path}", "model.text_strategy=frozen",
+                             "model.text_unlocked_layers=1", "model.vision_strategy=frozen",
+                             "model.vision_unlocked_groups=1"]).model
+    model = build_model(cfg)
+    assert {n for n, p in model.text.lm.named_parameters() if p.requires_grad} == {
+        n for n, _ in model.text.lm.named_parameters() if n.startswith(("encoder.layers.1.", "final_layer_norm."))}
+    # timm's last group of a ViT: its last block with the final norm
+    assert {n for n, p in model.vision.backbone.named_parameters() if p.requires_grad} == {
+        n for n, _ in model.vision.backbone.named_parameters() if n.startswith(("blocks.1.", "norm."))}
+
+    for sets, key in ((["model.vision_unlocked_groups=1"], "model.vision_unlocked_groups"),
+                      (["model.text_strategy=finetune", "model.text_unlocked_layers=1"], "model.text_unlocked_layers"),
+                      (["model.vision_strategy=frozen", "model.vision_freeze_bn_stats=true"],
+                       "model.vision_freeze_bn_stats")):
+        with pytest.raises(ConfigError, match=f"^{key}: "):
+            load_config(None, sets)
+    code, out, err = cli(capsys, "train", "--dry-run", "--set", "model.vision_strategy=frozen", "--set",
+                         "model.vision_unlocked_groups=40")
+    assert code == 2 and "model.vision_unlocked_groups: the image tower has 17 layer groups" in err

@@ -24,6 +24,8 @@ class DualEncoder(nn.Module):
         clip = whole_clip.read(cfg.init_from_clip) if whole and pretrained and cfg.init_from_clip else None
         self.vision = VisionTower(cfg.vision, cfg.vision_checkpoint, pretrained, cfg.vision_strategy,
                                   cfg.patch_dropout, clip=(clip, cfg.clip) if whole else None)
+        if cfg.vision_unlocked_groups:  # open_clip's --lock-image-unlocked-groups
+            self.vision.unlock_last_groups(cfg.vision_unlocked_groups, cfg.vision_freeze_bn_stats)
         self.vision_proj = projection(cfg.vision_projection, self.vision.out_dim, cfg.embed_dim)
         if self.vision.clip_projection is not None:  # a CLIP checkpoint's own (shape checked before Ray starts)
             with torch.no_grad():
@@ -36,6 +38,8 @@ class DualEncoder(nn.Module):
         else:
             self.text = TextTower(cfg.text, cfg.text_strategy, cfg.alignment_layers, cfg.pooling,
                                   cfg.adapter_reduction, pretrained, clip=(clip, cfg.clip) if whole else None)
+            if cfg.text_unlocked_layers:  # open_clip's --lock-text-unlocked-layers
+                self.text.unlock_last_layers(cfg.text_unlocked_layers)
             self.text_proj = projection(cfg.text_projection, self.text.out_dim, cfg.embed_dim)
             if clip is not None:  # CLIP's x @ text_projection is a bias-free linear layer of its transpose
                 with torch.no_grad():

@@ -22,7 +22,12 @@ def keep_batchnorm_fp32(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -
     forward this cannot stand in for, gets its statistics in ``dtype`` (the form torch accepts for them). Returns how
     many modules keep fp32 statistics."""
     kept = 0
+    frozen = _frozen_kinds()
     for module in model.modules():
+        if isinstance(module, frozen) and not getattr(module, "_rayvl_fp32", False):
+            module.forward = types.MethodType(_frozen_forward, module)  # fp32 statistics, the input's dtype out
+            module._rayvl_fp32 = True
+            kept += 1
         if not isinstance(module, nn.modules.batchnorm._BatchNorm) or getattr(module, "_rayvl_fp32", False):
             continue
         if type(module).forward in _forwards():
@@ -46,6 +51,25 @@ def _forwards() -> tuple:
     from timm.layers import BatchNormAct2d
 
     return nn.modules.batchnorm._BatchNorm.forward, BatchNormAct2d.forward
+
+
+def _frozen_kinds() -> tuple:
+    """timm's frozen BatchNorms (model.vision_freeze_bn_stats): statistics as buffers, which DeepSpeed leaves fp32."""
+    from timm.layers import FrozenBatchNormAct2d
+    from timm.layers.norm_act import FrozenBatchNorm2d
+
+    return FrozenBatchNorm2d, FrozenBatchNormAct2d
+
+
+def _frozen_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A frozen BatchNorm's affine map in fp32, its output in the input's dtype (bf16 in, bf16 out: the next layer's
+    weights are bf16)."""
+    scale = module.weight.float() * (module.running_var.float() + module.eps).rsqrt()
+    shift = module.bias.float() - module.running_mean.float() * scale
+    y = (x.float() * scale.reshape(1, -1, 1, 1) + shift.reshape(1, -1, 1, 1)).to(x.dtype)
+    if hasattr(module, "act") and hasattr(module, "drop"):  # timm's FrozenBatchNormAct2d
+        y = module.act(module.drop(y))
+    return y
 
 
 def _fp32_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -10,9 +10,10 @@ from torch import nn
 from rayvl import assets
 from rayvl.compat import ensure_torchvision_importable, import_timm
 from rayvl.config import ClipArchitecture
+from rayvl.errors import ConfigError
 from rayvl.models import clip_checkpoint, whole_clip
 from rayvl.models.meta_init import load_into, parameters_on_meta
-from rayvl.models.text_strategies import alignment_layers_for, insert_adapters
+from rayvl.models.text_strategies import alignment_layers_for, encoder_layers, insert_adapters
 
 
 class VisionTower(nn.Module):
@@ -63,6 +64,32 @@ class VisionTower(nn.Module):
         if self.frozen:
             self.backbone.eval()  # a locked tower is the pretrained function: fixed statistics, no dropout
         return self
+
+    def unlock_last_groups(self, n: int, freeze_bn_stats: bool) -> None:
+        """A locked tower whose last ``n`` layer groups train (timm's ``group_matcher``: the stem, each block or
+        stage, the final norm — the groups open_clip's --lock-image-unlocked-groups counts for a timm tower): the
+        tower runs with a graph and in training mode again, the other groups' weights without gradients and, with
+        ``freeze_bn_stats``, their BatchNorm layers timm's FrozenBatchNorm2d."""
+        from timm.layers import freeze_batch_norm_2d
+        from timm.models import group_modules, group_parameters
+
+        matcher = self.backbone.group_matcher()
+        groups = group_parameters(self.backbone, matcher)
+        if n >= len(groups):
+            raise ConfigError(f"model.vision_unlocked_groups: the image tower has {len(groups)} layer groups; "
+                             f"unlocking {n} unlocks it all (model.vision_strategy=finetune)")
+        self.frozen = False
+        locked = max(groups) - n  # the groups up to this one stay locked
+        self.backbone.requires_grad_(True).train()
+        for group, names in groups.items():
+            for name in names:
+                self.backbone.get_parameter(name).requires_grad_(group > locked)
+        if freeze_bn_stats:
+            for name, group in group_modules(self.backbone, matcher, reverse=True).items():
+                parent, _, child = name.rpartition(".")
+                owner = self.backbone.get_submodule(parent) if parent else self.backbone
+                if group <= locked:  # a BatchNorm itself is replaced; inside a module, converted in place
+                    setattr(owner, child, freeze_batch_norm_2d(getattr(owner, child)))
 
     def to_channels_last(self) -> "VisionTower":
         """Weights and inputs in NHWC, for inference: oneDNN's depthwise and pointwise convolutions run faster on it
@@ -127,6 +154,21 @@ class TextTower(nn.Module):
                                        if strategy == "frozen_alignment" else [])
         self.out_dim = self.lm.config.hidden_size
         self.checkpointing = False
+
+    def unlock_last_layers(self, n: int) -> None:
+        """A locked LM whose last ``n`` transformer layers train — and a CLIP's final LayerNorm after them
+        (open_clip's --lock-text-unlocked-layers): its embeddings and other layers stay locked, the LM runs with a
+        graph and in training mode."""
+        layers = encoder_layers(self.lm)
+        if n > len(layers):
+            raise ConfigError(f"model.text_unlocked_layers: the LM has {len(layers)} layers, not {n}")
+        self.lm_frozen = False
+        self.lm.requires_grad_(False)
+        for layer in layers[len(layers) - n:]:
+            layer.requires_grad_(True)
+        final = getattr(getattr(self.lm, "text_model", self.lm), "final_layer_norm", None)
+        if final is not None:
+            final.requires_grad_(True)
 
     def use_checkpointing(self) -> None:
         """Recompute activations in the backward pass: the LM's layers when any of its weights train, and the

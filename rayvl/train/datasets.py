@@ -115,6 +115,10 @@ def check_inputs(cfg: RayvlConfig, train: str, evalset: str) -> dict[str, specs.
             assets.check_vision_name(cfg.model.vision)
             _check_image_size(cfg.model.vision, cfg.data.image_size)
             _check_vision_options(cfg.model)
+        if cfg.model.vision_unlocked_groups or cfg.model.text_unlocked_layers:  # the towers' layer counts
+            from rayvl.models.dual_encoder import meta_model
+
+            meta_model(cfg.model)
     except assets.MissingAssetError as e:
         raise ConfigError(str(e)) from None
     return checks
