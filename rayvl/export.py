@@ -148,6 +148,7 @@ def export(source: str, out: str | Path) -> Path:
               "metrics": metrics}
     (out / EXPORT_META).write_text(json.dumps(record, indent=2))
     write_towers(model, out)
+    write_open_clip(model, out)
     (out / "README.md").write_text(model_card({**record, "export_dir": str(out)}))
     code = standalone_code(record)
     if code is not None:
@@ -191,6 +192,35 @@ def write_towers(model: Model, out: Path) -> None:
         if cfg.text_strategy != "frozen_adapters":  # adapters live inside the LM's layers: rayvl.load only
             m.text.lm.save_pretrained(out / TEXT_DIR, safe_serialization=True)
     save_file(heads, str(out / HEADS_FILE))
+
+
+OPEN_CLIP_CONFIG, OPEN_CLIP_WEIGHTS = "open_clip_config.json", "open_clip_model.safetensors"
+
+
+def open_clip_form(cfg) -> bool:
+    """Whether open_clip's own ``CLIP`` holds this model: a whole CLIP (model.init_from_clip) with neither adapters
+    nor alignment layers (model config)."""
+    return bool(cfg.clip.vision_width) and (cfg.text_strategy in ("finetune", "frozen") or (
+        cfg.text_strategy == "frozen_alignment" and cfg.alignment_layers == 0))
+
+
+def write_open_clip(model: Model, out: Path) -> None:
+    """open_clip's form beside rayvl's — ``open_clip_config.json`` and ``open_clip_model.safetensors``, which
+    ``open_clip.create_model_and_transforms("local-dir:<export>")`` loads (and CLIP_benchmark through it) — where
+    open_clip's ``CLIP`` holds the model (open_clip_form)."""
+    from safetensors.torch import save_file
+
+    from rayvl.models.whole_clip import open_clip_config, to_open_clip
+
+    cfg = model.config.model
+    if not open_clip_form(cfg):
+        return
+    m, scale = model.module, 255.0  # the tower's buffers normalise 0–255 pixels
+    bias = float(m.logit_bias.detach()) if cfg.init_logit_bias is not None else None
+    config = open_clip_config(cfg.clip, (m.vision.mean.flatten() / scale).tolist(),
+                              (m.vision.std.flatten() / scale).tolist(), bias)
+    (out / OPEN_CLIP_CONFIG).write_text(json.dumps(config, indent=2))
+    save_file(to_open_clip({k: v.detach().float() for k, v in m.state_dict().items()}), str(out / OPEN_CLIP_WEIGHTS))
 
 
 def _last_evaluation(ckpt: str) -> dict:
@@ -250,12 +280,31 @@ images = model.encode_image(["cat.jpg", "dog.jpg"])     # (2, {m["embed_dim"]}) 
 texts = model.encode_text(["a photo of a cat", "a photo of a dog"])
 similarity = model.logit_scale() * images @ texts.T
 ```
-{without_rayvl(record)}
+{without_rayvl(record)}{with_open_clip(record)}
 Files: `model.safetensors` (every weight, fp32: what `rayvl.load` reads), `rayvl_model.json` (the full training
 config), `text/` (the language model as a Hugging Face folder), `vision/` (the timm backbone's state dict and its
 `config.json`), `heads.safetensors` (projections, alignment layers, logit scale). Not a `transformers`
 `VisionTextDualEncoderModel`: that class embeds text through the LM's pooler and one linear map, which cannot express
 this text tower's pooling and projection.
+"""
+
+
+def with_open_clip(record: dict) -> str:
+    """The card's open_clip section, for an export in open_clip's form too (open_clip_form)."""
+    from rayvl.config import from_dict
+
+    if not open_clip_form(from_dict(record["config"]).model):
+        return ""
+    return f"""
+## Use with open_clip
+
+`{OPEN_CLIP_CONFIG}` and `{OPEN_CLIP_WEIGHTS}` hold this CLIP in open_clip's own form (and so CLIP_benchmark's):
+
+```python
+import open_clip
+model, _, preprocess = open_clip.create_model_and_transforms("local-dir:{record.get("export_dir", ".")}")
+tokenizer = open_clip.get_tokenizer("local-dir:{record.get("export_dir", ".")}")
+```
 """
 
 

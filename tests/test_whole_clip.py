@@ -263,3 +263,38 @@ def test_every_row_of_the_readmes_coming_from_open_clip_table_loads(tmp_path):
             load_config("configs/laion_adapt.yaml", sets)
             loaded += 1
     assert loaded >= 9 and any("model.init_from_clip" in r for r in rows)
+
+
+def test_an_export_of_a_whole_clip_loads_in_open_clip(tmp_path):
+    """A whole CLIP trained without adapters or alignment layers (here: weights moved off the source, SigLIP's bias,
+    QuickGELU) exports in open_clip's form too: `open_clip.create_model_and_transforms("local-dir:<export>")` and
+    its tokenizer embed as rayvl.load does (atol 1e-5), with the same temperature and bias; the card shows how."""
+    import open_clip
+
+    import rayvl
+    from rayvl.checkpoints import META_FILE, MODEL_FILE
+    from rayvl.export import export
+
+    source = tmp_path / "quick.pt"
+    torch.save(open_clip_model(quick_gelu=True).state_dict(), source)
+    cfg = load_config("configs/laion_adapt.yaml", [f"model.init_from_clip={source}", "model.clip.quick_gelu=true",
+                                                   "model.text_strategy=finetune", "loss.kind=siglip"])
+    checkpoint = tmp_path / "run" / "checkpoint_000"
+    checkpoint.mkdir(parents=True)
+    model = build_model(cfg.model)
+    with torch.no_grad():  # as training moves them
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    torch.save(model.state_dict(), checkpoint / MODEL_FILE)
+    (checkpoint / META_FILE).write_text(json.dumps({"step": 7, "config": cfg.to_dict(), "final": True}))
+    out = export(str(checkpoint), tmp_path / "export")
+    theirs, _, preprocess = open_clip.create_model_and_transforms(f"local-dir:{out}")
+    assert open_clip.get_tokenizer(f"local-dir:{out}")(["a cat"]).shape == (1, 77)
+    mine = rayvl.load(out)
+    images = np.random.default_rng(0).integers(0, 256, (3, 3, 32, 32), dtype=np.uint8)
+    want_images, want_texts = open_clip_embeddings(theirs.eval(), images, CAPTIONS)
+    np.testing.assert_allclose(mine.encode_image(images).numpy(), want_images, atol=1e-5)
+    np.testing.assert_allclose(mine.encode_text(CAPTIONS).numpy(), want_texts, atol=1e-5)
+    assert mine.logit_scale() == pytest.approx(float(theirs.logit_scale.detach().exp()), rel=1e-6)
+    assert mine.logit_bias() == pytest.approx(float(theirs.logit_bias.detach()), rel=1e-6)
+    assert f'create_model_and_transforms("local-dir:{out}")' in (out / "README.md").read_text()

@@ -137,32 +137,78 @@ def hugging_face_config(folder: Path) -> dict:
     return config
 
 
+_HF_TEXT = {"embeddings.token_embedding.weight": "token_embedding.weight",
+            "embeddings.position_embedding.weight": "positional_embedding",
+            "final_layer_norm.weight": "ln_final.weight", "final_layer_norm.bias": "ln_final.bias"}
+_HF_VISION = {"embeddings.class_embedding": "class_embedding", "embeddings.patch_embedding.weight": "conv1.weight",
+              "embeddings.position_embedding.weight": "positional_embedding",
+              "pre_layrnorm.weight": "ln_pre.weight", "pre_layrnorm.bias": "ln_pre.bias",
+              "post_layernorm.weight": "ln_post.weight", "post_layernorm.bias": "ln_post.bias"}
+
+
 def hugging_face_to_openai(hf: dict) -> dict:
     """Hugging Face's ``CLIPModel`` keys → OpenAI's (q, k, v joined into in_proj; projections transposed)."""
-    out = {"logit_scale": hf["logit_scale"],
-           "visual.proj": hf["visual_projection.weight"].t(), "text_projection": hf["text_projection.weight"].t()}
-    for tower, prefix, names in (
-            ("text_model.", "", {"embeddings.token_embedding.weight": "token_embedding.weight",
-                                 "embeddings.position_embedding.weight": "positional_embedding",
-                                 "final_layer_norm.weight": "ln_final.weight",
-                                 "final_layer_norm.bias": "ln_final.bias"}),
-            ("vision_model.", "visual.", {"embeddings.class_embedding": "class_embedding",
-                                          "embeddings.patch_embedding.weight": "conv1.weight",
-                                          "embeddings.position_embedding.weight": "positional_embedding",
-                                          "pre_layrnorm.weight": "ln_pre.weight", "pre_layrnorm.bias": "ln_pre.bias",
-                                          "post_layernorm.weight": "ln_post.weight",
-                                          "post_layernorm.bias": "ln_post.bias"})):
-        for key, name in names.items():
-            out[prefix + name] = hf[tower + key]
-        layers = {int(k.split(".")[3]) for k in hf if k.startswith(tower + "encoder.layers.")}
-        for i in sorted(layers):
-            theirs, ours = f"{tower}encoder.layers.{i}.", f"{prefix}transformer.resblocks.{i}."
-            for kind in ("weight", "bias"):
-                out[f"{ours}attn.in_proj_{kind}"] = torch.cat(
-                    [hf[f"{theirs}self_attn.{q}_proj.{kind}"] for q in "qkv"])
-                for openai, hugging_face in _BLOCK:
-                    out[f"{ours}{openai}{kind}"] = hf[f"{theirs}{hugging_face}{kind}"]
+    return {"logit_scale": hf["logit_scale"], "visual.proj": hf["visual_projection.weight"].t(),
+            "text_projection": hf["text_projection.weight"].t(), **_openai_tower(hf, "text_model.", "", _HF_TEXT),
+            **_openai_tower(hf, "vision_model.", "visual.", _HF_VISION)}
+
+
+def _openai_tower(hf: dict, tower: str, prefix: str, names: dict) -> dict:
+    """One tower of Hugging Face's CLIP (keys under ``tower``) in OpenAI's names (under ``prefix``)."""
+    out = {prefix + name: hf[tower + key] for key, name in names.items()}
+    layers = {int(k.split(".")[3]) for k in hf if k.startswith(tower + "encoder.layers.")}
+    for i in sorted(layers):
+        theirs, ours = f"{tower}encoder.layers.{i}.", f"{prefix}transformer.resblocks.{i}."
+        for kind in ("weight", "bias"):
+            out[f"{ours}attn.in_proj_{kind}"] = torch.cat([hf[f"{theirs}self_attn.{q}_proj.{kind}"] for q in "qkv"])
+            for openai, hugging_face in _BLOCK:
+                out[f"{ours}{openai}{kind}"] = hf[f"{theirs}{hugging_face}{kind}"]
     return out
+
+
+# timm's CLIP ViT names → OpenAI's (the inverse of timm's converter, _convert_openai_clip)
+_TIMM = (("patch_embed.proj.", "conv1."), ("norm_pre.", "ln_pre."), ("blocks.", "transformer.resblocks."),
+         (".norm1.", ".ln_1."), (".norm2.", ".ln_2."), (".attn.qkv.", ".attn.in_proj_"), (".attn.proj.", ".attn.out_proj."),
+         (".mlp.fc1.", ".mlp.c_fc."), (".mlp.fc2.", ".mlp.c_proj."))
+
+
+def to_open_clip(model: dict) -> dict:
+    """A rayvl whole-CLIP model's state dict (its towers without adapters or alignment layers) in open_clip's
+    ``CLIP`` layout — OpenAI's — for ``open_clip.create_model_and_transforms``."""
+    text = {"text_model." + k.removeprefix("text.lm.").removeprefix("text_model."): v for k, v in model.items()
+            if k.startswith("text.lm.")}
+    out = _openai_tower(text, "text_model.", "", _HF_TEXT)
+    for key, value in model.items():
+        if not key.startswith("vision.backbone."):
+            continue
+        name = key.removeprefix("vision.backbone.")
+        if name == "cls_token":
+            name, value = "class_embedding", value.reshape(-1)
+        elif name == "pos_embed":
+            name, value = "positional_embedding", value[0]
+        elif name.startswith("norm."):
+            name = "ln_post." + name.removeprefix("norm.")
+        for timm_name, openai in _TIMM:
+            name = name.replace(timm_name, openai)
+        out["visual." + name.replace("in_proj_.", "in_proj_")] = value
+    out.update({"visual.proj": model["vision_proj.weight"].t(), "text_projection": model["text_proj.weight"].t(),
+                "logit_scale": model["logit_scale"].reshape(())})
+    if "logit_bias" in model:
+        out["logit_bias"] = model["logit_bias"].reshape(())
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def open_clip_config(arch, mean, std, logit_bias: float | None = None) -> dict:
+    """open_clip's ``open_clip_config.json`` (model and preprocessing) for the CLIP of shapes ``arch``."""
+    model = {"embed_dim": arch.embed_dim, "quick_gelu": arch.quick_gelu,
+             "vision_cfg": {"image_size": arch.image_size, "layers": arch.vision_layers, "width": arch.vision_width,
+                            "head_width": arch.vision_width // arch.vision_heads, "patch_size": arch.patch_size},
+             "text_cfg": {"context_length": arch.context_length, "vocab_size": arch.vocab_size,
+                          "width": arch.text_width, "heads": arch.text_heads, "layers": arch.text_layers}}
+    if logit_bias is not None:
+        model["init_logit_bias"] = logit_bias
+    return {"model_cfg": model, "preprocess_cfg": {"size": arch.image_size, "mean": list(mean), "std": list(std),
+                                                   "interpolation": "bicubic", "resize_mode": "shortest"}}
 
 
 # ----------------------------------------------------------------------------- shapes
