@@ -348,9 +348,22 @@ class TrainConfig:
     eps: float = 1e-6
     """AdamW ε."""
     warmup_steps: int = 20
-    """linear warm-up steps before cosine decay."""
+    """linear warm-up steps before the schedule."""
     max_steps: int = 200
-    """optimizer steps in total."""
+    """optimizer steps in total (replaced by max_passes when that is set)."""
+    max_passes: float = 0.0
+    """the budget in passes over the training data (open_clip's --epochs) instead of steps: max_steps becomes
+    ceil(max_passes × samples a pass ÷ the global batch), the samples a pass as the run's plan counts them (img2dataset's
+    stats, or data.samples_per_pass); 0 = max_steps as set."""
+    lr_schedule: Literal["cosine", "constant", "constant_cooldown"] = "cosine"
+    """after the warm-up: cosine decay to 0 at max_steps; constant; or constant, then the last cooldown_steps decay
+    to cooldown_end_lr — open_clip's --lr-scheduler cosine, const, const-cooldown (the same formulas)."""
+    cooldown_steps: int = 0
+    """constant_cooldown's decay steps at the end (open_clip's --epochs-cooldown, in steps)."""
+    cooldown_power: float = 1.0
+    """constant_cooldown's decay (1 − t)^power over the cooldown: 1 = linear (open_clip's --lr-cooldown-power)."""
+    cooldown_end_lr: float = 0.0
+    """the learning rate constant_cooldown ends at (open_clip's --lr-cooldown-end)."""
     stop_at_step: int = 0
     """end this invocation after this step, with an evaluation and a checkpoint holding the weights, and leave the
     run to be continued with ``train.resume`` (a time-limited allocation, a planned preemption); 0 = run to
@@ -825,6 +838,21 @@ def _validate_clip(m: ModelConfig, image_size: int) -> None:
         raise ConfigError("model.text_tower: a whole CLIP has its text transformer; class_embedding replaces it")
 
 
+def _validate_schedule(t: TrainConfig) -> None:
+    if t.max_passes < 0:
+        raise ConfigError(f"train.max_passes: must be ≥ 0, got {t.max_passes}")
+    if t.lr_schedule != "constant_cooldown":
+        if t.cooldown_steps:
+            raise ConfigError(f"train.cooldown_steps: a cooldown ends train.lr_schedule=constant_cooldown (now "
+                              f"{t.lr_schedule})")
+        return
+    if t.max_passes == 0 and not 0 < t.cooldown_steps <= t.max_steps - t.warmup_steps:
+        raise ConfigError(f"train.cooldown_steps: constant_cooldown decays over the last steps after the warm-up: in "
+                          f"[1, {t.max_steps - t.warmup_steps}], got {t.cooldown_steps}")
+    if not 0 <= t.cooldown_end_lr <= t.lr:
+        raise ConfigError(f"train.cooldown_end_lr: must be in [0, train.lr={t.lr:g}], got {t.cooldown_end_lr:g}")
+
+
 def _validate_train(t: TrainConfig) -> None:
     if t.sync_every_s < 0:
         raise ConfigError(f"train.sync_every_s: must be ≥ 0, got {t.sync_every_s}")
@@ -850,6 +878,7 @@ def _validate_train(t: TrainConfig) -> None:
             raise ConfigError(f"train.{name}: must be ≥ 1, got {getattr(t, name)}")
     if not 0 <= t.stop_at_step <= t.max_steps:
         raise ConfigError(f"train.stop_at_step: must be in [0, train.max_steps={t.max_steps}], got {t.stop_at_step}")
+    _validate_schedule(t)
     if t.warmup_steps < 0 or t.warmup_steps >= t.max_steps:
         raise ConfigError(f"train.warmup_steps: must be in [0, train.max_steps={t.max_steps}), got {t.warmup_steps}")
     if t.lr <= 0:

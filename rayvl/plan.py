@@ -4,6 +4,7 @@ the first sample of the first and the last shard read, the batch arithmetic, the
 cluster is asked for. No Ray is started."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import Counter
@@ -89,6 +90,9 @@ def describe(cfg: RayvlConfig) -> str:
     # the plan a run would make (each enabled method's data part on the demo's paths when no data is given), with
     # nothing written: its checks, parts, pass size and paths are what the lines below print
     planned = plan_run(cfg, finished_ok=False, dry=True)
+    if cfg.train.max_passes:  # the budget's steps, as the run resolves them
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=planned.data.cfg.train.max_steps))
+        t = cfg.train
     checks, parts, store, name = planned.data.checks, planned.data.parts, planned.storage, planned.name
     policy = ReadPolicy.of(d)
     lines = [f"recipe {cfg.recipe}: config valid", "data:"]
@@ -201,7 +205,18 @@ def model_lines(cfg: RayvlConfig) -> list[str]:
     return ["model:", *clip, f"  image tower {m.vision} ({vision}): {params(model.vision)}", f"  {text}",
             f"  in all {params(model)}" + ("" if m.text_tower == "lm" or classes else " with one class"),
             f"  AdamW lr {t.lr:g}, betas {t.betas[0]:g}/{t.betas[1]:g}, weight decay {t.weight_decay:g}; linear "
-            f"warm-up over {t.warmup_steps:,} steps, cosine decay to 0 at step {t.max_steps:,}"]
+            f"warm-up over {t.warmup_steps:,} steps, {_schedule_words(t)}"
+            + (f" (train.max_passes={t.max_passes:g})" if t.max_passes else "")]
+
+
+def _schedule_words(t) -> str:
+    """The learning rate after the warm-up, in words (train.lr_schedule)."""
+    if t.lr_schedule == "constant":
+        return f"then constant to step {t.max_steps:,}"
+    if t.lr_schedule == "constant_cooldown":
+        return (f"then constant to step {t.max_steps - t.cooldown_steps:,}, a cooldown (power {t.cooldown_power:g}) "
+                f"to {t.cooldown_end_lr:g} at step {t.max_steps:,}")
+    return f"cosine decay to 0 at step {t.max_steps:,}"
 
 
 def evaluation_lines(cfg: RayvlConfig, held_out: SpecCheck | None, read: dict) -> list[str]:

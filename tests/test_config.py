@@ -174,3 +174,41 @@ def test_a_vit_gets_the_image_size_it_was_built_for():
         check_inputs(load_config(RECIPE, ["model.vision=vit_base_patch32_224"]), "", "")
     check_inputs(load_config(RECIPE, ["model.vision=vit_base_patch32_224", "data.image_size=224"]), "", "")
     check_inputs(load_config(RECIPE, ["model.vision=resnet18"]), "", "")  # a CNN takes any size
+
+
+def test_the_learning_rate_schedules_are_open_clips_step_for_step():
+    """train.lr_schedule cosine / constant / constant_cooldown against open_clip's cosine_lr, const_lr and
+    const_lr_cooldown written out here in float64 (open_clip_train/scheduler.py: warm-up base·(step+1)/warmup; cosine
+    0.5·(1 + cos(π·e/es))·base; cooldown (1 − e/es)^power·(base − end) + end over the last steps); a cooldown needs its
+    schedule and room after the warm-up, and a budget in passes resolves to steps in the plan."""
+    import math
+
+    from rayvl.train.engine import schedule
+
+    base, warmup, total = 2e-3, 5, 40
+
+    def theirs(kind, step, cooldown=0, power=1.0, end=0.0):
+        if step < warmup:
+            return base * (step + 1) / warmup
+        if kind == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup))) * base
+        if kind == "constant" or step < total - cooldown:
+            return base
+        return (1 - (step - (total - cooldown)) / cooldown) ** power * (base - end) + end
+
+    for kind, extra in (("cosine", {}), ("constant", {}),
+                        ("constant_cooldown", {"cooldown": 12, "power": 2.0, "end": 1e-4})):
+        sets = [f"train.lr={base}", f"train.warmup_steps={warmup}", f"train.max_steps={total}",
+                f"train.lr_schedule={kind}"]
+        if extra:
+            sets += ["train.cooldown_steps=12", "train.cooldown_power=2", "train.cooldown_end_lr=1e-4"]
+        f = schedule(load_config(None, sets).train)
+        assert [base * f(s) for s in range(total)] == pytest.approx([theirs(kind, s, **extra) for s in range(total)],
+                                                                   rel=1e-12, abs=1e-15), kind
+    for sets, key in ((["train.cooldown_steps=3"], "train.cooldown_steps"),
+                      (["train.lr_schedule=constant_cooldown", "train.cooldown_steps=500"], "train.cooldown_steps"),
+                      (["train.lr_schedule=constant_cooldown", "train.cooldown_steps=5", "train.cooldown_end_lr=1"],
+                       "train.cooldown_end_lr"),
+                      (["train.max_passes=-1"], "train.max_passes")):
+        with pytest.raises(ConfigError, match=f"^{key}: "):
+            load_config(None, sets)

@@ -217,11 +217,16 @@ def test_a_run_fine_tunes_a_whole_clip_from_the_zero_shot_it_starts_at(ray_local
     for task in ("zeroshot", "retrieval"):
         assert scored[task] == pytest.approx(theirs_scored[task], abs=1e-6), task
 
+    # open_clip's budget in epochs and its const-cooldown schedule: 0.125 of the demo's 384 samples a pass is 3
+    # steps of 2 workers × 8; constant, then a linear cooldown over the last 2 steps
     cfg = small_config(demo_dir, tmp_path, f"model.init_from_clip={path}", "memory_bank.size=32", "loss.kind=unicl",
-                       *tonics_shapes(f"tonics.counts_path={tonics_counts_path}"), "eval.tasks=[zeroshot]")
+                       *tonics_shapes(f"tonics.counts_path={tonics_counts_path}"), "eval.tasks=[zeroshot]",
+                       "train.max_steps=1000", "train.max_passes=0.125", "train.lr_schedule=constant_cooldown",
+                       "train.cooldown_steps=2")
     result = train(cfg)
     history = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == [1, 2, 3] and all(np.isfinite(h["loss"]) for h in history)
+    assert [h["lr"] for h in history] == pytest.approx([1e-3, 5e-4, 0.0])  # the LR each step's update used next
     assert history[0]["logit_scale"] == pytest.approx(float(theirs.logit_scale.detach().exp()), rel=1e-2)  # CLIP's own
     state = torch.load(result.checkpoint_dir + "/model.pt")
     assert "text.lm.encoder.layers.1.self_attn.q_proj.weight" in state and "text.alignment.0.mlp.fc2.weight" in state

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
@@ -97,14 +98,28 @@ def zero_config(t: TrainConfig, world_size: int = 2, aligned: bool = True) -> di
     return config
 
 
-def lr_lambda(warmup: int, total: int):
-    """Linear warm-up then cosine decay to 0 ([Paraphrase] Table B.1: AdamW + cosine with warm-up)."""
+def lr_lambda(warmup: int, total: int, kind: str = "cosine", cooldown: int = 0, power: float = 1.0,
+              end: float = 0.0):
+    """The learning rate at a step as a share of train.lr: linear warm-up, then cosine decay to 0 ([Paraphrase]
+    Table B.1: AdamW + cosine with warm-up), constant, or constant with a cooldown over the last ``cooldown`` steps,
+    (1 − t)^power from 1 down to ``end`` (a share of train.lr) — open_clip's cosine_lr, const_lr and
+    const_lr_cooldown, step for step."""
     def f(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
+        if kind == "constant" or (kind == "constant_cooldown" and step < total - cooldown):
+            return 1.0
+        if kind == "constant_cooldown":
+            return (1 - (step - (total - cooldown)) / cooldown) ** power * (1 - end) + end
         progress = (step - warmup) / max(1, total - warmup)
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
     return f
+
+
+def schedule(t) -> Callable[[int], float]:
+    """lr_lambda of the run's train section."""
+    return lr_lambda(t.warmup_steps, t.max_steps, t.lr_schedule, t.cooldown_steps, t.cooldown_power,
+                     t.cooldown_end_lr / t.lr)
 
 
 def no_cpu_comm_op() -> None:
@@ -148,7 +163,7 @@ def build_engine(model: torch.nn.Module, cfg: RayvlConfig, world_size: int, devi
     deepspeed.init_distributed(dist_backend="nccl" if t.use_gpu else "gloo")
     # fused: one kernel per parameter group, where torch's default AdamW reads each step count back from the device
     optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=t.betas, eps=t.eps, fused=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.warmup_steps, t.max_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(t))
     on = SimpleNamespace(device_rank=device.index) if device is not None and device.type == "cuda" else None
     engine, _, _, _ = deepspeed.initialize(args=on, model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(cfg, world_size, aligned))

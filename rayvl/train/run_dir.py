@@ -239,7 +239,8 @@ def git_commit() -> str:
 # The optimizer and its schedule as the run started them: DeepSpeed restores AdamW's hyperparameters and the
 # LR scheduler's position from the checkpoint, and the warm-up + cosine curve is drawn over max_steps — a changed
 # value would be ignored (AdamW's) or bend the curve mid-run (an LR jump), so a resume keeps them all.
-SCHEDULE_KEYS = ("lr", "warmup_steps", "max_steps", "weight_decay", "betas", "eps")
+SCHEDULE_KEYS = ("lr", "warmup_steps", "max_steps", "weight_decay", "betas", "eps", "lr_schedule", "cooldown_steps",
+                 "cooldown_power", "cooldown_end_lr")
 
 
 def refuse_finished(cfg: RayvlConfig, run: str, step: int) -> None:

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from rayvl import storage
-from rayvl.config import ConfigError, RayvlConfig
+from rayvl.config import ConfigError, RayvlConfig, validate
 from rayvl.data import shards
 from rayvl.train import datasets
 from rayvl.train.datasets import DataPlan
@@ -57,19 +58,40 @@ def plan_run(cfg: RayvlConfig, finished_ok: bool = True, dry: bool = False) -> R
     restored trial may resume its own finished run). ``dry``: as the dry run sees it — the demo dataset is not
     written, so its shards are not listed and its pass holds data.demo_samples."""
     data = datasets.plan(cfg, make_demo=not dry)
+    if data.train_shards:
+        pass_size, how = shards.samples_per_pass(cfg.data.samples_per_pass, list(data.train_shards))
+    else:  # the dry run of the demo
+        pass_size, how = cfg.data.demo_samples, "the demo's training split"
+    if cfg.train.max_passes:  # the budget in passes: its steps, before anything compares or plans by max_steps
+        data = dataclasses.replace(data, cfg=steps_for_passes(data.cfg, data.parts, pass_size))
     cfg = data.cfg
     store, name, step, written = run_paths(cfg)
     if not finished_ok:
         refuse_finished(cfg, storage.join(store, name), step)
     init = check_init_from(cfg)
-    if data.train_shards:
-        pass_size, how = shards.samples_per_pass(cfg.data.samples_per_pass, list(data.train_shards))
-    else:  # the dry run of the demo
-        pass_size, how = cfg.data.demo_samples, "the demo's training split"
     passes = datasets.train_passes(data, pass_size, len(data.train_shards) or 1)
     resolved, layout = resolve(cfg, checkpoint=written, cluster=None)
     return RunPlan(dataclasses.replace(data, cfg=resolved), store, name, step, init, pass_size, how, passes,
                    datasets.read_ahead_bytes(data), layout)
+
+
+def steps_for_passes(cfg: RayvlConfig, parts, pass_size: int) -> RayvlConfig:
+    """train.max_steps of a budget in passes (train.max_passes): the steps that read max_passes × ``pass_size``
+    samples, a step reading workers × the micro-batch's image-text rows (what other streams' rows leave: a method's
+    data part, e.g. UniCL's image-label rows) × the accumulated micro-batches — validated again with it."""
+    t = cfg.train
+    text_rows = t.micro_batch_size - sum(p.batch_rows(cfg) for p in parts)
+    if text_rows <= 0:
+        raise ConfigError("train.max_passes: no micro-batch row comes from the training shards (another stream "
+                          "fills them all): give the budget in train.max_steps")
+    steps = math.ceil(t.max_passes * pass_size / (t.num_workers * text_rows * t.grad_accumulation))
+    resolved = dataclasses.replace(cfg, train=dataclasses.replace(t, max_steps=max(1, steps)))
+    try:
+        validate(resolved)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (train.max_steps={steps}: train.max_passes={t.max_passes:g} of {pass_size:,} "
+                          f"samples)") from None
+    return resolved
 
 
 def check_init_from(cfg: RayvlConfig) -> str:
