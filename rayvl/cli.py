@@ -30,7 +30,8 @@ def build_parser() -> RayvlParser:
     pl.add_argument("--out", default=None, help="output folder (default: <run>/plots; required for several runs)")
     ex = sub.add_parser("export", help="write a run's model as safetensors + config + tokenizer + model card")
     ex.add_argument("run", metavar="RUN", help="a run directory (its newest checkpoint), a checkpoint, a run's name "
-                                                "under ~/rayvl-runs, or latest")
+                                                "(under ~/rayvl-runs, or wherever this machine started it), or "
+                                                "latest")
     ex.add_argument("--out", required=True, help="the export folder (rayvl.load reads it)")
     _pseudo_label_parser(sub)
     a = sub.add_parser("assets", help="offline assets").add_subparsers(dest="assets_command", required=True,
@@ -64,9 +65,10 @@ def _eval_parser(sub) -> None:
     e = sub.add_parser("eval", help="evaluate a checkpoint: zero-shot, retrieval, paraphrase, STS, linear probe; "
                                     "unset options take the run's eval section")
     e.add_argument("run", metavar="RUN", help="a run directory (its newest checkpoint) or a checkpoint, local or a "
-                                              "URL; a run's name under ~/rayvl-runs; latest; or a whole CLIP as "
-                                              "it is (an OpenAI .pt, an open_clip checkpoint, a Hugging Face CLIP "
-                                              "folder): the scores a run from it starts at")
+                                              "URL; a run's name (under ~/rayvl-runs, or wherever this machine "
+                                              "started it); latest; or a whole CLIP as it is (an OpenAI .pt, an "
+                                              "open_clip checkpoint, a Hugging Face CLIP folder): the scores a run "
+                                              "from it starts at")
     e.add_argument("--tasks", default=None, metavar="A,B,...",
                    help=f"comma list of tasks (default: eval.checkpoint_tasks, {','.join(d.checkpoint_tasks)})")
     e.add_argument("--data", default="", help="img2dataset shards, an ImageFolder tree or Fashion-MNIST IDX files "

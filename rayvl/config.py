@@ -674,6 +674,11 @@ def parse_override(text: str) -> dict:
     return out
 
 
+def given_keys(overrides: list[str]) -> frozenset[str]:
+    """The dotted keys a list of ``key=value`` overrides sets."""
+    return frozenset(text.split("=", 1)[0].strip() for text in overrides if "=" in text)
+
+
 def precision(t: TrainConfig) -> str:
     """The precision a run trains in: ``train.precision``, with auto resolved by ``train.use_gpu``."""
     if t.precision != "auto":

@@ -82,8 +82,9 @@ def data_lines(key: str, check: SpecCheck, policy: ReadPolicy, given: int = 0,
     return [f"  {key}: {check.summary}", f"    {size}", *sample_lines(key, check.paths, policy, read)], samples
 
 
-def describe(cfg: RayvlConfig) -> str:
-    """The plan of one training run (``--dry-run``); raises ConfigError for what would fail."""
+def describe(cfg: RayvlConfig, given: frozenset[str] = frozenset()) -> str:
+    """The plan of one training run (``--dry-run``); raises ConfigError for what would fail. ``given``: the dotted
+    keys the command line set (no demo-budget warning for them)."""
     from rayvl.train.run_plan import plan_run
 
     d, t = cfg.data, cfg.train
@@ -123,7 +124,7 @@ def describe(cfg: RayvlConfig) -> str:
         steps = per_pass / (t.num_workers * text_rows * t.grad_accumulation)
         lines.append(f"  {steps:,.0f} steps a pass; train.max_steps={t.max_steps:,} is "
                      f"{t.max_steps / steps:,.2f} passes")
-    lines += _scale_warnings(cfg, steps if per_pass and text_rows else None)
+    lines += _scale_warnings(cfg, steps if per_pass and text_rows else None, given)
     lines += model_lines(cfg) + evaluation_lines(cfg, checks.get("data.eval"), read)
     gpu = {"GPU": 1} if t.use_gpu else {}
     lines += ["cluster:",
@@ -150,18 +151,19 @@ def engine_line(layout, stage) -> str:
     return f"DeepSpeed ZeRO-{stage} (train.zero_stage)"
 
 
-def _scale_warnings(cfg: RayvlConfig, steps_a_pass: float | None) -> list[str]:
-    """What of a demo-sized budget applies to data of the user's own (``data.train`` set)."""
+def _scale_warnings(cfg: RayvlConfig, steps_a_pass: float | None, given: frozenset[str] = frozenset()) -> list[str]:
+    """What of a demo-sized budget applies to data of the user's own (``data.train`` set) — for the keys the
+    recipe set, not those the command line (``given``) did."""
     d, t, e = cfg.data, cfg.train, cfg.eval
     if not d.train:
         return []
     out = []
-    if steps_a_pass and t.max_steps < steps_a_pass:
+    if steps_a_pass and t.max_steps < steps_a_pass and not {"train.max_steps", "train.max_passes"} & given:
         out.append(f"train.max_steps={t.max_steps:,} trains {t.max_steps / steps_a_pass:.2%} of one pass over "
                    f"data.train")
-    if e.tasks and d.eval and not e.every_steps:
+    if e.tasks and d.eval and not e.every_steps and "eval.every_steps" not in given:
         out.append("evaluation only at the last step (eval.every_steps=0)")
-    if t.warmup_steps <= 20:
+    if t.warmup_steps <= 20 and "train.warmup_steps" not in given:
         out.append(f"a warm-up of {t.warmup_steps} steps (train.warmup_steps)")
     return [f"  warning: {w} — the recipe's budget for its demo data; set it for yours" for w in out]
 

@@ -19,7 +19,7 @@ PLOTS_DIR = "plots"
 DASHBOARD_FILE = "run.png"
 TRAINING = {"loss": "training loss", "lr": "learning rate", "samples_per_s": "samples/s (all workers)",
             "data_wait_share": "data wait (% of step time)", "logit_scale": "logit scale (1/τ)",
-            "grad_norm": "gradient norm"}
+            "logit_bias": "logit bias (SigLIP's b)", "grad_norm": "gradient norm"}
 SCALE = {"data_wait_share": 100.0}  # a share in the file, a percentage on the axis
 COLUMNS = 3
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rayvl import plan, session, storage
 from rayvl.assets import MissingAssetError
-from rayvl.config import ConfigError, RayvlConfig, installed_dir, load_config
+from rayvl.config import ConfigError, RayvlConfig, given_keys, installed_dir, load_config
 from rayvl.data.report import DataPlaneError, format_data_report
 from rayvl.eval.tables import format_eval_table
 from rayvl.plots import DASHBOARD_FILE, PLOTS_DIR
@@ -107,7 +107,7 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> int:
 def train_command(args: argparse.Namespace) -> int:
     """Validate (before Ray starts), train, print the evaluation table and where the run is."""
     if args.dry_run:
-        return dry_run(lambda: plan.describe(config_from_args(args)))
+        return dry_run(lambda: plan.describe(config_from_args(args), given_keys(config_overrides(args))))
     try:
         result = _train(config_from_args(args), args.verbose)
     except USER_ERRORS as e:

@@ -31,6 +31,7 @@ def test_progress_line_format():
     assert evaluated.endswith("| dropped 3 | eval zeroshot_top1 45.2, t2i_R@1 12.0")
     assert duration(3725) == "1h02m05s" and duration(59.6) == "1m00s"
     assert progress_line({**ROW, "tonics_p_root": 0.64}, 200, 1000.0, None, 2).endswith("| P_S(root) 0.640")
+    assert "| scale 15.3, bias -9.87 |" in progress_line({**ROW, "logit_bias": -9.871}, 200, 1000.0, None, 2)
 
 
 STARTUP = {"startup_ray_s": 2.0, "startup_data_s": 0.5, "startup_fit_s": 0.5, "startup_workers_s": 9.0,
@@ -146,6 +147,8 @@ def test_a_run_has_one_dashboard_and_several_runs_share_one(tmp_path, capsys):
     c = plot_runs({"c": logged}, tmp_path / "c")
     assert c.panels == ["training loss", "logit scale (1/τ)", "gradient norm"]
     assert c.marks == {"checkpoint": [2, 4], "evaluation": [4]}  # what paused training, drawn on every panel
+    siglip = plot_runs({"s": [{**row, "logit_bias": -10.0 + 0.1 * row["step"]} for row in logged]}, tmp_path / "s")
+    assert siglip.panels == ["training loss", "logit scale (1/τ)", "logit bias (SigLIP's b)", "gradient norm"]
     assert list(c.table) == ["i2t_R@5", "t2i_R@1", "zeroshot_top1", "sts_spearman"]  # grouped by task
     capsys.readouterr()
     assert main(["plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "cmp")]) == 0
@@ -398,7 +401,10 @@ def test_eval_export_and_plot_take_a_run_by_name_or_latest(tmp_path, monkeypatch
     from rayvl.cli import main
     from rayvl.train.run_dir import find_run
 
+    from rayvl.train.run_dir import remember_run
+
     monkeypatch.setenv("HOME", str(tmp_path))  # the default storage path, ~/rayvl-runs
+    monkeypatch.setenv("RAYVL_CACHE", str(tmp_path / "cache"))
     runs = tmp_path / "rayvl-runs"
     for name, checkpointed in (("tonics-20261101-090000", True), ("laion_adapt-20261102-090000", True),
                                ("laion_adapt-20261103-090000", False), ("mine", True)):
@@ -407,7 +413,36 @@ def test_eval_export_and_plot_take_a_run_by_name_or_latest(tmp_path, monkeypatch
             (runs / name / "checkpoint_000001" / "rayvl.json").write_text(json.dumps({"step": 1}))
     assert find_run("latest") == str(runs / "laion_adapt-20261102-090000")  # the newest with a checkpoint
     assert find_run("mine") == str(runs / "mine") and find_run(str(tmp_path)) == str(tmp_path)
-    for argv in (["export", "nope", "--out", str(tmp_path / "x")], ["plot", "nope"], ["eval", "nope"]):
+    # a run kept under another train.storage_path (issue 56, defect 7): found by name where this machine started it
+    far = tmp_path / "bucket" / "far"
+    (far / "checkpoint_000001").mkdir(parents=True)
+    (far / "checkpoint_000001" / "rayvl.json").write_text(json.dumps({"step": 1}))
+    remember_run(str(tmp_path / "bucket" / "mine-elsewhere"))  # gone since: not found
+    remember_run(str(far))
+    assert find_run("far") == str(far)
+    for argv in (["export", "nope", "--out", str(tmp_path / "x")], ["plot", "nope"], ["eval", "mine-elsewhere"]):
         assert main(argv) == 2
-        assert f"rayvl: error: RUN: 'nope' is neither a run directory nor checkpoint, nor a run's name under " \
-               f"'{runs}' (or latest)" in capsys.readouterr().err
+        name = argv[1]
+        assert f"rayvl: error: RUN: '{name}' is neither a run directory nor checkpoint, nor a run's name under " \
+               f"'{runs}' (or latest), nor one this machine started under another train.storage_path" in \
+               capsys.readouterr().err
+
+
+def test_demo_budget_warnings_are_for_the_recipes_keys_and_no_evaluation_says_so(demo_dir, capsys):
+    """The dry run's demo-budget warnings name what the recipe set for its demo data, not what the command line set;
+    a run without an evaluation prints and records that none ran (issue 56, defect 4; the file: test_training's
+    resumed memory-bank run)."""
+    from rayvl.cli import main
+    from rayvl.eval.tables import NO_EVALUATION, format_eval_table
+
+    warned = "the recipe's budget for its demo data"
+    data = ["--data", str(demo_dir / "train"), "--eval-data", str(demo_dir / "eval")]
+    assert main(["train", "--dry-run", *data, "--set", "train.max_steps=21"]) == 0
+    out = capsys.readouterr().out
+    assert f"a warm-up of 20 steps (train.warmup_steps) — {warned}" in out
+    assert f"evaluation only at the last step (eval.every_steps=0) — {warned}" in out
+    assert "train.max_steps=21" not in out.split("warning")[-1]  # the command line's: no warning
+    assert main(["train", "--dry-run", *data, "--set", "train.max_steps=21", "--set", "train.warmup_steps=3",
+                 "--set", "eval.every_steps=10"]) == 0
+    assert warned not in capsys.readouterr().out
+    assert format_eval_table({"step": 3, "loss": 1.0}) == NO_EVALUATION

@@ -295,6 +295,9 @@ def _check_memory_bank(cfg, result, state, demo_dir, tmp_path):
             train(small_config(demo_dir, tmp_path, *same, changed))
     # no evaluation: only the bank's queue is checked
     resumed = train(small_config(demo_dir, tmp_path, *same, "train.max_steps=4", "eval.tasks=[]"))
+    from rayvl.eval.tables import NO_EVALUATION
+
+    assert json.loads((resumed.run_dir / "eval.json").read_text())["evaluation"] == NO_EVALUATION
     after = read_train_state(resumed.checkpoint_dir)["memory_bank"]
     assert (after["ptr"], after["filled"]) == (64 % 40, 40)  # restored queue + one step (a fresh one: 16, 16)
     assert torch.equal(after["labels"][24:40], saved["labels"][24:40])  # entries not yet overwritten survive

@@ -93,7 +93,7 @@ def test_a_fresh_process_refuses_patch_dropout_on_a_cnn_in_one_line():
     assert done.stderr.strip().splitlines()[-1].startswith("rayvl: error: model.patch_dropout: drops a ViT's patch")
 
 
-def test_an_open_clip_checkpoint_gives_rayvl_open_clips_image_embedding(tmp_path):
+def test_an_open_clip_checkpoint_gives_rayvl_open_clips_image_embedding(tmp_path, caplog):
     """A checkpoint saved by open_clip itself (ViT-B-32, random init: nothing downloaded) starts rayvl's image tower
     and projection: rayvl's image embedding of uint8 images is open_clip's of the same images, normalised as open_clip
     normalises them. A projection width other than model.embed_dim is refused before Ray starts, naming the key."""
@@ -111,7 +111,10 @@ def test_an_open_clip_checkpoint_gives_rayvl_open_clips_image_embedding(tmp_path
     with pytest.raises(ConfigError, match="^model.embed_dim: the CLIP checkpoint .* projects images to 512"):
         check_inputs(load_config(None, clip), "", "")
     cfg = load_config(None, [*clip, "model.embed_dim=512"])
-    check_inputs(cfg, "", "")
+    with caplog.at_level("INFO", logger="rayvl"):
+        check_inputs(cfg, "", "")  # the driver, before any worker: what loads, on the console
+    assert (f"model.vision_checkpoint {path}: a CLIP checkpoint — 152 image-transformer keys mapped to 151 timm keys "
+            f"(missing 0; unexpected 0), visual.proj → vision_proj") in caplog.text
     ours = build_model(cfg.model).eval()
     images = torch.randint(0, 256, (3, 3, 224, 224), dtype=torch.uint8)
     mean = torch.tensor(open_clip.OPENAI_DATASET_MEAN).view(1, 3, 1, 1)

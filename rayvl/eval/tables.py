@@ -28,8 +28,13 @@ def format_eval_table(metrics: dict) -> str:
     if "sts_spearman" in metrics:
         rows.append((f"STS Spearman ({metrics['sts_pairs']} pairs)", f"{metrics['sts_spearman']:.1f}", "0.0"))
         rows.append(("STS Pearson", f"{metrics['sts_pearson']:.1f}", "0.0"))
+    if len(rows) == 1:
+        return NO_EVALUATION
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{a:<{width}}  {b:>8}  {c:>8}" for a, b, c in rows)
+
+
+NO_EVALUATION = "none ran: no held-out data (data.eval, --eval-data) or eval.tasks=[]"
 
 
 def format_tables(results: dict) -> str:

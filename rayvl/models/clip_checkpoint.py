@@ -60,16 +60,24 @@ def convert(state: dict, backbone: torch.nn.Module, source: str, whole: bool = F
     rayvl.models.whole_clip, which says so itself)."""
     timm_state = converted(state, backbone)
     missing, unexpected = mismatch(timm_state, backbone)
+    line = summary(state, timm_state, missing, unexpected, "head.weight" in timm_state, source)
     weight = timm_state.pop("head.weight", None)
-    visual = sum(k.startswith("visual.") for k in unwrapped(state))
     if whole:
         if missing or unexpected:
             raise ValueError(f"the CLIP's image transformer does not fit its timm ViT: missing {missing[:3]}, "
                              f"unexpected {unexpected[:3]}")
         return timm_state, weight
-    log.info(f"model.vision_checkpoint {source}: a CLIP checkpoint — {visual} image-transformer keys mapped to "
-             f"{len(timm_state)} timm keys (missing {len(missing)}{': ' + ', '.join(missing[:5]) if missing else ''}; "
-             f"unexpected {len(unexpected)}{': ' + ', '.join(unexpected[:5]) if unexpected else ''}), "
-             f"{PROJECTION} → vision_proj{'' if weight is not None else ' (absent)'}, {len(state) - visual} text "
-             f"keys left (rayvl's text tower is a Hugging Face encoder)")
+    log.info(line)
     return timm_state, weight
+
+
+def summary(state: dict, timm_state: dict, missing: list[str], unexpected: list[str], projected: bool,
+            source: str) -> str:
+    """The line saying what of a CLIP checkpoint the image tower loads: keys mapped, missing, unexpected, left."""
+    visual = sum(k.startswith("visual.") for k in unwrapped(state))
+    mapped = len(timm_state) - ("head.weight" in timm_state)
+    return (f"model.vision_checkpoint {source}: a CLIP checkpoint — {visual} image-transformer keys mapped to "
+            f"{mapped} timm keys (missing {len(missing)}{': ' + ', '.join(missing[:5]) if missing else ''}; "
+            f"unexpected {len(unexpected)}{': ' + ', '.join(unexpected[:5]) if unexpected else ''}), "
+            f"{PROJECTION} → vision_proj{'' if projected else ' (absent)'}, {len(state) - visual} text keys left "
+            f"(model.init_from_clip loads them too)")

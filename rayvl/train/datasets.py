@@ -179,7 +179,11 @@ def _check_clip_checkpoint(m) -> None:
 
     with torch.device("meta"):  # the architecture only: do CLIP's image transformer's keys fit it?
         backbone = timm.create_model(m.vision, pretrained=False)
-        missing, unexpected = clip_checkpoint.mismatch(clip_checkpoint.converted(state, backbone), backbone)
+        timm_state = clip_checkpoint.converted(state, backbone)
+        missing, unexpected = clip_checkpoint.mismatch(timm_state, backbone)
+    # on the console, before the workers (whose logs hold it too) load it
+    log.info(clip_checkpoint.summary(state, timm_state, missing, unexpected, "head.weight" in timm_state,
+                                     m.vision_checkpoint))
     if missing or unexpected:
         raise ConfigError(f"model.vision: {m.vision!r} is not the architecture of the CLIP checkpoint "
                           f"{m.vision_checkpoint!r} (missing {', '.join(missing[:3]) or 'none'}; unexpected "

@@ -35,7 +35,8 @@ def progress_line(row: dict, total: int, started: float, rate: float | None, wor
     step = int(row["step"])
     eta = f", ETA {duration(rate * (total - step))}" if rate is not None else ""
     parts = [f"step {step}/{total} ({100 * step / total:.0f}%)", f"{duration(row['time'] - started)}{eta}",
-             f"loss {row['loss']:.4f}", f"lr {row['lr']:.2e}", f"scale {row['logit_scale']:.1f}",
+             f"loss {row['loss']:.4f}", f"lr {row['lr']:.2e}", f"scale {row['logit_scale']:.1f}"
+             + (f", bias {row['logit_bias']:.2f}" if row.get("logit_bias") is not None else ""),  # SigLIP's b
              f"{row['samples_per_s']:.1f} samples/s ({row['samples_per_s'] / workers:.1f}/worker)"]
     if row.get("mfu") is not None:
         parts.append(f"MFU {100 * row['mfu']:.1f}%")

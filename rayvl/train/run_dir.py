@@ -99,8 +99,35 @@ def find_run(run: str, store: str | None = None) -> str:
     named = storage.join(store, run)
     if storage.exists(named):
         return named
+    elsewhere = started_runs().get(run)  # a run this machine started under another train.storage_path
+    if elsewhere and storage.exists(elsewhere):
+        return elsewhere
     raise ConfigError(f"RUN: {run!r} is neither a run directory nor checkpoint, nor a run's name under {store!r} "
-                      f"(or latest)")
+                      f"(or latest), nor one this machine started under another train.storage_path")
+
+
+def _started_file() -> Path:
+    return Path(os.environ.get("RAYVL_CACHE", "~/.cache/rayvl")).expanduser() / "started_runs.json"
+
+
+def started_runs() -> dict[str, str]:
+    """{run name: run directory} of the runs started on this machine (remember_run), wherever they were stored."""
+    try:
+        return json.loads(_started_file().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def remember_run(run_dir: str) -> None:
+    """Note a run's directory under its name, so that `rayvl eval / export / plot NAME` find a run kept under a
+    train.storage_path other than the default (a bucket, a shared disk) — the newest run of a name wins."""
+    from filelock import FileLock
+
+    path = _started_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        runs = {**started_runs(), run_dir.rstrip("/").rsplit("/", 1)[-1]: run_dir}
+        path.write_text(json.dumps(runs, indent=1))
 
 
 def log_dir(store: str, name: str) -> Path:
@@ -148,7 +175,9 @@ def continue_records(run_dir: str, logs: Path, resume: bool) -> None:
     """The local log folder of a run on object storage as the start needs it: empty for a new run (a folder left
     by an earlier run of the same URL — killed before its first checkpoint — must not be copied into this one);
     for a resume on a machine whose folder lacks the records (a new head node), the run directory's copies, so the
-    next sync appends to the run's history instead of replacing it with the new start's."""
+    next sync appends to the run's history instead of replacing it with the new start's. The run is remembered
+    by name on this machine (remember_run)."""
+    remember_run(run_dir)
     if storage.local_path(run_dir) == logs:
         return
     if not resume:
@@ -286,7 +315,11 @@ def finish(run_dir: str, logs: Path, result, data_report: dict, stopped: bool = 
     if (logs / METRICS_FILE).is_file():
         plot_runs({Path(run_dir).name: history(str(logs))}, logs / PLOTS_DIR)
     evals = rounded({k: v for k, v in metrics.items() if k.startswith(METRIC_PREFIXES)})
-    scored = {"step": metrics.get("step"), "checkpoint": checkpoint_dir} if evals else {}
+    scored = {"step": metrics.get("step"), "checkpoint": checkpoint_dir}
+    if not evals:  # the file says so rather than being empty
+        from rayvl.eval.tables import NO_EVALUATION
+
+        scored["evaluation"] = NO_EVALUATION
     (logs / EVAL_FILE).write_text(json.dumps({**scored, **evals}, indent=2))
     (logs / "data_report.json").write_text(json.dumps(data_report, indent=2))
     end_record(run_dir, logs, "stopped" if stopped else "finished", metrics)
