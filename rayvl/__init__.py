@@ -17,3 +17,14 @@ def load(path, device: str = "cpu"):
     from rayvl.export import load as _load
 
     return _load(path, device)
+
+
+def __getattr__(name: str):
+    """``rayvl.train`` before anything imported it: the package, callable — ``rayvl.train(config)`` runs a training
+    job (rayvl/train/__init__.py). Imported on first use, so that ``import rayvl`` (the data plane's read tasks,
+    rayvl.load) stays light."""
+    if name == "train":
+        import importlib
+
+        return importlib.import_module("rayvl.train")
+    raise AttributeError(f"module 'rayvl' has no attribute {name!r}")

@@ -7,8 +7,8 @@ import sys
 
 import rayvl
 from rayvl.config import DataConfig, EvalConfig, PseudoLabelConfig, load_config
-from rayvl.recipes import (CONFIGS, USER_ERRORS, RayvlParser, add_train_args, data_cause, dry_run, one_line,
-                           train_command, user_error)
+from rayvl.recipes import (CONFIGS, USER_ERRORS, RayvlParser, add_train_args, config_from_args, data_cause, dry_run,
+                           one_line, train_command, user_error)
 
 # commands that start no distributed work: a missing file or a bad value they raise comes from the command line
 LOCAL_COMMANDS = ("plot", "export")
@@ -21,6 +21,7 @@ def build_parser() -> RayvlParser:
     t = sub.add_parser("train", help="train a dual encoder (default recipe: laion_adapt)")
     add_train_args(t, str(CONFIGS / "laion_adapt.yaml"))
     _data_parser(sub)
+    _config_parser(sub)
     _eval_parser(sub)
     _bow_parser(sub)
     _tune_parser(sub)
@@ -60,6 +61,21 @@ def _data_parser(sub) -> None:
     demo.add_argument("--shard-size", type=int, default=None, help="samples per shard (default: 1000)")
 
 
+def _config_parser(sub) -> None:
+    c = sub.add_parser("config", help="the resolved config").add_subparsers(dest="config_command", required=True,
+                                                                          metavar="SUBCOMMAND")
+    show = c.add_parser("show", help="print the config a `rayvl train` with these options would run, as YAML with "
+                                     "each key's meaning above it (itself a recipe: --config FILE)")
+    add_train_args(show, str(CONFIGS / "laion_adapt.yaml"))
+
+
+def config_main(args) -> int:
+    from rayvl.annotated import show
+
+    print(show(config_from_args(args)), end="")
+    return 0
+
+
 def _eval_parser(sub) -> None:
     d = EvalConfig()
     e = sub.add_parser("eval", help="evaluate a checkpoint: zero-shot, retrieval, paraphrase, STS, linear probe; "
@@ -69,6 +85,9 @@ def _eval_parser(sub) -> None:
                                               "started it); latest; or a whole CLIP as it is (an OpenAI .pt, an "
                                               "open_clip checkpoint, a Hugging Face CLIP folder): the scores a run "
                                               "from it starts at")
+    e.add_argument("--set", action="append", default=[], metavar="eval.KEY=VALUE",
+                   help="any eval.* setting of the checkpoint's, e.g. --set eval.batch_size=512 (the options below "
+                        "win where both are given)")
     e.add_argument("--tasks", default=None, metavar="A,B,...",
                    help=f"comma list of tasks (default: eval.checkpoint_tasks, {','.join(d.checkpoint_tasks)})")
     e.add_argument("--data", default="", help="img2dataset shards, an ImageFolder tree or Fashion-MNIST IDX files "
@@ -153,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     from rayvl.session import setup_logging
 
     setup_logging(verbose=args.command == "tune" or getattr(args, "verbose", False))  # a sweep shows Tune's table
-    commands = {"train": train_command, "eval": eval_main, "bow": bow_main, "data": data_main,
+    commands = {"train": train_command, "eval": eval_main, "bow": bow_main, "data": data_main, "config": config_main,
                 "assets": assets_main, "tune": tune_main, "plot": plot_main, "export": export_main,
                 "pseudo-label": pseudo_label_main}
     try:
@@ -177,8 +196,9 @@ def eval_main(args) -> int:
     try:  # everything the command line names, checked before any embedding
         ckpt = checkpoint_uri(find_run(args.run))  # a path or a URL (s3://, gs://, ...), a run's name, latest
         config = read_meta(ckpt)["config"]
-        pool = settings(config, actors=args.actors, cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus,
-                        batch_size=args.batch_size, paraphrase_k=args.k)
+        flags = dict(actors=args.actors, cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus,
+                     batch_size=args.batch_size, paraphrase_k=args.k)
+        pool = settings(config, **{**_eval_sets(args.set), **{k: v for k, v in flags.items() if v is not None}})
         tasks = _tasks(args.tasks, pool)
         _check_pool(pool)
         sources = default_sources(config, args.data, args.kind, args.classes, args.paraphrases, args.sts)
@@ -196,6 +216,22 @@ def eval_main(args) -> int:
     print(format_tables(results))
     print(f"\nresults: {args.out or default_out(ckpt)}")
     return 0
+
+
+def _eval_sets(overrides: list[str]) -> dict:
+    """--set's eval.KEY=VALUE, typed and checked as the config checks them; the checkpoint's model and data are its
+    own, so another section is a usage error naming it."""
+    from rayvl.config import from_dict, parse_override
+
+    given: dict = {}
+    for text in overrides:
+        section = parse_override(text)
+        if set(section) != {"eval"}:
+            raise ValueError(f"--set {text}: rayvl eval takes eval.* keys (the checkpoint's model and data are its "
+                             f"own; --data, --classes, ... choose what it evaluates on)")
+        given.update(section["eval"])
+    typed = from_dict({"eval": given}).eval
+    return {key: getattr(typed, key) for key in given}
 
 
 def _tasks(given: str | None, pool: EvalConfig) -> list[str]:

@@ -186,18 +186,28 @@ class ClipArchitecture:
     themselves)."""
 
     vision_width: int = 0
+    """the image transformer's width (its patch embedding's channels)."""
     vision_layers: int = 0
+    """the image transformer's residual blocks."""
     vision_heads: int = 0
+    """the image transformer's attention heads (width ÷ 64 unless its source says)."""
     patch_size: int = 0
+    """the image transformer's patch side in pixels."""
     image_size: int = 0
     """the size the image transformer is built for: data.image_size (the checkpoint's own unless set; another size
     resamples its position embeddings)."""
     text_width: int = 0
+    """the text transformer's width."""
     text_layers: int = 0
+    """the text transformer's residual blocks."""
     text_heads: int = 0
+    """the text transformer's attention heads (width ÷ 64 unless its source says)."""
     context_length: int = 0
+    """the text transformer's positions (CLIP: 77); data.max_text_tokens may be fewer."""
     vocab_size: int = 0
+    """the token embedding's rows (CLIP's BPE: 49,408)."""
     embed_dim: int = 0
+    """the shared embedding's size (both projections' output)."""
     quick_gelu: bool = False
     """CLIP's x·sigmoid(1.702x) activation (OpenAI's models) instead of GELU."""
 
@@ -699,6 +709,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         given = _merge(given, parse_override(text))
     values = _clip_settings(_merge(values, given), given)
     cfg = _build(RayvlConfig, _loss_defaults(values))
+    validate(cfg)
+    return cfg
+
+
+def with_overrides(cfg: RayvlConfig, overrides: list[str]) -> RayvlConfig:
+    """``cfg`` with ``key=value`` overrides applied as load_config applies them to a recipe, validated again."""
+    if not overrides:
+        return cfg
+    given: dict = {}
+    for text in overrides:
+        given = _merge(given, parse_override(text))
+    cfg = _build(RayvlConfig, _loss_defaults(_clip_settings(_merge(cfg.to_dict(), given), given)))
     validate(cfg)
     return cfg
 

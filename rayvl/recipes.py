@@ -47,7 +47,9 @@ def user_error(error: Exception | str) -> int:
 def add_train_args(p: argparse.ArgumentParser, default_config: str | None) -> None:
     """The options of `rayvl train` and of the jobs: each sets config fields, so none has a default of its own."""
     recipe = Path(default_config).name if default_config else "none"
-    p.add_argument("--config", default=default_config, help=f"recipe YAML (configs/*.yaml; default: {recipe})")
+    names = ", ".join(sorted(f.stem for f in installed_dir("--config").glob("*.yaml")))
+    p.add_argument("--config", default=default_config,
+                   help=f"a recipe by name ({names}) or a YAML path (default: {recipe})")
     p.add_argument("--data", help="training shards (dir, glob, list file or URL); sets data.train")
     p.add_argument("--eval-data", help="held-out shards; sets data.eval")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -60,7 +62,7 @@ def add_train_args(p: argparse.ArgumentParser, default_config: str | None) -> No
                         "train.init_from")
     p.add_argument("--verbose", action="store_true", help="show Ray's and the workers' own output")
     p.add_argument("--dry-run", action="store_true",
-                   help="check the config and the data (shard counts, the first sample of the first and last "
+                   help="check the config and the data (shard counts, the first 32 samples of the first and last "
                         "shard, pass size) and print the plan, without starting Ray or training")
 
 

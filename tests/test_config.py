@@ -212,3 +212,26 @@ def test_the_learning_rate_schedules_are_open_clips_step_for_step():
                       (["train.max_passes=-1"], "train.max_passes")):
         with pytest.raises(ConfigError, match=f"^{key}: "):
             load_config(None, sets)
+
+
+def test_config_show_prints_each_key_under_its_meaning_and_is_itself_a_recipe(tmp_path, capsys):
+    """`rayvl config show` (the options of `rayvl train`): YAML with every key's docstring above it, which read back
+    as a recipe is the same config; the Python API takes configs as the command line does and refuses before Ray."""
+    import rayvl
+    from conftest import cli
+
+    code, out, err = cli(capsys, "config", "show", "--config", "tonics", "--set", "train.lr=0.002",
+                         "--set", "model.text_strategy=frozen")
+    assert code == 0, err
+    (tmp_path / "shown.yaml").write_text(out)
+    wanted = load_config("tonics", ["train.lr=0.002", "model.text_strategy=frozen"]).to_dict()
+    assert load_config(tmp_path / "shown.yaml").to_dict() == wanted
+    lines = out.splitlines()
+    leaves = [i for i, line in enumerate(lines) if not line.lstrip().startswith("#") and not line.endswith(":")]
+    assert len(leaves) > 150 and all(lines[i - 1].lstrip().startswith("#") for i in leaves)
+    assert "  # optimizer steps in total (replaced by max_passes when that is set).\n  max_steps: " in out
+    assert callable(rayvl.train)
+    with pytest.raises(ConfigError, match="^train.warmup_steps: "):
+        rayvl.train("laion_adapt", ["train.max_steps=5"])  # warm-up 20 ≥ 5: refused before Ray starts
+    with pytest.raises(ConfigError, match="^model.embed_dim: "):
+        rayvl.train(load_config(None, []), ["model.embed_dim=0"])

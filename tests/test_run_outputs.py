@@ -339,7 +339,17 @@ def test_rayvl_eval_refuses_unknown_tasks_and_pool_settings_naming_them(demo_dir
             (["--gpus", "2"], "rayvl: error: --gpus 2 (eval.gpus_per_actor): GPUs per embedding actor, from 0 to 1 "
                               "(more GPUs: more --actors)"),
             (["--batch-size", "0"], "rayvl: error: --actors, --cpus-per-actor (eval.actors, eval.cpus_per_actor) "
-                                    "must be ≥ 0 and --batch-size (eval.batch_size) ≥ 1")):
+                                    "must be ≥ 0 and --batch-size (eval.batch_size) ≥ 1"),
+            # --set takes the checkpoint's eval.* settings (issue 56, defect 8), checked as the flags are
+            (["--set", "eval.batch_size=0"], "rayvl: error: --actors, --cpus-per-actor (eval.actors, "
+                                             "eval.cpus_per_actor) must be ≥ 0 and --batch-size (eval.batch_size) ≥ 1"),
+            (["--set", "eval.checkpoint_tasks=[zeroshot, bogus]"], "rayvl: error: eval.checkpoint_tasks: unknown "
+                                                                   "['bogus'] (known: zeroshot, retrieval, paraphrase, "
+                                                                   "sts, linear_probe)"),
+            (["--set", "model.embed_dim=3"], "rayvl: error: --set model.embed_dim=3: rayvl eval takes eval.* keys (the "
+                                             "checkpoint's model and data are its own; --data, --classes, ... choose "
+                                             "what it evaluates on)"),
+            (["--set", "eval.batch_size=x"], "rayvl: error: eval.batch_size: expected an integer, got 'x'")):
         assert main(["eval", str(tmp_path / "run"), *flags]) == 2
         assert capsys.readouterr().err == message + "\n"
     assert ray.is_initialized() == was_running
