@@ -560,7 +560,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         return _coerce(value, inner[0], key)
     if origin is list:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {type(value).__name__}")
+            hint = f" (a list of one: {key}=[{value}])" if isinstance(value, (str, int, float)) else ""
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}{hint}")
         return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):

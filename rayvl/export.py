@@ -278,7 +278,7 @@ import rayvl
 model = rayvl.load("{record.get("export_dir", ".")}")   # CPU by default; device="cuda" for a GPU
 images = model.encode_image(["cat.jpg", "dog.jpg"])     # (2, {m["embed_dim"]}) L2-normalised
 texts = model.encode_text(["a photo of a cat", "a photo of a dog"])
-similarity = model.logit_scale() * images @ texts.T
+{_similarity(record)}
 ```
 {without_rayvl(record)}{with_open_clip(record)}
 Files: `model.safetensors` (every weight, fp32: what `rayvl.load` reads), `rayvl_model.json` (the full training
@@ -324,11 +324,21 @@ def without_rayvl(record: dict) -> str:
 import importlib.util  # the export's without_rayvl.py: transformers, timm and torch, no rayvl
 spec = importlib.util.spec_from_file_location("without_rayvl", "{d}/without_rayvl.py")
 model = importlib.util.module_from_spec(spec); spec.loader.exec_module(model)
-images = model.encode_image(pixels)  # uint8 (N, 3, H, W), RGB, centre-cropped
+from PIL import Image
+import torch
+pixels = torch.stack([model.preprocess(Image.open(f)) for f in ("cat.jpg", "dog.jpg")])  # rayvl's crop
+images = model.encode_image(pixels)
 texts = model.encode_text(["a photo of a cat", "a photo of a dog"])
-similarity = model.logit_scale * images @ texts.T
+{_similarity(record)}
 ```
 """
+
+
+def _similarity(record: dict) -> str:
+    """The card's last line: logits of a softmax model, probabilities of a SigLIP one (its bias added)."""
+    if record["config"]["model"].get("init_logit_bias") is None:
+        return "similarity = model.logit_scale() * images @ texts.T"
+    return "match = (model.logit_scale() * images @ texts.T + model.logit_bias()).sigmoid()  # SigLIP: P(match)"
 
 
 def _text_code(pooling: str) -> tuple[str, str, str, str]:
@@ -349,6 +359,30 @@ def _text_code(pooling: str) -> tuple[str, str, str, str]:
             'out', pool)
 
 
+def _image_code(size: int, projected: str) -> str:
+    """without_rayvl.py's image side: rayvl's evaluation crop, exactly (the central square resized bicubic in one
+    step: rayvl.data.images.crop — a resize then a centre crop differs by up to 67/255 a pixel), and the tower."""
+    return f'''
+
+def preprocess(image):
+    """A PIL image → uint8 (3, {size}, {size}): the central square, resized bicubic to {size}×{size} in one step."""
+    from PIL import Image
+
+    image = image.convert("RGB")
+    w, h_ = image.size
+    s = min(w, h_)
+    box = ((w - s) // 2, (h_ - s) // 2, (w - s) // 2 + s, (h_ - s) // 2 + s)
+    pixels = np.asarray(image.resize(({size}, {size}), Image.BICUBIC, box=box), dtype=np.uint8)
+    return torch.from_numpy(pixels.transpose(2, 0, 1).copy())
+
+
+@torch.no_grad()
+def encode_image(pixels):
+    x = vision((pixels.float() / 255 - mean) / std)
+    return F.normalize({projected}, dim=-1)
+'''
+
+
 def standalone_code(record: dict) -> str | None:
     """``without_rayvl.py``: this export's towers, heads and pooling in transformers + timm + torch — what
     rayvl.load computes, in code a user can read and keep (None where only rayvl.load can: class embeddings, or
@@ -361,15 +395,17 @@ def standalone_code(record: dict) -> str | None:
                        "h['{p}.2.bias'])"}
     lm_line, last, masked, pool = _text_code(m["pooling"])
     layers = m["alignment_layers"] if m["text_strategy"] == "frozen_alignment" else 0
-    bias = ('logit_bias = float(h["logit_bias"])  # SigLIP: torch.sigmoid(logit_scale * image @ text.T + logit_bias)'
-            '\n') if m.get("init_logit_bias") is not None else ""
+    bias = ('\n\ndef logit_bias():  # SigLIP: torch.sigmoid(logit_scale() * image @ text.T + logit_bias())\n'
+            '    return float(h["logit_bias"])\n') if m.get("init_logit_bias") is not None else ""
     return f'''"""A rayvl export, embedded without rayvl: transformers (the language model), timm (the image tower) and
-torch (the heads). encode_image(uint8 (N, 3, {d["image_size"]}, {d["image_size"]}) RGB, centre-cropped) and
-encode_text(list of str) give L2-normalised embeddings; logit_scale turns their dot products into logits."""
+torch (the heads). preprocess(PIL image) gives rayvl's evaluation crop as uint8 (3, {d["image_size"]}, {d["image_size"]});
+encode_image(uint8 (N, 3, {d["image_size"]}, {d["image_size"]})) and encode_text(list of str) give L2-normalised embeddings;
+logit_scale() turns their dot products into logits."""
 import copy
 import json
 import os
 
+import numpy as np
 import timm
 import torch
 import torch.nn.functional as F
@@ -386,14 +422,11 @@ align = [copy.deepcopy({last}) for _ in range({layers})]  # alignment layers: sh
 for i, layer in enumerate(align):
     layer.load_state_dict({{k.split(".", 2)[2]: w for k, w in h.items() if k.startswith(f"alignment.{{i}}.")}})
 mean, std = (torch.tensor(v[k]).view(1, 3, 1, 1) for k in ("mean", "std"))
-logit_scale = float(h["logit_scale"].exp().clamp(max={m["max_logit_scale"]}))
-{bias}
 
-@torch.no_grad()
-def encode_image(pixels):
-    x = vision((pixels.float() / 255 - mean) / std)
-    return F.normalize({project[m["vision_projection"]].format(x="x", p="vision_proj")}, dim=-1)
 
+def logit_scale():
+    return float(h["logit_scale"].exp().clamp(max={m["max_logit_scale"]}))
+{bias}{_image_code(d["image_size"], project[m["vision_projection"]].format(x="x", p="vision_proj"))}
 
 @torch.no_grad()
 def encode_text(texts):

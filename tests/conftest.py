@@ -228,3 +228,24 @@ def one_process_group():
         dist.destroy_process_group()
     for k, v in saved.items():
         os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def run_card_snippet(snippet: str, folder: Path) -> dict:
+    """An export card's code run as a user runs it, in ``folder`` with the two photos it opens (cat.jpg, dog.jpg:
+    JPEGs of different sizes and aspect ratios, so the crop matters); its namespace."""
+    import os
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for name, (h, w) in (("cat.jpg", (50, 80)), ("dog.jpg", (90, 40))):
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(folder / name)
+    here = os.getcwd()
+    os.chdir(folder)
+    try:
+        namespace: dict = {}
+        exec(snippet, namespace)
+        return namespace
+    finally:
+        os.chdir(here)

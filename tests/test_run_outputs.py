@@ -215,6 +215,12 @@ def test_recipes_are_installed_with_the_package(tmp_path):
     (["--set", "model.text=/no/such/hf-model"], "model.text: '/no/such/hf-model' is neither a rayvl asset"),
     (["--init-from", "/no/such/run"], "train.init_from: '/no/such/run' is not a rayvl run"),
     (["--resume", "no-such-run"], "train.resume: run"),
+    # issue 56, defect 9: what the user meant, named
+    (["--set", "train.report_to=wandb"], "train.report_to: expected a list, got str 'wandb' (a list of one: "
+                                         "train.report_to=[wandb])"),
+    (["--set", "model.vision=vit_base_patch32_clip_224", "--set", "data.image_size=224", "--set",
+      f"model.vision_checkpoint={__file__}"], f"model.vision_checkpoint: cannot read {__file__!r} as a checkpoint "
+                                              f"(a file torch.save or TorchScript wrote:"),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_ray(demo_dir, tmp_path, capsys, args, key):
     import ray

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import small_config, tonics_shapes, untrained_checkpoint
+from conftest import run_card_snippet, small_config, tonics_shapes, untrained_checkpoint
 from rayvl.models.dual_encoder import build_model
 from rayvl.train.engine import lr_lambda
 from rayvl.data import specs
@@ -218,13 +218,18 @@ def _check_export_without_rayvl(export, exported, captions, images):
     assert card.startswith("---\nlibrary_name: rayvl\npipeline_tag: zero-shot-image-classification\n")
     (snippet,) = re.findall(r"## Use without rayvl\n\n```python\n(.*?)```", card, re.S)
     assert len(snippet.splitlines()) <= 10  # the card's lines; the code is the export's own without_rayvl.py
-    namespace: dict = {"pixels": torch.from_numpy(images)}
-    exec(snippet, namespace)  # timm importable here through rayvl.compat (this VM's CUDA torchvision over CPU torch)
+    # the card as a user runs it, on two photos (timm importable here through rayvl.compat: this VM's CUDA
+    # torchvision over CPU torch); its preprocess is rayvl's crop exactly, so the embeddings are rayvl.load's
+    namespace = run_card_snippet(snippet, export)
     assert "rayvl" not in (export / "without_rayvl.py").read_text().split('"""')[2]  # no rayvl import in its code
     model = namespace["model"]
     np.testing.assert_allclose(model.encode_text(captions).numpy(), exported.encode_text(captions).numpy(), atol=1e-5)
-    np.testing.assert_allclose(namespace["images"].numpy(), exported.encode_image(images).numpy(), atol=1e-5)
-    assert model.logit_scale == pytest.approx(exported.logit_scale())
+    photos = [str(export / "cat.jpg"), str(export / "dog.jpg")]
+    assert torch.equal(namespace["pixels"], torch.stack([exported.preprocess(p) for p in photos]))
+    np.testing.assert_allclose(namespace["images"].numpy(), exported.encode_image(photos).numpy(), atol=1e-5)
+    np.testing.assert_allclose(model.encode_image(torch.from_numpy(images)).numpy(),
+                               exported.encode_image(images).numpy(), atol=1e-5)
+    assert model.logit_scale() == pytest.approx(exported.logit_scale())
     readme = f"""
 import sys, warnings
 import rayvl

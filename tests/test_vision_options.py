@@ -141,8 +141,11 @@ def test_a_clip_checkpoint_for_another_architecture_is_refused_before_ray_starts
               "model.vision_projection=linear"]
     check_inputs(load_config(None, ["model.vision=vit_base_patch32_clip_224", *common]), "", "")  # module. read
     for other in ("vit_base_patch32_224", "vit_large_patch14_clip_224"):
-        with pytest.raises(ConfigError, match=f"^model.vision: '{other}' is not the architecture"):
+        with pytest.raises(ConfigError, match=f"^model.vision: '{other}' is not the architecture") as refused:
             check_inputs(load_config(None, [f"model.vision={other}", *common]), "", "")
+        # the way out reads the architecture from the weights, not a name the user may already have given
+        assert str(refused.value).endswith(f"set model.init_from_clip={path} instead, which reads the architecture "
+                                           f"from the weights (both towers)")
 
 
 def test_open_clips_partial_unlocking_trains_the_last_groups_and_layers_only(tmp_path, capsys):

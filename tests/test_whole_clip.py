@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import small_config, tonics_shapes
+from conftest import run_card_snippet, small_config, tonics_shapes
 from rayvl.compat import ensure_torchvision_importable
 from rayvl.config import ConfigError, load_config
 from rayvl.models.dual_encoder import build_model
@@ -241,12 +241,11 @@ def test_a_run_fine_tunes_a_whole_clip_from_the_zero_shot_it_starts_at(ray_local
     exported = rayvl.load(export)
     card = (export / "README.md").read_text()
     (snippet,) = re.findall(r"## Use without rayvl\n\n```python\n(.*?)```", card, re.S)
-    images = np.random.default_rng(0).integers(0, 256, (3, 3, 32, 32), dtype=np.uint8)
-    namespace: dict = {"pixels": torch.from_numpy(images)}
-    exec(snippet, namespace)
+    namespace = run_card_snippet(snippet, export)
     np.testing.assert_allclose(namespace["model"].encode_text(CAPTIONS).numpy(),
                                exported.encode_text(CAPTIONS).numpy(), atol=1e-5)
-    np.testing.assert_allclose(namespace["images"].numpy(), exported.encode_image(images).numpy(), atol=1e-5)
+    photos = [str(export / "cat.jpg"), str(export / "dog.jpg")]
+    np.testing.assert_allclose(namespace["images"].numpy(), exported.encode_image(photos).numpy(), atol=1e-5)
 
 
 def test_every_row_of_the_readmes_coming_from_open_clip_table_loads(tmp_path):
@@ -302,4 +301,10 @@ def test_an_export_of_a_whole_clip_loads_in_open_clip(tmp_path):
     np.testing.assert_allclose(mine.encode_text(CAPTIONS).numpy(), want_texts, atol=1e-5)
     assert mine.logit_scale() == pytest.approx(float(theirs.logit_scale.detach().exp()), rel=1e-6)
     assert mine.logit_bias() == pytest.approx(float(theirs.logit_bias.detach()), rel=1e-6)
-    assert f'create_model_and_transforms("local-dir:{out}")' in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert f'create_model_and_transforms("local-dir:{out}")' in card
+    # SigLIP's card: probabilities, the bias added — in rayvl's lines and in the code without rayvl
+    assert card.count("match = (model.logit_scale() * images @ texts.T + model.logit_bias()).sigmoid()") == 2
+    (snippet,) = re.findall(r"## Use without rayvl\n\n```python\n(.*?)```", card, re.S)
+    standalone = run_card_snippet(snippet, out)["model"]
+    assert standalone.logit_bias() == pytest.approx(mine.logit_bias(), rel=1e-6)

@@ -170,7 +170,8 @@ def _check_clip_checkpoint(m) -> None:
     try:
         state = assets.vision_state_dict(m.vision, m.vision_checkpoint)  # memory-mapped reads of a file's tensors
     except Exception as e:  # noqa: BLE001 — any unreadable file is the key's problem, named
-        raise ConfigError(f"model.vision_checkpoint: cannot read {m.vision_checkpoint!r}: {e}") from None
+        raise ConfigError(f"model.vision_checkpoint: cannot read {m.vision_checkpoint!r} as a checkpoint (a file "
+                          f"torch.save or TorchScript wrote: {type(e).__name__}: {e})") from None
     if not clip_checkpoint.is_clip(state):
         return
     import torch
@@ -187,8 +188,8 @@ def _check_clip_checkpoint(m) -> None:
     if missing or unexpected:
         raise ConfigError(f"model.vision: {m.vision!r} is not the architecture of the CLIP checkpoint "
                           f"{m.vision_checkpoint!r} (missing {', '.join(missing[:3]) or 'none'}; unexpected "
-                          f"{', '.join(unexpected[:3]) or 'none'}): name the timm CLIP ViT it was trained as, e.g. "
-                          f"vit_base_patch32_clip_224")
+                          f"{', '.join(unexpected[:3]) or 'none'}): set model.init_from_clip={m.vision_checkpoint} "
+                          f"instead, which reads the architecture from the weights (both towers)")
     shape = clip_checkpoint.projection_shape(state)
     if shape is not None and (m.vision_projection != "linear" or m.embed_dim != shape[1]):
         raise ConfigError(f"model.embed_dim: the CLIP checkpoint {m.vision_checkpoint!r} projects images to "
