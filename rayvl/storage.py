@@ -45,6 +45,9 @@ def filesystem(path: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
     path = str(path)
     if not is_url(path):
         return pafs.LocalFileSystem(), str(local_path(path))
+    scheme = path.split("://", 1)[0]
+    if scheme in ("gs", "gcs") and "?" not in path:  # a bounded retry: unreachable GCS is an error in seconds
+        return _gcs(), path.split("://", 1)[1]
     try:
         return pafs.FileSystem.from_uri(path)
     except ValueError:  # pyarrow's ArrowInvalid: a scheme it has no filesystem for
@@ -52,6 +55,15 @@ def filesystem(path: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
 
         fs, inner = fsspec.core.url_to_fs(path)
         return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), inner
+
+
+def _gcs() -> pafs.FileSystem:
+    """pyarrow's GCS filesystem with its retries bounded by RAYVL_GCS_RETRY_S (default 10 s): its own default
+    retries an unreachable store (no network, no credentials) for 15 minutes in silence; rayvl's reads retry on
+    their own (data.io_retries)."""
+    from datetime import timedelta
+
+    return pafs.GcsFileSystem(retry_time_limit=timedelta(seconds=float(os.environ.get("RAYVL_GCS_RETRY_S", 10))))
 
 
 def exists(path: str) -> bool:

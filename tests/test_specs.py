@@ -2,6 +2,7 @@
 every form resolves to the shards it names, checks cost no more for 41,408 objects than for 2, and an I/O error
 costs no row — it is retried and resumed, or it fails naming the shard (no Ray here; the training run over S3
 is in test_object_store.py)."""
+import os
 import shutil
 from collections import Counter
 
@@ -9,7 +10,7 @@ import pytest
 
 from rayvl.data.report import DataPlaneError
 from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
-from rayvl.data.specs import check, parts, resolve_shards
+from rayvl.data.specs import ACCESS_HINT, REACH_HINT, check, parts, resolve_shards, way_out
 from rayvl.data.tar import iter_tar_samples
 
 FAST = ReadPolicy(retries=3, wait_s=0.05)
@@ -126,7 +127,23 @@ def test_object_store_faults_are_retried_and_resumed(s3, shard_dir):
         _keys(f"{url}/00000.tar")
     assert denied.value.reason == "denied" and denied.value.attempts == 1
     assert "data.unreadable_shards=skip" in str(denied.value)
+    assert way_out(str(denied.value)) == ACCESS_HINT  # S3's own words: the way out is the credentials
     s3.faults.clear()
     s3.faults.add(key, *[("reset", 1000)] * 200)  # past pyarrow's and rayvl's retries: transient, then failed
     with pytest.raises(ShardIOError, match="I/O errors went on past data.io_retries"):
         _keys(f"{url}/00000.tar", ReadPolicy(retries=1, wait_s=0.05))
+
+
+def test_a_store_out_of_reach_is_one_line_naming_the_network():
+    """`rayvl data check gs://…` on a machine that cannot reach Google (this one: no route, no credentials): one line
+    and exit 2, the way out being the network — pyarrow's own GCS retries ran 15 minutes in silence; rayvl bounds
+    them (RAYVL_GCS_RETRY_S). The subprocess timeout only guards the suite against a hang."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "rayvl.cli", "data", "check", "gs://bucket/cc12m/{00000..00010}.tar"],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "RAYVL_GCS_RETRY_S": "1"})
+    assert out.returncode == 2, out.stderr[-2000:]
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("rayvl: error: gs://bucket/cc12m/{00000..00010}.tar: cannot look up "
+                           "'gs://bucket/cc12m/00000.tar'") and line.endswith(REACH_HINT), line

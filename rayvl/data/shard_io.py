@@ -26,11 +26,10 @@ from typing import Literal
 
 from rayvl import storage
 from rayvl.data.report import DataPlaneError
-from rayvl.data.specs import PIPE
+from rayvl.data.specs import DENIED_WORDS, PIPE
 
 # what pyarrow's S3/GCS clients say when retrying cannot help (its errors are OSErrors with the service's words)
-_DENIED = ("ACCESS_DENIED", "AccessDenied", "PERMISSION_DENIED", "INVALID_ACCESS_KEY_ID", "InvalidAccessKeyId",
-           "SIGNATURE_DOES_NOT_MATCH", "SignatureDoesNotMatch", "ExpiredToken", "UNAUTHENTICATED")
+_DENIED = DENIED_WORDS
 _MISSING = ("NO_SUCH_KEY", "NoSuchKey", "NO_SUCH_BUCKET", "NoSuchBucket", "RESOURCE_NOT_FOUND", "NOT_FOUND",
             "Path does not exist")
 REASONS = {"missing": "it does not exist", "denied": "access is denied",

@@ -160,8 +160,9 @@ def check(spec: str) -> SpecCheck:
         for url in probe:
             try:
                 found_it = storage.is_file(url)
-            except OSError as e:
-                raise DataPlaneError(f"cannot look up {url!r}: {' '.join(str(e).split())}") from None
+            except OSError as e:  # GCS's status carries its retry metadata after error_info: left out
+                raise DataPlaneError(f"cannot look up {url!r}: {' '.join(str(e).split(' error_info=')[0].split())}") \
+                    from None
             if not found_it:
                 raise DataPlaneError(f"{url!r} does not exist (named by {spec!r})")
         looked += len(probe)
@@ -182,11 +183,37 @@ def check(spec: str) -> SpecCheck:
     return SpecCheck(found.paths, "; ".join(notes))
 
 
+# what object stores' clients (pyarrow's S3 and GCS) say when the credentials are refused or missing, and when the
+# store cannot be reached: the way out is the machine's access, not the spec's form
+DENIED_WORDS = ("ACCESS_DENIED", "AccessDenied", "PERMISSION_DENIED", "INVALID_ACCESS_KEY_ID", "InvalidAccessKeyId",
+                "SIGNATURE_DOES_NOT_MATCH", "SignatureDoesNotMatch", "ExpiredToken", "UNAUTHENTICATED")
+_NO_CREDENTIALS = ("access token", "credentials", "NoCredentials", "No response body")
+_UNREACHABLE = ("UNAVAILABLE", "Could not resolve host", "Couldn't connect", "Connection refused", "timed out",
+                "Timeout", "curlCode: 6", "curlCode: 7", "curlCode: 28")
+ACCESS_HINT = ("check the credentials this machine and every node use — S3: AWS_PROFILE or AWS_ACCESS_KEY_ID / "
+               "AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL for an S3-compatible store, or the instance role; GCS: "
+               "GOOGLE_APPLICATION_CREDENTIALS or the VM's service account")
+REACH_HINT = ("the store cannot be reached from this machine: its network, or the endpoint (AWS_ENDPOINT_URL, the "
+              "bucket's region)")
+FORM_HINT = ("give img2dataset shards as a folder, a glob, brace ranges ({00000..00099}.tar), a comma or :: list, "
+             "a .txt list file, a URL or pipe:COMMAND")
+
+
 def checked(key: str, spec: str) -> SpecCheck:
     """``check(spec)`` for the config key ``key``: a ConfigError naming it when the spec names nothing or names
-    something missing (before Ray starts)."""
+    something missing or out of reach (before Ray starts), with the way out that fits: the credentials, the
+    network, or the spec's forms."""
     try:
         return check(spec)
     except DataPlaneError as e:
-        raise ConfigError(f"{key}: {e} — give img2dataset shards as a folder, a glob, brace ranges "
-                          f"({{00000..00099}}.tar), a comma or :: list, a .txt list file, a URL or pipe:COMMAND") from None
+        raise ConfigError(f"{key}: {e} — {way_out(str(e))}") from None
+
+
+def way_out(error: str) -> str:
+    """The hint for a spec's error: the network where the store was not reached (a credential lookup that could
+    not reach its server included), the credentials where they were refused or missing, else the spec's forms."""
+    if any(w in error for w in _UNREACHABLE[1:]):
+        return REACH_HINT
+    if any(w in error for w in DENIED_WORDS + _NO_CREDENTIALS):
+        return ACCESS_HINT
+    return REACH_HINT if _UNREACHABLE[0] in error else FORM_HINT
