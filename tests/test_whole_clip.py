@@ -189,7 +189,6 @@ def test_a_run_fine_tunes_a_whole_clip_from_the_zero_shot_it_starts_at(ray_local
     from rayvl.cli import main
     from rayvl.eval import data as datasets
     from rayvl.eval import tasks as eval_tasks
-    from rayvl.train.trainer import train
 
     theirs = open_clip_model()
     path = tmp_path / "epoch_3.pt"
@@ -223,7 +222,9 @@ def test_a_run_fine_tunes_a_whole_clip_from_the_zero_shot_it_starts_at(ray_local
                        *tonics_shapes(f"tonics.counts_path={tonics_counts_path}"), "eval.tasks=[zeroshot]",
                        "train.max_steps=1000", "train.max_passes=0.125", "train.lr_schedule=constant_cooldown",
                        "train.cooldown_steps=2")
-    result = train(cfg)
+    import rayvl
+
+    result = rayvl.train(cfg)  # the Python API: the package called as a function
     history = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == [1, 2, 3] and all(np.isfinite(h["loss"]) for h in history)
     assert [h["lr"] for h in history] == pytest.approx([1e-3, 5e-4, 0.0])  # the LR each step's update used next
@@ -233,8 +234,6 @@ def test_a_run_fine_tunes_a_whole_clip_from_the_zero_shot_it_starts_at(ray_local
     assert torch.equal(state["text.lm.encoder.layers.1.mlp.fc1.weight"],  # the frozen LM is CLIP's, bit for bit
                        theirs.state_dict()["transformer.resblocks.1.mlp.c_fc.weight"])
     assert "zeroshot_top1" in result.metrics and "tonics_p_root" in history[-1]
-
-    import rayvl
 
     export = tmp_path / "export"
     assert main(["export", str(result.run_dir), "--out", str(export)]) == 0
