@@ -196,14 +196,14 @@ def model_lines(cfg: RayvlConfig) -> list[str]:
                 f"positions), pretrained, {m.text_strategy}: {params(model.text)}")
     elif m.text_tower == "lm":
         text = f"text tower {m.text}, pretrained, {m.text_strategy}: {params(model.text)}"
+    else:
+        text = f"text tower: a class embedding, {m.embed_dim} trainable parameters per class" + (
+            f", {classes} classes" if classes else " (the image-label data's classes)")
     if m.text_unlocked_layers:
         text = text.replace(f"{m.text_strategy}:", f"{m.text_strategy}, its last {m.text_unlocked_layers} layers "
                                                    f"unlocked:")
     if m.vision_unlocked_groups:
         vision += f"; locked, its last {m.vision_unlocked_groups} layer groups unlocked"
-    else:
-        text = f"text tower: a class embedding, {m.embed_dim} trainable parameters per class" + (
-            f", {classes} classes" if classes else " (the image-label data's classes)")
     return ["model:", *clip, f"  image tower {m.vision} ({vision}): {params(model.vision)}", f"  {text}",
             f"  in all {params(model)}" + ("" if m.text_tower == "lm" or classes else " with one class"),
             f"  AdamW lr {t.lr:g}, betas {t.betas[0]:g}/{t.betas[1]:g}, weight decay {t.weight_decay:g}; linear "

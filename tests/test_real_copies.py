@@ -82,11 +82,9 @@ def test_shards_of_every_image_format_and_metadata_are_checked_and_trained_with_
     assert code == 0, err
     assert f"{4 * PER_SHARD} samples a pass (data.samples_per_pass)" in out
     assert "4 steps a pass; train.max_steps=2 is 0.50 passes" in out
+    # the demo-sized budget this command line set is its own choice: only what the recipe left is warned of
     warnings = [line.strip() for line in out.splitlines() if "warning:" in line]
-    assert [w.split(" — ")[0] for w in warnings] == [
-        "warning: train.max_steps=2 trains 50.00% of one pass over data.train",
-        "warning: evaluation only at the last step (eval.every_steps=0)",
-        "warning: a warm-up of 1 steps (train.warmup_steps)"]
+    assert [w.split(" — ")[0] for w in warnings] == ["warning: evaluation only at the last step (eval.every_steps=0)"]
     assert ("image tower efficientnet-lite0 (pretrained, the package's weights): 3,371,008 trainable parameters\n"
             "  text tower minilm-l6, pretrained, frozen_alignment: ") in out
     assert "AdamW lr 0.001, betas 0.9/0.98, weight decay 0.1; linear warm-up over 1 steps, cosine decay to 0 at " \
