@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from rayvl import storage
-from rayvl.config import from_dict, load_config
+from rayvl.config import from_dict, load_config, with_overrides
 from rayvl.models.dual_encoder import DualEncoder, build_model
 
 TAG = "deepspeed"
@@ -41,8 +41,10 @@ def read_meta(checkpoint: str | os.PathLike) -> dict:
     from rayvl.models import whole_clip
 
     if whole_clip.is_source(checkpoint):  # rayvl's defaults, the CLIP's settings, its text tower frozen as it is
-        config = load_config(None, [f"model.init_from_clip={Path(checkpoint).expanduser().resolve()}",
+        config = load_config(None, [f"model.init_from_clip={json.dumps(str(Path(checkpoint).expanduser().resolve()))}",
                                     "model.text_strategy=frozen", "model.alignment_layers=0"])
+        # CLIP's own tokens: every position its text transformer has (77), as open_clip and CLIP_benchmark score
+        config = with_overrides(config, [f"data.max_text_tokens={config.model.clip.context_length}"])
         return {"config": config.to_dict(), "step": 0, "final": True, "whole_clip": str(checkpoint)}
     return json.loads(storage.read_text(storage.join(str(checkpoint), META_FILE)))
 

@@ -743,12 +743,14 @@ def _clip_settings(values: dict, given: dict) -> dict:
     from rayvl.models import whole_clip
 
     found = whole_clip.settings(source)
-    by_hand = dict((given.get("model") or {}).get("clip") or {})
+    # model.clip as the recipe or the command line give it (a config's own to_dict() too): what weights cannot say
+    # is kept, the rest must agree with the weights (image_size follows data.image_size, below)
+    by_hand = dict((values.get("model") or {}).get("clip") or {})
     for key, value in by_hand.items():
-        if key not in CLIP_BY_HAND and found["model"]["clip"].get(key, value) != value:
+        if key not in (*CLIP_BY_HAND, "image_size") and found["model"]["clip"].get(key, value) != value:
             raise ConfigError(f"model.clip.{key}: {value!r}, but the CLIP in model.init_from_clip has "
                               f"{found['model']['clip'][key]!r} (only {', '.join(CLIP_BY_HAND)} are set by hand)")
-    found["model"]["clip"].update(by_hand)
+    found["model"]["clip"].update({k: v for k, v in by_hand.items() if k in CLIP_BY_HAND})
     for section, settings in found.items():
         for key, value in settings.items():
             mine = (given.get(section) or {}).get(key, value)
@@ -756,8 +758,8 @@ def _clip_settings(values: dict, given: dict) -> dict:
                 raise ConfigError(f"{section}.{key}: {mine!r} contradicts the CLIP in model.init_from_clip, whose "
                                   f"{key} is {value!r} (leave it unset: it is read from the checkpoint)")
     out = dict(values)
-    for section, settings in found.items():
-        mine = {k: v for k, v in (given.get(section) or {}).items() if (section, k) == ("data", "image_size")}
+    for section, settings in found.items():  # an image size the recipe or the command line set is kept
+        mine = {k: v for k, v in (values.get(section) or {}).items() if (section, k) == ("data", "image_size")}
         out[section] = {**(values.get(section) or {}), **settings, **mine}
     out["model"]["clip"] = {**out["model"]["clip"], "image_size": out["data"]["image_size"]}
     return out
@@ -782,6 +784,9 @@ def check_overrides(overrides: list[str]) -> None:
 
 
 def from_dict(values: dict) -> RayvlConfig:
+    model = values.get("model") or {}
+    if model.get("init_from_clip") and not (model.get("clip") or {}).get("vision_width"):
+        values = _clip_settings(values, {})  # a dict not made by load_config: the CLIP's settings read now
     cfg = _build(RayvlConfig, values)
     validate(cfg)
     return cfg
@@ -808,7 +813,7 @@ def validate(cfg: RayvlConfig) -> None:
             f"model.init_logit_scale: must be in (0, model.max_logit_scale={m.max_logit_scale}], "
             f"got {m.init_logit_scale}"
         )
-    _validate_clip(m, cfg.data.image_size)
+    _validate_clip(m, cfg.data.image_size, cfg.data.max_text_tokens)
     if not 0.0 <= m.patch_dropout < 1.0:
         raise ConfigError(f"model.patch_dropout: a share of the patch tokens, in [0, 1), got {m.patch_dropout}")
     _validate_unlocking(m)
@@ -848,7 +853,7 @@ def _validate_unlocking(m: ModelConfig) -> None:
                           "it is for the locked groups beside model.vision_unlocked_groups")
 
 
-def _validate_clip(m: ModelConfig, image_size: int) -> None:
+def _validate_clip(m: ModelConfig, image_size: int, max_tokens: int) -> None:
     """A whole CLIP is both towers at once: its shapes, its end-of-text pooling and no other image weights."""
     named = {k for k, on in (("model.vision", m.vision == "clip"), ("model.pooling", m.pooling == "eot"),
                              ("model.clip", m.clip.vision_width > 0)) if on}
@@ -859,11 +864,25 @@ def _validate_clip(m: ModelConfig, image_size: int) -> None:
     if named and m.vision_checkpoint:
         raise ConfigError("model.vision_checkpoint: the image tower's weights come from model.init_from_clip; "
                           "leave it unset")
+    if named and max_tokens > m.clip.context_length:
+        raise ConfigError(f"data.max_text_tokens: {max_tokens}, but the CLIP's text transformer has "
+                          f"{m.clip.context_length} positions")
     if named and m.clip.image_size != image_size:
         raise ConfigError(f"model.clip.image_size: the CLIP's image tower is built for data.image_size "
                           f"({image_size}), not {m.clip.image_size}")
     if named and m.text_tower != "lm":
         raise ConfigError("model.text_tower: a whole CLIP has its text transformer; class_embedding replaces it")
+
+
+def _validate_steps(t: TrainConfig) -> None:
+    """What must fit in train.max_steps — checked against the steps a budget in passes resolves to
+    (run_plan.steps_for_passes validates it with those), not the placeholder max_steps."""
+    if t.max_passes > 0:
+        return
+    if not 0 <= t.stop_at_step <= t.max_steps:
+        raise ConfigError(f"train.stop_at_step: must be in [0, train.max_steps={t.max_steps}], got {t.stop_at_step}")
+    if t.warmup_steps < 0 or t.warmup_steps >= t.max_steps:
+        raise ConfigError(f"train.warmup_steps: must be in [0, train.max_steps={t.max_steps}), got {t.warmup_steps}")
 
 
 def _validate_schedule(t: TrainConfig) -> None:
@@ -874,7 +893,9 @@ def _validate_schedule(t: TrainConfig) -> None:
             raise ConfigError(f"train.cooldown_steps: a cooldown ends train.lr_schedule=constant_cooldown (now "
                               f"{t.lr_schedule})")
         return
-    if t.max_passes == 0 and not 0 < t.cooldown_steps <= t.max_steps - t.warmup_steps:
+    if t.max_passes > 0:  # checked against the steps the plan resolves (run_plan.steps_for_passes)
+        return
+    if not 0 < t.cooldown_steps <= t.max_steps - t.warmup_steps:
         raise ConfigError(f"train.cooldown_steps: constant_cooldown decays over the last steps after the warm-up: in "
                           f"[1, {t.max_steps - t.warmup_steps}], got {t.cooldown_steps}")
     if not 0 <= t.cooldown_end_lr <= t.lr:
@@ -904,11 +925,8 @@ def _validate_train(t: TrainConfig) -> None:
                  "checkpoint_every", "checkpoints_to_keep"):
         if getattr(t, name) < 1:
             raise ConfigError(f"train.{name}: must be ≥ 1, got {getattr(t, name)}")
-    if not 0 <= t.stop_at_step <= t.max_steps:
-        raise ConfigError(f"train.stop_at_step: must be in [0, train.max_steps={t.max_steps}], got {t.stop_at_step}")
     _validate_schedule(t)
-    if t.warmup_steps < 0 or t.warmup_steps >= t.max_steps:
-        raise ConfigError(f"train.warmup_steps: must be in [0, train.max_steps={t.max_steps}), got {t.warmup_steps}")
+    _validate_steps(t)
     if t.lr <= 0:
         raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
     if t.cpus_per_worker <= 0:

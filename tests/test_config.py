@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from rayvl.config import ConfigError, load_config, parse_override
+from rayvl.config import ConfigError, load_config, parse_override, with_overrides
 
 RECIPE = REPO / "configs" / "laion_adapt.yaml"
 
@@ -212,6 +212,20 @@ def test_the_learning_rate_schedules_are_open_clips_step_for_step():
                       (["train.max_passes=-1"], "train.max_passes")):
         with pytest.raises(ConfigError, match=f"^{key}: "):
             load_config(None, sets)
+    # a budget in passes: the step-bound settings wait for the steps the plan resolves, and are checked there
+    budget = load_config(None, ["train.max_passes=1", "train.warmup_steps=500", "train.stop_at_step=300",
+                                "train.lr_schedule=constant_cooldown", "train.cooldown_steps=0"])
+    from rayvl.train.run_plan import steps_for_passes
+
+    with pytest.raises(ConfigError, match=r"^train.cooldown_steps: .* \(train.max_steps=63: train.max_passes=1 of "
+                                          r"4,000 samples\)"):
+        steps_for_passes(budget, (), 4000)
+    with pytest.raises(ConfigError, match=r"^train.stop_at_step: .* \(train.max_steps=63"):
+        steps_for_passes(with_overrides(budget, ["train.cooldown_steps=10", "train.warmup_steps=5"]), (), 4000)
+    with pytest.raises(ConfigError, match="^train.max_passes: how many samples a pass holds is unknown"):
+        steps_for_passes(budget, (), None)
+    fits = with_overrides(budget, ["train.warmup_steps=5", "train.stop_at_step=0", "train.cooldown_steps=10"])
+    assert steps_for_passes(fits, (), 4000).train.max_steps == 63  # ⌈4,000 / (2 workers × 32)⌉
 
 
 def test_config_show_prints_each_key_under_its_meaning_and_is_itself_a_recipe(tmp_path, capsys):

@@ -174,6 +174,27 @@ def test_what_the_weights_decide_is_read_and_a_contradiction_is_named(tmp_path, 
                       (tmp_path / "missing.pt", "does not exist")):
         with pytest.raises(ConfigError, match=f"^model.init_from_clip: .*{says}"):
             load_config("configs/laion_adapt.yaml", [f"model.init_from_clip={bad}"])
+    # a released CLIP's temperature is log(100), whose exp lands a hair above CLIP's clamp of 100: loads at 100
+    released = open_clip_model()
+    with torch.no_grad():
+        released.logit_scale.fill_(torch.tensor(100.0).log().item())
+    torch.save(released.state_dict(), tmp_path / "released.pt")
+    assert load_config(None, [f"model.init_from_clip={tmp_path / 'released.pt'}"]).model.init_logit_scale == 100.0
+    # a recipe's own image size and QuickGELU are kept (only the weights' shapes are read), and so is what a config
+    # built that way holds when more is set on it, or when its dict is read again
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(f"model:\n  init_from_clip: {path}\n  clip:\n    quick_gelu: true\ndata:\n  image_size: 48\n")
+    mine = load_config(recipe)
+    assert (mine.data.image_size, mine.model.clip.image_size, mine.model.clip.quick_gelu) == (48, 48, True)
+    from rayvl.config import from_dict, with_overrides
+
+    again = with_overrides(mine, ["train.lr=0.01"])
+    assert (again.data.image_size, again.model.clip.quick_gelu, again.train.lr) == (48, True, 0.01)
+    assert from_dict(mine.to_dict()) == mine
+    unread = from_dict({"model": {"init_from_clip": str(path)}})  # a dict load_config never saw: the CLIP is read
+    assert unread.model.vision == "clip" and unread.model.clip.vision_width == 64
+    with pytest.raises(ConfigError, match="^data.max_text_tokens: 80, but the CLIP's text transformer has 77"):
+        load_config(None, [source, "data.max_text_tokens=80"])
     code, out, err = cli(capsys, "train", "--dry-run", "--set", source)
     assert code == 0, err
     assert f"a whole CLIP, {path}: both towers, both projections (embedding {EMBED})" in out

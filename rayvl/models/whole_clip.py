@@ -258,7 +258,8 @@ def settings(source: str) -> dict:
     return {
         "model": {"vision": "clip", "text": str(path) if path.is_dir() else "clip", "clip": arch,
                   "embed_dim": arch["embed_dim"], "vision_projection": "linear", "text_projection": "linear",
-                  "pooling": "eot", "init_logit_scale": float(state["logit_scale"].float().exp())},
+                  # released CLIPs hold log(100) in fp16 or fp32, whose exp lands a hair above CLIP's clamp at 100
+                  "pooling": "eot", "init_logit_scale": min(100.0, float(state["logit_scale"].float().exp()))},
         "data": {"image_size": arch["image_size"]},
     }
 

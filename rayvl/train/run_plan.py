@@ -80,14 +80,18 @@ def steps_for_passes(cfg: RayvlConfig, parts, pass_size: int) -> RayvlConfig:
     samples, a step reading workers × the micro-batch's image-text rows (what other streams' rows leave: a method's
     data part, e.g. UniCL's image-label rows) × the accumulated micro-batches — validated again with it."""
     t = cfg.train
+    if not pass_size:
+        raise ConfigError("train.max_passes: how many samples a pass holds is unknown for these shards (pipe: "
+                          "commands, or local and remote shards mixed): set data.samples_per_pass, or give the "
+                          "budget in train.max_steps")
     text_rows = t.micro_batch_size - sum(p.batch_rows(cfg) for p in parts)
     if text_rows <= 0:
         raise ConfigError("train.max_passes: no micro-batch row comes from the training shards (another stream "
                           "fills them all): give the budget in train.max_steps")
     steps = math.ceil(t.max_passes * pass_size / (t.num_workers * text_rows * t.grad_accumulation))
     resolved = dataclasses.replace(cfg, train=dataclasses.replace(t, max_steps=max(1, steps)))
-    try:
-        validate(resolved)
+    try:  # every step-bound setting (warm-up, cooldown, stop_at_step) against the resolved steps
+        validate(dataclasses.replace(resolved, train=dataclasses.replace(resolved.train, max_passes=0.0)))
     except ConfigError as e:
         raise ConfigError(f"{e} (train.max_steps={steps}: train.max_passes={t.max_passes:g} of {pass_size:,} "
                           f"samples)") from None
