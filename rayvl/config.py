@@ -190,7 +190,7 @@ class ClipArchitecture:
     vision_layers: int = 0
     """the image transformer's residual blocks."""
     vision_heads: int = 0
-    """the image transformer's attention heads (width ÷ 64 unless its source says)."""
+    """the image transformer's attention heads (its source's, else width ÷ 64 up to ViT-L and 16 above)."""
     patch_size: int = 0
     """the image transformer's patch side in pixels."""
     image_size: int = 0
@@ -201,7 +201,7 @@ class ClipArchitecture:
     text_layers: int = 0
     """the text transformer's residual blocks."""
     text_heads: int = 0
-    """the text transformer's attention heads (width ÷ 64 unless its source says)."""
+    """the text transformer's attention heads (its source's, else width ÷ 64)."""
     context_length: int = 0
     """the text transformer's positions (CLIP: 77); data.max_text_tokens may be fewer."""
     vocab_size: int = 0

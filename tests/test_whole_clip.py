@@ -109,6 +109,39 @@ def test_a_whole_clip_saved_each_way_embeds_as_its_own_library(tmp_path, monkeyp
     got_images, _, _, _ = rayvl_embeddings(str(tmp_path / "quick.pt"), images, CAPTIONS, "model.clip.quick_gelu=true")
     np.testing.assert_allclose(got_images, want_images, atol=1e-5)
 
+    # open_clip's hub folder: open_clip_config.json beside the weights names heads (here 32 wide: two a tower, where
+    # the weights alone would give one 64-wide head) and QuickGELU
+    from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
+
+    torch.manual_seed(3)
+    narrow = CLIP(embed_dim=EMBED, vision_cfg=CLIPVisionCfg(layers=2, width=64, head_width=32, patch_size=8,
+                                                            image_size=32),
+                  text_cfg=CLIPTextCfg(context_length=77, vocab_size=49408, width=64, heads=2, layers=2),
+                  quick_gelu=True).eval()
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    torch.save(narrow.state_dict(), hub / "open_clip_pytorch_model.bin")
+    (hub / "open_clip_config.json").write_text(json.dumps({"model_cfg": {
+        "embed_dim": EMBED, "quick_gelu": True, "vision_cfg": {"layers": 2, "width": 64, "head_width": 32,
+                                                                "patch_size": 8, "image_size": 32},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 2}}}))
+    want_images, want_texts = open_clip_embeddings(narrow, images, CAPTIONS)
+    got_images, got_texts, _, cfg = rayvl_embeddings(str(hub / "open_clip_pytorch_model.bin"), images, CAPTIONS)
+    c = cfg.model.clip
+    assert (c.vision_heads, c.text_heads, c.quick_gelu) == (2, 2, True)
+    np.testing.assert_allclose(got_images, want_images, atol=1e-5)
+    np.testing.assert_allclose(got_texts, want_texts, atol=1e-5)
+    # without a config, the heads open_clip's releases use: 64-wide up to ViT-L, 16 for H, g and bigG
+    from rayvl.models.whole_clip import architecture
+
+    meta = {k: torch.empty(shape, device="meta") for k, shape in {
+        "visual.conv1.weight": (1280, 3, 14, 14), "visual.positional_embedding": (257, 1280),
+        "visual.transformer.resblocks.31.ln_1.weight": (1280,), "visual.proj": (1280, 1024),
+        "transformer.resblocks.23.ln_1.weight": (1024,), "ln_final.weight": (1024,), "positional_embedding": (77, 1024),
+        "token_embedding.weight": (49408, 1024), "text_projection": (1024, 1024)}.items()}
+    vit_h = architecture(meta, str(tmp_path / "ViT-H-14.pt"))
+    assert (vit_h["vision_heads"], vit_h["text_heads"], vit_h["vision_layers"], vit_h["image_size"]) == (16, 16, 32, 224)
+
     # a Hugging Face CLIPModel folder (two 32-wide heads a tower, as its config says), tokenizer included
     from transformers import CLIPConfig, CLIPModel
 

@@ -215,8 +215,9 @@ def open_clip_config(arch, mean, std, logit_bias: float | None = None) -> dict:
 
 def architecture(state: dict, source: str) -> dict:
     """The CLIP's shapes (``model.clip``'s fields: rayvl.config.ClipArchitecture), read from its weights; heads and
-    activation from the source where it says (else CLIP's 64-wide heads and GELU, which ``model.clip`` set by hand
-    replaces)."""
+    activation from the source where it says — a Hugging Face config, OpenAI's TorchScript, open_clip's
+    ``open_clip_config.json`` beside the file — else the sizes CLIP's releases use and GELU, which ``model.clip`` set
+    by hand replaces."""
     vision_width, _, patch, _ = state["visual.conv1.weight"].shape
     positions = state["visual.positional_embedding"].shape[0] - 1  # the class token's own
     grid = round(positions ** 0.5)
@@ -224,7 +225,9 @@ def architecture(state: dict, source: str) -> dict:
         raise ConfigError(f"{KEY}: {source!r}: {positions} image positions are no square grid of patches")
     text_width = state["ln_final.weight"].shape[0]
     arch = SimpleNamespace(
-        vision_width=vision_width, vision_layers=_depth(state, "visual."), vision_heads=vision_width // HEAD_WIDTH,
+        # OpenAI's and open_clip's ViTs up to L have 64-wide heads; open_clip's H, g and bigG have 16 wider ones
+        vision_width=vision_width, vision_layers=_depth(state, "visual."),
+        vision_heads=16 if vision_width > 1024 else vision_width // HEAD_WIDTH,
         patch_size=patch, image_size=grid * patch, text_width=text_width, text_layers=_depth(state, ""),
         text_heads=text_width // HEAD_WIDTH, context_length=state["positional_embedding"].shape[0],
         vocab_size=state["token_embedding.weight"].shape[0], embed_dim=state["text_projection"].shape[1],
@@ -238,6 +241,12 @@ def architecture(state: dict, source: str) -> dict:
         arch.quick_gelu = text.get("hidden_act", "quick_gelu") == "quick_gelu"  # CLIPTextConfig's default
     elif is_torchscript(path):
         arch.quick_gelu = True  # every OpenAI release
+    elif (path.parent / "open_clip_config.json").is_file():  # open_clip's hub folders: its model config beside
+        model = json.loads((path.parent / "open_clip_config.json").read_text()).get("model_cfg", {})
+        vision, text = model.get("vision_cfg", {}), model.get("text_cfg", {})
+        arch.vision_heads = vision_width // vision.get("head_width", HEAD_WIDTH)
+        arch.text_heads = text.get("heads", arch.text_heads)
+        arch.quick_gelu = bool(model.get("quick_gelu", False))
     if state["visual.proj"].shape[1] != arch.embed_dim:
         raise ConfigError(f"{KEY}: {source!r} projects images to {state['visual.proj'].shape[1]} and texts to "
                           f"{arch.embed_dim} dimensions: not one embedding space")
