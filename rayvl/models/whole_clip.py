@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import torch
 
 from rayvl.errors import ConfigError
+from rayvl.models import clip_checkpoint
 
 KEY = "model.init_from_clip"
 HEAD_WIDTH = 64  # CLIP's attention heads: width // 64 in both towers (OpenAI's and open_clip's configs)
@@ -76,26 +77,20 @@ def is_torchscript(path: Path) -> bool:
 
 
 def _load(path: Path) -> dict:
+    """A weights file: safetensors, else as the image tower's checkpoints load (rayvl.assets: torch.save's, memory-
+    mapped where it can be, or a TorchScript archive's state)."""
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
         return load_file(str(path))
-    if is_torchscript(path):
-        return torch.jit.load(str(path), map_location="cpu").state_dict()
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as e:
-        if "mmap" in str(e):  # the legacy (pre-zip) format cannot be mapped
-            return torch.load(path, map_location="cpu", weights_only=True)
-        raise
+    from rayvl.assets import _load_weights
+
+    return _load_weights(path)
 
 
 def _unwrapped(state: dict) -> dict:
     """open_clip's training checkpoint (``{"epoch", "state_dict": {"module.…"}}``) or a plain state dict."""
-    state = state.get("state_dict", state)
-    if any(k.startswith("module.") for k in state):
-        state = {k.removeprefix("module."): v for k, v in state.items()}
-    return state
+    return clip_checkpoint.unwrapped(state.get("state_dict", state))
 
 
 def _checked(state: dict, source: str) -> dict:
