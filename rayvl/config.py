@@ -41,7 +41,13 @@ class DataConfig:
     """STS sentence pairs (TSV: sentence1, sentence2, score; '' = the demo's)."""
     samples_per_pass: int = 0
     """samples one pass over ``train`` holds (open_clip's ``--train-num-samples``), for shards without img2dataset's
-    parquet or ``_stats.json`` files (0 = count them from those files)."""
+    parquet or ``_stats.json`` files (0 = count them from those files); with ``upsampling_factors``, the upsampled
+    pass."""
+    upsampling_factors: str = ""
+    """how often a pass reads each ``::`` source of ``train``, one factor per source (``"1::4"``: the second
+    source's shards 4 times a pass; ``0.5``: half of them, the other half the next pass) — open_clip's
+    ``--train-data-upsampling-factors``, without its sampling with replacement, so a run still resumes row for row
+    ('' = every shard once a pass)."""
     demo_dir: str = "~/.cache/rayvl/demo"
     """where the embedded demo dataset is written when ``train`` is empty."""
     demo_samples: int = 4000
@@ -584,10 +590,15 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)
     if hint is str:
+        if key in NUMBERS_AS_TEXT and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # one source's factor, which YAML and --set read as a number
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
     return value
+
+
+NUMBERS_AS_TEXT = {"data.upsampling_factors"}
 
 
 def _build(cls: type, values: dict, prefix: str = "") -> Any:
@@ -938,6 +949,29 @@ def _validate_train(t: TrainConfig) -> None:
             raise ConfigError(f"train.report_to[{i}]: unknown logger {logger!r} (known: {', '.join(REPORT_TO)})")
 
 
+def upsampling_factors(d: DataConfig) -> tuple[float, ...]:
+    """data.upsampling_factors as numbers, one per ``::`` source of data.train (the demo is one source); () when
+    unset. ConfigError naming the key for a bad entry or count."""
+    if not d.upsampling_factors.strip():
+        return ()
+    factors = []
+    for entry in d.upsampling_factors.split("::"):
+        try:
+            f = float(entry)
+        except ValueError:
+            f = float("nan")
+        if not f > 0 or f == float("inf"):
+            raise ConfigError(f"data.upsampling_factors: every factor is a positive number, got {entry.strip()!r} "
+                              f"in {d.upsampling_factors!r}")
+        factors.append(f)
+    n = len([s for s in d.train.split("::") if s.strip()]) if d.train else 1
+    if len(factors) != n:
+        raise ConfigError(f"data.upsampling_factors: {len(factors)} factor{'s' if len(factors) != 1 else ''} for "
+                          f"{n} source{'s' if n != 1 else ''} in data.train (one per '::' source, e.g. "
+                          f"{'::'.join(['1'] * n)!r})")
+    return tuple(factors)
+
+
 def _validate_data(d: DataConfig, t: TrainConfig) -> None:
     if d.image_size < 32:
         raise ConfigError(f"data.image_size: must be ≥ 32, got {d.image_size}")
@@ -951,6 +985,7 @@ def _validate_data(d: DataConfig, t: TrainConfig) -> None:
         raise ConfigError(f"data.samples_per_pass: must be ≥ 0 (0 = from img2dataset's files), got {d.samples_per_pass}")
     if d.read_threads < 1:
         raise ConfigError(f"data.read_threads: must be ≥ 1, got {d.read_threads}")
+    upsampling_factors(d)
     if d.io_retries < 0 or d.io_retry_wait_s < 0:
         raise ConfigError(f"data.io_retries / data.io_retry_wait_s: must be ≥ 0, got {d.io_retries} / "
                           f"{d.io_retry_wait_s}")

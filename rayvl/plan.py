@@ -14,6 +14,7 @@ from rayvl import storage
 from rayvl.assets import VISION_ASSETS
 from rayvl.config import ConfigError, RayvlConfig, precision
 from rayvl.data.images import decode
+from rayvl.data.mix import Mix
 from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
 from rayvl.data.shards import samples_per_pass
 from rayvl.data.specs import SpecCheck, checked
@@ -74,12 +75,35 @@ def sample_lines(key: str, paths: list[str], policy: ReadPolicy, read: dict | No
 
 
 def data_lines(key: str, check: SpecCheck, policy: ReadPolicy, given: int = 0,
-               read: dict | None = None, known: tuple[int | None, str] | None = None) -> tuple[list[str], int | None]:
+               read: dict | None = None, known: tuple[int | None, str] | None = None,
+               mix: Mix | None = None) -> tuple[list[str], int | None]:
     """``given``: the samples a pass holds as the config says (data.samples_per_pass; 0 = from the shards' files);
-    ``read``: as sample_lines; ``known``: (samples a pass, how it was found) as a run's plan found it."""
-    samples, how = known or samples_per_pass(given, check.paths)
+    ``read``: as sample_lines; ``known``: (samples a pass, how it was found) as a run's plan found it; ``mix``: the
+    sources' upsampling (rayvl.data.mix), a line of its own when it reads a source other than once a pass."""
+    samples, how = known or samples_per_pass(given, check.paths, mix)
     size = f"{samples:,} samples a pass ({how})" if samples else f"samples a pass unknown ({how})"
-    return [f"  {key}: {check.summary}", f"    {size}", *sample_lines(key, check.paths, policy, read)], samples
+    mixed = [f"    upsampled (data.upsampling_factors), a pass reads {mix.n_slots:,} shards: {mix.describe()}"] \
+        if mix is not None and mix.upsampled else []
+    return [f"  {key}: {check.summary}", *mixed, f"    {size}", *sample_lines(key, check.paths, policy, read)], samples
+
+
+def _data_section(d, planned, policy: ReadPolicy, read: dict) -> tuple[list[str], int | None]:
+    """The dry run's lines on each data spec of a run's plan, and the samples a training pass holds."""
+    lines, per_pass = [], None
+    if not d.train:
+        lines.append(f"  data.train: the embedded demo dataset ({d.demo_samples} + {d.demo_eval_samples} generated "
+                     f"scenes in {d.demo_dir}, written on first use)"
+                     + (f"; {planned.pass_size:,} samples a pass ({planned.pass_size_from})"
+                        if planned.pass_size != d.demo_samples else ""))
+        per_pass = planned.pass_size
+    for key, check in planned.data.checks.items():
+        train = key == "data.train"
+        more, samples = data_lines(key, check, policy, read=read,
+                                   known=(planned.pass_size, planned.pass_size_from) if train else None,
+                                   mix=planned.data.train_mix if train else None)
+        lines += more
+        per_pass = samples if train else per_pass
+    return lines, per_pass
 
 
 def describe(cfg: RayvlConfig, given: frozenset[str] = frozenset()) -> str:
@@ -96,18 +120,9 @@ def describe(cfg: RayvlConfig, given: frozenset[str] = frozenset()) -> str:
         t = cfg.train
     checks, parts, store, name = planned.data.checks, planned.data.parts, planned.storage, planned.name
     policy = ReadPolicy.of(d)
-    lines = [f"recipe {cfg.recipe}: config valid", "data:"]
-    per_pass = None
-    if not d.train:
-        lines.append(f"  data.train: the embedded demo dataset ({d.demo_samples} + {d.demo_eval_samples} generated "
-                     f"scenes in {d.demo_dir}, written on first use)")
-        per_pass = d.demo_samples
     read: dict = {}  # the samples the data lines read, by shard: the evaluation lines look at the held-out ones
-    for key, check in checks.items():
-        more, samples = data_lines(key, check, policy, read=read,
-                                   known=(planned.pass_size, planned.pass_size_from) if key == "data.train" else None)
-        lines += more
-        per_pass = samples if key == "data.train" else per_pass
+    more, per_pass = _data_section(d, planned, policy, read)
+    lines = [f"recipe {cfg.recipe}: config valid", "data:", *more]
     if d.train and not d.eval and cfg.eval.tasks:
         lines.append("  data.eval: none — evaluation is off (give held-out shards with --eval-data)")
     # rows a method fills from a stream of its own (UniCL's image-label rows), not from the training shards

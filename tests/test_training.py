@@ -39,7 +39,8 @@ def test_zero_stage_trains_two_workers(ray_local, demo_dir, tmp_path, stage, mon
         # (DeepSpeed's CPU accelerator), the precision every GPU user takes, with the alignment layers recomputed
         extra = ["memory_bank.size=40", "loss.kind=unicl", "memory_bank.momentum=0.9", "train.precision=bf16",
                  "train.max_steps=4", "train.stop_at_step=3",  # stops at 3 of 4: _check_memory_bank resumes it
-                 "model.activation_checkpointing=true", "eval.tasks=[retrieval]"]  # both towers, in bf16
+                 "model.activation_checkpointing=true", "eval.tasks=[retrieval]",  # both towers, in bf16
+                 *upsampled_mix(demo_dir)]  # a :: mix with upsampling factors, resumed below (its position's)
     cfg = small_config(demo_dir, tmp_path, f"train.zero_stage={stage}", *extra)
     listed = Counter()  # every listing of a shard spec on the driver (specs.resolve: the one function that lists)
     resolve = specs.resolve
@@ -86,7 +87,8 @@ def test_zero_stage_trains_two_workers(ray_local, demo_dir, tmp_path, stage, mon
         backbone = [k for k in seeded if k.startswith("vision.backbone.")]
         assert len(backbone) > 100 and all(torch.equal(state[k], seeded[k]) for k in backbone)
         assert not torch.equal(state[key], seeded[key])
-    if stage == 2:
+    if stage == 2:  # the mix's pass: shard 0 three times, one of the other two — 3 × 128 + 128 rows
+        assert result.data_report["img2dataset_successes_per_pass"] == 512
         _check_bf16_weights_and_embeddings(result, state)
         _check_memory_bank(cfg, result, state, demo_dir, tmp_path)
 
@@ -272,6 +274,12 @@ def _check_same_numbers_as_rayvl_eval(result, tmp_path):
     assert {k: v[1] for k, v in pairs.items()} == pytest.approx({k: v[0] for k, v in pairs.items()}, abs=1e-6)
 
 
+def upsampled_mix(demo_dir) -> list[str]:
+    """The demo's first shard 3 times a pass, one of the other two a pass (rayvl.data.mix)."""
+    train = demo_dir / "train"
+    return [f"data.train={train}/00000.tar::{train}/00001.tar,{train}/00002.tar", "data.upsampling_factors=3::0.5"]
+
+
 def _check_memory_bank(cfg, result, state, demo_dir, tmp_path):
     """The bank is in the checkpoint (EMA weights + queue with labels) and a resumed run continues its queue."""
     from rayvl.models.dual_encoder import build_model
@@ -293,11 +301,12 @@ def _check_memory_bank(cfg, result, state, demo_dir, tmp_path):
     from rayvl.config import ConfigError
 
     same = ["train.zero_stage=2", "memory_bank.size=40", "loss.kind=unicl", "memory_bank.momentum=0.9",
-            "train.precision=bf16", "train.resume=true"]
+            "train.precision=bf16", "train.resume=true", *upsampled_mix(demo_dir)]
     assert json.loads((Path(result.checkpoint_dir) / "rayvl.json").read_text())["final"] is False  # stopped at 3
-    for changed in ("train.max_steps=5", "train.warmup_steps=2", "train.lr=0.01"):  # refused before Ray starts
+    for changed in ("train.max_steps=5", "train.warmup_steps=2", "train.lr=0.01",  # refused before Ray starts
+                    "data.upsampling_factors=1::1"):
         with pytest.raises(ConfigError, match=rf"^{changed.split('=')[0]}: .* the value the run started with"):
-            train(small_config(demo_dir, tmp_path, *same, changed))
+            train(small_config(demo_dir, tmp_path, *same, "train.max_steps=4", changed))
     # no evaluation: only the bank's queue is checked
     resumed = train(small_config(demo_dir, tmp_path, *same, "train.max_steps=4", "eval.tasks=[]"))
     from rayvl.eval.tables import NO_EVALUATION

@@ -71,12 +71,13 @@ class Rows:
 def preprocess(batch: dict, counts: Counter, rows: Rows) -> dict:
     """Shard rows → model inputs; samples seen, kept and dropped (by reason) and the words of kept captions are
     added to ``counts``, with whatever the transforms count. A row's crop and draws come from (``rows.seed``, its
-    key, the pass of its row id) alone (data/seeding.py). ``samples_kept`` counts samples, however many rows each
-    became."""
+    key, its shard's ``cycle`` — the pass of its row id without one) alone (data/seeding.py, data/mix.py).
+    ``samples_kept`` counts samples, however many rows each became."""
     made: list[tuple] = []
     kept = 0
     ids = batch.get("row", np.full(len(batch["key"]), -1))  # data/position.py
-    passes = unit_of(np.asarray(ids, dtype=np.int64))[0]
+    # a row's draws follow its shard's read (its cycle, data/mix.py: the pass, unless its source is upsampled)
+    passes = np.full(len(ids), batch["cycle"]) if "cycle" in batch else unit_of(np.asarray(ids, dtype=np.int64))[0]
     draws = rows.draws
     exts = batch["img_ext"] if "img_ext" in batch else [None] * len(batch["key"])
     for key, img, ext, txt, meta, row, pass_ in zip(batch["key"], batch["img"], exts, batch["txt"], batch["json"],

@@ -176,8 +176,9 @@ class DataPosition:
     on rank 0. ``pending`` is this rank's (row id, object) pairs since the last checkpoint; ``partial_rows`` the
     rows trained on of the units still being read."""
 
-    def __init__(self, n_shards: int):
-        self.n_shards = n_shards
+    def __init__(self, n_shards: int, mix: tuple = ()):
+        self.n_shards = n_shards  # shard reads a pass holds: with upsampling (data/mix.py) a shard may be several
+        self.mix = tuple(tuple(m) for m in mix)  # the upsampled sources' (shards, reads a pass); () = none
         self.complete: list[int] = []
         self.finished: dict[int, list[int]] = {}
         self.partial_rows = RowSet()
@@ -285,7 +286,7 @@ class DataPosition:
     def state_dict(self) -> dict:
         import torch
 
-        return {"n_shards": self.n_shards, "complete": list(self.complete),
+        return {"n_shards": self.n_shards, "mix": [list(m) for m in self.mix], "complete": list(self.complete),
                 "finished": {p: list(s) for p, s in self.finished.items()},
                 "partial_spans": torch.from_numpy(self.partial_rows.spans.copy()),
                 "rows_per_pass": dict(self.rows_per_pass), "duplicates": self.duplicates,
@@ -293,8 +294,13 @@ class DataPosition:
 
     def load_state_dict(self, state: dict) -> None:
         if state["n_shards"] != self.n_shards:
-            raise ValueError(f"the checkpoint's data position is over {state['n_shards']} shards, the run reads "
-                             f"{self.n_shards}: resume with the data.train the run was started with")
+            raise ValueError(f"the checkpoint's data position is over {state['n_shards']} shard reads a pass, the "
+                             f"run reads {self.n_shards}: resume with the data.train and data.upsampling_factors the "
+                             f"run was started with")
+        if tuple(tuple(m) for m in state.get("mix", ())) != self.mix:
+            raise ValueError(f"the checkpoint's data position is over a pass of {_mix_text(state.get('mix', ()))}, "
+                             f"the run reads {_mix_text(self.mix)}: resume with the data.upsampling_factors the run "
+                             f"was started with")
         self.complete, self.finished = list(state["complete"]), {p: list(s) for p, s in state["finished"].items()}
         if "partial_spans" in state:
             self.partial_rows = RowSet(state["partial_spans"].numpy().astype(np.int64).reshape(-1, 3))
@@ -305,3 +311,7 @@ class DataPosition:
         self.rows_per_pass, self.duplicates = Counter(state["rows_per_pass"]), int(state["duplicates"])
         self.execution, self.report = int(state["execution"]), state["report"]
         self.pending = []
+
+
+def _mix_text(mix) -> str:
+    return " + ".join(f"{m} reads of {n} shards" for n, m in mix) or "every shard once"

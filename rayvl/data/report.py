@@ -62,13 +62,13 @@ class DataReport:
         if rows is not None:
             self.rows[(p, s)] = rows
 
-    def restore(self, token: str, position: dict | None, n_shards: int) -> None:
-        """A worker group starts (from ``position``, or from the beginning when None); the same token twice is a
-        no-op, so every rank of a group may call it."""
+    def restore(self, token: str, position: dict | None, n_shards: int, mix: tuple = ()) -> None:
+        """A worker group starts (from ``position``, or from the beginning when None; ``n_shards``, ``mix``: as
+        DataPosition takes them); the same token twice is a no-op, so every rank of a group may call it."""
         if token == self.token:
             return
         self.token, self.units, self.running, self.rows = token, {}, Counter(), {}
-        self.position = DataPosition(n_shards)
+        self.position = DataPosition(n_shards, mix)
         if position is not None:
             self.position.load_state_dict(position)
         self.settled = Counter(self.position.report["counts"])

@@ -35,6 +35,7 @@ from ray.data.block import BlockAccessor, BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from rayvl import storage
+from rayvl.data.mix import Mix
 from rayvl.data.pipeline import Rows, preprocess
 from rayvl.data.position import row_ids
 from rayvl.data.report import current_token, record, record_async, report_actor
@@ -85,21 +86,33 @@ class Reading:
 class ShardStream(Datasource):
     """Samples of img2dataset / webdataset tar shards over ``reading.passes`` passes, as raw ``columns`` (bytes)
     or, with ``transform``, as its output: ``transform(raw batch, counts) -> dict of arrays`` on batches of
-    ``reading.batch_size``."""
+    ``reading.batch_size``. ``mix``: how often a pass reads each ``::`` source's shards (data/mix.py; None = each
+    once): a pass is its slots, each a shard."""
 
     def __init__(self, paths: list[str], reading: Reading = Reading(), *, columns: tuple[str, ...] = COLUMNS,
-                 transform: Callable | None = None):
+                 transform: Callable | None = None, mix: Mix | None = None):
         super().__init__()
         self.paths, self.reading, self.columns, self.transform = list(paths), reading, tuple(columns), transform
+        self.mix = mix or Mix.plain(len(self.paths))
+        if sum(self.mix.sizes) != len(self.paths):
+            raise ValueError(f"a mix of {sum(self.mix.sizes)} shards over {len(self.paths)}")
+        self.slots = self.mix.n_slots
         self.report_name = reading.report_name
         self.positioned = reading.positioned and reading.report_name is not None
 
     def order(self, epoch: int) -> list[int]:
-        """Indices of the shards of pass ``epoch`` in reading order: a permutation drawn from (seed, epoch) when
-        shuffled."""
+        """Slots of pass ``epoch`` in reading order (without upsampling a slot is its shard): a permutation drawn
+        from (seed, epoch) when shuffled."""
         if not self.reading.shuffle:
-            return list(range(len(self.paths)))
-        return np.random.default_rng([self.reading.seed, epoch]).permutation(len(self.paths)).tolist()
+            return list(range(self.slots))
+        return np.random.default_rng([self.reading.seed, epoch]).permutation(self.slots).tolist()
+
+    def shard_of(self, pass_: int, slot: int) -> tuple[str, int]:
+        """(the shard slot ``slot`` of pass ``pass_`` reads, its cycle: the pass a row's draws are seeded by)."""
+        if not self.mix.upsampled:
+            return self.paths[slot], pass_
+        shards, cycles = self.mix.table(pass_, self.reading.seed, self.reading.shuffle)
+        return self.paths[shards[slot]], int(cycles[slot])
 
     def estimate_inmemory_data_size(self) -> int | None:
         return None
@@ -107,19 +120,20 @@ class ShardStream(Datasource):
     @property
     def num_tasks(self) -> int:
         """Read tasks of all passes: each pass in at most MAX_TASKS_PER_PASS groups of consecutive shards."""
-        return self.reading.passes * min(len(self.paths), MAX_TASKS_PER_PASS)
+        return self.reading.passes * min(self.slots, MAX_TASKS_PER_PASS)
 
     def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
                        data_context=None) -> list[ReadTask]:
         # ``parallelism`` is num_tasks (read() asks for it): fewer tasks than Ray's default of 200 would make Ray
         # split every block into tiny ones (SplitBlocks), each paying Ray Data's per-block costs
-        groups = min(len(self.paths), MAX_TASKS_PER_PASS)
+        groups = min(self.slots, MAX_TASKS_PER_PASS)
         tasks = []
         for epoch in range(self.reading.passes):
             order = self.order(epoch)
             for g in range(groups):
                 part = order[g * len(order) // groups:(g + 1) * len(order) // groups]
-                meta = BlockMetadata(num_rows=None, size_bytes=None, input_files=[self.paths[i] for i in part],
+                meta = BlockMetadata(num_rows=None, size_bytes=None,
+                                     input_files=[self.shard_of(epoch, i)[0] for i in part],
                                      exec_stats=None)
                 tasks.append(ReadTask(partial(self._read, epoch, part), meta, per_task_row_limit=per_task_row_limit))
         return tasks
@@ -170,11 +184,14 @@ class ShardStream(Datasource):
         read task keeps more than its one core busy and covers what Ray leaves idle around its tasks (the second
         task's late start, the gap between one task's end and the next one's start, the last task of a run); the
         measurement is in docs/benchmarks.md, "Data plane"."""
+        path, cycle = self.shard_of(pass_, shard)
+
         def transform(first: int, rows: list[dict]):
             batch_counts: Counter = Counter()
-            return self._transformed(rows, row_ids(pass_, shard, first, len(rows)), batch_counts), batch_counts
+            ids = row_ids(pass_, shard, first, len(rows))
+            return self._transformed(rows, ids, batch_counts, cycle), batch_counts
 
-        raw = self._raw_batches(self.paths[shard], bad, io_counts)
+        raw = self._raw_batches(path, bad, io_counts)
         threads = self.reading.threads
         if threads <= 1 or self.transform is None:
             yield from (transform(first, rows) for first, rows in raw)
@@ -211,12 +228,12 @@ class ShardStream(Datasource):
         if rows:
             yield read, rows
 
-    def _transformed(self, rows: list[dict], ids: np.ndarray, counts: Counter) -> dict | pa.Table:
+    def _transformed(self, rows: list[dict], ids: np.ndarray, counts: Counter, cycle: int) -> dict | pa.Table:
         batch = {c: [r.get(c) for r in rows] for c in self.columns}
         if self.transform is None:
             return pa.table({c: pa.array(v, pa.string() if c in ("key", "img_ext") else pa.binary())
                              for c, v in batch.items()})
-        return self.transform({**batch, "row": ids}, counts)
+        return self.transform({**batch, "row": ids, "cycle": cycle}, counts)
 
 
 @lru_cache(maxsize=None)
@@ -284,11 +301,12 @@ def _grouped(paths, columns, fn, fn_kwargs, key, aggregate, reading: Reading):
 # ----------------------------------------------------------------------------- datasets
 
 def read_shards(spec: str | Sequence[str], rows: Rows, reading: Reading,
-                columns: list[str] | None = None) -> ray.data.Dataset:
+                columns: list[str] | None = None, mix: Mix | None = None) -> ray.data.Dataset:
     """The streaming Ray Dataset of model inputs for a shard spec (or the shards it resolved to): the shards read as
-    ``reading`` says, each row
-    made what ``rows`` says, only ``columns`` of the model inputs kept (all of them when None)."""
-    source = ShardStream(resolve_shards(spec), reading, transform=partial(_transform, rows=rows, columns=columns))
+    ``reading`` says (a pass as ``mix`` upsamples its sources; None = each shard once), each row made what ``rows``
+    says, only ``columns`` of the model inputs kept (all of them when None)."""
+    source = ShardStream(resolve_shards(spec), reading, transform=partial(_transform, rows=rows, columns=columns),
+                         mix=mix)
     ds = read(source)
     # Ray merges a task's output into blocks of up to 128 MiB: a 1,000-sample shard at 64 px became one block, so the
     # first batch waited for a whole shard. One transform batch of uint8 images + tokens per block reaches the
@@ -329,13 +347,16 @@ def expected_samples(spec: str) -> int | None:
 STATS_SAMPLE = 64  # remote shards whose stats file is read; the pass size is extrapolated from them
 
 
-def samples_per_pass(given: int, paths: list[str]) -> tuple[int | None, str]:
+def samples_per_pass(given: int, paths: list[str], mix: Mix | None = None) -> tuple[int | None, str]:
     """(samples a pass of ``paths`` holds, how that was found): ``given`` (data.samples_per_pass) when set, else
     pass_size; shards with no img2dataset files (all local or all on object storage), an estimate from the first
-    shard. Without a size a run lists ≈2,000 read tasks' worth of passes, and a run longer than a pass cannot say
-    how many passes it trains (rayvl data check, the dry run)."""
+    shard. With a ``mix`` that upsamples, each source's count × its reads a pass ÷ its shards. Without a size a run
+    lists ≈2,000 read tasks' worth of passes, and a run longer than a pass cannot say how many passes it trains
+    (rayvl data check, the dry run)."""
     if given:
         return given, "data.samples_per_pass"
+    if mix is not None and mix.upsampled:
+        return _upsampled_pass(paths, mix)
     found, how = pass_size(paths)
     remote = bool(paths) and all(storage.is_url(p) for p in paths)
     local = bool(paths) and not any(storage.is_url(p) or is_pipe(p) for p in paths)
@@ -345,6 +366,18 @@ def samples_per_pass(given: int, paths: list[str]) -> tuple[int | None, str]:
     n = len(paths)
     return first * n, (f"estimated: the first shard {what} {first:,} samples, × {n:,} shard{'s' if n != 1 else ''}; "
                        f"{how.split(' — ')[0]} — data.samples_per_pass gives it exactly")
+
+
+def _upsampled_pass(paths: list[str], mix: Mix) -> tuple[int | None, str]:
+    total, notes, first = 0, [], 0
+    for i, (n, m) in enumerate(zip(mix.sizes, mix.slots)):
+        found, how = samples_per_pass(0, paths[first:first + n])
+        first += n
+        if found is None:
+            return None, f"source {i + 1} of the mix: {how}"
+        total += round(found * m / n)
+        notes.append(f"source {i + 1}: {found:,} × {m:,}/{n:,} ({how})")
+    return total, "upsampled (data.upsampling_factors) — " + "; ".join(notes)
 
 
 ESTIMATE_BYTES = 16 << 20  # of a remote shard, read in one request to estimate its samples

@@ -44,26 +44,33 @@ class Resolved:
     listed: int = 0  # shards found by listing a folder or a glob (local or remote)
     from_lists: int = 0  # shards read from .txt list files, taken as written
     missing: list[str] = field(default_factory=list)  # local names that do not exist: all of them in one error
+    sources: list[int] = field(default_factory=list)  # shards of each ``::`` source, in spec order (data/mix.py)
 
 
 def is_pipe(path: str) -> bool:
     return path.startswith(PIPE)
 
 
+def sources(spec: str) -> list[str]:
+    """``a::b,c`` → [a, "b,c"]: the sources of a mix (open_clip's ``::``), empty ones left out."""
+    return [s.strip() for s in spec.split("::") if s.strip()]
+
+
 def parts(spec: str) -> list[str]:
     """``a::b,c`` → [a, b, c]: sources split at ``::``, then at commas outside braces (``{a,b}`` stays whole); a
     ``pipe:`` source is one command, commas and all."""
-    out: list[str] = []
-    for source in (s.strip() for s in spec.split("::")):
-        if is_pipe(source):
-            out.append(source)
-            continue
-        depth, start = 0, 0
-        for i, c in enumerate(source + ","):
-            depth += (c == "{") - (c == "}")
-            if c == "," and depth == 0:
-                out.append(source[start:i].strip())
-                start = i + 1
+    return [p for source in sources(spec) for p in _source_parts(source)]
+
+
+def _source_parts(source: str) -> list[str]:
+    if is_pipe(source):
+        return [source]
+    out, depth, start = [], 0, 0
+    for i, c in enumerate(source + ","):
+        depth += (c == "{") - (c == "}")
+        if c == "," and depth == 0:
+            out.append(source[start:i].strip())
+            start = i + 1
     return [p for p in out if p]
 
 
@@ -72,21 +79,28 @@ def resolve(spec: str) -> Resolved:
     if not spec or not spec.strip():
         raise DataPlaneError("no shards given")
     found = Resolved(spec)
-    for part in parts(spec):
-        before = len(found.paths)
-        named: list[str] = []
-        for item in braceexpand(part):
-            _add(item, found, named)
-        if named:
-            found.named_urls.append(named)
-        if len(found.paths) == before and not found.missing:
-            raise DataPlaneError(f"{part!r} matches no shard" + (f" (in {spec!r})" if part != spec else ""))
+    for source in sources(spec):
+        first = len(found.paths)
+        for part in _source_parts(source):
+            _add_part(part, spec, found)
+        found.sources.append(len(found.paths) - first)
     if found.missing:
         n = len(found.missing)
         shown = ", ".join(repr(p) for p in found.missing[:5]) + (f" and {n - 5} more" if n > 5 else "")
         raise DataPlaneError(f"{shown} {'does' if n == 1 else 'do'} not exist"
                              + (f" ({n} of the shards {spec!r} names)" if n > 1 else ""))
     return found
+
+
+def _add_part(part: str, spec: str, found: Resolved) -> None:
+    before = len(found.paths)
+    named: list[str] = []
+    for item in braceexpand(part):
+        _add(item, found, named)
+    if named:
+        found.named_urls.append(named)
+    if len(found.paths) == before and not found.missing:
+        raise DataPlaneError(f"{part!r} matches no shard" + (f" (in {spec!r})" if part != spec else ""))
 
 
 def resolve_shards(spec: str | Sequence[str]) -> list[str]:
@@ -147,6 +161,8 @@ class SpecCheck:
 
     paths: list[str]
     summary: str
+    sources: tuple[int, ...] = ()
+    """shards of each ``::`` source, in spec order."""
 
 
 def check(spec: str) -> SpecCheck:
@@ -180,7 +196,9 @@ def check(spec: str) -> SpecCheck:
     local = len(found.paths) - found.listed - named - found.pipes - found.from_lists
     if local > 0:
         notes.append(f"{local} local files named and found")
-    return SpecCheck(found.paths, "; ".join(notes))
+    if len(found.sources) > 1:
+        notes.append(f"{len(found.sources)} sources mixed ({' + '.join(f'{n:,}' for n in found.sources)} shards)")
+    return SpecCheck(found.paths, "; ".join(notes), tuple(found.sources))
 
 
 # what object stores' clients (pyarrow's S3 and GCS) say when the credentials are refused or missing, and when the

@@ -13,11 +13,13 @@ import ray
 
 from rayvl import assets, plugins
 from rayvl.compat import import_timm
-from rayvl.config import ConfigError, RayvlConfig
+from rayvl.config import ConfigError, RayvlConfig, upsampling_factors
 from rayvl.data import shards, specs
 from rayvl.data.demo import DEMO_SEED, ensure_demo
+from rayvl.data.mix import Mix
 from rayvl.data.parts import DataPart, RowTransform, RunData
 from rayvl.data.pipeline import TRAIN_COLUMNS, Rows
+from rayvl.data.position import MAX_SHARDS
 from rayvl.data.shards import Reading
 from rayvl.train.batches import ROW
 
@@ -43,6 +45,14 @@ class DataPlan:
     """the shards ``train`` and ``eval`` name, listed once here: everything after reads these lists."""
     checks: dict = dataclasses.field(default_factory=dict)
     """what the checks of the data specs found, by key (rayvl.data.specs.SpecCheck: the shards and a summary)."""
+    train_mix: Mix | None = None
+    """how often a pass reads each ``::`` source of ``train_shards`` (data.upsampling_factors; None: no shards
+    listed — the dry run of the demo)."""
+
+    @property
+    def train_slots(self) -> int:
+        """Shard reads a pass holds: the data position's size."""
+        return self.train_mix.n_slots if self.train_mix else len(self.train_shards)
 
     def reports(self, report_name: str) -> dict[str, str]:
         """The data report of each stream the run reads, by stream: "train" is ``report_name``; the held-out
@@ -75,8 +85,18 @@ def plan(cfg: RayvlConfig, make_demo: bool = True) -> DataPlan:
     for part in parts:
         cfg = part.run_config(cfg)
     listed = {key: tuple(check.paths) for key, check in checks.items()}
+    mix = training_mix(cfg, checks["data.train"]) if "data.train" in checks else None
     return DataPlan(cfg, train, evalset, files, parts, listed.get("data.train", ()), listed.get("data.eval", ()),
-                    checks)
+                    checks, mix)
+
+
+def training_mix(cfg: RayvlConfig, check: specs.SpecCheck) -> Mix:
+    """The sources of the training shards and their data.upsampling_factors (rayvl.data.mix)."""
+    mix = Mix.of(check.sources or (len(check.paths),), upsampling_factors(cfg.data))
+    if mix.n_slots >= MAX_SHARDS:
+        raise ConfigError(f"data.upsampling_factors: a pass of {mix.n_slots:,} shard reads; a row id numbers at most "
+                          f"{MAX_SHARDS:,} ({mix.describe()})")
+    return mix
 
 
 def build(plan: DataPlan, run_dir: str, report_name: str, passes: int) -> Built:
@@ -87,7 +107,8 @@ def build(plan: DataPlan, run_dir: str, report_name: str, passes: int) -> Built:
     run = RunData(cfg, plan.train, plan.train_shards, run_dir, plan.reports(report_name))
     made = {part.name: part.build(run) for part in plan.parts}
     transforms = tuple(c.transform for c in made.values() if c.transform is not None)
-    sets = shard_datasets(cfg, plan.train_shards, plan.eval_shards, report_name, transforms, passes)
+    sets = shard_datasets(cfg, plan.train_shards, plan.eval_shards, report_name, transforms, passes,
+                          plan.train_mix)
     for contribution in made.values():
         sets.update(contribution.datasets)
     return Built(sets, {name: c.worker for name, c in made.items() if c.worker})
@@ -249,14 +270,16 @@ def train_passes(plan: DataPlan, samples_per_pass: int | None, shard_count: int)
 
 
 def shard_datasets(cfg: RayvlConfig, train: str | Sequence[str], evalset: str | Sequence[str], report_name: str,
-                   transforms: tuple[RowTransform, ...] = (), passes: int = 1) -> dict:
-    """{"train": ``passes`` passes over the training shards, their rows changed by ``transforms``, "eval": … (the
-    held-out rows as they are, counted in their own report "<report_name>-eval"); each a spec or its shards."""
+                   transforms: tuple[RowTransform, ...] = (), passes: int = 1, mix: Mix | None = None) -> dict:
+    """{"train": ``passes`` passes over the training shards (each as ``mix`` upsamples its sources), their rows
+    changed by ``transforms``, "eval": … (the held-out rows as they are, counted in their own report
+    "<report_name>-eval"); each a spec or its shards."""
     # only tensor columns go to the training iterator (keys and captions are strings)
     columns = list(dict.fromkeys(TRAIN_COLUMNS + [ROW] + [c for t in transforms for c in t.columns]))
     reading = Reading.of(cfg, report_name)
     datasets = {"train": shards.read_shards(train, Rows.of(cfg, True, transforms),
-                                            dataclasses.replace(reading, passes=passes, positioned=True), columns)}
+                                            dataclasses.replace(reading, passes=passes, positioned=True), columns,
+                                            mix)}
     held_out = eval_report(cfg, evalset, report_name)
     if held_out:
         # held-out samples are counted in their own report, so training counts stay per pass over training data

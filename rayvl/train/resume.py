@@ -129,7 +129,7 @@ class DataResume:
 
     def __init__(self, plan: WorkerPlan, rank: int, world: int):
         self.plan, self.rank, self.world = plan, rank, world
-        self.position = DataPosition(plan.train_shards)
+        self.position = DataPosition(plan.train_shards, plan.train_mix)
         self.rows = TrainedRows()
 
     def restore(self):
@@ -148,7 +148,7 @@ class DataResume:
             return saved, None
         actor, token = report_actor(self.plan.report_name), uuid.uuid4().hex
         if self.rank == 0:  # a new token per worker group: what the lost group's reads counted is dropped
-            ray.get(actor.restore.remote(token, restored, self.position.n_shards))
+            ray.get(actor.restore.remote(token, restored, self.position.n_shards, self.position.mix))
             if self.plan.label_report:  # no position: read again from its start, counted again from 0
                 ray.get(report_actor(self.plan.label_report).restore.remote(token, None, 0))
         if dist.is_initialized():

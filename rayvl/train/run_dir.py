@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rayvl import __version__, storage
 from rayvl.checkpoints import METRICS_FILE, latest_checkpoint_dir, read_meta
-from rayvl.config import ConfigError, RayvlConfig, TrainConfig, from_dict
+from rayvl.config import ConfigError, RayvlConfig, TrainConfig, from_dict, upsampling_factors
 from rayvl.eval.tasks import METRIC_PREFIXES, is_constant
 from rayvl.plots import DASHBOARD_FILE, PLOTS_DIR, history, plot_runs
 
@@ -283,9 +283,10 @@ def refuse_finished(cfg: RayvlConfig, run: str, step: int) -> None:
 
 
 def check_resumable(cfg: RayvlConfig, meta: dict, run: str) -> None:
-    """A resume continues the run's own schedule: any schedule key changed since it started is refused, naming
-    the key; so is a ``stop_at_step`` the run has already passed."""
-    started = from_dict(meta["config"]).train  # typed as the config is (JSON has lists where it has tuples)
+    """A resume continues the run's own schedule and data position: any schedule key or the upsampling factors
+    changed since it started are refused, naming the key; so is a ``stop_at_step`` the run has already passed."""
+    written = from_dict(meta["config"])  # typed as the config is (JSON has lists where it has tuples)
+    started = written.train
     for key in SCHEDULE_KEYS:
         now, then = getattr(cfg.train, key), getattr(started, key)
         if now != then:
@@ -294,6 +295,12 @@ def check_resumable(cfg: RayvlConfig, meta: dict, run: str) -> None:
                 f"{meta['step']}); a resume continues the run's optimizer and learning-rate schedule — resume with "
                 f"train.{key}={then}, or start a new run from its weights with --init-from {run} "
                 f"(train.init_from), on a schedule of its own")
+    then = written.data.upsampling_factors
+    if upsampling_factors(cfg.data) != upsampling_factors(written.data):
+        raise ConfigError(f"data.upsampling_factors: {cfg.data.upsampling_factors!r} differs from {then!r}, the "
+                          f"value the run started with (checkpoint at step {meta['step']}); a resume continues its "
+                          f"data position, whose passes are the mix's — resume with data.upsampling_factors={then!r}, "
+                          f"or start a new run from its weights with --init-from {run}")
     if 0 < cfg.train.stop_at_step <= meta["step"]:
         raise ConfigError(f"train.stop_at_step: {cfg.train.stop_at_step} is not after the checkpoint's step "
                           f"{meta['step']}")

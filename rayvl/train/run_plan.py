@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rayvl import storage
-from rayvl.config import ConfigError, RayvlConfig, validate
+from rayvl.config import ConfigError, RayvlConfig, upsampling_factors, validate
 from rayvl.data import shards
 from rayvl.train import datasets
 from rayvl.train.datasets import DataPlan
@@ -59,9 +59,11 @@ def plan_run(cfg: RayvlConfig, finished_ok: bool = True, dry: bool = False) -> R
     written, so its shards are not listed and its pass holds data.demo_samples."""
     data = datasets.plan(cfg, make_demo=not dry)
     if data.train_shards:
-        pass_size, how = shards.samples_per_pass(cfg.data.samples_per_pass, list(data.train_shards))
-    else:  # the dry run of the demo
-        pass_size, how = cfg.data.demo_samples, "the demo's training split"
+        pass_size, how = shards.samples_per_pass(cfg.data.samples_per_pass, list(data.train_shards), data.train_mix)
+    else:  # the dry run of the demo: one source
+        factor = (upsampling_factors(cfg.data) or (1.0,))[0]
+        pass_size = round(cfg.data.demo_samples * factor)
+        how = "the demo's training split" + (f" × {factor:g} (data.upsampling_factors)" if factor != 1 else "")
     if cfg.train.max_passes:  # the budget in passes: its steps, before anything compares or plans by max_steps
         data = dataclasses.replace(data, cfg=steps_for_passes(data.cfg, data.parts, pass_size))
     cfg = data.cfg
@@ -69,7 +71,7 @@ def plan_run(cfg: RayvlConfig, finished_ok: bool = True, dry: bool = False) -> R
     if not finished_ok:
         refuse_finished(cfg, storage.join(store, name), step)
     init = check_init_from(cfg)
-    passes = datasets.train_passes(data, pass_size, len(data.train_shards) or 1)
+    passes = datasets.train_passes(data, pass_size, data.train_slots or 1)
     resolved, layout = resolve(cfg, checkpoint=written, cluster=None)
     return RunPlan(dataclasses.replace(data, cfg=resolved), store, name, step, init, pass_size, how, passes,
                    datasets.read_ahead_bytes(data), layout)

@@ -17,11 +17,12 @@ class WorkerPlan:
 
     ``config``: the validated config tree as a dict (rebuilt and checked again on the worker); ``report_name``:
     the run's training data report (rayvl.data.report), ``label_report`` the image-label stream's ('' = none);
-    ``tokenizer_path``: the text tower's tokenizer on the workers' disk; ``train_shards``: shards a pass holds (the
-    data position's size); ``init_from``: weights a new run starts from ('' = none); ``eval_files``: the held-out
-    task files (classes_file, paraphrases_file, sts_file); ``placement_registry``: the sweep's named actor that
-    collects the trials' placement groups ('' = not in a sweep); ``method_inputs``: what each enabled method's
-    training part needs from the driver, by method name (e.g. the TOnICS class sizes); ``startup``: the driver's
+    ``tokenizer_path``: the text tower's tokenizer on the workers' disk; ``train_shards``: shard reads a pass holds
+    (the data position's size), ``train_mix`` the upsampled sources' (shards, reads) (rayvl.data.mix; () = none);
+    ``init_from``: weights a new run starts from ('' = none); ``eval_files``: the held-out task files
+    (classes_file, paraphrases_file, sts_file); ``placement_registry``: the sweep's named actor that collects the
+    trials' placement groups ('' = not in a sweep); ``method_inputs``: what each enabled method's training part
+    needs from the driver, by method name (e.g. the TOnICS class sizes); ``startup``: the driver's
     start-up stamps (rayvl.train.startup), which rank 0 completes and reports."""
 
     config: dict
@@ -29,6 +30,7 @@ class WorkerPlan:
     label_report: str = ""
     tokenizer_path: str = ""
     train_shards: int = 0
+    train_mix: tuple = ()
     init_from: str = ""
     eval_files: dict[str, str] = field(default_factory=dict)
     placement_registry: str = ""
