@@ -197,6 +197,8 @@ class ClipArchitecture:
     """the image transformer's residual blocks."""
     vision_heads: int = 0
     """the image transformer's attention heads (its source's, else width ÷ 64 up to ViT-L and 16 above)."""
+    vision_mlp: int = 0
+    """the hidden width of the image transformer's MLPs (4 × width up to ViT-H; ViT-g's and bigG's are other)."""
     patch_size: int = 0
     """the image transformer's patch side in pixels."""
     image_size: int = 0
@@ -208,6 +210,8 @@ class ClipArchitecture:
     """the text transformer's residual blocks."""
     text_heads: int = 0
     """the text transformer's attention heads (its source's, else width ÷ 64)."""
+    text_mlp: int = 0
+    """the hidden width of the text transformer's MLPs."""
     context_length: int = 0
     """the text transformer's positions (CLIP: 77); data.max_text_tokens may be fewer."""
     vocab_size: int = 0

@@ -228,6 +228,24 @@ def test_the_learning_rate_schedules_are_open_clips_step_for_step():
     assert steps_for_passes(fits, (), 4000).train.max_steps == 63  # ⌈4,000 / (2 workers × 32)⌉
 
 
+def test_a_resume_whose_passes_resolve_to_other_steps_says_so(tmp_path):
+    """A run with a budget in passes resumed at another batch size: its passes are other steps; the error names
+    train.max_passes, both step counts and the way out, before Ray starts."""
+    import json
+
+    from rayvl.train.run_plan import plan_run
+
+    sets = ["train.max_passes=1", "train.warmup_steps=5", f"train.storage_path={tmp_path}", "train.run_name=r"]
+    started = plan_run(load_config(None, sets), dry=True).cfg
+    checkpoint = tmp_path / "r" / "checkpoint_000001"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "rayvl.json").write_text(json.dumps({"step": 10, "config": started.to_dict(), "final": False}))
+    assert plan_run(load_config(None, sets + ["train.resume=true"]), dry=True).cfg.train.max_steps == 63
+    with pytest.raises(ConfigError, match=r"^train.max_passes: 1 is 125 steps here, the run started with 63 "
+                                          r".*--init-from"):
+        plan_run(load_config(None, sets + ["train.resume=true", "train.micro_batch_size=16"]), dry=True)
+
+
 def test_config_show_prints_each_key_under_its_meaning_and_is_itself_a_recipe(tmp_path, capsys):
     """`rayvl config show` (the options of `rayvl train`): YAML with every key's docstring above it, which read back
     as a recipe is the same config; the Python API takes configs as the command line does and refuses before Ray."""

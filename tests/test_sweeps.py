@@ -251,3 +251,20 @@ def test_an_interrupted_sweep_resumes_and_a_failing_trial_is_recorded(demo_dir, 
     final = json.loads((interrupted / "final_metrics.json").read_text())
     assert final["variant"] == "demo" and final["metrics"]["samples_kept"] > 0
     assert "== variants: mean ± std" in second.stdout and "failed: broken" in second.stdout
+
+
+def test_a_budget_in_passes_gives_asha_and_the_report_the_steps_it_resolves_to(tmp_path):
+    """train.max_passes=2 on the demo's 4,000 samples at 2 × 32 a step is 125 steps: ASHA's last rung and the
+    sweep's recorded budget are those, not the recipe's max_steps (200); a first rung beyond them is refused."""
+    from rayvl.sweeps.runner import _scheduler, settings
+
+    path = tmp_path / "space.yaml"
+    space = {"recipe": str(REPO / "configs" / "laion_adapt.yaml"), "metric": "loss",
+             "space": {"train.lr": {"grid": [1e-3, 3e-3]}}, "scheduler": {"kind": "asha"},
+             "set": {"train.max_passes": 2, "train.micro_batch_size": 32}}
+    path.write_text(yaml.safe_dump(space))
+    sweep = load_sweep(path)
+    assert settings(sweep)["max_steps"] == 125 and _scheduler(sweep, sweep.base_config())._max_t == 125
+    path.write_text(yaml.safe_dump({**space, "scheduler": {"kind": "asha", "grace_period": 150}}))
+    with pytest.raises(SweepError, match=r"grace_period: must be in \[1, max_t=125\]"):
+        load_sweep(path)

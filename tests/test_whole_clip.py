@@ -22,15 +22,17 @@ CAPTIONS = ["a photo of a cat", "A large BLUE ring, to the left of a small red s
 EMBED = 64  # small_config's model.embed_dim: the CLIP's, so its --set agrees
 
 
-def open_clip_model(quick_gelu: bool = False, seed: int = 0):
+def open_clip_model(quick_gelu: bool = False, seed: int = 0, mlp_ratios: tuple[float, float] = (4.0, 4.0)):
     """open_clip's CLIP at toy size (ViT: width 64, 2 layers, patch 8, 32 px; text: width 64, 2 layers, CLIP's
-    vocabulary and 77 positions), its LayerNorms moved off their init so that every weight matters."""
+    vocabulary and 77 positions; MLPs ``mlp_ratios`` × width), its LayerNorms moved off their init so that every
+    weight matters."""
     from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
 
     torch.manual_seed(seed)
     model = CLIP(embed_dim=EMBED, vision_cfg=CLIPVisionCfg(layers=2, width=64, head_width=64, patch_size=8,
-                                                           image_size=32),
-                 text_cfg=CLIPTextCfg(context_length=77, vocab_size=49408, width=64, heads=1, layers=2),
+                                                           image_size=32, mlp_ratio=mlp_ratios[0]),
+                 text_cfg=CLIPTextCfg(context_length=77, vocab_size=49408, width=64, heads=1, layers=2,
+                                      mlp_ratio=mlp_ratios[1]),
                  quick_gelu=quick_gelu).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -138,9 +140,12 @@ def test_a_whole_clip_saved_each_way_embeds_as_its_own_library(tmp_path, monkeyp
         "visual.conv1.weight": (1280, 3, 14, 14), "visual.positional_embedding": (257, 1280),
         "visual.transformer.resblocks.31.ln_1.weight": (1280,), "visual.proj": (1280, 1024),
         "transformer.resblocks.23.ln_1.weight": (1024,), "ln_final.weight": (1024,), "positional_embedding": (77, 1024),
-        "token_embedding.weight": (49408, 1024), "text_projection": (1024, 1024)}.items()}
+        "token_embedding.weight": (49408, 1024), "text_projection": (1024, 1024),
+        "visual.transformer.resblocks.0.mlp.c_fc.weight": (5120, 1280),
+        "transformer.resblocks.0.mlp.c_fc.weight": (4096, 1024)}.items()}
     vit_h = architecture(meta, str(tmp_path / "ViT-H-14.pt"))
     assert (vit_h["vision_heads"], vit_h["text_heads"], vit_h["vision_layers"], vit_h["image_size"]) == (16, 16, 32, 224)
+    assert (vit_h["vision_mlp"], vit_h["text_mlp"]) == (5120, 4096)
 
     # a Hugging Face CLIPModel folder (two 32-wide heads a tower, as its config says), tokenizer included
     from transformers import CLIPConfig, CLIPModel
@@ -179,6 +184,24 @@ def assets_clip_std():
     from timm.data import OPENAI_CLIP_STD
 
     return OPENAI_CLIP_STD
+
+
+def test_mlps_wider_or_narrower_than_four_widths_are_read_from_the_weights(tmp_path):
+    """ViT-g's and bigG's MLPs are not 4 × width (6,144 for 1,408; 8,192 for 1,664): the hidden widths come from the
+    weights, for both towers, and the model embeds as open_clip's (atol 1e-5); the open_clip-form config says so."""
+    from rayvl.models.whole_clip import open_clip_config
+
+    theirs = open_clip_model(mlp_ratios=(4.5, 2.0))
+    path = tmp_path / "wide.pt"
+    torch.save(theirs.state_dict(), path)
+    images = np.random.default_rng(1).integers(0, 256, (2, 3, 32, 32), dtype=np.uint8)
+    mine_images, mine_texts, _, cfg = rayvl_embeddings(str(path), images, CAPTIONS, "data.max_text_tokens=77")
+    assert (cfg.model.clip.vision_mlp, cfg.model.clip.text_mlp) == (288, 128)
+    want_images, want_texts = open_clip_embeddings(theirs, images, CAPTIONS)
+    np.testing.assert_allclose(mine_images, want_images, atol=1e-5)
+    np.testing.assert_allclose(mine_texts, want_texts, atol=1e-5)
+    model_cfg = open_clip_config(cfg.model.clip, (0.5,) * 3, (0.5,) * 3)["model_cfg"]
+    assert (model_cfg["vision_cfg"]["mlp_ratio"], model_cfg["text_cfg"]["mlp_ratio"]) == (4.5, 2.0)
 
 
 def test_what_the_weights_decide_is_read_and_a_contradiction_is_named(tmp_path, capsys):

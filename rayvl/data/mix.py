@@ -71,8 +71,9 @@ class Mix:
 
     def describe(self) -> str:
         """One line: each source's shards, factor and reads a pass."""
-        return "; ".join(f"source {i + 1}: {n:,} shard{'s' if n != 1 else ''} × {f:g} = {m:,} read{'s' if m != 1 else ''}"
-                         for i, (n, f, m) in enumerate(zip(self.sizes, self.factors, self.slots)))
+        return "; ".join(f"source {i + 1}: {n:,} shard{'s' if n != 1 else ''} × {f:g} = {m:,} "
+                         f"read{'s' if m != 1 else ''}" for i, (n, f, m) in enumerate(zip(self.sizes, self.factors,
+                                                                                           self.slots)))
 
 
 @lru_cache(maxsize=8)

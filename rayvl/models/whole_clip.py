@@ -197,9 +197,11 @@ def open_clip_config(arch, mean, std, logit_bias: float | None = None) -> dict:
     """open_clip's ``open_clip_config.json`` (model and preprocessing) for the CLIP of shapes ``arch``."""
     model = {"embed_dim": arch.embed_dim, "quick_gelu": arch.quick_gelu,
              "vision_cfg": {"image_size": arch.image_size, "layers": arch.vision_layers, "width": arch.vision_width,
-                            "head_width": arch.vision_width // arch.vision_heads, "patch_size": arch.patch_size},
+                            "head_width": arch.vision_width // arch.vision_heads, "patch_size": arch.patch_size,
+                            "mlp_ratio": _mlp(arch.vision_mlp, arch.vision_width) / arch.vision_width},
              "text_cfg": {"context_length": arch.context_length, "vocab_size": arch.vocab_size,
-                          "width": arch.text_width, "heads": arch.text_heads, "layers": arch.text_layers}}
+                          "width": arch.text_width, "heads": arch.text_heads, "layers": arch.text_layers,
+                          "mlp_ratio": _mlp(arch.text_mlp, arch.text_width) / arch.text_width}}
     if logit_bias is not None:
         model["init_logit_bias"] = logit_bias
     return {"model_cfg": model, "preprocess_cfg": {"size": arch.image_size, "mean": list(mean), "std": list(std),
@@ -223,8 +225,10 @@ def architecture(state: dict, source: str) -> dict:
         # OpenAI's and open_clip's ViTs up to L have 64-wide heads; open_clip's H, g and bigG have 16 wider ones
         vision_width=vision_width, vision_layers=_depth(state, "visual."),
         vision_heads=16 if vision_width > 1024 else vision_width // HEAD_WIDTH,
+        vision_mlp=state["visual.transformer.resblocks.0.mlp.c_fc.weight"].shape[0],
         patch_size=patch, image_size=grid * patch, text_width=text_width, text_layers=_depth(state, ""),
-        text_heads=text_width // HEAD_WIDTH, context_length=state["positional_embedding"].shape[0],
+        text_heads=text_width // HEAD_WIDTH, text_mlp=state["transformer.resblocks.0.mlp.c_fc.weight"].shape[0],
+        context_length=state["positional_embedding"].shape[0],
         vocab_size=state["token_embedding.weight"].shape[0], embed_dim=state["text_projection"].shape[1],
         quick_gelu=False)
     path = Path(source).expanduser()
@@ -275,7 +279,12 @@ def timm_args(arch) -> tuple[str, dict]:
     the position embeddings of a checkpoint trained at another size)."""
     return TIMM_BASE, {"img_size": arch.image_size, "patch_size": arch.patch_size, "embed_dim": arch.vision_width,
                        "depth": arch.vision_layers, "num_heads": arch.vision_heads,
+                       "mlp_ratio": _mlp(arch.vision_mlp, arch.vision_width) / arch.vision_width,
                        "act_layer": "quick_gelu" if arch.quick_gelu else "gelu"}
+
+
+def _mlp(hidden: int, width: int) -> int:
+    return hidden or 4 * width  # a model.clip written before the MLP widths were read: CLIP's 4 × width
 
 
 def text_config(arch):
@@ -283,7 +292,7 @@ def text_config(arch):
     from transformers import CLIPTextConfig
 
     return CLIPTextConfig(vocab_size=arch.vocab_size, hidden_size=arch.text_width,
-                          intermediate_size=4 * arch.text_width, num_hidden_layers=arch.text_layers,
+                          intermediate_size=_mlp(arch.text_mlp, arch.text_width), num_hidden_layers=arch.text_layers,
                           num_attention_heads=arch.text_heads, max_position_embeddings=arch.context_length,
                           hidden_act="quick_gelu" if arch.quick_gelu else "gelu", layer_norm_eps=1e-5,
                           bos_token_id=EOT_ID - 1, eos_token_id=EOT_ID, pad_token_id=EOT_ID,

@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from rayvl import storage
-from rayvl.sweeps.directory import read_settings
+from rayvl.sweeps.directory import final_metrics, read_settings, trial_run
 from rayvl.sweeps.spaces import trial_config
 
 
@@ -32,8 +32,10 @@ def trial_rows(sweep_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
         last = t.last_result or {}
         steps = int(last.get("step", 0) or 0)
         status = t.status
-        if status == "TERMINATED" and steps < settings["max_steps"]:
-            status = "STOPPED EARLY"  # a scheduler's decision, not a failure
+        if status == "TERMINATED" and not final_metrics(trial_run(sweep_dir, t.trial_id)):
+            # a scheduler's decision, not a failure: a trial that ran to its end wrote its final record, whatever
+            # its steps (a space over the batch size with a budget in passes gives each trial its own)
+            status = "STOPPED EARLY"
         rows.append({"trial": t.trial_id, **({"variant": t.config.get("variant")} if settings.get("variants") else {}),
                      **{k: t.config["set"].get(k) for k in settings["keys"]},
                      "final": last.get(metric), "best": None if series is None or series.empty

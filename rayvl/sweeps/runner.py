@@ -9,7 +9,7 @@ from pathlib import Path
 from rayvl import storage
 from rayvl.config import RayvlConfig
 from rayvl.sweeps import capacity, directory, placement
-from rayvl.sweeps.spaces import Sweep, SweepError, grace_period
+from rayvl.sweeps.spaces import Sweep, SweepError, budget_steps, grace_period
 from rayvl.sweeps.trials import After, trial
 
 
@@ -58,7 +58,7 @@ def settings(sweep: Sweep, overrides: list[str] = ()) -> dict:
     """What the sweep's report needs, saved with it (rayvl.sweeps.directory)."""
     return {"space_file": sweep.path, "recipe": sweep.recipe, "fixed": sweep.fixed + list(overrides),
             "metric": sweep.metric, "mode": sweep.mode, "keys": list(sweep.space),
-            "max_steps": sweep.base_config(overrides).train.max_steps, "variants": sweep.variants}
+            "max_steps": budget_steps(sweep, sweep.base_config(overrides)), "variants": sweep.variants}
 
 
 def _param_space(sweep: Sweep, overrides: list[str], sweep_dir: str, registry: str, after: After) -> dict:
@@ -89,7 +89,7 @@ def _scheduler(sweep: Sweep, base: RayvlConfig):
     if s.get("kind", "fifo") == "fifo":
         return FIFOScheduler()
     # time is the optimizer step every report carries, so rungs are in steps whatever eval.every_steps is
-    return ASHAScheduler(time_attr="step", max_t=int(s.get("max_t", base.train.max_steps)),
+    return ASHAScheduler(time_attr="step", max_t=int(s.get("max_t") or budget_steps(sweep, base)),
                          grace_period=grace_period(s, base),
                          reduction_factor=float(s.get("reduction_factor", 2)))
 

@@ -219,6 +219,19 @@ def _check(s: Sweep, values: dict, label: str, variant: list[str] = ()) -> None:
         raise SweepError(f"{s.path}: {label}: {shown}: {e}") from None
 
 
+def budget_steps(s: Sweep, base: RayvlConfig) -> int:
+    """The steps a trial of the base config trains: train.max_steps, or those train.max_passes resolves to on its
+    data (its shards listed and counted as a run's plan does, nothing written)."""
+    if not base.train.max_passes:
+        return base.train.max_steps
+    from rayvl.train.run_plan import plan_run
+
+    try:
+        return plan_run(base, dry=True).cfg.train.max_steps
+    except ConfigError as e:
+        raise SweepError(f"{s.path}: set: {e}") from None
+
+
 def _validate_scheduler(s: Sweep, base: RayvlConfig) -> None:
     sch = s.scheduler
     unknown = sorted(set(sch) - SCHEDULER_KEYS)
@@ -227,7 +240,7 @@ def _validate_scheduler(s: Sweep, base: RayvlConfig) -> None:
     if sch.get("kind", "fifo") not in SCHEDULERS:
         raise SweepError(f"{s.path}: scheduler.kind: {sch.get('kind')!r} is not one of {', '.join(SCHEDULERS)}")
     if sch.get("kind") == "asha":
-        max_t = int(sch.get("max_t", base.train.max_steps))
+        max_t = int(sch.get("max_t") or budget_steps(s, base))
         grace = grace_period(sch, base)
         if not 1 <= grace <= max_t:
             raise SweepError(f"{s.path}: scheduler.grace_period: must be in [1, max_t={max_t}], got {grace}")

@@ -289,6 +289,12 @@ def check_resumable(cfg: RayvlConfig, meta: dict, run: str) -> None:
     started = written.train
     for key in SCHEDULE_KEYS:
         now, then = getattr(cfg.train, key), getattr(started, key)
+        if now != then and key == "max_steps" and (cfg.train.max_passes or started.max_passes):
+            raise ConfigError(
+                f"train.max_passes: {cfg.train.max_passes:g} is {now} steps here, the run started with "
+                f"{then} (train.max_passes={started.max_passes:g}; checkpoint at step {meta['step']}) — a resume "
+                f"continues the run's schedule: resume with the passes, batch and data it started with, or start a "
+                f"new run from its weights with --init-from {run}")
         if now != then:
             raise ConfigError(
                 f"train.{key}: {now} differs from {then}, the value the run started with (checkpoint at step "
@@ -299,8 +305,9 @@ def check_resumable(cfg: RayvlConfig, meta: dict, run: str) -> None:
     if upsampling_factors(cfg.data) != upsampling_factors(written.data):
         raise ConfigError(f"data.upsampling_factors: {cfg.data.upsampling_factors!r} differs from {then!r}, the "
                           f"value the run started with (checkpoint at step {meta['step']}); a resume continues its "
-                          f"data position, whose passes are the mix's — resume with data.upsampling_factors={then!r}, "
-                          f"or start a new run from its weights with --init-from {run}")
+                          f"data position, whose passes are the mix's — resume with "
+                          f"data.upsampling_factors={then!r}, or start a new run from its weights with "
+                          f"--init-from {run}")
     if 0 < cfg.train.stop_at_step <= meta["step"]:
         raise ConfigError(f"train.stop_at_step: {cfg.train.stop_at_step} is not after the checkpoint's step "
                           f"{meta['step']}")
