@@ -39,15 +39,17 @@ def join(base: str, *names: str) -> str:
     return posixpath.join(str(base).rstrip("/"), *names) if is_url(base) else str(Path(base, *names))
 
 
-def filesystem(path: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
+def filesystem(path: str | os.PathLike, patient: bool = False) -> tuple[pafs.FileSystem, str]:
     """(pyarrow filesystem, path inside it), resolved as Ray Train resolves a storage path; a scheme pyarrow does
-    not know goes through fsspec (e.g. ``memory://``, or a scheme an installed fsspec plugin adds)."""
+    not know goes through fsspec (e.g. ``memory://``, or a scheme an installed fsspec plugin adds). ``patient``:
+    the filesystem a run or a sweep keeps for its checkpoints and state, which outlasts a GCS outage of minutes
+    (RAYVL_GCS_RUN_RETRY_S, default 300 s); every other GCS call gives up after RAYVL_GCS_RETRY_S (10 s)."""
     path = str(path)
     if not is_url(path):
         return pafs.LocalFileSystem(), str(local_path(path))
     scheme = path.split("://", 1)[0]
     if scheme in ("gs", "gcs") and "?" not in path:  # a bounded retry: unreachable GCS is an error in seconds
-        return _gcs(), path.split("://", 1)[1]
+        return _gcs(patient), path.split("://", 1)[1]
     try:
         return pafs.FileSystem.from_uri(path)
     except ValueError:  # pyarrow's ArrowInvalid: a scheme it has no filesystem for
@@ -57,13 +59,15 @@ def filesystem(path: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
         return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), inner
 
 
-def _gcs() -> pafs.FileSystem:
-    """pyarrow's GCS filesystem with its retries bounded by RAYVL_GCS_RETRY_S (default 10 s): its own default
-    retries an unreachable store (no network, no credentials) for 15 minutes in silence; rayvl's reads retry on
-    their own (data.io_retries)."""
+def _gcs(patient: bool = False) -> pafs.FileSystem:
+    """pyarrow's GCS filesystem with its retries bounded by RAYVL_GCS_RETRY_S (default 10 s) — its own default
+    retries an unreachable store (no network, no credentials) for 15 minutes in silence, and rayvl's reads retry on
+    their own (data.io_retries) — or, ``patient``, by RAYVL_GCS_RUN_RETRY_S (default 300 s): a checkpoint written
+    during a blip of the store is written late rather than lost with the run."""
     from datetime import timedelta
 
-    return pafs.GcsFileSystem(retry_time_limit=timedelta(seconds=float(os.environ.get("RAYVL_GCS_RETRY_S", 10))))
+    limit = os.environ.get("RAYVL_GCS_RUN_RETRY_S", 300) if patient else os.environ.get("RAYVL_GCS_RETRY_S", 10)
+    return pafs.GcsFileSystem(retry_time_limit=timedelta(seconds=float(limit)))
 
 
 def exists(path: str) -> bool:

@@ -147,3 +147,19 @@ def test_a_store_out_of_reach_is_one_line_naming_the_network():
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith("rayvl: error: gs://bucket/cc12m/{00000..00010}.tar: cannot look up "
                            "'gs://bucket/cc12m/00000.tar'") and line.endswith(REACH_HINT), line
+
+
+def test_a_runs_own_gcs_filesystem_waits_out_a_blip_the_checks_do_not(monkeypatch):
+    """The checks before Ray starts give up on GCS after RAYVL_GCS_RETRY_S (10 s); the filesystem Ray Train and Tune
+    keep for checkpoints and state after RAYVL_GCS_RUN_RETRY_S (300 s): a checkpoint is written late, not lost."""
+    from datetime import timedelta
+
+    from rayvl import storage
+
+    def limit(fs):
+        return fs.__reduce__()[1][0]["retry_time_limit"]
+
+    assert limit(storage.filesystem("gs://b/runs")[0]) == timedelta(seconds=10)
+    assert limit(storage.filesystem("gs://b/runs", patient=True)[0]) == timedelta(seconds=300)
+    monkeypatch.setenv("RAYVL_GCS_RUN_RETRY_S", "42")
+    assert limit(storage.filesystem("gs://b/runs", patient=True)[0]) == timedelta(seconds=42)

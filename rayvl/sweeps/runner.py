@@ -30,7 +30,7 @@ def run_sweep(sweep: Sweep, overrides: list[str] = (), name: str = "", resume: b
                          f": {'drop --resume' if resume else 'pass --resume to continue it, or --name another'}")
     if not resume:
         directory.save_settings(sweep_dir, settings(sweep, overrides))
-    fs, inner = storage.filesystem(storage.normalize(base.tune.storage_path))
+    fs, inner = storage.filesystem(storage.normalize(base.tune.storage_path), patient=True)  # Tune's state
     session.check_local_gpus(base)
     fixed_size = session.connect(base.ray_address, base.local_num_cpus)
     session.check_storage(base)

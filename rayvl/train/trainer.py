@@ -112,7 +112,7 @@ def _fit(trainer: TorchTrainer, logs, cfg: RayvlConfig):
 def _trainer(cfg: RayvlConfig, storage: str, name: str, sets: dict, callbacks: list,
              plan: WorkerPlan, read_ahead_bytes: int | None = None) -> TorchTrainer:
     t = cfg.train
-    fs, inner = store.filesystem(storage)
+    fs, inner = store.filesystem(storage, patient=True)  # Ray Train's checkpoints: a blip is waited out
     return TorchTrainer(
         train_loop_per_worker, train_loop_config={"plan": plan},
         scaling_config=ScalingConfig(
