@@ -77,13 +77,23 @@ def clip_tokenizer_dir() -> Path:
     """CLIP's byte-level BPE tokenizer (Radford et al. 2021) as a Hugging Face ``CLIPTokenizerFast`` folder, written
     once under data_root() from the merges open_clip_torch ships (``bpe_simple_vocab_16e6.txt.gz``, OpenAI's file):
     the vocabulary is the 256 byte symbols, each with ``</w>``, the first 48,894 merges and the two special tokens,
-    as CLIP's own tokenizer builds it. Written in a temporary folder and renamed into place, so processes that
+    as CLIP's own tokenizer builds it (in the user's cache, $RAYVL_CACHE or ~/.cache/rayvl, where the venv is
+    read-only: an image's system install). Written in a temporary folder and renamed into place, so processes that
     write it at once (Ray Data's tasks on a fresh node) each see a whole folder."""
+    home = data_root() / "clip-tokenizer"
+    cache = Path(os.environ.get("RAYVL_CACHE", "~/.cache/rayvl")).expanduser() / "clip-tokenizer"
+    for folder in (home, cache):
+        if (folder / "tokenizer.json").is_file():
+            return folder
+    try:
+        return _write_clip_tokenizer(home)
+    except OSError:  # not writable (EACCES, EROFS): the cache; an error there is the one to see
+        return _write_clip_tokenizer(cache)
+
+
+def _write_clip_tokenizer(folder: Path) -> Path:
     import importlib.util
 
-    folder = data_root() / "clip-tokenizer"
-    if (folder / "tokenizer.json").is_file():
-        return folder
     spec = importlib.util.find_spec("open_clip")
     bpe = Path(list(spec.submodule_search_locations)[0]) / "bpe_simple_vocab_16e6.txt.gz" if spec else None
     if bpe is None or not bpe.is_file():

@@ -88,3 +88,21 @@ def test_missing_text_asset_names_the_package(monkeypatch):
 def test_unknown_text_path_is_rejected():
     with pytest.raises(assets.MissingAssetError, match="never downloads"):
         assets.text_model_path("sentence-transformers/all-MiniLM-L6-v2")
+
+
+def test_clips_tokenizer_is_written_to_the_users_cache_where_the_venv_is_not_writable(tmp_path, monkeypatch):
+    """data_root() that cannot be written (here: below a file) → $RAYVL_CACHE/clip-tokenizer, which encodes as the
+    one under data_root()."""
+    from transformers import AutoTokenizer
+
+    from rayvl import assets
+
+    usual = assets.clip_tokenizer_dir()
+    (tmp_path / "not-a-folder").write_text("")
+    monkeypatch.setenv("RAYVL_ASSETS", str(tmp_path / "not-a-folder"))
+    monkeypatch.setenv("RAYVL_CACHE", str(tmp_path / "cache"))
+    written = assets.clip_tokenizer_dir()
+    assert written == tmp_path / "cache" / "clip-tokenizer" and assets.clip_tokenizer_dir() == written
+    text = ["a photo of a cat", "Ünïcode, punctuation!"]
+    assert AutoTokenizer.from_pretrained(str(written))(text)["input_ids"] == \
+        AutoTokenizer.from_pretrained(str(usual))(text)["input_ids"]

@@ -125,9 +125,9 @@ def remember_run(run_dir: str) -> None:
 
     path = _started_file()
     path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path) + ".lock"):
+    with FileLock(str(path) + ".lock"):  # writers one at a time; a reader sees the old list or the new (renamed in)
         runs = {**started_runs(), run_dir.rstrip("/").rsplit("/", 1)[-1]: run_dir}
-        path.write_text(json.dumps(runs, indent=1))
+        storage.write_text(str(path), json.dumps(runs, indent=1))
 
 
 def log_dir(store: str, name: str) -> Path:
