@@ -267,3 +267,22 @@ def test_config_show_prints_each_key_under_its_meaning_and_is_itself_a_recipe(tm
         rayvl.train("laion_adapt", ["train.max_steps=5"])  # warm-up 20 ≥ 5: refused before Ray starts
     with pytest.raises(ConfigError, match="^model.embed_dim: "):
         rayvl.train(load_config(None, []), ["model.embed_dim=0"])
+
+
+def test_init_from_a_checkpoint_written_before_a_model_key_existed(tmp_path):
+    """A checkpoint whose config predates keys added since (model.clip's MLP widths, a model key) is the same model:
+    train.init_from takes it; a real difference is still refused naming the key."""
+    import json
+
+    from rayvl.train.run_plan import check_init_from
+
+    old = load_config(None, []).to_dict()
+    for key in ("vision_mlp", "text_mlp"):
+        del old["model"]["clip"][key]
+    del old["model"]["pooling"]
+    checkpoint = tmp_path / "old" / "checkpoint_000003"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "rayvl.json").write_text(json.dumps({"step": 3, "config": old, "final": True}))
+    assert check_init_from(load_config(None, [f"train.init_from={checkpoint}"])).endswith("checkpoint_000003")
+    with pytest.raises(ConfigError, match=r"^model.embed_dim: 64 differs from 256 in train.init_from"):
+        check_init_from(load_config(None, [f"train.init_from={checkpoint}", "model.embed_dim=64"]))

@@ -153,5 +153,37 @@ def test_the_dry_run_counts_the_upsampled_pass_and_a_budget_in_passes_by_it(demo
     assert "a pass reads 4 shards: source 1: 1 shard × 3 = 3 reads; source 2: 2 shards × 0.5 = 1 read" in said
     assert "512 samples a pass (upsampled" in said  # 3 × 128 + 256 × 1/2: the demo's shards hold 128
     assert "8 steps a pass; train.max_steps=16 is 2.00 passes" in said  # 2 workers × 32 a step
-    demo = describe(load_config("configs/laion_adapt.yaml", ["data.upsampling_factors=2"]))
-    assert "8,000 samples a pass (the demo's training split × 2" in demo
+    # the demo as the run writes it: 4 shards of 1,000; 0.5 reads 2 of them a pass
+    demo = describe(load_config("configs/laion_adapt.yaml", ["data.upsampling_factors=0.5"]))
+    assert "2,000 samples a pass (the demo's training split × 2/4 shards" in demo
+
+
+def test_a_factor_the_shard_count_cannot_give_is_refused_and_so_is_a_resume_that_moves_the_slots(tmp_path):
+    """1.4 on one shard would read it once (1×), 0.1 on 4 shards once (0.25×): refused, naming the factors a source
+    can take. A resume with other factors is refused; with a fractional factor so is another seed or shuffle (they
+    draw which shards a slot reads), with whole factors a new seed is the user's to choose."""
+    from rayvl.train.datasets import mix_of
+    from rayvl.train.run_dir import check_resumable
+
+    two = ["data.train=/a/{0..2}.tar::/b/0.tar"]
+    with pytest.raises(ConfigError, match=r"^data\.upsampling_factors: source 2 of data.train has 1 shard: factor 1\.4 "
+                                          r"would read 1 a pass \(1×\) .* give 1 or 2, or split"):
+        mix_of(load_config(None, two + ["data.upsampling_factors=1::1.4"]), (3, 1))
+    with pytest.raises(ConfigError, match=r"source 1 of data.train has 4 shards: factor 0\.1 .* give 0\.25, or split"):
+        mix_of(load_config(None, ["data.upsampling_factors=0.1"]), (4,))
+    assert mix_of(load_config(None, two + ["data.upsampling_factors=2::1.05"]), (3, 1)).slots == (6, 1)
+
+    def resume(started: list[str], now: list[str]):
+        meta = {"step": 5, "config": load_config(None, two + started).to_dict()}
+        check_resumable(load_config(None, two + now), meta, str(tmp_path))
+
+    resume(["data.upsampling_factors=1::1"], [])  # all ones is no mix
+    resume(["data.upsampling_factors=1::3"], ["data.upsampling_factors=1.0::3", "train.seed=7"])
+    for started, now, key in ((["data.upsampling_factors=1::3"], ["data.upsampling_factors=1::2"],
+                               "data.upsampling_factors"),
+                              (["data.upsampling_factors=1::0.5"], ["data.upsampling_factors=1::0.5", "train.seed=7"],
+                               "train.seed"),
+                              (["data.upsampling_factors=1::0.5"],
+                               ["data.upsampling_factors=1::0.5", "data.shuffle_files=false"], "data.shuffle_files")):
+        with pytest.raises(ConfigError, match=rf"^{key}: .* the value the run started with .* data position"):
+            resume(started, now)

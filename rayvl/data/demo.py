@@ -206,8 +206,11 @@ def _paraphrase_set(held_out: list[dict], n: int, seed: int) -> list[dict]:
     return paraphrase_set([p["caption"] for p in held_out[: n - n // 2]], multi, seed + 11)
 
 
+DEMO_SHARD_SIZE = 1000  # samples a shard of the demo holds (its last shard: the rest)
+
+
 def write_demo(out: str | Path, samples: int = 6000, eval_samples: int = 500, seed: int = 0,
-               shard_size: int = 1000) -> Path:
+               shard_size: int = DEMO_SHARD_SIZE) -> Path:
     out = Path(out).expanduser()
     for split in ("train", "eval"):
         shutil.rmtree(out / split, ignore_errors=True)  # a smaller dataset must not inherit stale shards

@@ -48,7 +48,7 @@ class Mix:
     @property
     def slots(self) -> tuple[int, ...]:
         """Slots of each source in a pass: round(f·n), at least one."""
-        return tuple(max(1, math.floor(f * n + 0.5)) for n, f in zip(self.sizes, self.factors))
+        return tuple(max(1, math.floor(f * n + 0.5)) if n else 0 for n, f in zip(self.sizes, self.factors))
 
     @property
     def n_slots(self) -> int:
@@ -64,6 +64,17 @@ class Mix:
     def signature(self) -> tuple[tuple[int, int], ...]:
         """(shards, slots) of each source when upsampled, else (): what a resumed run's data position must match."""
         return tuple(zip(self.sizes, self.slots)) if self.upsampled else ()
+
+    def distorted(self, within: float = 0.1) -> list[tuple[int, int, float, int]]:
+        """(source, shards, factor, reads a pass) of each source whose reads are not its factor within ``within``
+        (relative): a pass reads a shard a whole number of times, so n shards take factors in steps of 1/n."""
+        return [(i, n, f, m) for i, (n, f, m) in enumerate(zip(self.sizes, self.factors, self.slots))
+                if n and abs(m / n - f) > within * f]
+
+    @property
+    def whole_cycles(self) -> bool:
+        """Every source's pass is whole cycles of its shards: which shard a slot reads depends on no draw."""
+        return all(m % n == 0 for n, m in zip(self.sizes, self.slots) if n)
 
     def table(self, pass_: int, seed: int, shuffle: bool) -> tuple[np.ndarray, np.ndarray]:
         """(shard index, cycle) of every slot of pass ``pass_``."""

@@ -16,6 +16,7 @@ from ``model.clip`` as set by hand.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -198,10 +199,10 @@ def open_clip_config(arch, mean, std, logit_bias: float | None = None) -> dict:
     model = {"embed_dim": arch.embed_dim, "quick_gelu": arch.quick_gelu,
              "vision_cfg": {"image_size": arch.image_size, "layers": arch.vision_layers, "width": arch.vision_width,
                             "head_width": arch.vision_width // arch.vision_heads, "patch_size": arch.patch_size,
-                            "mlp_ratio": _mlp(arch.vision_mlp, arch.vision_width) / arch.vision_width},
+                            "mlp_ratio": _ratio(arch.vision_mlp, arch.vision_width)},
              "text_cfg": {"context_length": arch.context_length, "vocab_size": arch.vocab_size,
                           "width": arch.text_width, "heads": arch.text_heads, "layers": arch.text_layers,
-                          "mlp_ratio": _mlp(arch.text_mlp, arch.text_width) / arch.text_width}}
+                          "mlp_ratio": _ratio(arch.text_mlp, arch.text_width)}}
     if logit_bias is not None:
         model["init_logit_bias"] = logit_bias
     return {"model_cfg": model, "preprocess_cfg": {"size": arch.image_size, "mean": list(mean), "std": list(std),
@@ -279,12 +280,20 @@ def timm_args(arch) -> tuple[str, dict]:
     the position embeddings of a checkpoint trained at another size)."""
     return TIMM_BASE, {"img_size": arch.image_size, "patch_size": arch.patch_size, "embed_dim": arch.vision_width,
                        "depth": arch.vision_layers, "num_heads": arch.vision_heads,
-                       "mlp_ratio": _mlp(arch.vision_mlp, arch.vision_width) / arch.vision_width,
+                       "mlp_ratio": _ratio(arch.vision_mlp, arch.vision_width),
                        "act_layer": "quick_gelu" if arch.quick_gelu else "gelu"}
 
 
 def _mlp(hidden: int, width: int) -> int:
     return hidden or 4 * width  # a model.clip written before the MLP widths were read: CLIP's 4 × width
+
+
+def _ratio(hidden: int, width: int) -> float:
+    """The mlp_ratio timm and open_clip build ``hidden`` from (both take int(width × ratio)): hidden ÷ width, a
+    float's step up where its rounding falls short (704 wide, 960 hidden)."""
+    hidden = _mlp(hidden, width)
+    ratio = hidden / width
+    return ratio if int(width * ratio) == hidden else math.nextafter(ratio, math.inf)
 
 
 def text_config(arch):

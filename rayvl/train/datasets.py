@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,10 +93,25 @@ def plan(cfg: RayvlConfig, make_demo: bool = True) -> DataPlan:
 
 def training_mix(cfg: RayvlConfig, check: specs.SpecCheck) -> Mix:
     """The sources of the training shards and their data.upsampling_factors (rayvl.data.mix)."""
-    mix = Mix.of(check.sources or (len(check.paths),), upsampling_factors(cfg.data))
-    if mix.n_slots >= MAX_SHARDS:
-        raise ConfigError(f"data.upsampling_factors: a pass of {mix.n_slots:,} shard reads; a row id numbers at most "
-                          f"{MAX_SHARDS:,} ({mix.describe()})")
+    return mix_of(cfg, check.sources or (len(check.paths),))
+
+
+def mix_of(cfg: RayvlConfig, sizes) -> Mix:
+    """The mix of sources of ``sizes`` shards as data.upsampling_factors asks; a factor a source's shard count
+    cannot give (within 10%) or a pass a row id cannot number is a ConfigError naming the key."""
+    mix = Mix.of(sizes, upsampling_factors(cfg.data))
+    if mix.distorted():
+        i, n, f, m = mix.distorted()[0]
+        shards = f"{n:,} shard{'s' if n != 1 else ''}"
+        near = sorted({max(1, math.floor(f * n)) / n, math.ceil(f * n) / n})
+        raise ConfigError(f"data.upsampling_factors: source {i + 1} of data.train has {shards}: factor {f:g} would "
+                          f"read {m:,} a pass ({m / n:.3g}×) — a pass reads a shard a whole number of times, so "
+                          f"{shards} take factors in steps of 1/{n:,}: give {' or '.join(f'{x:g}' for x in near)}, "
+                          f"or split the source into more shards")
+    if mix.n_slots > MAX_SHARDS:
+        key = "data.upsampling_factors" if mix.upsampled else "data.train"
+        raise ConfigError(f"{key}: a pass of {mix.n_slots:,} shard reads; a row id numbers at most {MAX_SHARDS:,} "
+                          f"({mix.describe()})")
     return mix
 
 

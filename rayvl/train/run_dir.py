@@ -283,9 +283,11 @@ def refuse_finished(cfg: RayvlConfig, run: str, step: int) -> None:
 
 
 def check_resumable(cfg: RayvlConfig, meta: dict, run: str) -> None:
-    """A resume continues the run's own schedule and data position: any schedule key or the upsampling factors
-    changed since it started are refused, naming the key; so is a ``stop_at_step`` the run has already passed."""
+    """A resume continues the run's own data position and schedule: the upsampling factors, what draws a fractional
+    factor's shards (train.seed, data.shuffle_files) and any schedule key changed since it started are refused,
+    naming the key; so is a ``stop_at_step`` the run has already passed."""
     written = from_dict(meta["config"])  # typed as the config is (JSON has lists where it has tuples)
+    _check_same_mix(cfg, written, meta["step"], run)
     started = written.train
     for key in SCHEDULE_KEYS:
         now, then = getattr(cfg.train, key), getattr(started, key)
@@ -301,16 +303,31 @@ def check_resumable(cfg: RayvlConfig, meta: dict, run: str) -> None:
                 f"{meta['step']}); a resume continues the run's optimizer and learning-rate schedule — resume with "
                 f"train.{key}={then}, or start a new run from its weights with --init-from {run} "
                 f"(train.init_from), on a schedule of its own")
-    then = written.data.upsampling_factors
-    if upsampling_factors(cfg.data) != upsampling_factors(written.data):
-        raise ConfigError(f"data.upsampling_factors: {cfg.data.upsampling_factors!r} differs from {then!r}, the "
-                          f"value the run started with (checkpoint at step {meta['step']}); a resume continues its "
-                          f"data position, whose passes are the mix's — resume with "
-                          f"data.upsampling_factors={then!r}, or start a new run from its weights with "
-                          f"--init-from {run}")
     if 0 < cfg.train.stop_at_step <= meta["step"]:
         raise ConfigError(f"train.stop_at_step: {cfg.train.stop_at_step} is not after the checkpoint's step "
                           f"{meta['step']}")
+
+
+def _check_same_mix(cfg: RayvlConfig, written: RayvlConfig, step: int, run: str) -> None:
+    """The data position counts the slots of the mix's passes (rayvl.data.mix): other factors are other slots, and
+    with a fractional factor the seed and the shuffle draw which shards a slot reads."""
+    def factors(c: RayvlConfig) -> tuple[float, ...]:
+        f = upsampling_factors(c.data)
+        return () if all(x == 1 for x in f) else f
+
+    now, then = factors(cfg), factors(written)
+    changed = [("data.upsampling_factors", cfg.data.upsampling_factors, written.data.upsampling_factors)] \
+        if now != then else []
+    if any(f != int(f) for f in then):
+        changed += [(k, a, b) for k, a, b in (("train.seed", cfg.train.seed, written.train.seed),
+                                              ("data.shuffle_files", cfg.data.shuffle_files,
+                                               written.data.shuffle_files)) if a != b]
+    if changed:
+        key, a, b = changed[0]
+        raise ConfigError(f"{key}: {a!r} differs from {b!r}, the value the run started with (checkpoint at step "
+                          f"{step}); a resume continues its data position, whose passes are its mix's "
+                          f"(data.upsampling_factors={written.data.upsampling_factors!r}) — resume with {key}={b!r}, "
+                          f"or start a new run from its weights with --init-from {run}")
 
 
 def finish(run_dir: str, logs: Path, result, data_report: dict, stopped: bool = False,

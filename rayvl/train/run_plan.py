@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rayvl import storage
-from rayvl.config import ConfigError, RayvlConfig, upsampling_factors, validate
+from rayvl.config import ConfigError, RayvlConfig, validate
 from rayvl.data import shards
+from rayvl.data.demo import DEMO_SHARD_SIZE
 from rayvl.train import datasets
 from rayvl.train.datasets import DataPlan
 from rayvl.train.layout import Layout, resolve
@@ -60,10 +61,11 @@ def plan_run(cfg: RayvlConfig, finished_ok: bool = True, dry: bool = False) -> R
     data = datasets.plan(cfg, make_demo=not dry)
     if data.train_shards:
         pass_size, how = shards.samples_per_pass(cfg.data.samples_per_pass, list(data.train_shards), data.train_mix)
-    else:  # the dry run of the demo: one source
-        factor = (upsampling_factors(cfg.data) or (1.0,))[0]
-        pass_size = round(cfg.data.demo_samples * factor)
-        how = "the demo's training split" + (f" × {factor:g} (data.upsampling_factors)" if factor != 1 else "")
+    else:  # the dry run of the demo: one source of its shards, as the run will write them
+        mix = datasets.mix_of(cfg, (math.ceil(cfg.data.demo_samples / DEMO_SHARD_SIZE),))
+        pass_size = round(cfg.data.demo_samples * mix.n_slots / mix.sizes[0])
+        how = "the demo's training split" + (f" × {mix.n_slots}/{mix.sizes[0]} shards (data.upsampling_factors)"
+                                             if mix.upsampled else "")
     if cfg.train.max_passes:  # the budget in passes: its steps, before anything compares or plans by max_steps
         data = dataclasses.replace(data, cfg=steps_for_passes(data.cfg, data.parts, pass_size))
     cfg = data.cfg
@@ -118,7 +120,7 @@ def check_init_from(cfg: RayvlConfig) -> str:
             meta = read_meta(path)
     except FileNotFoundError:
         raise ConfigError(f"train.init_from: {source!r} is not a rayvl run, checkpoint or export") from None
-    theirs, ours = meta["config"]["model"], cfg.to_dict()["model"]
+    theirs, ours = _shapes(meta["config"]["model"]), _shapes(cfg.to_dict()["model"])
     # a logit bias's initial value is not architecture; whether the model has one is
     theirs = {**theirs, "init_logit_bias": theirs.get("init_logit_bias") is not None}
     ours = {**ours, "init_logit_bias": ours.get("init_logit_bias") is not None}
@@ -128,6 +130,17 @@ def check_init_from(cfg: RayvlConfig) -> str:
                           f"train.init_from={source!r} — the weights would not fit (differing: "
                           f"{', '.join('model.' + k for k in differ)})")
     return path
+
+
+def _shapes(model: dict) -> dict:
+    """A model section as a config of today holds it: keys added since it was written at their defaults, a CLIP's
+    MLP widths 4 × its widths where they were not read yet (what the model was built with then)."""
+    default = RayvlConfig().to_dict()["model"]
+    model = {**default, **model, "clip": {**default["clip"], **model.get("clip", {})}}
+    clip = model["clip"]
+    for tower in ("vision", "text"):
+        clip[f"{tower}_mlp"] = clip[f"{tower}_mlp"] or 4 * clip[f"{tower}_width"]
+    return model
 
 
 # model settings that do not change the weights' shapes or meaning
