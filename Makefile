@@ -42,7 +42,7 @@ OTHER_BUILD := $(notdir $(filter-out $(STAMP),$(wildcard $(VENV)/.installed*)))
 REFUSED := $(VENV)/ holds another build ($(OTHER_BUILD)): give the GPU= and FAISS= it was installed with, or run \
 	make clean first
 
-.PHONY: install demo test gpu-check benchmark clean
+.PHONY: install demo test test-fast gpu-check benchmark clean
 
 install: $(STAMP)
 
@@ -71,6 +71,12 @@ demo: install
 # pytest exits 5 when it collected no test: that is a failure of the suite, not a pass
 test: install
 	$(PY) -m pytest -q -ra --durations=15 tests || { rc=$$?; [ $$rc -eq 5 ] && echo "make test: no tests ran" >&2; exit $$rc; }
+
+# the unit layer alone (no Ray, nothing slow: tests/conftest.py LAYERS), a few minutes; LAYER='ray' or 'multinode'
+# runs another layer
+LAYER ?= unit
+test-fast: install
+	$(PY) -m pytest -q -ra --durations=10 -m "$(LAYER)" tests
 
 # exits non-zero, saying why, where torch or faiss cannot use a GPU
 # ARGS: the check's options, e.g. make gpu-check GPU=1 ARGS='--batches 256,1024,max --profile zero0'

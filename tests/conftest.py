@@ -80,12 +80,50 @@ def ray_local():
     ray.shutdown()
 
 
+# the suite's layers (`pytest -m unit` is `make test-fast`); ray and multinode are told from the fixtures a test
+# uses, a test that starts Ray in a process of its own says so with @pytest.mark.ray, a slow one with slow
+LAYERS = {"unit": "no Ray, nothing slow: the fast layer (make test-fast)",
+          "ray": "uses the session's local Ray, or starts a Ray (in a process it runs)",
+          "multinode": "runs Ray clusters of its own: several raylets, an autoscaler",
+          "slow": "a unit test of more than about 10 s on 2 cores (a model built at real size, a search run)"}
+
+
+def pytest_configure(config):
+    for name, what in LAYERS.items():
+        config.addinivalue_line("markers", f"{name}: {what}")
+
+
 def pytest_collection_modifyitems(items):
-    """Modules that run Ray clusters of their own (no_session_ray) run after the others: the session's Ray is then
-    shut down once, instead of being started again — and its worker processes warmed up again by the next test
-    that reads data — after each of them."""
+    """Each test's layer (LAYERS). Modules that run Ray clusters of their own (no_session_ray) run after the others:
+    the session's Ray is then shut down once, instead of being started again — and its worker processes warmed up
+    again by the next test that reads data — after each of them."""
+    for item in items:
+        if "no_session_ray" in item.fixturenames:
+            item.add_marker(pytest.mark.multinode)
+        elif "ray_local" in item.fixturenames:
+            item.add_marker(pytest.mark.ray)
+        if not any(item.get_closest_marker(m) for m in ("ray", "multinode", "slow")):
+            item.add_marker(pytest.mark.unit)
     own = {item.module for item in items if "no_session_ray" in item.fixturenames}
     items[:] = [i for i in items if i.module not in own] + [i for i in items if i.module in own]
+
+
+@pytest.fixture(autouse=True)
+def _a_unit_test_starts_no_ray(request):
+    """The unit layer stays without Ray: a unit test that leaves a Ray started in this process fails, naming the
+    marker it needs."""
+    if request.node.get_closest_marker("unit") is None or "ray" in sys.modules and _ray_up():
+        yield
+        return
+    yield
+    if "ray" in sys.modules and _ray_up():
+        pytest.fail(f"{request.node.nodeid} starts Ray: mark it @pytest.mark.ray (tests/conftest.py, LAYERS)")
+
+
+def _ray_up() -> bool:
+    import ray
+
+    return ray.is_initialized()
 
 
 @pytest.fixture(scope="module")

@@ -122,6 +122,7 @@ def test_job_rejects_bad_key_before_starting_ray(tmp_path):
     assert not (tmp_path / "ray").exists()
 
 
+@pytest.mark.slow
 def test_job_refuses_to_starve_ray_data_on_a_local_ray(demo_dir, tmp_path):
     """On a Ray it starts itself (fixed size: local_num_cpus), reserving every CPU for training is refused, naming
     the keys, before that Ray starts (its session folder, under RAY_TMPDIR, is never made)."""

@@ -118,6 +118,7 @@ def test_batchnorm_statistics_stay_fp32_under_deepspeed_bf16(one_process_group):
     assert "data_types" not in deepspeed_config(cfg, 1)  # no buffer cast: the statistics are fp32 buffers
 
 
+@pytest.mark.slow
 def test_batchnorm_fp32_through_torch_compile():
     """bf16 weights, BatchNorm on fp32 weights and statistics, through torch.compile's AOTAutograd (aot_eager, the
     graphs inductor compiles): the running statistics move exactly as without compiling."""

@@ -176,6 +176,7 @@ def _no_gpu_env(tmp_path) -> dict:
             "PYTHONPATH": str(REPO)}
 
 
+@pytest.mark.slow
 def test_gpu_check_on_a_machine_without_gpu_says_so_and_starts_nothing(tmp_path):
     started = time.time()
     run = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--quick"], cwd=REPO, capture_output=True,

@@ -186,3 +186,30 @@ def test_the_checker_sees_what_it_should(tmp_path):
     assert method_names(named, None) == ["7: 'Prompts'", "11: 'TOnICS'"]
     assert method_names(ast.parse("from rayvl.methods.bow import rows\nx = f(memory_bank=1)\n"), None) == [
         "1: 'rayvl.methods.bow'", "2: 'memory_bank'"]
+
+
+def test_every_module_name_string_resolves():
+    """What rayvl names as "module:name" — the methods' data parts and training parts (rayvl.methods), the jobs'
+    after-run hooks (each trial imports it by that name) — imports and is a callable: a rename that misses one fails
+    here, not in a worker or a sweep's last trial."""
+    import importlib
+    import re
+
+    from rayvl import plugins
+
+    named = {m for path in [*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "jobs").glob("*.py")]
+             for m in re.findall(r"[\"'](rayvl(?:\.\w+)+:\w+)[\"']", path.read_text())}
+    named |= {w for m in plugins.methods() for w in (m.plan, m.train_part) if w}
+    assert len(named) >= 10, sorted(named)
+    for where in sorted(named):
+        module, name = where.split(":")
+        assert callable(getattr(importlib.import_module(module), name, None)), where
+
+
+def test_the_architecture_pages_test_map_names_every_test_file_and_only_those():
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text().split("## Tests by layer", 1)[1]
+    import re
+
+    named = set(re.findall(r"`(test_\w+)`", text))
+    files = {p.stem for p in (PACKAGE.parent / "tests").glob("test_*.py")}
+    assert named == files, (sorted(named - files), sorted(files - named))

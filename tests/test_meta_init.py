@@ -2,6 +2,7 @@
 none of the init's work."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import REPO, untrained_checkpoint
@@ -58,6 +59,7 @@ def test_a_vision_checkpoint_is_loaded_into_a_backbone_built_without_init(tmp_pa
         assert tensor.dtype == torch.float32 and torch.equal(tensor, half[name].float()), name
 
 
+@pytest.mark.slow
 def test_an_evaluation_loads_a_final_checkpoint_without_importing_deepspeed(demo_dir, tmp_path):
     """An embedding actor loads a checkpoint's consolidated weights; DeepSpeed's records are only needed for
     DeepSpeed's own files, so it is never imported there."""

@@ -214,6 +214,7 @@ def test_dry_run_of_the_laion_recipe_at_laion_scale(s3, demo_dir, tmp_path, caps
     assert "first 5 samples of s3://rayvl-test/coco-val/00000.tar:" in out and out.rstrip().endswith("kept: 5")
 
 
+@pytest.mark.slow
 def test_dry_runs_of_a_sweep_a_comparison_and_a_labelling_job(demo_dir, tmp_path, capsys):
     """--dry-run on `rayvl tune`, a comparison job and `rayvl pseudo-label`: the plan, nothing started."""
     import subprocess

@@ -121,6 +121,7 @@ def _runs(tmp_path) -> None:
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+@pytest.mark.slow
 def test_a_run_has_one_dashboard_and_several_runs_share_one(tmp_path, capsys):
     """One PNG per run (not one per metric): curves where a metric has more than one point, the metrics reported
     once in a table of the same figure; several runs: the same panels, a line per run."""
@@ -188,6 +189,7 @@ def test_resume_without_a_name_continues_the_newest_run_of_the_recipe(demo_dir, 
     assert run_paths(cfg)[1] == "laion_adapt-20261102-090000"  # newest of the recipe that has a checkpoint
 
 
+@pytest.mark.slow
 def test_recipes_are_installed_with_the_package(tmp_path):
     """A non-editable install (a wheel) carries configs/ as rayvl.configs and tune_spaces/ as rayvl.tune_spaces, and
     the CLI finds them there — a space by its name, from any folder, with the recipe it names."""
@@ -253,6 +255,7 @@ def test_evaluation_tasks_log_progress_lines(caplog):
     assert lines == ["eval: 3 images embedded", "eval: task 1/2 zeroshot skipped", "eval: task 2/2 retrieval skipped"]
 
 
+@pytest.mark.slow
 def test_missing_checkpoint_is_one_line_and_exit_2_in_a_fresh_process(tmp_path):
     for command in (["eval", str(tmp_path / "gone")], ["export", str(tmp_path / "gone"), "--out",
                                                          str(tmp_path / "x")]):

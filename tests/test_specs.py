@@ -104,6 +104,7 @@ def test_object_store_specs_cost_no_listing(s3, shard_dir):
     assert mixed == [f"{url}/00000.tar", f"{url}/00001.tar", str(shard_dir / "b" / "00002.tar")]
 
 
+@pytest.mark.slow
 def test_object_store_faults_are_retried_and_resumed(s3, shard_dir):
     """Connections reset mid-object past what pyarrow's client retries on its own, a stall, throttling: the shard
     is read whole, each retry resuming at the byte reached. A missing object or denied access fails at once,
@@ -134,6 +135,7 @@ def test_object_store_faults_are_retried_and_resumed(s3, shard_dir):
         _keys(f"{url}/00000.tar", ReadPolicy(retries=1, wait_s=0.05))
 
 
+@pytest.mark.slow
 def test_a_store_out_of_reach_is_one_line_naming_the_network():
     """`rayvl data check gs://…` on a machine that cannot reach Google (this one: no route, no credentials): one line
     and exit 2, the way out being the network — pyarrow's own GCS retries ran 15 minutes in silence; rayvl bounds

@@ -27,6 +27,7 @@ def sc(one_process_group):
     return _load("step_census")
 
 
+@pytest.mark.slow
 def test_no_layout_waits_for_the_device_and_zero_0_to_2_launch_what_a_bare_loop_does(sc, capsys):
     """Every ZeRO stage, rayvl's own step at bf16: no scalar read, no fresh host tensor, no tensor-valued fill —
     each a wait for the GPU on CUDA (step_census.SYNC_OPS) — and no device synchronisation; the host-time benchmark
@@ -81,6 +82,7 @@ def _masters(engine) -> list:
 
 
 @pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.slow
 def test_device_side_norm_and_clip_step_as_deepspeeds_own_and_a_non_finite_step_keeps_the_weights_finite(sc, stage):
     cfg = sc.config(stage, "bf16", ["train.grad_clip=0.05"])  # small enough that every step clips
     runs = []
@@ -184,6 +186,7 @@ def test_a_checkpoint_resumes_in_the_buffer_padding_it_was_written_with(sc, tmp_
     assert aligned_buffers(ray.train.Checkpoint.from_directory(str(tmp_path))) is True
 
 
+@pytest.mark.slow
 def test_a_worker_imports_timm_and_deepspeed_without_the_loggers_they_import_and_those_import_as_usual_after():
     """timm imports wandb and DeepSpeed's autotuner mlflow when they are installed; a worker, which never logs to
     either, imports them without (rayvl.compat.import_without), and both still import later in that process."""

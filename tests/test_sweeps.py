@@ -190,6 +190,7 @@ def test_local_storage_on_several_nodes_is_refused_naming_the_key():
     check_storage(load_config(None, ["train.shared_storage=true"]), nodes=3)  # a mount every node shares
 
 
+@pytest.mark.ray
 def test_an_interrupted_sweep_resumes_and_a_failing_trial_is_recorded(demo_dir, tmp_path):
     """`rayvl tune` stopped with Ctrl-C (SIGINT) after the first trial's first checkpoint; `rayvl tune --resume`
     continues it: the first trial resumes from its checkpoint (its train state records the step), the second

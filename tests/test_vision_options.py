@@ -22,6 +22,7 @@ def _vision_flops(model, images) -> int:
     return counter.get_total_flops()
 
 
+@pytest.mark.slow
 def test_patch_dropout_drops_tokens_in_training_only_and_the_flops_count_what_is_computed():
     cfg = load_config(None, [*VIT, "model.patch_dropout=0.5"]).model
     model, plain = build_model(cfg), build_model(dataclasses.replace(cfg, patch_dropout=0.0))
@@ -81,6 +82,7 @@ def test_what_the_image_tower_cannot_do_is_refused_before_ray_starts(overrides, 
     assert str(err.value).startswith(message), str(err.value)
 
 
+@pytest.mark.slow
 def test_a_fresh_process_refuses_patch_dropout_on_a_cnn_in_one_line():
     """As a new user meets it (issue 56): in a process that has not imported timm, the check imports it as the rest
     of rayvl does (rayvl.compat) — before, torchvision's CUDA build over a CPU torch raised a traceback there."""

@@ -32,9 +32,11 @@ def trial_rows(sweep_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
         last = t.last_result or {}
         steps = int(last.get("step", 0) or 0)
         status = t.status
-        if status == "TERMINATED" and not final_metrics(trial_run(sweep_dir, t.trial_id)):
-            # a scheduler's decision, not a failure: a trial that ran to its end wrote its final record, whatever
-            # its steps (a space over the batch size with a budget in passes gives each trial its own)
+        if status == "TERMINATED" and steps < settings["max_steps"] \
+                and not final_metrics(trial_run(sweep_dir, t.trial_id)):
+            # a scheduler's decision, not a failure; a trial that wrote its final record ran to its own end, whatever
+            # its steps (a space over the batch size with a budget in passes gives each trial its own). ASHA stops
+            # a trial at its last rung too, before the record: the sweep's budget tells that one
             status = "STOPPED EARLY"
         rows.append({"trial": t.trial_id, **({"variant": t.config.get("variant")} if settings.get("variants") else {}),
                      **{k: t.config["set"].get(k) for k in settings["keys"]},
