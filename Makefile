@@ -76,7 +76,7 @@ test: install
 # runs another layer
 LAYER ?= unit
 test-fast: install
-	$(PY) -m pytest -q -ra --durations=10 -m "$(LAYER)" tests
+	$(PY) -m pytest -q -ra --durations=10 -m "$(LAYER)" tests || { rc=$$?; [ $$rc -eq 5 ] && echo "make test-fast: no test in layer '$(LAYER)' (unit, ray, multinode, slow)" >&2; exit $$rc; }
 
 # exits non-zero, saying why, where torch or faiss cannot use a GPU
 # ARGS: the check's options, e.g. make gpu-check GPU=1 ARGS='--batches 256,1024,max --profile zero0'

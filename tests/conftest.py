@@ -85,7 +85,7 @@ def ray_local():
 LAYERS = {"unit": "no Ray, nothing slow: the fast layer (make test-fast)",
           "ray": "uses the session's local Ray, or starts a Ray (in a process it runs)",
           "multinode": "runs Ray clusters of its own: several raylets, an autoscaler",
-          "slow": "a unit test of more than about 10 s on 2 cores (a model built at real size, a search run)"}
+          "slow": "a unit test of more than about 5 s on 2 cores (a fresh process, a model compiled or at real size)"}
 
 
 def pytest_configure(config):
@@ -111,12 +111,15 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(autouse=True)
 def _a_unit_test_starts_no_ray(request):
     """The unit layer stays without Ray: a unit test that leaves a Ray started in this process fails, naming the
-    marker it needs."""
+    marker it needs (checked where Ray was not up before it: always under `make test-fast`)."""
     if request.node.get_closest_marker("unit") is None or "ray" in sys.modules and _ray_up():
         yield
         return
     yield
     if "ray" in sys.modules and _ray_up():
+        import ray
+
+        ray.shutdown()  # so that the tests after it are checked too
         pytest.fail(f"{request.node.nodeid} starts Ray: mark it @pytest.mark.ray (tests/conftest.py, LAYERS)")
 
 

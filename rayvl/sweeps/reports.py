@@ -32,8 +32,8 @@ def trial_rows(sweep_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
         last = t.last_result or {}
         steps = int(last.get("step", 0) or 0)
         status = t.status
-        if status == "TERMINATED" and steps < settings["max_steps"] \
-                and not final_metrics(trial_run(sweep_dir, t.trial_id)):
+        budget = min(settings["max_steps"], settings.get("max_t") or settings["max_steps"])  # ASHA's last rung
+        if status == "TERMINATED" and steps < budget and not final_metrics(trial_run(sweep_dir, t.trial_id)):
             # a scheduler's decision, not a failure; a trial that wrote its final record ran to its own end, whatever
             # its steps (a space over the batch size with a budget in passes gives each trial its own). ASHA stops
             # a trial at its last rung too, before the record: the sweep's budget tells that one

@@ -58,7 +58,8 @@ def settings(sweep: Sweep, overrides: list[str] = ()) -> dict:
     """What the sweep's report needs, saved with it (rayvl.sweeps.directory)."""
     return {"space_file": sweep.path, "recipe": sweep.recipe, "fixed": sweep.fixed + list(overrides),
             "metric": sweep.metric, "mode": sweep.mode, "keys": list(sweep.space),
-            "max_steps": budget_steps(sweep, sweep.base_config(overrides)), "variants": sweep.variants}
+            "max_steps": budget_steps(sweep, sweep.base_config(overrides)), "variants": sweep.variants,
+            "max_t": int(sweep.scheduler.get("max_t") or 0)}
 
 
 def _param_space(sweep: Sweep, overrides: list[str], sweep_dir: str, registry: str, after: After) -> dict:

@@ -104,10 +104,11 @@ def mix_of(cfg: RayvlConfig, sizes) -> Mix:
         i, n, f, m = mix.distorted()[0]
         shards = f"{n:,} shard{'s' if n != 1 else ''}"
         near = sorted({max(1, math.floor(f * n)) / n, math.ceil(f * n) / n})
-        raise ConfigError(f"data.upsampling_factors: source {i + 1} of data.train has {shards}: factor {f:g} would "
+        source = f"source {i + 1} of data.train" if cfg.data.train else "the demo's training split"
+        raise ConfigError(f"data.upsampling_factors: {source} has {shards}: factor {f:g} would "
                           f"read {m:,} a pass ({m / n:.3g}×) — a pass reads a shard a whole number of times, so "
-                          f"{shards} take factors in steps of 1/{n:,}: give {' or '.join(f'{x:g}' for x in near)}, "
-                          f"or split the source into more shards")
+                          f"{shards} take factors in steps of 1/{n:,}: give {' or '.join(f'{x:g}' for x in near)}"
+                          + (", or split the source into more shards" if cfg.data.train else ""))
     if mix.n_slots > MAX_SHARDS:
         key = "data.upsampling_factors" if mix.upsampled else "data.train"
         raise ConfigError(f"{key}: a pass of {mix.n_slots:,} shard reads; a row id numbers at most {MAX_SHARDS:,} "

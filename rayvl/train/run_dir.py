@@ -19,6 +19,7 @@ from pathlib import Path
 from rayvl import __version__, storage
 from rayvl.checkpoints import METRICS_FILE, latest_checkpoint_dir, read_meta
 from rayvl.config import ConfigError, RayvlConfig, TrainConfig, from_dict, upsampling_factors
+from rayvl.data.mix import Mix
 from rayvl.eval.tasks import METRIC_PREFIXES, is_constant
 from rayvl.plots import DASHBOARD_FILE, PLOTS_DIR, history, plot_runs
 
@@ -42,7 +43,7 @@ class RunResult:
 STAMPED = re.compile(r"-\d{8}-\d{6}$")  # <recipe>-<YYYYmmdd-HHMMSS>, the name a run gets by default
 
 
-def run_paths(cfg: RayvlConfig) -> tuple[str, str, int, tuple | None]:
+def run_paths(cfg: RayvlConfig, sources: tuple[int, ...] = ()) -> tuple[str, str, int, tuple | None]:
     """(storage path, run name, the step of the checkpoint a resume continues — 0 for none, that checkpoint's
     engine layout (ZeRO stage, offload) — None for none). A run with checkpoints is continued only with
     train.resume; train.resume without a run name continues the newest run of the recipe."""
@@ -59,7 +60,7 @@ def run_paths(cfg: RayvlConfig) -> tuple[str, str, int, tuple | None]:
     step, layout = 0, None
     if latest is not None:
         meta = read_meta(latest)
-        check_resumable(cfg, meta, run_dir)
+        check_resumable(cfg, meta, run_dir, sources)
         written = meta["config"]["train"]
         step, layout = meta["step"], (written["zero_stage"], written.get("zero_offload", "none"))
     return store, name, step, layout
@@ -282,12 +283,13 @@ def refuse_finished(cfg: RayvlConfig, run: str, step: int) -> None:
                           f"(train.init_from), on a schedule of its own")
 
 
-def check_resumable(cfg: RayvlConfig, meta: dict, run: str) -> None:
-    """A resume continues the run's own data position and schedule: the upsampling factors, what draws a fractional
-    factor's shards (train.seed, data.shuffle_files) and any schedule key changed since it started are refused,
-    naming the key; so is a ``stop_at_step`` the run has already passed."""
+def check_resumable(cfg: RayvlConfig, meta: dict, run: str, sources: tuple[int, ...] = ()) -> None:
+    """A resume continues the run's own data position and schedule: upsampling factors that read other slots, what
+    draws a fractional factor's shards (train.seed, data.shuffle_files) and any schedule key changed since it
+    started are refused, naming the key; so is a ``stop_at_step`` the run has already passed. ``sources``: the
+    shards of each ``::`` source of data.train (the run's plan lists them; () = compare the factors as written)."""
     written = from_dict(meta["config"])  # typed as the config is (JSON has lists where it has tuples)
-    _check_same_mix(cfg, written, meta["step"], run)
+    _check_same_mix(cfg, written, meta["step"], run, sources)
     started = written.train
     for key in SCHEDULE_KEYS:
         now, then = getattr(cfg.train, key), getattr(started, key)
@@ -308,20 +310,26 @@ def check_resumable(cfg: RayvlConfig, meta: dict, run: str) -> None:
                           f"{meta['step']}")
 
 
-def _check_same_mix(cfg: RayvlConfig, written: RayvlConfig, step: int, run: str) -> None:
-    """The data position counts the slots of the mix's passes (rayvl.data.mix): other factors are other slots, and
-    with a fractional factor the seed and the shuffle draw which shards a slot reads."""
+def _check_same_mix(cfg: RayvlConfig, written: RayvlConfig, step: int, run: str, sources: tuple[int, ...]) -> None:
+    """The data position counts the slots of the mix's passes (rayvl.data.mix): factors that give other slots are
+    another position, and where a source's pass is not whole cycles the shuffle (and with it the seed) draws which
+    shards a slot reads."""
     def factors(c: RayvlConfig) -> tuple[float, ...]:
         f = upsampling_factors(c.data)
         return () if all(x == 1 for x in f) else f
 
     now, then = factors(cfg), factors(written)
-    changed = [("data.upsampling_factors", cfg.data.upsampling_factors, written.data.upsampling_factors)] \
-        if now != then else []
-    if any(f != int(f) for f in then):
-        changed += [(k, a, b) for k, a, b in (("train.seed", cfg.train.seed, written.train.seed),
-                                              ("data.shuffle_files", cfg.data.shuffle_files,
-                                               written.data.shuffle_files)) if a != b]
+    if sources and len(now or sources) == len(then or sources) == len(sources):
+        same, drawn = Mix.of(sources, now).slots == Mix.of(sources, then).slots, not Mix.of(sources, then).whole_cycles
+    else:  # the shard counts unknown: as written
+        same, drawn = now == then, any(f != int(f) for f in then)
+    changed = [] if same else [("data.upsampling_factors", cfg.data.upsampling_factors,
+                                written.data.upsampling_factors)]
+    if drawn:  # in spec order (no shuffle) the seed draws nothing
+        shuffled = written.data.shuffle_files
+        changed += [(k, a, b) for k, a, b in (("data.shuffle_files", cfg.data.shuffle_files, shuffled),
+                                              ("train.seed", cfg.train.seed, written.train.seed))
+                    if a != b and (k == "data.shuffle_files" or shuffled)]
     if changed:
         key, a, b = changed[0]
         raise ConfigError(f"{key}: {a!r} differs from {b!r}, the value the run started with (checkpoint at step "

@@ -63,13 +63,13 @@ def plan_run(cfg: RayvlConfig, finished_ok: bool = True, dry: bool = False) -> R
         pass_size, how = shards.samples_per_pass(cfg.data.samples_per_pass, list(data.train_shards), data.train_mix)
     else:  # the dry run of the demo: one source of its shards, as the run will write them
         mix = datasets.mix_of(cfg, (math.ceil(cfg.data.demo_samples / DEMO_SHARD_SIZE),))
-        pass_size = round(cfg.data.demo_samples * mix.n_slots / mix.sizes[0])
-        how = "the demo's training split" + (f" × {mix.n_slots}/{mix.sizes[0]} shards (data.upsampling_factors)"
-                                             if mix.upsampled else "")
+        pass_size = cfg.data.samples_per_pass or round(cfg.data.demo_samples * mix.n_slots / mix.sizes[0])
+        how = "data.samples_per_pass" if cfg.data.samples_per_pass else "the demo's training split" + (
+            f" × {mix.n_slots}/{mix.sizes[0]} shards (data.upsampling_factors)" if mix.upsampled else "")
     if cfg.train.max_passes:  # the budget in passes: its steps, before anything compares or plans by max_steps
         data = dataclasses.replace(data, cfg=steps_for_passes(data.cfg, data.parts, pass_size))
     cfg = data.cfg
-    store, name, step, written = run_paths(cfg)
+    store, name, step, written = run_paths(cfg, data.train_mix.sizes if data.train_mix else ())
     if not finished_ok:
         refuse_finished(cfg, storage.join(store, name), step)
     init = check_init_from(cfg)
