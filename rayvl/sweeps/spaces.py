@@ -4,6 +4,7 @@ scheduler — so a wrong key fails naming the file and the key."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -226,10 +227,16 @@ def budget_steps(s: Sweep, base: RayvlConfig) -> int:
         return base.train.max_steps
     from rayvl.train.run_plan import plan_run
 
-    try:
-        return plan_run(base, dry=True).cfg.train.max_steps
-    except ConfigError as e:
-        raise SweepError(f"{s.path}: set: {e}") from None
+    key = json.dumps(base.to_dict(), sort_keys=True, default=str)
+    if key not in _BUDGETS:  # once a sweep: the check, the scheduler and the report ask (a listing on object storage)
+        try:
+            _BUDGETS[key] = plan_run(base, dry=True).cfg.train.max_steps
+        except ConfigError as e:
+            raise SweepError(f"{s.path}: set: {e}") from None
+    return _BUDGETS[key]
+
+
+_BUDGETS: dict[str, int] = {}
 
 
 def _validate_scheduler(s: Sweep, base: RayvlConfig) -> None:
