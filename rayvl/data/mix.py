@@ -41,10 +41,6 @@ class Mix:
             raise ValueError(f"{len(factors)} upsampling factors for {len(sizes)} sources")
         return cls(sizes, factors or (1.0,) * len(sizes))
 
-    @classmethod
-    def plain(cls, n_shards: int) -> Mix:
-        return cls((n_shards,), (1.0,))
-
     @property
     def slots(self) -> tuple[int, ...]:
         """Slots of each source in a pass: round(f·n), at least one."""

@@ -93,7 +93,7 @@ class ShardStream(Datasource):
                  transform: Callable | None = None, mix: Mix | None = None):
         super().__init__()
         self.paths, self.reading, self.columns, self.transform = list(paths), reading, tuple(columns), transform
-        self.mix = mix or Mix.plain(len(self.paths))
+        self.mix = mix or Mix.of((len(self.paths),))
         if sum(self.mix.sizes) != len(self.paths):
             raise ValueError(f"a mix of {sum(self.mix.sizes)} shards over {len(self.paths)}")
         self.slots = self.mix.n_slots

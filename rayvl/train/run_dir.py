@@ -320,7 +320,8 @@ def _check_same_mix(cfg: RayvlConfig, written: RayvlConfig, step: int, run: str,
 
     now, then = factors(cfg), factors(written)
     if sources and len(now or sources) == len(then or sources) == len(sources):
-        same, drawn = Mix.of(sources, now).slots == Mix.of(sources, then).slots, not Mix.of(sources, then).whole_cycles
+        started = Mix.of(sources, then)
+        same, drawn = Mix.of(sources, now).slots == started.slots, not started.whole_cycles
     else:  # the shard counts unknown: as written
         same, drawn = now == then, any(f != int(f) for f in then)
     changed = [] if same else [("data.upsampling_factors", cfg.data.upsampling_factors,

@@ -68,15 +68,16 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
         report_actor(r)  # created by the driver, so they live as long as it does
     run_dir = planned.run_dir
     built = datasets.build(data, run_dir, report_name, planned.passes)
-    sets, expected = built.datasets, planned.pass_size
+    sets = built.datasets
     startup.mark("data")
     logs = log_dir(storage, name)
     continue_records(run_dir, logs, cfg.train.resume)
     run_log = RunLog(str(logs), run_record(cfg, run_dir, name), cfg.train.report_to,
                      mlflow_uri(cfg, logs) if "mlflow" in cfg.train.report_to else "", cfg.train.sync_every_s)
-    plan = WorkerPlan(cfg.to_dict(), report_name, reports.get("image_label") or "",
-                      str(assets.text_model_path(cfg.model.text)), data.train_slots, data.train_mix.signature,
-                      planned.init_from, data.files, placement_registry, built.worker_inputs, startup)
+    plan = WorkerPlan(cfg.to_dict(), report_name=report_name, label_report=reports.get("image_label") or "",
+                      tokenizer_path=str(assets.text_model_path(cfg.model.text)), train_shards=data.train_slots,
+                      train_mix=data.train_mix.signature, init_from=planned.init_from, eval_files=data.files,
+                      placement_registry=placement_registry, method_inputs=built.worker_inputs, startup=startup)
     startup.mark("fit")  # before the trainer, which may serialize its plan
     trainer = _trainer(cfg, storage, name, sets, [run_log, *callbacks], plan, planned.read_ahead_bytes)
     try:
@@ -84,15 +85,22 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
     except BaseException as e:  # the records say how the invocation ended, and land in the run directory
         failed(run_dir, logs, e)
         raise
-    report = {**snapshot(reports["train"]), "img2dataset_successes_per_pass": expected,
+    return finish(run_dir, logs, result, _data_report(reports, planned, result),
+                  stopped=(result.metrics or {}).get("step", 0) < cfg.train.max_steps,
+                  log_artifacts=run_log.log_artifacts)
+
+
+def _data_report(reports: dict[str, str], planned, result) -> dict:
+    """data_report.json: every stream's counts, the pass size and how it was found, caption statistics, and what
+    the run trained on, per pass, across its resumes."""
+    report = {**snapshot(reports["train"]), "img2dataset_successes_per_pass": planned.pass_size,
               "pass_size_from": planned.pass_size_from,
               **{stream: snapshot(name) for stream, name in reports.items() if stream != "train"}}
     report["captions"] = caption_stats(report["counts"])
-    if result.checkpoint is not None:  # what the run trained on, per pass, across its resumes
+    if result.checkpoint is not None:
         state = restored_state(result.checkpoint)
         report["position"] = position_report(state["data_position"], state["progress"]["resumed_at"])
-    return finish(run_dir, logs, result, report, stopped=(result.metrics or {}).get("step", 0) < cfg.train.max_steps,
-                  log_artifacts=run_log.log_artifacts)
+    return report
 
 
 def _fit(trainer: TorchTrainer, logs, cfg: RayvlConfig):
