@@ -78,16 +78,16 @@ LAYER ?= unit
 test-fast: install
 	$(PY) -m pytest -q -ra --durations=10 -m "$(LAYER)" tests || { rc=$$?; [ $$rc -eq 5 ] && echo "make test-fast: no test in layer '$(LAYER)' (unit, ray, multinode, slow)" >&2; exit $$rc; }
 
-# exits non-zero, saying why, where torch or faiss cannot use a GPU
+# `rayvl check gpu` (rayvl/checks/gpu.py): exits non-zero, saying why, where torch or faiss cannot use a GPU
 # ARGS: the check's options, e.g. make gpu-check GPU=1 ARGS='--batches 256,1024,max --profile zero0'
 gpu-check: install
-	$(PY) benchmarks/gpu_check.py $(ARGS)
+	$(PY) -m rayvl.cli check gpu $(ARGS)
 
 benchmark: install
 	$(PY) -m pip install -q -e ".[bench]" 2>&1 | $(QUIET)
 	$(PY) benchmarks/data_pipeline.py --photo
 	$(PY) benchmarks/train_step.py
-	$(PY) benchmarks/step_census.py --batch-path
+	$(PY) -m rayvl.cli check census --batch-path
 	$(PY) benchmarks/bow.py
 	$(PY) benchmarks/sampler.py
 	$(PY) benchmarks/bookkeeping_scale.py

@@ -1,5 +1,10 @@
 """The data position's bookkeeping at LAION-400M scale, simulated: no data, no Ray Train, no GPU (issue 32, item 7).
 
+Archival baseline: PairsPosition below is a copy of old code, rayvl.data.position.DataPosition as it was before
+issue 32 (at 54912c3, the parent of 1082a04, which replaced it and added this file) — every (row id, object) pair kept
+and gathered as int64. It is no product code and nothing else uses it: it is kept to measure the runs of
+rayvl.data.position against ("before" beside "after" in the tables).
+
 A pass over 41,408 shards × 10,000 samples is dealt out the way Ray Data delivers it — 200 read tasks over groups
 of the shuffled shard order, all running, each emitting its shards in order in blocks of 256 rows (less the rows
 the pipeline drops), blocks of different tasks interleaved; streaming_split hands each whole block to the rank

@@ -20,7 +20,7 @@ The checkpoint is an untrained model (built and saved as the tests' ``untrained_
 the laion_adapt recipe at the smallest sizes its config allows: timm's ``test_efficientnet`` image tower at 32 px, a
 one-layer 32-wide BERT text tower (the MiniLM tokenizer's, written here as an HF model folder), one alignment layer,
 32-d embeddings. The held-out images are the embedded demo's held-out split copied under new keys until there are
-``--images`` of them (``benchmarks/gpu_check.py``'s ``copied_shards``, as its eval case does).
+``--images`` of them (``rayvl check gpu``'s ``copied_shards``, as its eval case does).
 
 Each line either side writes is timed on arrival, so the phases come from the outside, the same way for both:
 start-up (process start → reading begins: imports, Ray's start, the plain side's model load), the pipeline (reading
@@ -33,7 +33,6 @@ tolerances are ``METRIC_TOLERANCE`` and ``EMBEDDING_TOLERANCE``).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import re
@@ -117,12 +116,10 @@ def tiny_checkpoint(out: Path, seed: int = 0) -> Path:
 
 
 def gpu_check():
-    """benchmarks/gpu_check.py as a module (its import loads nothing but the standard library)."""
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    """The GPU check's module (rayvl/checks/gpu.py; its import loads nothing but the standard library)."""
+    import rayvl.checks.gpu
+
+    return rayvl.checks.gpu
 
 
 def held_out(images: int, out: Path) -> str:

@@ -12,6 +12,11 @@ from rayvl.recipes import (CONFIGS, USER_ERRORS, RayvlParser, add_train_args, co
 
 # commands that start no distributed work: a missing file or a bad value they raise comes from the command line
 LOCAL_COMMANDS = ("plot", "export")
+# `rayvl check NAME ARGS`: the module whose main(ARGS) runs the check, and its line in `rayvl check --help`
+CHECKS = {"gpu": ("rayvl.checks.gpu", "does rayvl train, label and evaluate on this machine's GPUs, and how fast "
+                                      "against a hand-written loop (exit status 2 without a GPU)"),
+          "census": ("rayvl.checks.census", "what one training step asks of the host (aten ops, kernel launches, "
+                                            "syncs), counted on a CPU")}
 
 
 def build_parser() -> RayvlParser:
@@ -39,7 +44,17 @@ def build_parser() -> RayvlParser:
                                                                        metavar="ACTION")
     a.add_parser("fetch", help="unpack Debian data packages (Fashion-MNIST) into the environment")
     a.add_parser("check", help="verify that the pretrained towers load offline")
+    _check_parser(sub)
     return p
+
+
+def _check_parser(sub) -> None:
+    """`rayvl check` in the command list and its help; main() hands `rayvl check NAME ...` to the check before this
+    parser reads it, so the check's options and its --help are its own."""
+    c = sub.add_parser("check", help="checks of this machine: its GPUs, a training step's host work").add_subparsers(
+        dest="check_command", required=True, metavar="CHECK")
+    for name, (_, text) in CHECKS.items():
+        c.add_parser(name, help=f"{text}; `rayvl check {name} --help` lists its options", add_help=False)
 
 
 def _data_parser(sub) -> None:
@@ -168,6 +183,9 @@ def _pseudo_label_parser(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["check"] and argv[1:2] and argv[1] in CHECKS:  # the check parses its own options
+        return check_main(argv[1], argv[2:])
     args = build_parser().parse_args(argv)
     from rayvl.session import setup_logging
 
@@ -183,6 +201,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command not in LOCAL_COMMANDS:
             raise
         return user_error(e)
+
+
+def check_main(name: str, argv: list[str]) -> int:
+    """`rayvl check NAME ARGV`: the check's own main, imported only now (the GPU check says there is no GPU before it
+    starts anything)."""
+    import importlib
+
+    return importlib.import_module(CHECKS[name][0]).main(argv)
 
 
 def eval_main(args) -> int:

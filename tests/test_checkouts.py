@@ -65,7 +65,7 @@ def test_a_run_without_the_venv_on_path_and_with_a_fresh_extensions_cache_compil
     venv and whose torch extensions cache is empty: it trains, and the cache stays empty."""
     extensions = tmp_path / "torch_extensions"
     env = {**os.environ, "PATH": "/usr/bin:/bin", "TORCH_EXTENSIONS_DIR": str(extensions)}
-    code = ("import sys; sys.path.insert(0, 'benchmarks'); import step_census as sc; "
+    code = ("import rayvl.checks.census as sc; "
             "step, engine = sc.rayvl_step(sc.config(0, 'fp32')); step(); step(); print('trained', engine.global_steps)")
     run = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -1,10 +1,9 @@
 """MFU's parts (rayvl.train.flops: FLOPs counted against hand counts, the peak table), the progress line's MFU, the
-sync watch (rayvl.train.profiling.SyncWatch, with torch's CUDA calls played by fakes), and what of
-benchmarks/gpu_check.py runs without a GPU: its configs, its measurements, its report, its refusal on a CPU
-machine."""
+sync watch (rayvl.train.profiling.SyncWatch, with torch's CUDA calls played by fakes), and what of the GPU check
+(rayvl.checks.gpu, `rayvl check gpu`) runs without a GPU: its configs, its measurements, its report, its refusal on a
+CPU machine — as the command, as a module and through benchmarks/gpu_check.py, the path the GPU workflow runs."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -160,14 +159,12 @@ def test_the_progress_line_shows_mfu_after_samples_per_second():
     assert "MFU" not in progress_line({**row, "mfu": None}, 200, 0.0, 1.68, 2)
 
 
-# ----------------------------------------------------------------------------- benchmarks/gpu_check.py
+# ----------------------------------------------------------------------------- rayvl check gpu
 
 def _gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    from rayvl.checks import gpu
+
+    return gpu
 
 
 def _no_gpu_env(tmp_path) -> dict:
@@ -176,23 +173,43 @@ def _no_gpu_env(tmp_path) -> dict:
             "PYTHONPATH": str(REPO)}
 
 
-@pytest.mark.slow
-def test_gpu_check_on_a_machine_without_gpu_says_so_and_starts_nothing(tmp_path):
-    started = time.time()
-    run = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--quick"], cwd=REPO, capture_output=True,
-                         text=True, timeout=120, env=_no_gpu_env(tmp_path))
+def _no_gpu_said(run: subprocess.CompletedProcess, tmp_path) -> None:
+    """Exit status 2, the one line saying why, no traceback, no Ray started."""
     assert run.returncode == 2, run.stderr[-2000:]
     assert f"gpu_check: no CUDA GPU visible to torch (torch {torch.__version__}, built for CUDA " \
            f"{torch.version.cuda or 'none'}) — run it on a GPU machine; see docs/gpu.md" in run.stderr
     assert "Traceback" not in run.stderr and not (tmp_path / "ray").exists()
+
+
+@pytest.mark.slow
+def test_gpu_check_on_a_machine_without_gpu_says_so_and_starts_nothing(tmp_path):
+    """Through benchmarks/gpu_check.py, the path the GPU workflow runs from a checkout (from another folder: the
+    check needs no checkout of its own); then the module run as a script, watched from inside: Ray was never
+    imported."""
+    started = time.time()
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--quick"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120, env=_no_gpu_env(tmp_path))
+    _no_gpu_said(run, tmp_path)
     assert time.time() - started < 60
-    # the same run, watched from inside: Ray was never imported
-    code = ("import runpy, sys\nsys.argv = ['benchmarks/gpu_check.py']\ntry:\n"
-            "    runpy.run_path('benchmarks/gpu_check.py', run_name='__main__')\n"
+    code = ("import runpy, sys\nsys.argv = ['gpu']\ntry:\n"
+            "    runpy.run_module('rayvl.checks.gpu', run_name='__main__', alter_sys=True)\n"
             "finally:\n    print('ray imported:', 'ray' in sys.modules)\n")
-    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                          env=_no_gpu_env(tmp_path))
     assert run.returncode == 2 and "ray imported: False" in run.stdout, run.stdout + run.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_rayvl_check_gpu_on_a_machine_without_gpu_says_so_and_check_census_shows_its_options(tmp_path):
+    """The commands: `rayvl check gpu` exits 2 with the check's own line before anything starts (the CLI imports Ray
+    for its other commands, but starts none); `rayvl check census --help` is the census's own help."""
+    run = subprocess.run([sys.executable, "-m", "rayvl.cli", "check", "gpu", "--quick"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120, env=_no_gpu_env(tmp_path))
+    _no_gpu_said(run, tmp_path)
+    run = subprocess.run([sys.executable, "-m", "rayvl.cli", "check", "census", "--help"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120, env=_no_gpu_env(tmp_path))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("usage: rayvl check census") and "--batch-path" in run.stdout
 
 
 def _check(gc, tmp_path, **args):
@@ -270,7 +287,7 @@ def test_a_missing_cli_option_is_a_failed_case_named_not_a_crash():
 
 def test_the_report_puts_each_goal_beside_its_measurement(tmp_path):
     gc = _gpu_check()
-    rep = {"date": "2026-11-26 10:00:00 UTC", "command": "python benchmarks/gpu_check.py --quick",
+    rep = {"date": "2026-11-26 10:00:00 UTC", "command": "rayvl check gpu --quick",
            "machine": {"gpu": "NVIDIA H100 80GB HBM3", "gpus": 1, "gpu_memory_gib": 79.2, "driver": "570.1",
                        "torch": "2.13.0", "cuda": "12.8", "cudnn": 91000, "python": "3.11", "cpus": 16},
            "settings": {"steps": 30, "micro_batch_size": 256}, "passed": False,

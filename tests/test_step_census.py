@@ -1,6 +1,6 @@
-"""What one training step asks of the host (benchmarks/step_census.py), pinned: rayvl's ZeRO-2 step reads nothing
-back from the device, synchronises nothing and launches no more kernels than a hand-written loop; and the
-device-side clip (rayvl.train.syncfree) steps exactly as DeepSpeed's own."""
+"""What one training step asks of the host (rayvl.checks.census, `rayvl check census`), pinned: rayvl's ZeRO-2 step
+reads nothing back from the device, synchronises nothing and launches no more kernels than a hand-written loop; and
+the device-side clip (rayvl.train.syncfree) steps exactly as DeepSpeed's own."""
 from __future__ import annotations
 
 import importlib.util
@@ -17,14 +17,16 @@ def _load(name: str):
     """A benchmark module by its file (benchmarks/ is no package)."""
     spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there; host_time imports step_census
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
 @pytest.fixture(scope="module")
 def sc(one_process_group):
-    return _load("step_census")
+    from rayvl.checks import census
+
+    return census
 
 
 @pytest.mark.slow

@@ -96,7 +96,7 @@ def train_step(engine, objective: Objective, next_batch, step: int, accumulation
     """Optimizer step ``step``: ``accumulation`` micro-batches forward and backward, then DeepSpeed's step;
     ``grad_clip``: the max norm where rayvl clips (rayvl.train.engine.rayvl_clips; 0 = no clip), None where
     DeepSpeed does. Nothing
-    here reads the device from the host (benchmarks/step_census.py counts it): the loss and the gradient norm go
+    here reads the device from the host (rayvl/checks/census.py counts it): the loss and the gradient norm go
     to ``window`` as device tensors, the row ids to ``rows``."""
     for micro in range(accumulation):
         batch, waited = next_batch(step, micro)

@@ -1,4 +1,4 @@
-"""What a run's steady steps do on the device, watched from the workers' environment (benchmarks/gpu_check.py sets
+"""What a run's steady steps do on the device, watched from the workers' environment (rayvl/checks/gpu.py sets
 both). Without the variables nothing is imported or recorded.
 
 - ``RAYVL_PROFILE=<dir>:<first step>:<steps>``: a torch.profiler trace. Rank 0 records steps first..first+steps-1
@@ -73,7 +73,7 @@ class SyncWatch:
     """RAYVL_SYNC_DEBUG: the host synchronisations of each step from ``first`` on, one line a step appended to this
     rank's file (a whole file rewritten a step would cost the step more than a line) — a run that stops early keeps
     what it saw. A no-op where the step does not run on CUDA: the sync debug mode is CUDA's, and a CPU step's
-    synchronisations are the step census's to count (benchmarks/step_census.py)."""
+    synchronisations are the step census's to count (rayvl/checks/census.py)."""
 
     SAMPLES = 5  # the stacks kept: the first few say where; the count says how often
 
