@@ -16,9 +16,9 @@ cuts it) and the same unaligned images (the demo's training split copied under n
 - plain: this script's ``--plain`` mode, what a user writes without rayvl — the pool's captions read from the tars
   and embedded in the main process, the same faiss index (``rayvl.eval.knn.build_index``), then a ``torch``
   DataLoader over the unaligned shards (loader workers = CPUs − 1, shards split over them) running rayvl's own
-  per-image code in the workers (``pseudo_label.decoded`` and ``pseudo_label.crops``: the same seeded random resized
-  crops), the main process embedding each batch's crops and searching the index, each image's k·c retrievals
-  merged as rayvl merges them.
+  per-image code in the workers (``pseudo_label.crops``: the same seeded random resized crops, decoded at a reduced
+  JPEG scale and downscaled once, cut by Pillow), the main process embedding each batch's crops and searching the
+  index, each image's k·c retrievals merged as rayvl merges them.
 
 Lines are timed on arrival, so the phases come from the outside, the same way for both: start-up (start → the
 caption pool's reading begins), the caption pool (→ its index is built), the labelling (→ every image labelled) and
@@ -83,8 +83,10 @@ class Crops:
                 mine = paths[info.id::info.num_workers] if info else paths
                 for path in mine:
                     unit = pseudo_label.Unit(0, "tar", [path])
-                    for key, img, _ in pseudo_label.decoded(pseudo_label.unit_samples(unit)[0]):
-                        yield str(key), torch.from_numpy(pseudo_label.crops(img, key, settings, size))
+                    for key, data, *_ in pseudo_label.unit_samples(unit)[0]:
+                        cut = pseudo_label.crops(data, key, settings, size) if data is not None else None
+                        if cut is not None:
+                            yield str(key), torch.from_numpy(cut)
 
         return _Crops()
 

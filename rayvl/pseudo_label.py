@@ -9,8 +9,9 @@
    are saved in ``<out>/index/`` with the fingerprint of the checkpoint, the shards and the index settings, and
    reused while it matches.
 3. Labelling: one Ray Data actor call per unit — an input shard, or ``shard_size`` image files. The actor loads
-   the model and the index once; per image c random resized crops (seeded by the image key), the top-k captions
-   of each crop; NN_i keeps all k·c retrievals ordered by similarity (a caption found by several crops counts
+   the model and the index once; per image c random resized crops (seeded by the image key; ``data.roi_crops``:
+   decoded at a reduced JPEG scale, downscaled once, cut by Pillow on a CPU actor's threads or in one op on its
+   GPU), the top-k captions of each crop; NN_i keeps all k·c retrievals ordered by similarity (a caption found by several crops counts
    once per crop); each rule of ``data.word_rank`` keeps p words.
 4. Output: per rule one img2dataset-layout shard per unit, ``<out>/<rule>/<unit>.tar|.parquet|_stats.json``,
    caption in ``txt``, rule, words, neighbours' keys and scores in ``json`` (with ``"pseudo_bow": true``, so a
@@ -35,6 +36,7 @@ from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import partial
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +47,7 @@ import ray
 from rayvl.checkpoints import checkpoint_uri, read_meta
 from rayvl.config import ConfigError, PseudoLabelConfig, RayvlConfig
 from rayvl.data import artifacts
-from rayvl.data.images import crop, decode
+from rayvl.data import roi_crops
 from rayvl.data.report import DataPlaneError
 from rayvl.data.shards import Reading, ShardStream, read
 from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
@@ -180,13 +182,16 @@ def _sample_queries(cfg: RayvlConfig, ckpt: str, units: list[Unit]) -> np.ndarra
     from rayvl.export import load
 
     x = cfg.pseudo_label
-    model, images = load(ckpt), []
-    for unit in units:
-        images += decoded(unit_samples(unit, ReadPolicy.of(cfg.data))[0])
-        if len(images) >= x.recall_sample:
-            break
-    queries = [crops(img, key, x, model.image_size) for key, img, _ in images[:x.recall_sample]]
-    return np.concatenate([model.encode_image(q).numpy() for q in queries])
+    model = load(ckpt)
+
+    def decodable():
+        for unit in units:
+            for key, data, *_ in unit_samples(unit, ReadPolicy.of(cfg.data))[0]:
+                q = crops(data, key, x, model.image_size) if data is not None else None
+                if q is not None:
+                    yield q
+
+    return np.concatenate([model.encode_image(q).numpy() for q in islice(decodable(), x.recall_sample)])
 
 
 # ----------------------------------------------------------------------------- one unit
@@ -216,23 +221,28 @@ def _member_extension(path: str) -> str:
     return ext if ext in TAR_IMAGE_EXTENSIONS else "jpg"
 
 
-def decoded(samples: list, threads: ThreadPoolExecutor | None = None) -> list[tuple[str, object, int]]:
-    """(key, RGB image, sample index) of the decodable samples (decoded on ``threads`` when given: Pillow's decoders
-    release the GIL)."""
-    each = partial(_decoded_one, samples)
-    images = list(threads.map(each, range(len(samples)))) if threads else [each(i) for i in range(len(samples))]
-    return [(key, img, i) for key, img, i in images if img is not None]
+def prepared(samples: list, indices: list[int], x: PseudoLabelConfig, size: int,
+             on_cpu: bool) -> tuple[list[int], list[roi_crops.CropSource], np.ndarray | None]:
+    """(the decodable samples of ``indices``, their crop sources, and — ``on_cpu`` — their crops cut by Pillow,
+    uint8 (Σ c, 3, size, size)): the CPU's share of labelling a chunk, run on a labeller's threads (Pillow's
+    decoders and resize release the GIL)."""
+    kept, sources = [], []
+    for i in indices:
+        key, data, *_ = samples[i]
+        source = (roi_crops.prepare(data, key, x.crops, size, x.crop_scale_min, x.seed)
+                  if data is not None else None)
+        if source is not None:
+            kept.append(i)
+            sources.append(source)
+    cut = roi_crops.cut_on_cpu(sources, size) if on_cpu and sources else None
+    return kept, sources, cut
 
 
-def _decoded_one(samples: list, i: int) -> tuple[str, object, int]:
-    key, data, *_ = samples[i]
-    return key, decode(data) if data is not None else None, i
-
-
-def crops(img, key, x: PseudoLabelConfig, size: int) -> np.ndarray:
-    """The image's c random resized crops, uint8 (c, 3, size, size), drawn from (seed, image key)."""
-    rng = np.random.default_rng([x.seed, zlib.crc32(str(key).encode())])
-    return np.stack([crop(img, size, x.crop_scale_min, rng) for _ in range(x.crops)])
+def crops(data: bytes, key: str, x: PseudoLabelConfig, size: int) -> np.ndarray | None:
+    """The image's c random resized crops as a CPU labeller cuts them, uint8 (c, 3, size, size), drawn from (seed,
+    image key); None when the bytes are not a decodable image."""
+    _, sources, cut = prepared([(key, data)], [0], x, size, on_cpu=True)
+    return cut if sources else None
 
 
 def ahead_of_use(items: list, work, threads: ThreadPoolExecutor, ahead: int):
@@ -244,10 +254,6 @@ def ahead_of_use(items: list, work, threads: ThreadPoolExecutor, ahead: int):
         if n + ahead < len(items):
             pending.append((items[n + ahead], threads.submit(work, items[n + ahead])))
         yield item, result.result()
-
-
-def _chunk_crops(chunk: list, x: PseudoLabelConfig, size: int) -> np.ndarray:
-    return np.concatenate([crops(img, key, x, size) for key, img, _ in chunk])
 
 
 class Labeler:
@@ -273,31 +279,37 @@ class Labeler:
         self.ranker = WordRanker(df, self.x.words, self.x.top_t, self.x.seed)
         self.out, self.io = Path(out), io
         # decoding and cropping on every CPU this actor holds (Pillow's decode and resize release the GIL), the
-        # next chunks' crops cut while one is embedded: one thread cropped 10 crops an image for the whole actor
+        # next chunks prepared while one is embedded: one thread cropped 10 crops an image for the whole actor
         self.cpus = max(1, int(self.x.cpus_per_actor))
+        self.cut_on_cpu = self.device.type != "cuda"  # else in one op on the GPU (roi_crops.cut)
         self.threads = ThreadPoolExecutor(self.cpus, thread_name_prefix="crops")
 
     def __call__(self, batch: dict) -> dict:
         counts = [json.dumps(self.label(Unit(**json.loads(u)))) for u in batch["unit"]]
         return {"counts": np.array(counts, dtype=object)}
 
-    def neighbours(self, images: list, size: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per image: (pool ids, scores) of its k·c retrievals, best first. The crops of a chunk of images are cut
-        on the actor's threads, up to two chunks a thread ahead of the one being embedded (memory: that many
-        chunks of crops)."""
+    def neighbours(self, samples: list, size: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Per decodable sample (by index): (pool ids, scores) of its k·c retrievals, best first. A chunk of
+        images is decoded, downscaled and given its crop boxes on the actor's threads (on a CPU actor its crops cut
+        there too), up to two chunks a thread ahead of the one being embedded; on a GPU the chunk's crops are cut
+        there in one op (``roi_crops.cut``)."""
         x, per = self.x, max(1, self.x.batch_size // self.x.crops)
-        chunks = [images[j:j + per] for j in range(0, len(images), per)]
-        out = []
-        for chunk, queries in ahead_of_use(chunks, partial(_chunk_crops, x=x, size=size), self.threads,
-                                           2 * self.cpus):
+        chunks = [list(range(j, min(j + per, len(samples)))) for j in range(0, len(samples), per)]
+        on_cpu = self.cut_on_cpu
+        work = partial(prepared, samples, x=x, size=size, on_cpu=on_cpu)
+        out = {}
+        for _, (kept, sources, cut) in ahead_of_use(chunks, work, self.threads, 2 * self.cpus):
+            if not kept:
+                continue
+            queries = cut if on_cpu else roi_crops.cut(sources, size, self.device)
             with inference(self.device):
                 embedded = self.model.encode_image(queries).cpu().numpy()
             scores, ids = knn.search(self.index, embedded, x.k)
-            for b in range(len(chunk)):
-                s, i = scores[b * x.crops:(b + 1) * x.crops].ravel(), ids[b * x.crops:(b + 1) * x.crops].ravel()
+            for b, i in enumerate(kept):
+                s, n = scores[b * x.crops:(b + 1) * x.crops].ravel(), ids[b * x.crops:(b + 1) * x.crops].ravel()
                 order = np.argsort(-s, kind="stable")
-                keep = order[i[order] >= 0]  # faiss pads with −1 when fewer than k are found
-                out.append((i[keep], s[keep]))
+                keep = order[n[order] >= 0]  # faiss pads with −1 when fewer than k are found
+                out[i] = (n[keep], s[keep])
         return out
 
     def label(self, unit: Unit) -> dict:
@@ -308,10 +320,9 @@ class Labeler:
             if self.io.unreadable == "fail":
                 raise
             return {"unit": unit.id, "unreadable_shard": str(e)}
-        images = decoded(samples, self.threads)
         found = {i: (ids, scores, neighbour_counts([self.captions[j] for j in ids]))  # counted once, for all rules
-                 for (_, _, i), (ids, scores) in zip(images, self.neighbours(images, self.model.image_size))}
-        counts = Counter(images=len(samples), decoded=len(images))
+                 for i, (ids, scores) in self.neighbours(samples, self.model.image_size).items()}
+        counts = Counter(images=len(samples), decoded=len(found))
         for rule in self.x.rules:
             rows = [self._row(rule, samples[i], found.get(i), counts) for i in range(len(samples))]
             written = sum(r["status"] == "success" for r in rows)

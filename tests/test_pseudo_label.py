@@ -250,7 +250,6 @@ def test_a_labeller_whose_nearest_caption_is_the_images_own_writes_that_captions
     from rayvl.config import PseudoLabelConfig
     from rayvl.methods.bow.deformation import rm_stop_nalpha
     from rayvl.data.demo import write_shard
-    from rayvl.data.images import decode
     from rayvl.data.tar import iter_tar_samples
     from rayvl.data.text import words
     from rayvl.eval import knn
@@ -269,7 +268,7 @@ def test_a_labeller_whose_nearest_caption_is_the_images_own_writes_that_captions
     x = PseudoLabelConfig(rules=["max_count"], crops=2, k=1, words=4, batch_size=6, cpus_per_actor=3)
     model = load(ckpt)
     model.module.vision.to_channels_last()  # as the labeller embeds
-    vectors = np.concatenate([model.encode_image(crops(decode(s["img"]), s["key"], x, model.image_size)).numpy()
+    vectors = np.concatenate([model.encode_image(crops(s["img"], s["key"], x, model.image_size)).numpy()
                               for s in samples])
     index_dir = tmp_path / "index"
     index_dir.mkdir()

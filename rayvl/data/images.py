@@ -45,11 +45,16 @@ def decode_and_crop(data: bytes, size: int, scale_min: float | None,
     return None if img is None else crop(img, size, scale_min, rng)
 
 
-def decode(data: bytes) -> Image.Image | None:
+def decode(data: bytes, draft=None) -> Image.Image | None:
     """The RGB image of encoded bytes, or None when they are not a decodable image (or one under 2 px a side). A
-    palette or alpha image (PNG, WebP) is converted to RGB, its transparency dropped."""
+    palette or alpha image (PNG, WebP) is converted to RGB, its transparency dropped. ``draft``: a function of the
+    image's full (width, height) giving the smallest size wanted, or None: a JPEG is then decoded at the smallest
+    DCT scale at least that large (Pillow's ``Image.draft``); other formats decode whole."""
     try:
         with Image.open(io.BytesIO(data)) as img:
+            wanted = draft(img.size) if draft else None
+            if wanted and img.format == "JPEG":
+                img.draft("RGB", wanted)
             if img.mode == "P" and "transparency" in img.info:  # through RGBA: Pillow warns on each such image else
                 img = img.convert("RGBA")
             img = img.convert("RGB")

@@ -1,0 +1,148 @@
+"""Many random resized crops of many images, cut in one op: the pseudo-labeller's queries ([BoW] §2.3: c crops an
+image, each a query).
+
+Cutting c crops with Pillow resamples the full image c times on one core; here the work is split where it is
+cheapest. On a CPU, per image (``prepare``): decode at a reduced JPEG scale where the crops allow it (libjpeg's
+DCT scaling), draw the c crop boxes from the image's seeded generator on the image's own pixel grid (the draws
+Pillow's path made: the same boxes), and downscale the image once so that its shorter side is just large enough
+that no crop is upsampled relative to the crop size. On the model's device, per batch of images (``cut``): one
+``grid_sample`` over the padded batch cuts every crop of every image (2 × 2 bilinear samples averaged into each
+crop pixel: an area filter where a crop is reduced) — on a GPU the 10 crops of 100 images are one kernel, on a CPU
+one multithreaded op. (torchvision's ``roi_align`` does the same; core torch's ``grid_sample`` also runs where
+torchvision's compiled ops cannot load, as on CPU machines whose registry has only a CUDA torchvision.)
+
+The crops differ from Pillow's bicubic ``resize(box=…)`` by resampling filter only (same boxes, same size);
+tests/test_pseudo_label.py holds the two within a stated tolerance, pixels and labels.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from rayvl.data.images import decode, random_resized_crop_box
+
+
+@dataclass
+class CropSource:
+    """One image ready to be cut: the image downscaled and the boxes of its crops on it."""
+
+    image: Image.Image  # RGB
+    boxes: np.ndarray  # float32 (c, 4): x0, y0, x1, y1 in pixels of ``image`` (corners, as Pillow's box)
+
+    @property
+    def pixels(self) -> np.ndarray:
+        return np.asarray(self.image, dtype=np.uint8).transpose(2, 0, 1)
+
+
+def source_side(size: int, scale_min: float) -> int:
+    """The shorter side an image is downscaled to: a crop keeps ≥ scale_min of the area at an aspect ratio within
+    [3/4, 4/3], so its shorter side is ≥ √(¾·scale_min) of the image's; at this side every crop is at least
+    ``size`` pixels a side (reduced to the crop size, never enlarged beyond what Pillow's path does)."""
+    return math.ceil(size / math.sqrt(0.75 * scale_min))
+
+
+def rng_of(key: str, seed: int) -> np.random.Generator:
+    """The image's crop generator: seeded by (seed, image key), so labels do not depend on batching or order."""
+    return np.random.default_rng([seed, zlib.crc32(str(key).encode())])
+
+
+def decode_reduced(data: bytes, side: int) -> tuple[Image.Image, tuple[int, int]] | None:
+    """(the RGB image, its full size), or None where ``rayvl.data.images.decode`` finds no image: a JPEG is
+    decoded at the smallest DCT scale (1/2, 1/4, 1/8) whose shorter side is still ≥ ``side`` — a 2,000-pixel photo
+    costs a quarter of its pixels. The boxes are drawn on the full-size grid (``prepare``), so the scale changes
+    resampling only, never which part of the image a crop covers."""
+    full: list = []
+    img = decode(data, draft=lambda size: full.append(size) or _draft_size(size, side))
+    return None if img is None else (img, full[0] if full else img.size)
+
+
+def _draft_size(full: tuple[int, int], side: int) -> tuple[int, int] | None:
+    w, h = full
+    short = min(w, h)
+    if short <= 2 * side:  # no DCT scale of 1/2 or less keeps the side
+        return None
+    return max(1, round(w * side / short)), max(1, round(h * side / short))
+
+
+def prepare(data: bytes, key: str, crops: int, size: int, scale_min: float, seed: int) -> CropSource | None:
+    """An encoded image → its ``CropSource`` (None when not a decodable image): boxes drawn on its full-size grid
+    from ``rng_of(key, seed)``, pixels decoded and downscaled to ``source_side``."""
+    side = source_side(size, scale_min)
+    decoded = decode_reduced(data, side)
+    if decoded is None:
+        return None
+    img, (width, height) = decoded
+    rng = rng_of(key, seed)
+    boxes = np.array([random_resized_crop_box(width, height, scale_min, rng) for _ in range(crops)], np.float32)
+    return from_image(img, boxes, (width, height), side)
+
+
+def from_image(img: Image.Image, boxes: np.ndarray, full: tuple[int, int], side: int) -> CropSource:
+    """``img`` (decoded at any scale of a ``full``-size image) downscaled so its shorter side is ``side`` (never
+    enlarged), and ``boxes`` (on the full-size grid) mapped onto its pixels."""
+    scale = min(1.0, side / min(img.size))
+    if scale < 1.0:
+        target = (max(1, round(img.width * scale)), max(1, round(img.height * scale)))
+        img = img.resize(target, Image.BICUBIC, reducing_gap=3.0)
+    sx, sy = img.width / full[0], img.height / full[1]
+    mapped = boxes * np.array([sx, sy, sx, sy], np.float32)
+    # float rounding may put a box's far edge a hair past the image, which Pillow refuses
+    return CropSource(img, np.minimum(mapped, np.array([img.width, img.height] * 2, np.float32)))
+
+
+def cut_on_cpu(sources: list[CropSource], size: int) -> np.ndarray:
+    """``cut`` done by Pillow on this core, uint8 (Σ c, 3, size, size): a bicubic resize of each box of the
+    downscaled image — faster on a CPU than ``grid_sample``, and what a CPU labeller runs on its threads."""
+    return np.stack([np.asarray(s.image.resize((size, size), Image.BICUBIC, box=tuple(map(float, b))),
+                                dtype=np.uint8).transpose(2, 0, 1) for s in sources for b in s.boxes])
+
+
+SUPERSAMPLE = 2  # bilinear samples a side averaged into a crop pixel where a crop is reduced: an area filter
+
+
+def cut(sources: list[CropSource], size: int, device="cpu"):
+    """Every crop of every source, in order, uint8 (Σ c, 3, size, size) on ``device``: the sources padded into
+    one batch (their boxes never reach the padding), every crop sampled by one ``grid_sample`` — each image's c
+    crops stacked as one tall output grid, so the images are not copied once per crop — where a crop is reduced, at
+    ``SUPERSAMPLE``× the crop size and averaged down (each pixel the mean of 2 × 2 bilinear samples across its
+    area)."""
+    import torch
+    import torch.nn.functional as F
+
+    crops = len(sources[0].boxes)
+    if any(len(s.boxes) != crops for s in sources):
+        raise ValueError("every source of a cut must have the same number of crops")
+    h = max(s.image.height for s in sources)
+    w = max(s.image.width for s in sources)
+    batch = np.zeros((len(sources), 3, h, w), np.uint8)
+    for i, s in enumerate(sources):
+        batch[i, :, :s.image.height, :s.image.width] = s.pixels
+    images = torch.from_numpy(batch).to(device, non_blocking=True).float()
+    stacked = np.stack([s.boxes for s in sources])  # (N, c, 4)
+    # where no crop is reduced (a small image, crops enlarged as Pillow enlarges them) one sample a pixel is exact
+    extent = np.maximum(stacked[..., 2] - stacked[..., 0], stacked[..., 3] - stacked[..., 1]).max()
+    sub = SUPERSAMPLE if extent > size else 1
+    grid = _grid(torch.from_numpy(stacked).to(device), h, w, size * sub)
+    out = F.grid_sample(images, grid, mode="bilinear", padding_mode="border", align_corners=False)  # (N,3,c·S,S)
+    if sub > 1:
+        out = F.avg_pool2d(out, sub)  # (N, 3, c·size, size)
+    out = out.view(len(sources), 3, crops, size, size).transpose(1, 2).reshape(-1, 3, size, size)
+    return out.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def _grid(boxes, h: int, w: int, side: int):
+    """(N, c·side, side, 2) sampling points: crop k of image n fills rows k·side … (k+1)·side − 1, its output pixel
+    centres spread evenly over its box. grid_sample's coordinates (align_corners=False) put −1 and +1 at the outer
+    edges of the first and last pixels — the corner convention of the boxes."""
+    import torch
+
+    t = (torch.arange(side, device=boxes.device, dtype=torch.float32) + 0.5) / side  # centres along a box, in (0, 1)
+    x0, y0, x1, y1 = boxes.unbind(-1)  # (N, c) each
+    xs = (x0[..., None] + t * (x1 - x0)[..., None]) * (2 / w) - 1  # (N, c, side)
+    ys = (y0[..., None] + t * (y1 - y0)[..., None]) * (2 / h) - 1
+    grid = torch.stack(torch.broadcast_tensors(xs[:, :, None, :], ys[:, :, :, None]), -1)  # (N, c, side, side, 2)
+    return grid.flatten(1, 2)
