@@ -194,7 +194,7 @@ class PairsPosition(DataPosition):
             self.complete.append(p)
         return done
 
-    def plan(self, pass_: int, shards: list[int]):
+    def left_out(self, pass_: int, shards: list[int]):
         if pass_ in self.complete:
             return set(shards), {}
         skip = set(self.finished.get(pass_, ())) & set(shards)
@@ -349,7 +349,7 @@ def plan_restore(kind: str, state: bytes, tasks: list[list[int]]) -> dict:
     report = (RowsKeptReport if kind == "before" else DataReport.__ray_actor_class__)()
     t = time.perf_counter()
     report.restore("resumed", torch.load(io.BytesIO(state), weights_only=True)["data_position"], SHARDS)
-    sizes = [len(pickle.dumps(report.plan(0, 1, shards))) for shards in tasks]
+    sizes = [len(pickle.dumps(report.read_task(0, 1, shards))) for shards in tasks]
     return {"restore_plan_s": time.perf_counter() - t, "plan_max_bytes": max(sizes), "plan_total_bytes": sum(sizes),
             "actor_restored_bytes": deep_size(report)}
 

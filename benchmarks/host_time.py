@@ -5,17 +5,17 @@
 On a GPU the host only launches kernels; when the host's time per step exceeds the GPU's, the GPU waits and the
 framework, not the model, sets the speed (DeepSpeed ZeRO-2's per-gradient hooks did on an H200: docs/gpu.md). On a
 CPU with one intra-op thread, ``time.thread_time()`` of the step counts the host's work and the model's arithmetic
-together; on the census's tiny model (rayvl/checks/census.py, `rayvl check census`: the laion_adapt layout at ViT-B/32, 188 trainable
-tensors, 32 px) at batch 2 and 8 tokens the arithmetic is small, so what a layout adds over the bare loop is host
-work a GPU would wait on. fp32 by default: this CPU emulates bf16's matrix products, which would bury the host's
+together; on the census's tiny model (rayvl/checks/census.py, `rayvl check census`: the laion_adapt layout at
+ViT-B/32, 188 trainable tensors, 32 px) at batch 2 and 8 tokens the arithmetic is small, so what a layout adds
+over the bare loop is host work a GPU would wait on. fp32 by default: this CPU emulates bf16's matrix products, which would bury the host's
 work (``--precision bf16`` runs DeepSpeed's bf16 path all the same).
 
-Every layout is rayvl's own step (``rayvl.train.engine.build_engine``, ``rayvl.train.loop.train_step``) in one
+Every layout is rayvl's own step (``rayvl.train.engine.build_engine``, ``rayvl.train.step.Step``) in one
 process beside the bare loop (fused AdamW, foreach clipping; bf16 autocast at bf16); rounds interleave them in a
 rotating order, each round times ``--steps`` steps of each, and the table gives each layout's median per-step thread
 time and the median over rounds of its ratio to the bare loop in the same round (a busy machine slows a whole round,
-not one layout). The sync-type ops per step (rayvl.checks.census.SYNC_OPS: each a wait for the GPU on CUDA) come from one
-counted step. Timings are printed, never asserted; tests/test_step_census.py pins the counts.
+not one layout). The sync-type ops per step (rayvl.checks.census.SYNC_OPS: each a wait for the GPU on CUDA) come
+from one counted step. Timings are printed, never asserted; tests/test_step_census.py pins the counts.
 """
 from __future__ import annotations
 

@@ -77,7 +77,7 @@ class Crops:
 
         class _Crops(torch.utils.data.IterableDataset):
             def __iter__(self):
-                from rayvl import pseudo_label
+                from rayvl.methods.bow import pseudo_label
 
                 info = torch.utils.data.get_worker_info()
                 mine = paths[info.id::info.num_workers] if info else paths

@@ -9,13 +9,13 @@ seeds as one Ray Tune grid (rayvl.sweeps.comparison), mean ± std per metric.
 
 1. trains the labeller: a BoW model (configs/bow_pretrain.yaml) on the aligned shards S_a for --teacher-steps
    (the run <name>-labeller);
-2. labels the unaligned images with the rule of each chosen arm (rayvl.pseudo_label: one retrieval, one shard set
+2. labels the unaligned images with the rule of each chosen arm (rayvl.methods.bow.pseudo_label: one retrieval, one shard set
    per rule, in <name>-pseudo/ beside the labeller's run; a rerun skips the shards labelled before);
 3. continues the labeller for --steps more steps on S_a alone — Table 7's longer-trained aligned-only baseline —
    and, with the same steps and seeds, on S_a + each rule's pseudo-labelled shards: the arms × seeds as one grid;
 4. reports Table-7-style rows per arm: zero-shot top-1 and R@1, the pseudo-labelled images trained on and, where the
    unaligned shards still carry their captions (the demo's do; the labeller never reads them), the rule's word
-   precision against the true caption (rayvl.eval.pseudo_captions, after each trial).
+   precision against the true caption (rayvl.methods.bow.pseudo_captions, after each trial).
 
 On the demo the aligned set is the first half of the training shards and the unaligned set the second half. The
 paper trains each semi-aligned model from scratch for 10 epochs; continuing the labeller keeps this recipe within
@@ -65,7 +65,7 @@ def split(args) -> Split:
     cfg = load_config(args.config, list(args.set))
     store = storage.normalize(cfg.train.storage_path)
     local = storage.local_path(store)
-    if local is None:  # rayvl.pseudo_label writes its shards with local file I/O
+    if local is None:  # rayvl.methods.bow.pseudo_label writes its shards with local file I/O
         raise ConfigError(f"train.storage_path: {store!r}: jobs/pseudo_label.py writes the labelled shards beside "
                           f"the labeller's run, which needs a path on this machine (or a shared mount)")
     paths = dict(labeller=storage.join(store, f"{args.name}-labeller"), pseudo=str(local / f"{args.name}-pseudo"))
@@ -112,7 +112,8 @@ class PseudoLabel(Comparison):
     def prepare(self, args, overrides: list[str]) -> None:
         """The labeller, trained (or continued; a resumed comparison's finished one is kept), then the unaligned
         images labelled with the chosen arms' rules."""
-        from rayvl import pseudo_label, session
+        from rayvl import session
+        from rayvl.methods.bow import pseudo_label
 
         s = split(args)
         train_labeller(self.labeller_config(args, overrides), args.resume)
@@ -135,9 +136,9 @@ class PseudoLabel(Comparison):
                                                       f"train.run_name={Path(s.labeller).name}",
                                                       f"train.max_steps={steps}", f"train.warmup_steps={warmup}"])
 
-    def plan(self, grid, args, overrides: list[str]) -> str:
+    def describe(self, grid, args, overrides: list[str]) -> str:
         """--dry-run: the labeller's run plan, then what follows it (the arms read shards it has not written yet)."""
-        from rayvl.plan import describe
+        from rayvl.dry_run import describe
 
         s, seeds = split(args), len(grid.space["train.seed"]["grid"])
         rules = [n.removeprefix("+") for n in grid.variants if n.startswith("+")]
@@ -174,7 +175,7 @@ COMPARISON = PseudoLabel(
     "pseudo_label (BoW Table 7)", str(REPO / "configs" / "bow_pretrain.yaml"), ARMS, ROWS, fixed=["bow.enabled=true"],
     # one trial at a time on 2 cores (2 × 0.45 + its driver's 0.1 + Ray Data's 1); the arms' steps are --steps
     demo=["train.cpus_per_worker=0.45"],
-    after="rayvl.eval.pseudo_captions:pseudo_caption_metrics", after_metrics=("pseudo_images", "pseudo_word_precision"))
+    after="rayvl.methods.bow.pseudo_captions:pseudo_caption_metrics", after_metrics=("pseudo_images", "pseudo_word_precision"))
 
 if __name__ == "__main__":
     sys.exit(COMPARISON.main())

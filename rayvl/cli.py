@@ -7,7 +7,7 @@ import sys
 
 import rayvl
 from rayvl.config import DataConfig, EvalConfig, PseudoLabelConfig, load_config
-from rayvl.recipes import (CONFIGS, USER_ERRORS, RayvlParser, add_train_args, config_from_args, data_cause, dry_run,
+from rayvl.recipes import (CONFIGS, USER_ERRORS, RayvlParser, add_train_args, config_from_args, data_cause, print_dry_run,
                            one_line, train_command, user_error)
 
 # commands that start no distributed work: a missing file or a bad value they raise comes from the command line
@@ -296,7 +296,7 @@ def _gpu_errors_in_one_line(job):
 
 
 def bow_main(args) -> int:
-    from rayvl.bow_preview import preview
+    from rayvl.methods.bow.preview import preview
 
     preview(load_config(args.config, list(args.set)), args.data or "", args.n, args.stats or "")
     return 0
@@ -320,9 +320,9 @@ def tune_main(args) -> int:
     if not args.space:
         return user_error("tune: give a search-space file (tune_spaces/*.yaml) or --report DIR")
     if args.dry_run:
-        from rayvl import plan
+        from rayvl import dry_run
 
-        return dry_run(lambda: plan.describe_sweep(load_sweep(args.space, args.set)))
+        return print_dry_run(lambda: dry_run.describe_sweep(load_sweep(args.space, args.set)))
     from rayvl.sweeps.runner import sweep_and_report
 
     sweep = load_sweep(args.space, args.set)  # every key and domain checked before Ray starts
@@ -361,16 +361,17 @@ def export_main(args) -> int:
 
 
 def pseudo_label_main(args) -> int:
-    from rayvl import pseudo_label, session
+    from rayvl import session
+    from rayvl.methods.bow import pseudo_label
 
     flags = {"checkpoint": args.run, "aligned": args.aligned, "unaligned": args.unaligned, "out": args.out}
     overrides = list(args.set) + [f"pseudo_label.{k}={v}" for k, v in flags.items() if v is not None]
     if args.rules:
         overrides.append(f"pseudo_label.rules=[{args.rules}]")
     if args.dry_run:
-        from rayvl import plan
+        from rayvl import dry_run
 
-        return dry_run(lambda: plan.describe_pseudo_label(load_config(args.config, overrides)))
+        return print_dry_run(lambda: dry_run.describe_pseudo_label(load_config(args.config, overrides)))
     cfg = load_config(args.config, overrides)
     checked = pseudo_label.check(cfg)  # every path named by its key before Ray starts
     started = session.connect(cfg.ray_address, cfg.local_num_cpus, verbose=args.verbose, include_dashboard=False)
@@ -392,9 +393,9 @@ def pseudo_label_main(args) -> int:
 
 def data_main(args) -> int:
     if args.data_command == "check":
-        from rayvl import plan
+        from rayvl import dry_run
 
-        return dry_run(lambda: plan.check_data(args.spec, args.n))
+        return print_dry_run(lambda: dry_run.check_data(args.spec, args.n))
     from rayvl.data.demo import DEMO_SEED, write_demo
 
     d = DataConfig()

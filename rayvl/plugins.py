@@ -24,8 +24,8 @@ class Method:
     check: Callable[[Any], None] | None = None
     """``check(cfg)``: its config constraints, raising ``rayvl.errors.ConfigError`` naming the dotted key; torch-free
     (``rayvl.config.validate`` runs it before Ray starts, whether or not the method is on)."""
-    plan: str = ""
-    """``"module:function"`` of ``plan(cfg, train, evalset)``: its ``rayvl.data.parts.DataPart`` for a run reading
+    data_part: str = ""
+    """``"module:function"`` of ``data_part(cfg, train, evalset)``: its ``rayvl.data.parts.DataPart`` for a run reading
     those specs, or None when the method is off; torch-free, imported by the driver only (its data part reads with
     Ray Data: a config check or ``rayvl.load`` imports no Ray)."""
     train_part: str = ""
@@ -57,8 +57,8 @@ def check(cfg) -> None:
 def data_parts(cfg, train: str, evalset: str) -> tuple:
     """The enabled methods' data parts for a run reading ``train`` (and ``evalset``, '' = none); a problem is a
     ConfigError naming the key."""
-    plans = (_named(m.plan)(cfg, train, evalset) for m in methods() if m.plan)
-    return tuple(part for part in plans if part is not None)
+    parts = (_named(m.data_part)(cfg, train, evalset) for m in methods() if m.data_part)
+    return tuple(part for part in parts if part is not None)
 
 
 def train_part_classes() -> list[type]:

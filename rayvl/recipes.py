@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from rayvl import plan, session, storage
+from rayvl import dry_run, session, storage
 from rayvl.assets import MissingAssetError
 from rayvl.config import ConfigError, RayvlConfig, given_keys, installed_dir, load_config
 from rayvl.data.report import DataPlaneError, format_data_report
@@ -109,7 +109,7 @@ def run_recipe(default_config: str, argv: list[str] | None = None) -> int:
 def train_command(args: argparse.Namespace) -> int:
     """Validate (before Ray starts), train, print the evaluation table and where the run is."""
     if args.dry_run:
-        return dry_run(lambda: plan.describe(config_from_args(args), given_keys(config_overrides(args))))
+        return print_dry_run(lambda: dry_run.describe(config_from_args(args), given_keys(config_overrides(args))))
     try:
         result = _train(config_from_args(args), args.verbose)
     except USER_ERRORS as e:
@@ -134,8 +134,8 @@ def train_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def dry_run(describe) -> int:
-    """Print ``describe()``'s plan, or the one-line error that the real run would have stopped with."""
+def print_dry_run(describe) -> int:
+    """Print ``describe()``'s report, or the one-line error that the real run would have stopped with."""
     try:
         print(describe())
     except USER_ERRORS as e:

@@ -467,7 +467,7 @@ def test_the_report_shows_each_cases_synchronisations_a_step(monkeypatch, tmp_pa
     before = gc.sync_files()
     folder = tmp_path / "syncs"
     folder.mkdir()
-    stack = ["rayvl/train/loop.py:96 train_step", "rayvl/train/syncfree.py:40 clip", "torch/_tensor.py:12 item"]
+    stack = ["rayvl/train/step.py:83 __call__", "rayvl/train/syncfree.py:40 clip", "torch/_tensor.py:12 item"]
     lines = [{"rank": 0, "pid": 12, "first_step": 3}, {"step": 3, "syncs": 0}, {"step": 4, "syncs": 0},
              {"step": 5, "thread": "MainThread", "message": SYNC_TEXT, "stack": stack}, {"step": 5, "syncs": 2},
              {"step": 6, "syncs": 2}, {"step": 7, "syncs": 0}, {"step": 9, "syncs": 2}]
@@ -480,7 +480,7 @@ def test_the_report_shows_each_cases_synchronisations_a_step(monkeypatch, tmp_pa
     assert outcome.sync_watch["steps_with_syncs"] == [5, 6, 9]
     assert outcome.notes == ("first step after 40.0 s; synchronisations at steps 5-6, 9, the first in MainThread: "
                              "torch/_tensor.py:12 item < rayvl/train/syncfree.py:40 clip < "
-                             "rayvl/train/loop.py:96 train_step")
+                             "rayvl/train/step.py:83 __call__")
     clean, unwatched = gc.Outcome("zero0", "", passed=True), gc.Outcome("zero3", "", passed=True)
     (folder / "syncs-rank0-13.jsonl").write_text('{"rank": 0}\n{"step": 3, "syncs": 0}\n')
     gc.note_syncs(clean, [folder / "syncs-rank0-13.jsonl"])

@@ -55,7 +55,7 @@ def test_rayvl_eval_gpus_on_a_ray_without_gpus_fails_in_one_line_before_embeddin
 
     from rayvl.cli import main
     from rayvl.config import ConfigError, load_config
-    from rayvl.pseudo_label import check_cluster
+    from rayvl.methods.bow.pseudo_label import check_cluster
 
     ckpt = untrained_checkpoint(demo_dir, tmp_path)
     capsys.readouterr()
@@ -86,7 +86,7 @@ def test_an_actor_given_a_gpu_without_cuda_names_the_fix(demo_dir, tmp_path, cap
 
     from rayvl.cli import main
     from rayvl.eval.runner import pool_size
-    from rayvl.pseudo_label import Labeler
+    from rayvl.methods.bow.pseudo_label import Labeler
 
     ckpt = untrained_checkpoint(demo_dir, tmp_path)
     ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False,

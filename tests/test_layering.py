@@ -199,7 +199,7 @@ def test_every_module_name_string_resolves():
 
     named = {m for path in [*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "jobs").glob("*.py")]
              for m in re.findall(r"[\"'](rayvl(?:\.\w+)+:\w+)[\"']", path.read_text())}
-    named |= {w for m in plugins.methods() for w in (m.plan, m.train_part) if w}
+    named |= {w for m in plugins.methods() for w in (m.data_part, m.train_part) if w}
     assert len(named) >= 10, sorted(named)
     for where in sorted(named):
         module, name = where.split(":")

@@ -88,7 +88,7 @@ def test_gpu_memory_from_this_machine_or_from_rays_accelerator_type(tmp_path, mo
 
 
 def test_a_resume_keeps_its_checkpoints_stage_and_the_dry_run_names_the_layout(demo_dir, tmp_path):
-    from rayvl.plan import describe
+    from rayvl.dry_run import describe
     from rayvl.train.run_plan import plan_run
 
     base = [f"train.storage_path={tmp_path}", "train.run_name=run", "eval.tasks=[]"]

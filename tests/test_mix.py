@@ -142,7 +142,7 @@ def test_a_mixed_stream_resumed_mid_pass_reads_each_slot_once_each_read_cropped_
 
 
 def test_the_dry_run_counts_the_upsampled_pass_and_a_budget_in_passes_by_it(demo_dir, tmp_path):
-    from rayvl.plan import describe
+    from rayvl.dry_run import describe
 
     train = demo_dir / "train"
     cfg = load_config("configs/laion_adapt.yaml", [

@@ -30,14 +30,14 @@ def test_merge_counts_duplicates_and_settles_finished_shards_and_passes():
     assert pos.rows_per_pass[0] == 7 and pos.duplicates == 0 and not pos.pending
     assert pos.settle({(0, 0): 4}) == [(0, 0)]  # shard 1's read has not reached its end: no total yet
     assert pos.finished == {0: [0]} and list(pos.partial) == [(0, 1)]
-    assert pos.plan(0, [0, 1]) == ({0}, {1: {(int(i), -1) for i in b}})
+    assert pos.left_out(0, [0, 1]) == ({0}, {1: {(int(i), -1) for i in b}})
     # a row trained on again (a restarted stream would do this) is a duplicate, never a new row
     pos.merge(np.stack([np.concatenate([a[:1], b[:1]]), [-1, -1]], 1))
     assert pos.duplicates == 2 and pos.rows_per_pass[0] == 7
     # TOnICS: one sample, two aligned nouns → two rows
     pos.merge(np.array([[b[2], 5], [b[2], 7]]))
     assert pos.settle({(0, 1): 4}) == [(0, 1)] and pos.complete == [0] and pos.finished == {}
-    assert pos.plan(0, [0, 1]) == ({0, 1}, {}) and pos.plan(1, [0]) == (set(), {})
+    assert pos.left_out(0, [0, 1]) == ({0, 1}, {}) and pos.left_out(1, [0]) == (set(), {})
 
     buf = io.BytesIO()
     torch.save(pos.state_dict(), buf)
@@ -391,7 +391,7 @@ def test_merge_settle_plan_and_restore_match_a_set_reference_checkpoint_after_ch
         assert pos.finished == ref.finished and pos.complete == ref.complete
         assert pos.duplicates == ref.duplicates and dict(pos.rows_per_pass) == ref.rows_per_pass
         for p in range(2):
-            skip, trained = pos.plan(p, [0, 2])
+            skip, trained = pos.left_out(p, [0, 2])
             assert trained == {s: ref.partial[(p, s)] for s in (0, 2) if (p, s) in ref.partial}
             assert skip == ({0, 2} if p in ref.complete else set(ref.finished.get(p, ())) & {0, 2})
         buf = io.BytesIO()
@@ -399,7 +399,7 @@ def test_merge_settle_plan_and_restore_match_a_set_reference_checkpoint_after_ch
         back = DataPosition(n_shards)
         back.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
         assert back.partial == pos.partial and back.summary() == pos.summary()
-        assert back.plan(1, [1]) == pos.plan(1, [1])
+        assert back.left_out(1, [1]) == pos.left_out(1, [1])
     assert sorted(pos.complete) == [0, 1] and pos.partial == {}
 
 
@@ -413,7 +413,7 @@ def test_a_checkpoint_written_before_runs_loads():
     pos = DataPosition(n_shards=2)
     pos.load_state_dict(old)
     assert pos.partial == {(0, 1): 5, (1, 0): 3} and pos.finished == {0: [0]}
-    assert pos.plan(1, [0]) == (set(), {0: {(int(b[0]), -1), (int(b[1]), 4), (int(b[1]), 9)}})
+    assert pos.left_out(1, [0]) == (set(), {0: {(int(b[0]), -1), (int(b[1]), 4), (int(b[1]), 9)}})
     assert pos.merge(np.array([[a[0], -1], [b[1], 4], [b[1], 5]])) == [(0, 1), (1, 0)]
     assert pos.duplicates == 3 and pos.rows_per_pass == {0: 7, 1: 4}
 

@@ -136,7 +136,7 @@ def test_pseudo_label_job_writes_shards_that_train_reads_and_resumes_after_a_kil
 
     # the rerun, here on the session's Ray (the same settings as the command line's)
     from rayvl.config import load_config
-    from rayvl.pseudo_label import run
+    from rayvl.methods.bow.pseudo_label import run
 
     sets = [command[i + 1] for i, x in enumerate(command) if x == "--set"]
     cfg = load_config(None, sets + [f"pseudo_label.checkpoint={ckpt}", f"pseudo_label.aligned={aligned}",
@@ -159,7 +159,7 @@ def test_pseudo_label_job_writes_shards_that_train_reads_and_resumes_after_a_kil
     import faiss
 
     from rayvl.eval import knn
-    from rayvl.pseudo_label import INDEX_DIR, _sample_queries, check
+    from rayvl.methods.bow.pseudo_label import INDEX_DIR, _sample_queries, check
 
     index = faiss.read_index(str(out / INDEX_DIR / "index.faiss"))
     index.make_direct_map()
@@ -195,7 +195,7 @@ def test_pseudo_label_job_writes_shards_that_train_reads_and_resumes_after_a_kil
     from dataclasses import asdict
 
     from rayvl.data.shard_io import ReadPolicy, ShardIOError
-    from rayvl.pseudo_label import INDEX_DIR, Labeler, Unit, finished, format_summary, plan_units, summarize
+    from rayvl.methods.bow.pseudo_label import INDEX_DIR, Labeler, Unit, finished, format_summary, plan_units, summarize
 
     broken = Unit(7, "tar", [f"pipe:head -c 9000 {unaligned / '00001.tar'}; exit 3"])
     df = json.loads((out / INDEX_DIR / "aligned_word_stats.json").read_text())["df"]
@@ -218,7 +218,7 @@ def test_word_precision_counts_the_pseudo_words_of_the_true_caption(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from rayvl.pseudo_label import word_precision
+    from rayvl.methods.bow.pseudo_label import word_precision
 
     truth = {"s1": "A Red circle, left of the blue square.", "s2": "Two large stars"}
     shards = [[{"source": "s1", "status": "success", "words": ["red", "square", "star"]},  # red, square: 2 of 3
@@ -254,7 +254,7 @@ def test_a_labeller_whose_nearest_caption_is_the_images_own_writes_that_captions
     from rayvl.data.text import words
     from rayvl.eval import knn
     from rayvl.export import load
-    from rayvl.pseudo_label import Labeler, Unit, crops, true_captions, word_precision
+    from rayvl.methods.bow.pseudo_label import Labeler, Unit, crops, true_captions, word_precision
 
     ckpt = untrained_checkpoint(demo_dir, tmp_path)
     with open(demo_dir / "train" / "00000.tar", "rb") as f:
@@ -291,7 +291,7 @@ def test_crops_are_cut_ahead_on_threads_and_used_in_order_holding_no_more_than_a
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from rayvl.pseudo_label import ahead_of_use
+    from rayvl.methods.bow.pseudo_label import ahead_of_use
 
     lock, started, held = threading.Lock(), [], []
 
@@ -312,7 +312,7 @@ def test_bad_inputs_are_named_before_ray_starts(demo_dir, tmp_path, capsys):
 
     from rayvl.cli import main
     from rayvl.config import ConfigError
-    from rayvl.pseudo_label import claim
+    from rayvl.methods.bow.pseudo_label import claim
 
     ckpt, train = untrained_checkpoint(demo_dir, tmp_path), str(demo_dir / "train")
     capsys.readouterr()  # building the model prints transformers' loading bar
@@ -329,7 +329,7 @@ def test_bad_inputs_are_named_before_ray_starts(demo_dir, tmp_path, capsys):
         assert err.startswith("rayvl: error: ") and key in err and "Traceback" not in err
     assert ray.is_initialized() == was_running  # no Ray was started for any of them
     from rayvl.config import load_config
-    from rayvl.pseudo_label import check_cluster
+    from rayvl.methods.bow.pseudo_label import check_cluster
 
     cfg = load_config(None, ["pseudo_label.actors=2", "pseudo_label.cpus_per_actor=1"])
     with pytest.raises(ConfigError, match=r"pseudo_label.actors=2 × pseudo_label.cpus_per_actor=1 CPUs leave no"):
@@ -385,7 +385,7 @@ def test_a_folder_of_image_files_is_labelled_in_shards_of_shard_size(demo_dir, t
     from rayvl.data.tar import iter_tar_samples
     from rayvl.eval import knn
     from rayvl.export import load
-    from rayvl.pseudo_label import Labeler, plan_units
+    from rayvl.methods.bow.pseudo_label import Labeler, plan_units
 
     ckpt = untrained_checkpoint(demo_dir, tmp_path)
     with open(demo_dir / "train" / "00000.tar", "rb") as f:

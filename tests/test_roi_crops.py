@@ -96,6 +96,37 @@ def test_crops_agree_with_pillows_full_image_crops_within_tolerance(demo_dir):
         assert np.abs(grid - pillow).mean(axis=(1, 2, 3)).max() < PIXEL_TOLERANCE
 
 
+def test_an_images_crops_do_not_depend_on_the_images_cut_beside_it():
+    """Images of other sizes share a canvas (padded) and a crop at an image's right or bottom edge samples that
+    image alone: each image's crops cut with others equal its crops cut alone (to one level of 255 at a few pixels:
+    float rounding) — and a banner beside portraits (a canvas mostly padding) starts a group of its own."""
+    sources = [roi_crops.prepare(_jpeg(_photo(w, h, seed=i)), f"k{i}", 6, 48, 0.5, seed=1)
+               for i, (w, h) in enumerate([(300, 200), (120, 90), (90, 130), (64, 64), (400, 60), (60, 400)])]
+    edge = roi_crops.CropSource(sources[1].image, np.array([[40.0, 30.0, sources[1].image.width,
+                                                            sources[1].image.height]] * 6, np.float32))
+    sources.insert(4, edge)  # a box at the bottom-right corner of an image smaller than the canvas
+    # the first five share one canvas; the banner and the portrait start groups of their own
+    assert list(roi_crops._groups(sources, 48)) == [[0, 1, 2, 3, 4], [5], [6]]
+    together = roi_crops.cut(sources, 48).numpy()
+    alone = np.concatenate([roi_crops.cut([s], 48).numpy() for s in sources])
+    assert together.shape == (42, 3, 48, 48)
+    # equal up to the float rounding of a sampling coordinate normalised to another canvas size
+    difference = np.abs(together.astype(int) - alone.astype(int))
+    assert difference.max() <= 1 and (difference > 0).mean() < 1e-3
+    corner = np.asarray(edge.image)[-8:, -8:].astype(int).mean()
+    assert abs(together[24:30, :, -1, -1].astype(int).mean() - corner) < 25  # no dark edge from the padding
+
+
+def test_small_crops_of_a_large_image_are_area_filtered_within_tolerance():
+    """crop_scale_min=0.08: crops reduced up to 4× and more from the downscaled image — s × s samples a pixel keep
+    them within tolerance of Pillow's full-image crops."""
+    data = _jpeg(_photo(1024, 768, seed=5))
+    source = roi_crops.prepare(data, "small", 8, 64, 0.08, seed=2)
+    before = _pillow_crops(data, "small", 8, 64, 0.08, 2).astype(int)
+    for mine in (roi_crops.cut([source], 64).numpy(), roi_crops.cut_on_cpu([source], 64)):
+        assert np.abs(mine.astype(int) - before).mean(axis=(1, 2, 3)).max() < PIXEL_TOLERANCE
+
+
 def test_the_gpu_paths_labels_are_the_cpu_paths(demo_dir, tmp_path):
     """A labeller's neighbours with its crops cut in one op (the GPU's code, on CPU tensors) against its CPU
     threads' Pillow crops, on 24 demo images, the caption pool being the CPU path's own crops (each under its
@@ -108,7 +139,7 @@ def test_the_gpu_paths_labels_are_the_cpu_paths(demo_dir, tmp_path):
     from rayvl.config import PseudoLabelConfig
     from rayvl.eval import knn
     from rayvl.export import load
-    from rayvl.pseudo_label import Labeler, Unit, crops, unit_samples
+    from rayvl.methods.bow.pseudo_label import Labeler, Unit, crops, unit_samples
 
     ckpt = untrained_checkpoint(demo_dir, tmp_path)
     model = load(ckpt)

@@ -32,8 +32,9 @@ def sc(one_process_group):
 @pytest.mark.slow
 def test_no_layout_waits_for_the_device_and_zero_0_to_2_launch_what_a_bare_loop_does(sc, capsys):
     """Every ZeRO stage, rayvl's own step at bf16: no scalar read, no fresh host tensor, no tensor-valued fill —
-    each a wait for the GPU on CUDA (step_census.SYNC_OPS) — and no device synchronisation; the host-time benchmark
-    (benchmarks/host_time.py) runs over the same steps, one round (its timings are printed, never asserted)."""
+    each a wait for the GPU on CUDA (rayvl.checks.census.SYNC_OPS) — and no device synchronisation; the host-time
+    benchmark (benchmarks/host_time.py) runs over the same steps, one round (its timings are printed, never
+    asserted)."""
     bare = sc.census(sc.bare_step(sc.config(0, "bf16")))
     assert bare.scalar_reads == 0  # the model itself reads nothing (transformers' mask shortcut did, twice)
     steps, counts = {"bare loop": sc.bare_step(sc.config(0, "bf16"))}, {"bare loop": bare}
@@ -104,13 +105,12 @@ def test_device_side_norm_and_clip_step_as_deepspeeds_own_and_a_non_finite_step_
 
     # a step whose gradients are not finite: reported as such, its gradients zeroed, the weights stay finite
     engine.module.logit_scale.register_hook(lambda g: g * math.nan)
-    from rayvl.train.loop import train_step
-    from rayvl.train.objective import Objective
     from rayvl.train.resume import TrainedRows
+    from rayvl.train.step import Step
     from rayvl.train.window import Window
 
     batch = sc.batch()
-    train_step(engine, Objective([], True), lambda s, m: (batch, 0.0), 4, 1, None, 0, 1, TrainedRows(), Window())
+    Step(engine, [], cfg, TrainedRows())(lambda s, m: (batch, 0.0), 4, Window())
     assert not math.isfinite(float(engine.get_global_grad_norm()))
     assert all(torch.isfinite(p).all() for p in _weights(engine).values())
 
@@ -120,19 +120,18 @@ def test_a_step_of_non_finite_gradients_leaves_the_weights_finite_with_and_witho
     """Stage 0 (rayvl clips): the fused AdamW takes a non-finite norm as GradScaler's found_inf — weights, moments and
     step count unchanged, nothing read back. ZeRO-2 without clipping (DeepSpeed's bf16 step neither checks nor
     clips then): the step takes zero gradients, so AdamW moves the weights by momentum and decay only."""
-    from rayvl.train.loop import train_step
-    from rayvl.train.objective import Objective
     from rayvl.train.resume import TrainedRows
+    from rayvl.train.step import Step
     from rayvl.train.window import Window
 
-    step, engine = sc.rayvl_step(sc.config(stage, "bf16", [f"train.grad_clip={clip}"]))
+    cfg = sc.config(stage, "bf16", [f"train.grad_clip={clip}"])
+    step, engine = sc.rayvl_step(cfg)
     step()
     before = _masters(engine) if stage else [p.detach().clone() for p in engine.module.parameters()]
     moments = {k: v.clone() for k, v in engine.optimizer.state_dict()["state"][0].items()} if stage == 0 else {}
     hook = engine.module.logit_scale.register_hook(lambda g: g * math.nan)
     batch = sc.batch()
-    own_clip = clip if stage == 0 else None
-    train_step(engine, Objective([], True), lambda s, m: (batch, 0.0), 2, 1, own_clip, 0, 1, TrainedRows(), Window())
+    Step(engine, [], cfg, TrainedRows())(lambda s, m: (batch, 0.0), 2, Window())
     after = _masters(engine) if stage else [p.detach().clone() for p in engine.module.parameters()]
     assert all(torch.isfinite(t).all() for t in after)
     if stage:  # zero gradients: the same move as a step whose gradients are all 0
@@ -157,16 +156,15 @@ def test_a_checkpoint_resumes_in_the_buffer_padding_it_was_written_with(sc, tmp_
     import ray.train
 
     from rayvl.train.engine import build_engine
-    from rayvl.train.loop import train_step
-    from rayvl.train.objective import Objective
     from rayvl.train.resume import ALIGNED, TrainedRows, aligned_buffers
+    from rayvl.train.step import Step
     from rayvl.train.window import Window
 
     cfg = sc.config(2, "bf16")
     batch = sc.batch()
 
     def step(engine):
-        train_step(engine, Objective([], True), lambda s, m: (batch, 0.0), 4, 1, None, 0, 1, TrainedRows(), Window())
+        Step(engine, [], cfg, TrainedRows())(lambda s, m: (batch, 0.0), 4, Window())
 
     old = build_engine(sc.small_model(cfg), cfg, 1, aligned=False)  # as rayvl built it before
     step(old)

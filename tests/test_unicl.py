@@ -42,7 +42,7 @@ def test_ce_and_mixing_options_are_checked_before_ray():
         load_config(None, ["image_label.weight=0"])
     # the dry run's batch line: the image-label rows each micro-batch takes from their own stream, and the steps a
     # pass of the demo's 384 image-text samples lasts with the 8 left of each micro-batch
-    from rayvl.plan import describe
+    from rayvl.dry_run import describe
 
     plan = describe(load_config(None, ["image_label.data=fashion-mnist", "image_label.weight=0.5",
                                        "train.micro_batch_size=16", "data.demo_samples=384"]))

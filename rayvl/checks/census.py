@@ -12,7 +12,7 @@ The census runs steady steps of
 
 - **bare**: a hand-written loop — the same model, CLIP loss, bf16 autocast, ``clip_grad_norm_`` (foreach) and
   fused AdamW, the batch already in memory (the loop rayvl is measured against on GPUs, ``rayvl check gpu``);
-- **rayvl ZeRO-n**: rayvl's own step (``rayvl.train.loop.train_step``: the objective, DeepSpeed's backward and
+- **rayvl ZeRO-n**: rayvl's own step (``rayvl.train.step.Step``: the objective, DeepSpeed's backward and
   step through ``rayvl.train.engine.build_engine``, the report window) on the same model and batch;
 
 on a small model with the tensor layout of the laion_adapt recipe at ViT-B/32 (a 12-block ViT image tower, the
@@ -203,13 +203,12 @@ def ensure_process_group() -> None:
 
 
 def rayvl_step(cfg, next_batch=None):
-    """rayvl's step (rayvl.train.loop.train_step) through its DeepSpeed engine; (step, engine)."""
+    """rayvl's step (rayvl.train.step.Step) through its DeepSpeed engine; (step, engine)."""
     import dataclasses
 
-    from rayvl.train.engine import build_engine, deepspeed_config, rayvl_clips
-    from rayvl.train.loop import train_step
-    from rayvl.train.objective import Objective
+    from rayvl.train.engine import build_engine, deepspeed_config
     from rayvl.train.resume import TrainedRows
+    from rayvl.train.step import Step
     from rayvl.train.window import Window
 
     on_gpu = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, use_gpu=True))
@@ -217,16 +216,14 @@ def rayvl_step(cfg, next_batch=None):
         raise AssertionError("a one-GPU run would get another DeepSpeed config than the census measures")
     ensure_process_group()
     engine = build_engine(small_model(cfg), cfg, 1)
-    objective, rows, state = Objective([], cfg.loss.gather_with_grad), TrainedRows(), {"step": 0}
+    rows, state = TrainedRows(), {"step": 0}
+    train_step = Step(engine, [], cfg, rows)
     b = batch()
     next_batch = next_batch or (lambda step, micro: (b, 0.0))
 
     def step():
         state["step"] += 1
-        t = cfg.train
-        clip = t.grad_clip if rayvl_clips(t) else None
-        train_step(engine, objective, next_batch, state["step"], t.grad_accumulation, clip, 0, 1, rows,
-                   Window(first_step=state["step"]))
+        train_step(next_batch, state["step"], Window(first_step=state["step"]))
         rows.parts.clear()  # flushed at checkpoints in a run: not a cost of the step
     return step, engine
 

@@ -543,8 +543,10 @@ def connect(check: Check) -> str:
 def run_cli(check: Check, args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
     """``rayvl ARGS`` in a new process joined to this check's Ray (whose GPUs the training cases have let go)."""
     env = {**os.environ, "RAY_ADDRESS": connect(check), **rayvl_importable()}
+    # run from the check's own folder: `-m` puts the working directory first on sys.path, and a folder holding a
+    # rayvl/ (a checkout) would shadow the rayvl this check runs
     return subprocess.run([sys.executable, "-m", "rayvl.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, cwd=check.storage)
 
 
 def rayvl_importable() -> dict[str, str]:
@@ -642,7 +644,7 @@ def pseudo_label_case(check: Check, case: Case, outcome: Outcome) -> None:
     if check.args.eval_images:
         unaligned = copied_shards(demo_shards("train"), check.args.eval_images, check.storage / "unaligned")
     out = check.storage / "pseudo-label"
-    # one actor a GPU, cutting crops on the node's CPUs but one a GPU (left to Ray Data's reads): docs/gpu.md
+    # one actor a GPU, decoding on the node's CPUs but one a GPU (left to Ray Data's reads): docs/gpu.md
     cpus = max(1, (os.cpu_count() or 2) // max(1, check.gpus) - 1)
     proc = run_cli(check, ["pseudo-label", base_run(check), "--aligned", aligned, "--unaligned",
                            unaligned, "--out", str(out), "--set", "pseudo_label.gpus_per_actor=1",

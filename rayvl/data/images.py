@@ -7,7 +7,7 @@ import io
 import math
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, JpegImagePlugin, UnidentifiedImageError
 
 Image.MAX_IMAGE_PIXELS = 200_000_000  # LAION has a few huge images; beyond this a "decompression bomb" is corrupt
 
@@ -53,7 +53,7 @@ def decode(data: bytes, draft=None) -> Image.Image | None:
     try:
         with Image.open(io.BytesIO(data)) as img:
             wanted = draft(img.size) if draft else None
-            if wanted and img.format == "JPEG":
+            if wanted and isinstance(img, JpegImagePlugin.JpegImageFile):  # MPO (phones' JPEGs) too
                 img.draft("RGB", wanted)
             if img.mode == "P" and "transparency" in img.info:  # through RGBA: Pillow warns on each such image else
                 img = img.convert("RGBA")

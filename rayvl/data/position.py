@@ -266,7 +266,7 @@ class DataPosition:
         done = set(self.complete)
         return next(p for p in range(len(done) + 1) if p not in done)
 
-    def plan(self, pass_: int, shards: list[int]) -> tuple[set[int], dict[int, set[tuple[int, int]]]]:
+    def left_out(self, pass_: int, shards: list[int]) -> tuple[set[int], dict[int, set[tuple[int, int]]]]:
         """What a read task of ``shards`` in pass ``pass_`` leaves out: (shards to skip, shard → trained pairs) —
         only its own shards' rows, never the whole position."""
         if pass_ in self.complete:

@@ -78,12 +78,12 @@ class DataReport:
     def current_token(self) -> str | None:
         return self.token
 
-    def plan(self, listed_pass: int, passes: int, shards: list[int]) -> tuple:
+    def read_task(self, listed_pass: int, passes: int, shards: list[int]) -> tuple:
         """(token, pass, shards to skip, shard → rows trained on) for a read task of pass ``listed_pass`` of a
         dataset that lists ``passes`` passes (its later executions read the passes after them)."""
         pass_ = listed_pass + self.execution * passes
         self.passes = passes
-        skip, trained = self.position.plan(pass_, shards) if self.position else (set(), {})
+        skip, trained = self.position.left_out(pass_, shards) if self.position else (set(), {})
         return self.token, pass_, skip, trained
 
     def begin_execution(self, execution: int) -> None:

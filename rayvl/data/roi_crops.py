@@ -5,14 +5,14 @@ Cutting c crops with Pillow resamples the full image c times on one core; here t
 cheapest. On a CPU, per image (``prepare``): decode at a reduced JPEG scale where the crops allow it (libjpeg's
 DCT scaling), draw the c crop boxes from the image's seeded generator on the image's own pixel grid (the draws
 Pillow's path made: the same boxes), and downscale the image once so that its shorter side is just large enough
-that no crop is upsampled relative to the crop size. On the model's device, per batch of images (``cut``): one
-``grid_sample`` over the padded batch cuts every crop of every image (2 × 2 bilinear samples averaged into each
-crop pixel: an area filter where a crop is reduced) — on a GPU the 10 crops of 100 images are one kernel, on a CPU
-one multithreaded op. (torchvision's ``roi_align`` does the same; core torch's ``grid_sample`` also runs where
-torchvision's compiled ops cannot load, as on CPU machines whose registry has only a CUDA torchvision.)
+that no crop is upsampled relative to the crop size. On the model's device, per batch of images (``cut``): a
+``grid_sample`` over the padded batch cuts every crop of every image (s × s bilinear samples averaged into each
+crop pixel: an area filter where a crop is reduced) — on a GPU the 10 crops of 100 images are a few kernels.
+(torchvision's ``roi_align`` does the same; core torch's ``grid_sample`` also runs where torchvision's compiled ops
+cannot load, as on CPU machines whose registry has only a CUDA torchvision.)
 
 The crops differ from Pillow's bicubic ``resize(box=…)`` by resampling filter only (same boxes, same size);
-tests/test_pseudo_label.py holds the two within a stated tolerance, pixels and labels.
+tests/test_roi_crops.py holds the two within a stated tolerance, pixels and labels.
 """
 from __future__ import annotations
 
@@ -101,48 +101,96 @@ def cut_on_cpu(sources: list[CropSource], size: int) -> np.ndarray:
                                 dtype=np.uint8).transpose(2, 0, 1) for s in sources for b in s.boxes])
 
 
-SUPERSAMPLE = 2  # bilinear samples a side averaged into a crop pixel where a crop is reduced: an area filter
+MAX_SAMPLES = 4  # bilinear samples a side averaged into a crop pixel, at most: area-filtered up to a 4× reduction
 
 
 def cut(sources: list[CropSource], size: int, device="cpu"):
-    """Every crop of every source, in order, uint8 (Σ c, 3, size, size) on ``device``: the sources padded into
-    one batch (their boxes never reach the padding), every crop sampled by one ``grid_sample`` — each image's c
-    crops stacked as one tall output grid, so the images are not copied once per crop — where a crop is reduced, at
-    ``SUPERSAMPLE``× the crop size and averaged down (each pixel the mean of 2 × 2 bilinear samples across its
-    area)."""
+    """Every crop of every source, in order, uint8 (Σ c, 3, size, size) on ``device``, each crop pixel the mean of
+    s × s bilinear samples spread over its area (s = ⌈the image's largest box side / size⌉, 1 to MAX_SAMPLES: an
+    area filter where a crop is reduced, one sample where it is enlarged). Images of one s are cut together: padded
+    into one canvas (each image's last row and column repeated into the padding, so a box at an image's edge samples
+    that image alone), all their crops by one ``grid_sample`` per sample offset — each image's c crops stacked as one
+    tall output grid, so the images are not copied once per crop. What an image's crops are depends on that image
+    alone, not on the images cut beside it (up to the float rounding of a coordinate normalised to the canvas: one
+    level of 255, at a few pixels in 100,000)."""
     import torch
-    import torch.nn.functional as F
 
     crops = len(sources[0].boxes)
     if any(len(s.boxes) != crops for s in sources):
         raise ValueError("every source of a cut must have the same number of crops")
+    order, pieces = [], []
+    for group in _groups(sources, size):
+        pieces.append(_cut_group([sources[i] for i in group], size, _samples(sources[group[0]], size), device))
+        order += group
+    out = torch.cat(pieces)  # (N, c, 3, size, size), in group order
+    back = torch.empty(len(order), dtype=torch.long)
+    back[torch.tensor(order)] = torch.arange(len(order))
+    return out[back.to(out.device)].reshape(-1, 3, size, size)
+
+
+def _samples(source: CropSource, size: int) -> int:
+    extent = float(np.max(np.maximum(source.boxes[:, 2] - source.boxes[:, 0], source.boxes[:, 3] - source.boxes[:, 1])))
+    return int(min(MAX_SAMPLES, max(1, math.ceil(extent / size - 1e-6))))
+
+
+def _groups(sources: list[CropSource], size: int):
+    """Indices of the sources cut together: one s each, and a canvas at most twice the pixels of its images (an
+    image that would make it more — a banner beside portraits — starts the next group)."""
+    by_samples: dict[int, list[int]] = {}
+    for i, s in enumerate(sources):
+        by_samples.setdefault(_samples(s, size), []).append(i)
+    for indices in by_samples.values():
+        group: list[int] = []
+        for i in indices:
+            if group and not _compact([sources[j].image.size for j in group + [i]]):
+                yield group
+                group = []
+            group.append(i)
+        yield group
+
+
+def _compact(sizes: list[tuple[int, int]]) -> bool:
+    canvas = len(sizes) * max(w for w, _ in sizes) * max(h for _, h in sizes)
+    return canvas <= 2 * sum(w * h for w, h in sizes)
+
+
+def _cut_group(sources: list[CropSource], size: int, samples: int, device):
+    """(N, c, 3, size, size) uint8: the crops of sources that share a canvas and a sample count."""
+    import torch
+    import torch.nn.functional as F
+
     h = max(s.image.height for s in sources)
     w = max(s.image.width for s in sources)
-    batch = np.zeros((len(sources), 3, h, w), np.uint8)
-    for i, s in enumerate(sources):
-        batch[i, :, :s.image.height, :s.image.width] = s.pixels
-    images = torch.from_numpy(batch).to(device, non_blocking=True).float()
-    stacked = np.stack([s.boxes for s in sources])  # (N, c, 4)
-    # where no crop is reduced (a small image, crops enlarged as Pillow enlarges them) one sample a pixel is exact
-    extent = np.maximum(stacked[..., 2] - stacked[..., 0], stacked[..., 3] - stacked[..., 1]).max()
-    sub = SUPERSAMPLE if extent > size else 1
-    grid = _grid(torch.from_numpy(stacked).to(device), h, w, size * sub)
-    out = F.grid_sample(images, grid, mode="bilinear", padding_mode="border", align_corners=False)  # (N,3,c·S,S)
-    if sub > 1:
-        out = F.avg_pool2d(out, sub)  # (N, 3, c·size, size)
-    out = out.view(len(sources), 3, crops, size, size).transpose(1, 2).reshape(-1, 3, size, size)
+    canvas = np.stack([np.pad(s.pixels, ((0, 0), (0, h - s.image.height), (0, w - s.image.width)), mode="edge")
+                       for s in sources])
+    images = torch.from_numpy(canvas)
+    if torch.device(device).type == "cuda":  # a pinned copy is the one that overlaps
+        images = images.pin_memory()
+    images = images.to(device, non_blocking=True).float()
+    boxes = torch.from_numpy(np.stack([s.boxes for s in sources])).to(device)  # (N, c, 4)
+    out = None
+    for a in range(samples):
+        for b in range(samples):
+            grid = _grid(boxes, h, w, size, ((b + 0.5) / samples, (a + 0.5) / samples))
+            part = F.grid_sample(images, grid, mode="bilinear", padding_mode="border", align_corners=False)
+            out = part if out is None else out + part  # (N, 3, c·size, size)
+    out = out / samples ** 2
+    n, crops = len(sources), len(sources[0].boxes)
+    out = out.view(n, 3, crops, size, size).transpose(1, 2)
     return out.round_().clamp_(0, 255).to(torch.uint8)
 
 
-def _grid(boxes, h: int, w: int, side: int):
-    """(N, c·side, side, 2) sampling points: crop k of image n fills rows k·side … (k+1)·side − 1, its output pixel
-    centres spread evenly over its box. grid_sample's coordinates (align_corners=False) put −1 and +1 at the outer
-    edges of the first and last pixels — the corner convention of the boxes."""
+def _grid(boxes, h: int, w: int, size: int, offset: tuple[float, float]):
+    """(N, c·size, size, 2) sampling points: crop k of image n fills rows k·size … (k+1)·size − 1, output pixel
+    j's sample at j + ``offset`` (in pixels of the crop, (0.5, 0.5) its centre) spread over its box. grid_sample's
+    coordinates (align_corners=False) put −1 and +1 at the outer edges of the first and last pixels — the corner
+    convention of the boxes."""
     import torch
 
-    t = (torch.arange(side, device=boxes.device, dtype=torch.float32) + 0.5) / side  # centres along a box, in (0, 1)
+    steps = torch.arange(size, device=boxes.device, dtype=torch.float32)
+    tx, ty = (steps + offset[0]) / size, (steps + offset[1]) / size  # along a box, in (0, 1)
     x0, y0, x1, y1 = boxes.unbind(-1)  # (N, c) each
-    xs = (x0[..., None] + t * (x1 - x0)[..., None]) * (2 / w) - 1  # (N, c, side)
-    ys = (y0[..., None] + t * (y1 - y0)[..., None]) * (2 / h) - 1
-    grid = torch.stack(torch.broadcast_tensors(xs[:, :, None, :], ys[:, :, :, None]), -1)  # (N, c, side, side, 2)
+    xs = (x0[..., None] + tx * (x1 - x0)[..., None]) * (2 / w) - 1  # (N, c, size)
+    ys = (y0[..., None] + ty * (y1 - y0)[..., None]) * (2 / h) - 1
+    grid = torch.stack(torch.broadcast_tensors(xs[:, :, None, :], ys[:, :, :, None]), -1)  # (N, c, size, size, 2)
     return grid.flatten(1, 2)

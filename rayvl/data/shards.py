@@ -141,7 +141,7 @@ class ShardStream(Datasource):
     def _read(self, listed_pass: int, shards: list[int]) -> Iterator[pa.Table]:
         # the run's data position (data/position.py): finished shards are skipped unopened, rows of a shard
         # trained on before a restore are dropped after decoding
-        token, pass_, skip, trained = ray.get(report_actor(self.report_name).plan.remote(
+        token, pass_, skip, trained = ray.get(report_actor(self.report_name).read_task.remote(
             listed_pass, self.reading.passes, shards)) if self.positioned else (
             current_token(self.report_name), listed_pass, set(), {})
         for shard in shards:

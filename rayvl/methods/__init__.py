@@ -3,7 +3,7 @@ method. A method fills the core's interfaces with what it changes at each stage 
 data pipeline and the training loop iterate over the registered methods and name none of them.
 
 - ``<method>/check.py``: ``check(cfg)`` — its config constraints, each error naming the dotted key (torch-free).
-- ``<method>/rows.py``: ``plan(cfg, train, evalset)`` — its ``rayvl.data.parts.DataPart`` (what the driver resolves
+- ``<method>/rows.py``: ``data_part(cfg, train, evalset)`` — its ``rayvl.data.parts.DataPart`` (what the driver resolves
   for its data before and after Ray starts) and row transform (``RowTransform``, run inside Ray Data's read tasks);
   torch-free.
 - ``<method>/train.py``: its ``rayvl.train.parts.TrainPart``: a batch source, the loss targets or loss, a
@@ -23,6 +23,6 @@ from rayvl.plugins import Method, register
 # image-label data is a stream of its own ([UniCL]). Checks are imported here (the config runs them); data and
 # training parts by name, where a run needs them
 register(Method("paraphrase", paraphrase.check))
-register(Method("bow", bow.check, "rayvl.methods.bow.rows:plan", "rayvl.methods.bow.train:MemoryBankPart"))
-register(Method("tonics", tonics.check, "rayvl.methods.tonics.rows:plan", "rayvl.methods.tonics.train:TonicsPart"))
-register(Method("unicl", unicl.check, "rayvl.methods.unicl.rows:plan", "rayvl.methods.unicl.train:UniclPart"))
+register(Method("bow", bow.check, "rayvl.methods.bow.rows:data_part", "rayvl.methods.bow.train:MemoryBankPart"))
+register(Method("tonics", tonics.check, "rayvl.methods.tonics.rows:data_part", "rayvl.methods.tonics.train:TonicsPart"))
+register(Method("unicl", unicl.check, "rayvl.methods.unicl.rows:data_part", "rayvl.methods.unicl.train:UniclPart"))

@@ -93,9 +93,9 @@ class Comparison:
     def prepare(self, args, overrides: list[str]) -> None:
         """Work the trials need done before they start (after every check, before the grid): none by default."""
 
-    def plan(self, grid: Sweep, args, overrides: list[str]) -> str:
-        """--dry-run: the grid's trials and one trial's run plan (rayvl.plan), nothing started."""
-        from rayvl.plan import describe_sweep
+    def describe(self, grid: Sweep, args, overrides: list[str]) -> str:
+        """--dry-run: the grid's trials and one trial's run plan (rayvl.dry_run), nothing started."""
+        from rayvl.dry_run import describe_sweep
 
         return describe_sweep(grid)
 
@@ -196,7 +196,7 @@ class Comparison:
             comparison, overrides = self.configured(args)
             grid = comparison.sweep(overrides, args.seeds, args.name)  # the whole grid, checked before Ray starts
             if args.dry_run:
-                print(comparison.plan(grid, args, overrides))
+                print(comparison.describe(grid, args, overrides))
                 return 0
             comparison.prepare(args, overrides)
             sweep_dir = comparison.run(overrides, args.seeds, args.name, args.resume, comparison.after_kwargs(args),

@@ -1,8 +1,8 @@
-"""The per-worker training loop: fetch a batch, step, log, checkpoint. What each paper changes comes from the
-enabled methods' training parts (rayvl.train.parts, registered in rayvl.plugins); the data position from rayvl.train.resume."""
+"""The per-worker training loop: build, then step (rayvl.train.step: one optimizer step, all of it), log,
+evaluate, checkpoint. What each paper changes comes from the enabled methods' training parts (rayvl.train.parts,
+registered in rayvl.plugins); the data position from rayvl.train.resume."""
 from __future__ import annotations
 
-import math
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -16,22 +16,22 @@ from rayvl.export import weights
 from rayvl.models.dual_encoder import build_model
 from rayvl.train import devices, flops, resume
 from rayvl.train.batches import batch_stream
-from rayvl.train.engine import broadcast_buffers, build_engine, rayvl_clips
+from rayvl.train.engine import build_engine
 from rayvl.train.evaluation import Evaluation
 from rayvl.train.faults import fail_here
-from rayvl.train.objective import Objective
 from rayvl.train.parts import train_parts
 from rayvl.train.profiling import StepProfiler
 from rayvl.train.resume import DataResume, aligned_buffers
 from rayvl.train.startup import Startup
 from rayvl.train.state import Progress, TrainState
+from rayvl.train.step import Step
 from rayvl.train.window import Window
 from rayvl.train.worker import Worker, WorkerPlan
 
 
 def train_loop_per_worker(config: dict) -> None:
     entered, plan = time.time(), config["plan"]
-    cfg, ctx = plan.rayvl(), ray.train.get_context()
+    cfg, ctx = plan.config, ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = _device(cfg)
     # the data position first (read tasks plan from it); the held-out set, then the batch source, beside the engine
@@ -50,7 +50,7 @@ def train_loop_per_worker(config: dict) -> None:
     if resume.restore(engine, state, saved):
         state.progress.resumed_at.append(state.progress.step)
     startup.mark("restore")
-    objective, t = Objective(parts, cfg.loss.gather_with_grad, cfg.loss.kind == "siglip"), cfg.train
+    t, train_step = cfg.train, Step(engine, parts, cfg, data_resume, rank, world)
     # a restart record: the first window after a resume says which checkpoint step the group continued from
     progress = state.progress
     window = Window(first_step=progress.step + 1,
@@ -58,11 +58,9 @@ def train_loop_per_worker(config: dict) -> None:
 
     end = t.stop_at_step or t.max_steps  # a stop ends this invocation as the last step would
     profiler = StepProfiler.from_env(rank)
-    own_clip = t.grad_clip if rayvl_clips(t) else None
     while progress.step < end:
         profiler.before(progress.step + 1)
-        train_step(engine, objective, next_batch, progress.step + 1, t.grad_accumulation, own_clip, rank, world,
-                   data_resume, window)
+        train_step(next_batch, progress.step + 1, window)  # rayvl.train.step: the whole step, in one file
         progress.step = step = progress.step + 1
         profiler.after(step)
         window.steps += 1
@@ -84,27 +82,11 @@ def train_loop_per_worker(config: dict) -> None:
         progress.history.append(metrics)
         if do_ckpt:
             metrics.update(data_resume.settle())
-            with resume.saved(engine, state, plan.config, final=last) as ckpt:
+            with resume.saved(engine, state, cfg.to_dict(), final=last) as ckpt:
                 ray.train.report(metrics, checkpoint=ckpt)
         else:
             ray.train.report(metrics)
         window = Window(first_step=step + 1, **speed)
-
-
-def train_step(engine, objective: Objective, next_batch, step: int, accumulation: int, grad_clip: float | None,
-               rank: int, world: int, rows, window: Window) -> None:
-    """Optimizer step ``step``: ``accumulation`` micro-batches forward and backward, then DeepSpeed's step;
-    ``grad_clip``: the max norm where rayvl clips (rayvl.train.engine.rayvl_clips; 0 = no clip), None where
-    DeepSpeed does. Nothing
-    here reads the device from the host (rayvl/checks/census.py counts it): the loss and the gradient norm go
-    to ``window`` as device tensors, the row ids to ``rows``."""
-    for micro in range(accumulation):
-        batch, waited = next_batch(step, micro)
-        rows.add(batch)
-        loss = objective(engine, batch, ((step - 1) * accumulation + micro) * world + rank)
-        engine.backward(loss)
-        window.add(loss.detach() / accumulation, waited, batch, world, grad_norm=_step(engine, grad_clip))
-    broadcast_buffers(engine.module)  # one set of BatchNorm statistics, as DDP keeps it
 
 
 def _device(cfg: RayvlConfig) -> torch.device:
@@ -174,22 +156,3 @@ def _register_placement_group(registry: str, run_name: str) -> None:
     group = ray.util.get_current_placement_group()
     if group is not None:
         ray.get(ray.get_actor(registry, namespace="rayvl").register.remote(run_name, group.id.hex()))
-
-
-def _step(engine, grad_clip: float | None) -> torch.Tensor | float | None:
-    """``engine.step()``; at an optimizer step, the global gradient norm before clipping (a device tensor where it
-    is one: read at log steps only). Where rayvl clips (``grad_clip`` not None) it clips here —
-    one foreach norm and one foreach scale over the gradients, which are all-reduced by then — and a step whose
-    norm is not finite is skipped on the device: the fused AdamW takes it as GradScaler's ``found_inf`` (weights,
-    moments and step count unchanged), with no read of the norm. DeepSpeed keeps the norm of the steps it clips
-    itself (rayvl.train.syncfree)."""
-    norm, boundary = None, engine.is_gradient_accumulation_boundary()
-    if boundary and grad_clip is not None:
-        params = [p for p in engine.module.parameters() if p.grad is not None]
-        if params:
-            norm = torch.nn.utils.clip_grad_norm_(params, grad_clip or math.inf, foreach=True)
-            engine.optimizer.found_inf = (~torch.isfinite(norm)).float()
-    engine.step()
-    if norm is None and boundary:
-        norm = engine.get_global_grad_norm()
-    return norm

@@ -1,7 +1,7 @@
 """A run's plan, made once before Ray starts: what it reads (its data plan — each shard spec listed once, the
 methods' data parts), how much (samples a pass, the passes one Ray Data execution lists, the read-ahead budget),
 where it goes (storage, run name, the checkpoint a resume continues) and what it starts from (train.init_from).
-``--dry-run`` prints it (rayvl.plan); the trainer executes it without resolving any of it again."""
+``--dry-run`` prints it (rayvl.dry_run); the trainer executes it without resolving any of it again."""
 from __future__ import annotations
 
 import dataclasses

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from rayvl.config import RayvlConfig, from_dict
+from rayvl.config import RayvlConfig
 from rayvl.train.startup import Startup
 
 
@@ -15,7 +15,7 @@ from rayvl.train.startup import Startup
 class WorkerPlan:
     """The driver's plan for a run's workers, beside the Ray Datasets it hands them.
 
-    ``config``: the validated config tree as a dict (rebuilt and checked again on the worker); ``report_name``:
+    ``config``: the validated config tree, typed (the driver checked it before Ray started); ``report_name``:
     the run's training data report (rayvl.data.report), ``label_report`` the image-label stream's ('' = none);
     ``tokenizer_path``: the text tower's tokenizer on the workers' disk; ``train_shards``: shard reads a pass holds
     (the data position's size), ``train_mix`` the upsampled sources' (shards, reads) (rayvl.data.mix; () = none);
@@ -25,7 +25,7 @@ class WorkerPlan:
     needs from the driver, by method name (e.g. the TOnICS class sizes); ``startup``: the driver's
     start-up stamps (rayvl.train.startup), which rank 0 completes and reports."""
 
-    config: dict
+    config: RayvlConfig
     report_name: str = ""
     label_report: str = ""
     tokenizer_path: str = ""
@@ -36,9 +36,6 @@ class WorkerPlan:
     placement_registry: str = ""
     method_inputs: dict[str, dict] = field(default_factory=dict)
     startup: Startup | None = None
-
-    def rayvl(self) -> RayvlConfig:
-        return from_dict(self.config)
 
 
 @dataclass

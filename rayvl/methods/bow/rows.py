@@ -19,7 +19,7 @@ log = logging.getLogger("rayvl")
 
 class Deform(RowTransform):
     """Each training caption through the configured cascade; a caption the cascade empties drops its sample
-    (dropped_bow_empty, as the paper removes them). A pseudo-BoW caption (rayvl.pseudo_label, §2.3) is one
+    (dropped_bow_empty, as the paper removes them). A pseudo-BoW caption (rayvl.methods.bow.pseudo_label, §2.3) is one
     already: trained as it is."""
 
     def __init__(self, deformer: deformation.Deformer):
@@ -45,7 +45,7 @@ class BowData(DataPart):
         return Contribution(transform=Deform(deformer(run.cfg, run.train, run.run_dir, run.train_shards)))
 
 
-def plan(cfg, train: str, evalset: str) -> BowData | None:
+def data_part(cfg, train: str, evalset: str) -> BowData | None:
     """BoW's data part when bow.enabled (its settings were checked with the config)."""
     return BowData() if cfg.bow.enabled else None
 

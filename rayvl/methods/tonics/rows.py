@@ -50,7 +50,7 @@ class TonicsData(DataPart):
         return Contribution(transform=Objects(kept), worker={"sizes": sizes})
 
 
-def plan(cfg, train: str, evalset: str) -> TonicsData | None:
+def data_part(cfg, train: str, evalset: str) -> TonicsData | None:
     """TOnICS's data part when tonics.enabled: its refresh needs held-out shards, its ontology WordNet."""
     if not cfg.tonics.enabled:
         return None

@@ -98,7 +98,7 @@ class UniclData(DataPart):
         return Contribution(datasets={"labeled" if run.cfg.image_label.weight < 1.0 else "train": labeled})
 
 
-def plan(cfg, train: str, evalset: str) -> UniclData | None:
+def data_part(cfg, train: str, evalset: str) -> UniclData | None:
     """UniCL's data part when image_label.data is set."""
     if not cfg.image_label.data:
         return None

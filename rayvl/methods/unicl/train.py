@@ -11,7 +11,7 @@ from rayvl.config import RayvlConfig
 from rayvl.data.pipeline import TRAIN_COLUMNS
 from rayvl.methods.unicl.rows import label_rows
 from rayvl.train.batches import CPU, ROW, batch_stream
-from rayvl.train.objective import unique_labels
+from rayvl.train.step import unique_labels
 from rayvl.train.parts import TrainPart
 from rayvl.train.worker import Worker
 

@@ -9,10 +9,10 @@
    are saved in ``<out>/index/`` with the fingerprint of the checkpoint, the shards and the index settings, and
    reused while it matches.
 3. Labelling: one Ray Data actor call per unit — an input shard, or ``shard_size`` image files. The actor loads
-   the model and the index once; per image c random resized crops (seeded by the image key; ``data.roi_crops``:
-   decoded at a reduced JPEG scale, downscaled once, cut by Pillow on a CPU actor's threads or in one op on its
-   GPU), the top-k captions of each crop; NN_i keeps all k·c retrievals ordered by similarity (a caption found by several crops counts
-   once per crop); each rule of ``data.word_rank`` keeps p words.
+   the model and the index once; per image c random resized crops (seeded by the image key;
+   ``rayvl.data.roi_crops``: decoded at a reduced JPEG scale, downscaled once, cut by Pillow on a CPU actor's
+   threads or on its GPU), the top-k captions of each crop; NN_i keeps all k·c retrievals ordered by similarity (a
+   caption found by several crops counts once per crop); each rule of ``data.word_rank`` keeps p words.
 4. Output: per rule one img2dataset-layout shard per unit, ``<out>/<rule>/<unit>.tar|.parquet|_stats.json``,
    caption in ``txt``, rule, words, neighbours' keys and scores in ``json`` (with ``"pseudo_bow": true``, so a
    BoW run trains on the pseudo caption as it is). Written by the actor that labelled the unit, stats file last:
@@ -64,6 +64,7 @@ from rayvl.eval.embed import ActorEmbedder, actor_device, check_gpus, inference
 
 log = logging.getLogger("rayvl")
 META, INDEX_DIR, FORMAT = PSEUDO_MARKER, "index", 1
+CROPS_CUT = "reduced-2"  # rayvl.data.roi_crops: decoded reduced, downscaled once, cut by Pillow or grid_sample
 
 
 @dataclass
@@ -106,7 +107,9 @@ def fingerprints(x: PseudoLabelConfig, ckpt: str, units: list[Unit]) -> tuple[di
              "kind": x.index, "exact_max": x.index_exact_max, "nlist": x.index_nlist, "nprobe": x.index_nprobe,
              "format": FORMAT}
     labelling = {"index": index, "units": [asdict(u) for u in units], "crops": x.crops,
-                 "crop_scale_min": x.crop_scale_min, "k": x.k, "words": x.words, "top_t": x.top_t, "seed": x.seed}
+                 "crop_scale_min": x.crop_scale_min, "k": x.k, "words": x.words, "top_t": x.top_t, "seed": x.seed,
+                 # how crops are cut (rayvl.data.roi_crops): a labelling is never finished with other crops
+                 "crops_cut": f"{CROPS_CUT}-{'gpu' if x.gpus_per_actor else 'cpu'}"}
     return index, labelling
 
 
@@ -165,7 +168,8 @@ def build_index(cfg: RayvlConfig, ckpt: str, folder: Path, expected: dict, units
     kind = type(index).__name__
     recall = None
     if not isinstance(index, faiss.IndexFlat) and x.recall_sample:
-        recall = knn.recall(index, vectors, _sample_queries(cfg, ckpt, units), x.k)
+        queries = _sample_queries(cfg, ckpt, units)
+        recall = knn.recall(index, vectors, queries, x.k) if len(queries) else None  # no image decodes: no recall
     folder.mkdir(parents=True, exist_ok=True)
     faiss.write_index(index, str(folder / "index.faiss"))
     pq.write_table(pa.table({"key": keys, "caption": captions}), folder / "captions.parquet")
@@ -178,7 +182,8 @@ def build_index(cfg: RayvlConfig, ckpt: str, folder: Path, expected: dict, units
 
 
 def _sample_queries(cfg: RayvlConfig, ckpt: str, units: list[Unit]) -> np.ndarray:
-    """Crop embeddings of the first ``recall_sample`` decodable unaligned images (the labelling's own queries)."""
+    """Crop embeddings of the first ``recall_sample`` decodable unaligned images (the labelling's own queries, cut
+    as a CPU labeller cuts them: a GPU's cut differs by resampling only); no rows when none decodes."""
     from rayvl.export import load
 
     x = cfg.pseudo_label
@@ -191,7 +196,8 @@ def _sample_queries(cfg: RayvlConfig, ckpt: str, units: list[Unit]) -> np.ndarra
                 if q is not None:
                     yield q
 
-    return np.concatenate([model.encode_image(q).numpy() for q in islice(decodable(), x.recall_sample)])
+    embedded = [model.encode_image(q).numpy() for q in islice(decodable(), x.recall_sample)]
+    return np.concatenate(embedded) if embedded else np.zeros((0, 0), np.float32)
 
 
 # ----------------------------------------------------------------------------- one unit

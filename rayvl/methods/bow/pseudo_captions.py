@@ -16,7 +16,7 @@ def pseudo_caption_metrics(result, unaligned: str = "") -> dict:
     """{"pseudo_images": the pseudo-captioned images in the run's data.train (0 on aligned data alone), and with one
     labelled folder among them, "pseudo_word_precision": its words' precision against the true captions of
     ``unaligned``, where those are known}."""
-    from rayvl.pseudo_label import true_captions, word_precision
+    from rayvl.methods.bow.pseudo_label import true_captions, word_precision
 
     train = read_meta(checkpoint_uri(result.checkpoint_dir))["config"]["data"]["train"]
     # a `rayvl pseudo-label` output folder holds one <rule>/ folder of shards per rule, beside its marker file

@@ -307,7 +307,7 @@ def describe_sweep(sweep) -> str:
 
 def describe_pseudo_label(cfg: RayvlConfig) -> str:
     """The plan of a labelling job (``rayvl pseudo-label --dry-run``)."""
-    from rayvl import pseudo_label
+    from rayvl.methods.bow import pseudo_label
     from rayvl.data.specs import check
 
     x, policy = cfg.pseudo_label, ReadPolicy.of(cfg.data)
