@@ -30,6 +30,18 @@ class Method:
     Ray Data: a config check or ``rayvl.load`` imports no Ray)."""
     train_part: str = ""
     """``"module:Class"`` of its ``rayvl.train.parts.TrainPart``, imported on the workers only (it needs torch)."""
+    report: str = ""
+    """the module whose ``statistics(counts) -> dict`` and ``lines(report) -> list[str]`` add the method's part to a
+    run's data report (rayvl.data.report): statistics derived from its counts, and its lines of the report's text;
+    torch- and Ray-free, imported where a report is read."""
+    progress: tuple[tuple[str, str], ...] = ()
+    """(metric, format) of what the progress line shows when a report has the metric, e.g. ``("x_rate", "rate
+    {:.3f}")`` (rayvl.train.progress)."""
+    data_metrics: tuple[str, ...] = ()
+    """prefixes of its metrics that count data (grouped under ``data/`` in TensorBoard and MLflow)."""
+    streams: Callable[[Any], int] | None = None
+    """``streams(cfg)``: the Ray Data pipelines it reads beside the training stream (each needs a read task's CPUs
+    beside the workers: rayvl.session.check_resources); torch-free."""
 
 
 _registered: dict[str, Method] = {}
@@ -59,6 +71,33 @@ def data_parts(cfg, train: str, evalset: str) -> tuple:
     ConfigError naming the key."""
     parts = (_named(m.data_part)(cfg, train, evalset) for m in methods() if m.data_part)
     return tuple(part for part in parts if part is not None)
+
+
+def report_statistics(counts: dict) -> dict:
+    """What every method derives from a training data report's counts."""
+    out: dict = {}
+    for m in methods():
+        if m.report:
+            out.update(importlib.import_module(m.report).statistics(counts))
+    return out
+
+
+def report_lines(report: dict) -> list[str]:
+    """Every method's lines of a data report's text, in registration order."""
+    return [line for m in methods() if m.report for line in importlib.import_module(m.report).lines(report)]
+
+
+def progress_fields() -> list[tuple[str, str]]:
+    return [field for m in methods() for field in m.progress]
+
+
+def data_metric_prefixes() -> tuple[str, ...]:
+    return tuple(prefix for m in methods() for prefix in m.data_metrics)
+
+
+def extra_streams(cfg) -> int:
+    """The Ray Data pipelines the enabled methods read beside the training stream."""
+    return sum(m.streams(cfg) for m in methods() if m.streams is not None)
 
 
 def train_part_classes() -> list[type]:

@@ -7,7 +7,7 @@ import os
 
 import ray
 
-from rayvl import storage
+from rayvl import plugins, storage
 from rayvl.config import ConfigError, RayvlConfig
 
 # no hub at run time, quiet tokenizers and Ray Data (per-operator progress bars flood job logs)
@@ -78,14 +78,14 @@ def setup_logging(verbose: bool) -> None:
 def check_resources(cfg: RayvlConfig, fixed_size: bool, node_cpus: list[float] | None = None) -> None:
     """Ray Train workers must leave CPUs for Ray Data on some node, else the pipeline starves silently: the
     workers are placed on the nodes as ``train.placement_strategy`` places them, and every concurrent pipeline
-    (training stream, image-label stream) needs one read task of ``data.read_cpus`` in what is left. On a Ray we
+    (the training stream, a method's own streams) needs one read task of ``data.read_cpus`` in what is left. On a Ray we
     started ourselves the size is final, so a pipeline that cannot run is an error before anything starts; a
     cluster may still autoscale, so there it is a warning."""
     t, d = cfg.train, cfg.data
     if node_cpus is None:
         node_cpus = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]]
     free = place_workers(node_cpus, t.num_workers, t.cpus_per_worker, t.placement_strategy)
-    pipelines = 2 if cfg.image_label.data and cfg.image_label.weight < 1.0 else 1
+    pipelines = 1 + plugins.extra_streams(cfg)  # the training stream, and the streams the methods read beside it
     problem = ""
     if free is None:
         problem = (f"train.num_workers={t.num_workers} workers of train.cpus_per_worker={t.cpus_per_worker:g} CPUs "

@@ -28,7 +28,12 @@ METHOD_WORDS = ("bow", "tonics", "unicl", "image_label", "prompts", "ontology", 
 # (module, function or None = the whole module): code that runs every method and must name none of them; a
 # function includes the module's functions it calls, transitively (rayvl.config.validate and its helpers)
 METHOD_FREE = [("rayvl.data.pipeline", None), ("rayvl.config", "validate"), ("rayvl.train.loop", None),
-               ("rayvl.plugins", None), ("rayvl.data.parts", None), ("rayvl.train.parts", None)]
+               ("rayvl.plugins", None), ("rayvl.data.parts", None), ("rayvl.train.parts", None),
+               # what a report shows: the methods' lines, fields and groups come from their registrations
+               ("rayvl.data.report", "caption_stats"), ("rayvl.data.report", "format_data_report"),
+               ("rayvl.train.progress", "progress_line"), ("rayvl.train.run_log", "scalars"),
+               ("rayvl.train.state", None), ("rayvl.train.flops", "speed_fields"),
+               ("rayvl.session", "check_resources")]
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -213,3 +218,37 @@ def test_the_architecture_pages_test_map_names_every_test_file_and_only_those():
     named = set(re.findall(r"`(test_\w+)`", text))
     files = {p.stem for p in (PACKAGE.parent / "tests").glob("test_*.py")}
     assert named == files, (sorted(named - files), sorted(files - named))
+
+
+def statistics(counts: dict) -> dict:  # a plug-in's report hook (the test below registers this module)
+    return {"demo_share": counts.get("demo_rows", 0) / max(1, counts.get("samples_kept", 1))}
+
+
+def lines(report: dict) -> list[str]:
+    return [f"  demo: {report['counts']['demo_rows']} rows"] if "demo_rows" in report.get("counts", {}) else []
+
+
+def test_a_method_reaches_the_report_the_progress_line_the_dashboards_and_the_cpu_check_by_registering(monkeypatch):
+    """What a method adds to a data report, a progress line, the dashboards' data group and the CPUs Ray Data needs
+    comes from its registration alone (rayvl.plugins), so the core modules that show them name no method."""
+    from rayvl import plugins
+    from rayvl.config import ConfigError, load_config
+    from rayvl.data.report import caption_stats, format_data_report
+    from rayvl.session import check_resources
+    from rayvl.train.progress import progress_line
+    from rayvl.train.run_log import scalars
+
+    plugins.methods()  # the real ones first, then this test's
+    monkeypatch.setitem(plugins._registered, "demo", plugins.Method(
+        "demo", report=__name__, progress=(("demo_rate", "rate {:.2f}"),), data_metrics=("demo_rows",),
+        streams=lambda cfg: 2))
+    counts = {"samples_seen": 10, "samples_kept": 8, "caption_words": 40, "demo_rows": 4}
+    assert caption_stats(counts)["demo_share"] == 0.5 and "  demo: 4 rows" in format_data_report({"counts": counts})
+    row = {"step": 1, "time": 1.0, "loss": 1.0, "lr": 1e-3, "logit_scale": 14.3, "samples_per_s": 10.0,
+           "data_wait_share": 0.0, "demo_rate": 0.123, "demo_rows": 4}
+    assert "rate 0.12" in progress_line(row, 10, 0.0, None, 1)
+    assert scalars(row)["data/demo_rows"] == 4.0 and scalars(row)["train/demo_rate"] == 0.123
+    cfg = load_config(None, ["train.num_workers=1", "train.cpus_per_worker=1", "data.read_cpus=0.5"])
+    check_resources(cfg, fixed_size=True, node_cpus=[2.5])  # the training stream and 2 more: 3 read tasks of 0.5
+    with pytest.raises(ConfigError, match="3 Ray Data pipeline"):
+        check_resources(cfg, fixed_size=True, node_cpus=[2.0])

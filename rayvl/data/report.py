@@ -8,6 +8,7 @@ from collections import Counter
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from rayvl import plugins
 from rayvl.data.position import DataPosition
 
 
@@ -159,16 +160,10 @@ def snapshot(report_name: str) -> dict:
 # ----------------------------------------------------------------------------- how a report reads
 
 def caption_stats(counts: dict) -> dict:
-    """Average caption length (words) of the kept samples and, with BoW, before deformation and the dataset-size
-    change caused by emptied captions — the columns of [BoW] Tables 2 and 5."""
-    out = {"avg_caption_words": counts.get("caption_words", 0) / max(1, counts.get("samples_kept", 0)),
-           "bow_dataset_change_pct": 0.0}
-    if counts.get("bow_captions_in"):
-        n = counts["bow_captions_in"]
-        out.update({"bow_avg_words_before": counts["bow_words_in"] / n,
-                    "bow_dataset_change_pct": -100.0 * counts.get("dropped_bow_empty", 0) / n + 0.0,
-                    "bow_base_share_pct": 100.0 * counts.get("bow_base_captions", 0) / n})
-    return out
+    """Average caption length (words) of the kept samples, and what the methods derive from the counts (their
+    report hooks, rayvl.plugins: e.g. the caption lengths before a deformation)."""
+    return {"avg_caption_words": counts.get("caption_words", 0) / max(1, counts.get("samples_kept", 0)),
+            **plugins.report_statistics(counts)}
 
 
 def position_report(position: dict, resumed_at: list[int]) -> dict:
@@ -185,7 +180,7 @@ def _position_line(pos: dict) -> str:
     return f"  trained on: {passes}; {pos['duplicates']} rows trained twice; {resumed}"
 
 
-def _drop_lines(report: dict) -> list[str]:
+def drop_lines(report: dict) -> list[str]:
     counts = report.get("counts", {})
     lines = [f"  {k}: {v}" for k, v in sorted(counts.items())
              if k.startswith(("dropped_", "truncated_", "unreadable_"))]
@@ -195,14 +190,7 @@ def _drop_lines(report: dict) -> list[str]:
 
 
 def _caption_line(counts: dict) -> str:
-    c = caption_stats(counts)
-    if "bow_avg_words_before" not in c:
-        return f"  captions: {c['avg_caption_words']:.1f} words on average"
-    return (f"  captions: BoW {c['bow_avg_words_before']:.1f} → {c['avg_caption_words']:.1f} words on average, "
-            f"dataset {c['bow_dataset_change_pct']:+.1f}% (emptied captions dropped), "
-            f"{c['bow_base_share_pct']:.1f}% kept intact (base split)"
-            + (f", {counts['pseudo_bow_captions']} pseudo-BoW captions trained as they are"
-               if counts.get("pseudo_bow_captions") else ""))
+    return f"  captions: {counts.get('caption_words', 0) / max(1, counts.get('samples_kept', 0)):.1f} words on average"
 
 
 def _format_lines(counts: dict) -> list[str]:
@@ -218,19 +206,12 @@ def format_data_report(report: dict) -> str:
              f"(all passes over the data; " + (f"a pass holds {per_pass} samples" if per_pass else
                                                "samples a pass unknown")
              + (f": {report['pass_size_from']}" if report.get("pass_size_from") else "") + ")",
-             _caption_line(counts), *_format_lines(counts), *_drop_lines(report)]
+             _caption_line(counts), *_format_lines(counts), *drop_lines(report)]
     if "position" in report:
         lines.insert(1, _position_line(report["position"]))
-    if "tonics_rows" in counts:  # [TOnICS] App. A.1: one row per (pair, aligned class)
-        lines.insert(2, f"  TOnICS: {counts['tonics_rows']} rows from {counts.get('samples_kept', 0)} pairs; "
-                        f"{counts.get('tonics_unaligned_pairs', 0)} pairs without an aligned noun (root-only rows)")
-    if "image_label" in report:
-        lab = report["image_label"].get("counts", {})
-        lines += [f"image-label: seen {lab.get('samples_seen', 0)}, kept {lab.get('samples_kept', 0)}, "
-                  f"{lab.get('excluded_held_out_class', 0)} of held-out classes excluded",
-                  *_drop_lines(report["image_label"])]
+    lines += plugins.report_lines(report)  # the methods' own counts and streams
     if "eval" in report:
         held = report["eval"].get("counts", {})
         lines += [f"held-out: seen {held.get('samples_seen', 0)}, kept {held.get('samples_kept', 0)} "
-                  f"(every rank reads the whole held-out split)", *_drop_lines(report["eval"])]
+                  f"(every rank reads the whole held-out split)", *drop_lines(report["eval"])]
     return "\n".join(lines)

@@ -3,11 +3,13 @@ method. A method fills the core's interfaces with what it changes at each stage 
 data pipeline and the training loop iterate over the registered methods and name none of them.
 
 - ``<method>/check.py``: ``check(cfg)`` — its config constraints, each error naming the dotted key (torch-free).
-- ``<method>/rows.py``: ``data_part(cfg, train, evalset)`` — its ``rayvl.data.parts.DataPart`` (what the driver resolves
-  for its data before and after Ray starts) and row transform (``RowTransform``, run inside Ray Data's read tasks);
-  torch-free.
+- ``<method>/rows.py``: ``data_part(cfg, train, evalset)`` — its ``rayvl.data.parts.DataPart`` (what the driver
+  resolves for its data before and after Ray starts) and row transform (``RowTransform``, run inside Ray Data's read
+  tasks); torch-free.
 - ``<method>/train.py``: its ``rayvl.train.parts.TrainPart``: a batch source, the loss targets or loss, a
   train-state component, metrics and what it does after a step, on every worker.
+- ``<method>/report.py``: ``statistics(counts)`` and ``lines(report)`` — its part of the run's data report; and in
+  the ``register`` line, the progress line's fields, the metrics that count data, the streams it reads.
 
 Papers: [BoW] Bag-of-Words captions and the memory bank, [TOnICS] ontology-bucketed curriculum minibatches,
 [UniCL] image-label data in the contrastive loss, [Paraphrase] text strategies (rayvl.models.text_strategies) and
@@ -23,6 +25,11 @@ from rayvl.plugins import Method, register
 # image-label data is a stream of its own ([UniCL]). Checks are imported here (the config runs them); data and
 # training parts by name, where a run needs them
 register(Method("paraphrase", paraphrase.check))
-register(Method("bow", bow.check, "rayvl.methods.bow.rows:data_part", "rayvl.methods.bow.train:MemoryBankPart"))
-register(Method("tonics", tonics.check, "rayvl.methods.tonics.rows:data_part", "rayvl.methods.tonics.train:TonicsPart"))
-register(Method("unicl", unicl.check, "rayvl.methods.unicl.rows:data_part", "rayvl.methods.unicl.train:UniclPart"))
+register(Method("bow", bow.check, "rayvl.methods.bow.rows:data_part", "rayvl.methods.bow.train:MemoryBankPart",
+                report="rayvl.methods.bow.report", data_metrics=("bow_",)))
+register(Method("tonics", tonics.check, "rayvl.methods.tonics.rows:data_part", "rayvl.methods.tonics.train:TonicsPart",
+                report="rayvl.methods.tonics.report", data_metrics=("tonics_rows",),
+                # [TOnICS] §3: the curriculum's probability of a root-node (random) batch
+                progress=(("tonics_p_root", "P_S(root) {:.3f}"),)))
+register(Method("unicl", unicl.check, "rayvl.methods.unicl.rows:data_part", "rayvl.methods.unicl.train:UniclPart",
+                report="rayvl.methods.unicl.report", streams=unicl.streams))

@@ -90,8 +90,8 @@ def model_flops_per_sample(model: nn.Module, image_size: int, text_tokens: int, 
     at ``image_size`` px and ``text_tokens`` tokens (the padded length: padding is computed too), counted on a
     batch of 2. Call it on the built model before DeepSpeed wraps it (ZeRO-3 partitions the weights away); the
     model is left as it was — modes, gradients, BatchNorm statistics and the random state. ``key_encoders``: add
-    the memory bank's EMA key encoders, one more forward of both towers per sample ([BoW] eq. (3), MoCo), with every
-    patch token: the EMA copy runs as at evaluation, where a ViT's patch dropout keeps them all. The contrastive
+    a training part's EMA key encoders, one more forward of both towers per sample (MoCo's momentum encoder), with
+    every patch token: the EMA copy runs as at evaluation, where a ViT's patch dropout keeps them all. The contrastive
     loss's similarity matrix is not counted: it grows with the global batch, not with the model."""
     device = next(model.parameters()).device
     batch = 2
@@ -154,13 +154,13 @@ def _conv_backward(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _
     return forward * (int(bool(output_mask[0])) + int(bool(output_mask[1])))
 
 
-def speed_fields(model: nn.Module, cfg, device: torch.device) -> dict:
-    """Window's MFU fields for a run: the FLOPs of a sample (with a memory bank's key encoders) and the device's
-    peak at the run's precision ({} where the peak is unknown — a CPU unless RAYVL_PEAK_TFLOPS names one). Called
-    before DeepSpeed: ZeRO-3 partitions the weights away."""
+def speed_fields(model: nn.Module, cfg, device: torch.device, key_encoders: bool = False) -> dict:
+    """Window's MFU fields for a run: the FLOPs of a sample (``key_encoders``: with a second forward of both towers,
+    a training part's EMA copy) and the device's peak at the run's precision ({} where the peak is unknown — a CPU
+    unless RAYVL_PEAK_TFLOPS names one). Called before DeepSpeed: ZeRO-3 partitions the weights away."""
     peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                       table_precision(cfg.train, device.type == "cuda"))
     if peak is None:
         return {}
     return {"peak_flops": peak, "flops_per_sample": model_flops_per_sample(
-        model, cfg.data.image_size, cfg.data.max_text_tokens, key_encoders=cfg.memory_bank.size > 0)}
+        model, cfg.data.image_size, cfg.data.max_text_tokens, key_encoders=key_encoders)}

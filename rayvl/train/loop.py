@@ -46,7 +46,8 @@ def train_loop_per_worker(config: dict) -> None:
     engine, speed = _engine(cfg, world, plan.init_from if saved is None else "", device, parts, startup)
     next_batch = data.result()  # raises what the thread raised; the parts' sources (and their state) exist now
     components = {name: c for part in parts for name, c in part.components().items()}
-    state = TrainState(Progress(), data_position=data_resume.position, **components)
+    added_later = frozenset().union(*(part.added_later for part in parts))
+    state = TrainState(Progress(), added_later, data_position=data_resume.position, **components)
     if resume.restore(engine, state, saved):
         state.progress.resumed_at.append(state.progress.step)
     startup.mark("restore")
@@ -138,7 +139,8 @@ def _engine(cfg: RayvlConfig, world: int, init_from: str, device: torch.device, 
         model.vision.channels_last = True
     for part in parts:
         part.model_built(model)
-    speed = flops.speed_fields(model, cfg, device)  # before DeepSpeed: ZeRO-3 partitions the weights away
+    # before DeepSpeed: ZeRO-3 partitions the weights away
+    speed = flops.speed_fields(model, cfg, device, key_encoders=any(part.key_encoders for part in parts))
     engine = build_engine(model, cfg, world, device, aligned_buffers(ray.train.get_checkpoint()))
     if cfg.train.compile:
         engine.compile(backend=cfg.train.compile)

@@ -14,6 +14,12 @@ class TrainPart:
     """A method's part of the training loop on every worker (``rayvl.train.loop``)."""
 
     name: str = ""
+    added_later: frozenset[str] = frozenset()
+    """its train-state components that checkpoints written before them lack: such a checkpoint resumes them from
+    their start (rayvl.train.state)."""
+    key_encoders: bool = False
+    """whether it runs a second forward of both towers per sample (a memory bank's EMA key encoders), which the
+    FLOPs of a sample count (rayvl.train.flops)."""
 
     @staticmethod
     def enabled(cfg) -> bool:

@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+from rayvl import plugins
 from rayvl.eval.tasks import METRIC_PREFIXES
 from rayvl.train import startup
 
@@ -44,8 +45,7 @@ def progress_line(row: dict, total: int, started: float, rate: float | None, wor
     if row.get("grad_norm") is not None:
         parts.append(f"grad norm {row['grad_norm']:.3g}")
     parts.append(f"dropped {row.get('samples_seen', 0) - row.get('samples_kept', 0)}")
-    if "tonics_p_root" in row:  # [TOnICS] §3: the curriculum's probability of a root-node (random) batch
-        parts.append(f"P_S(root) {row['tonics_p_root']:.3f}")
+    parts += [fmt.format(row[key]) for key, fmt in plugins.progress_fields() if key in row]  # the methods' fields
     shown = [f"{k} {row[k]:.1f}" for k in EVAL_SHOWN if k in row]
     if shown or any(k.startswith(METRIC_PREFIXES) for k in row):
         parts.append("eval " + ", ".join(shown))

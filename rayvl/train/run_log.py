@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ray.train import UserCallback
 
+from rayvl import plugins
 from rayvl.checkpoints import METRICS_FILE
 from rayvl.eval.tasks import METRIC_PREFIXES, is_constant
 from rayvl.plots import PLOTS_DIR, history, plot_runs
@@ -40,7 +41,7 @@ def scalars(row: dict) -> dict[str, float]:
             continue
         if isinstance(value, (int, float)) and math.isfinite(value):
             group = "eval" if key.startswith(METRIC_PREFIXES) else "data" if key.startswith(
-                ("samples_", "caption_", "data_", "bow_", "tonics_rows")) else "train"
+                ("samples_", "caption_", "data_", *plugins.data_metric_prefixes())) else "train"
             out[f"{group}/{key.removeprefix('data_')}"] = float(value)  # data/rows_trained, not data/data_rows_trained
     return out
 

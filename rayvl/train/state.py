@@ -1,8 +1,8 @@
 """One train state: everything a resumed run needs beside DeepSpeed's own files (model, optimizer, ZeRO
 partitions, LR scheduler), as one ``state_dict()`` / ``load_state_dict()`` object per component (torchtitan's
-``Stateful``). Components: the progress (step, metric history), the TOnICS curriculum and its samplers' counts,
-the memory bank, the data position (rayvl.data.position; every rank's rows are merged on rank 0 before a
-checkpoint). Each is identical on every rank or complete on rank 0, so rank 0
+``Stateful``). Components: the progress (step, metric history), the data position (rayvl.data.position; every
+rank's rows are merged on rank 0 before a checkpoint) and the training parts' own (a curriculum, a memory bank:
+``TrainPart.components``). Each is identical on every rank or complete on rank 0, so rank 0
 saves it (``rayvl.checkpoints.STATE_FILE``) and every rank loads it.
 """
 from __future__ import annotations
@@ -34,22 +34,20 @@ class Progress:
         self.resumed_at = list(state.get("resumed_at", []))  # absent in checkpoints written before it existed
 
 
-# components checkpoints written before them lack: such a checkpoint resumes them from their start
-ADDED_LATER = frozenset({"tonics_sampler"})
-
-
 class TrainState:
     """The run's progress and its other components by name (None = the run does not have that component)."""
 
-    def __init__(self, progress: Progress, **components: Stateful | None):
-        self.progress = progress
+    def __init__(self, progress: Progress, added_later: frozenset[str] = frozenset(), **components: Stateful | None):
+        """``added_later``: components that checkpoints written before them lack (a training part's
+        ``added_later``): such a checkpoint resumes them from their start."""
+        self.progress, self.added_later = progress, added_later
         self.components = {"progress": progress, **{name: c for name, c in components.items() if c is not None}}
 
     def state_dict(self) -> dict:
         return {name: c.state_dict() for name, c in self.components.items()}
 
     def load_state_dict(self, state: dict) -> None:
-        missing = sorted(set(self.components) - set(state) - ADDED_LATER)
+        missing = sorted(set(self.components) - set(state) - self.added_later)
         if missing:  # e.g. resuming with a memory bank a run that trained without one
             raise ValueError(f"the checkpoint holds no state for {missing} (it has {sorted(state)}): resume with "
                              f"the settings the run was started with")

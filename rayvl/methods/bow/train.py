@@ -13,6 +13,7 @@ from rayvl.train.worker import Worker
 
 class MemoryBankPart(TrainPart):
     name = "memory_bank"
+    key_encoders = True  # [BoW] eq. (3), MoCo: the EMA towers embed every sample once more
 
     @staticmethod
     def enabled(cfg: RayvlConfig) -> bool:

@@ -60,6 +60,7 @@ def pair_labels(batch: dict) -> torch.Tensor:
 
 class TonicsPart(TrainPart):
     name = "tonics"
+    added_later = frozenset({"tonics_sampler"})  # checkpoints of TOnICS runs before its sampler counts resume
 
     @staticmethod
     def enabled(cfg: RayvlConfig) -> bool:

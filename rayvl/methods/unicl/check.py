@@ -35,3 +35,9 @@ def _check_mix(il, b: int) -> None:
         raise ConfigError(f"image_label.weight: {il.weight} of train.micro_batch_size={b} leaves no image-text row "
                           f"(round({il.weight} × {b}) = {b}); use 1.0 for image-label data only, or at most "
                           f"{(b - 1) / b:.4g}")
+
+
+def streams(cfg) -> int:
+    """The image-label stream is a Ray Data pipeline of its own beside image-text data ([UniCL] App. B.2), none
+    when it is the only training data (image_label.weight = 1: it is the training stream)."""
+    return 1 if cfg.image_label.data and cfg.image_label.weight < 1.0 else 0
