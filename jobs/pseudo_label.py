@@ -9,8 +9,8 @@ seeds as one Ray Tune grid (rayvl.sweeps.comparison), mean ± std per metric.
 
 1. trains the labeller: a BoW model (configs/bow_pretrain.yaml) on the aligned shards S_a for --teacher-steps
    (the run <name>-labeller);
-2. labels the unaligned images with the rule of each chosen arm (rayvl.methods.bow.pseudo_label: one retrieval, one shard set
-   per rule, in <name>-pseudo/ beside the labeller's run; a rerun skips the shards labelled before);
+2. labels the unaligned images with the rule of each chosen arm (rayvl.methods.bow.pseudo_label: one retrieval, one
+   shard set per rule, in <name>-pseudo/ beside the labeller's run; a rerun skips the shards labelled before);
 3. continues the labeller for --steps more steps on S_a alone — Table 7's longer-trained aligned-only baseline —
    and, with the same steps and seeds, on S_a + each rule's pseudo-labelled shards: the arms × seeds as one grid;
 4. reports Table-7-style rows per arm: zero-shot top-1 and R@1, the pseudo-labelled images trained on and, where the
@@ -175,7 +175,8 @@ COMPARISON = PseudoLabel(
     "pseudo_label (BoW Table 7)", str(REPO / "configs" / "bow_pretrain.yaml"), ARMS, ROWS, fixed=["bow.enabled=true"],
     # one trial at a time on 2 cores (2 × 0.45 + its driver's 0.1 + Ray Data's 1); the arms' steps are --steps
     demo=["train.cpus_per_worker=0.45"],
-    after="rayvl.methods.bow.pseudo_captions:pseudo_caption_metrics", after_metrics=("pseudo_images", "pseudo_word_precision"))
+    after="rayvl.methods.bow.pseudo_captions:pseudo_caption_metrics",
+    after_metrics=("pseudo_images", "pseudo_word_precision"))
 
 if __name__ == "__main__":
     sys.exit(COMPARISON.main())

@@ -7,8 +7,8 @@ import sys
 
 import rayvl
 from rayvl.config import DataConfig, EvalConfig, PseudoLabelConfig, load_config
-from rayvl.recipes import (CONFIGS, USER_ERRORS, RayvlParser, add_train_args, config_from_args, data_cause, print_dry_run,
-                           one_line, train_command, user_error)
+from rayvl.recipes import (CONFIGS, USER_ERRORS, RayvlParser, add_train_args, config_from_args, data_cause,
+                           one_line, print_dry_run, train_command, user_error)
 
 # commands that start no distributed work: a missing file or a bad value they raise comes from the command line
 LOCAL_COMMANDS = ("plot", "export")

@@ -33,7 +33,7 @@ class Method:
     report: str = ""
     """the module whose ``statistics(counts) -> dict`` and ``lines(report) -> list[str]`` add the method's part to a
     run's data report (rayvl.data.report): statistics derived from its counts, and its lines of the report's text;
-    torch- and Ray-free, imported where a report is read."""
+    torch-free, imported where a report is read (beside Ray, on a driver)."""
     progress: tuple[tuple[str, str], ...] = ()
     """(metric, format) of what the progress line shows when a report has the metric, e.g. ``("x_rate", "rate
     {:.3f}")`` (rayvl.train.progress)."""

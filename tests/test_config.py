@@ -1,4 +1,5 @@
 """Config errors are caught before Ray starts and name the full key."""
+import dataclasses
 import subprocess
 import sys
 
@@ -268,6 +269,10 @@ def test_config_show_prints_each_key_under_its_meaning_and_is_itself_a_recipe(tm
         rayvl.train("laion_adapt", ["train.max_steps=5"])  # warm-up 20 ≥ 5: refused before Ray starts
     with pytest.raises(ConfigError, match="^model.embed_dim: "):
         rayvl.train(load_config(None, []), ["model.embed_dim=0"])
+    # a config built by hand is checked as a recipe is, with no override too: it reaches the workers as it is
+    cfg = load_config(None, [])
+    with pytest.raises(ConfigError, match="^model.embed_dim: "):
+        rayvl.train(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, embed_dim=0)))
 
 
 def test_init_from_a_checkpoint_written_before_a_model_key_existed(tmp_path):

@@ -497,3 +497,13 @@ def test_the_table_7_job_labels_then_trains_its_arms_as_a_grid(ray_local, demo_d
     assert job.COMPARISON.main(argv + ["--resume"]) == 0, capsys.readouterr().err[-3000:]
     assert f"labeller: {labeller} (finished before, reused)" in capsys.readouterr().out
     assert {p: p.stat().st_mtime_ns for p in pseudo.glob("max_count/*")} == labelled  # not labelled again
+
+
+def test_a_resumed_comparison_that_names_the_metrics_where_they_were_finds_them():
+    """A Table 7 comparison started before the pseudo-caption metrics moved under methods/bow keeps the old
+    "module:function" in its trials' configs (Tune restores them as they started): the hook still resolves."""
+    from rayvl.methods.bow.pseudo_captions import pseudo_caption_metrics
+    from rayvl.sweeps.trials import hook
+
+    assert hook("rayvl.eval.pseudo_captions:pseudo_caption_metrics") is pseudo_caption_metrics
+    assert hook("rayvl.methods.bow.pseudo_captions:pseudo_caption_metrics") is pseudo_caption_metrics

@@ -43,12 +43,17 @@ def trial(config: dict) -> None:
     write_final_metrics(result, variant, config["set"], after)
 
 
+# modules that moved, as a trial's config may still name them: Tune restores a resumed sweep's trials with the
+# configs they started with
+MOVED = {"rayvl.eval.pseudo_captions": "rayvl.methods.bow.pseudo_captions"}
+
+
 def hook(spec: str):
     """The function a "module:function" name names."""
     import importlib
 
     module, function = spec.split(":")
-    return getattr(importlib.import_module(module), function)
+    return getattr(importlib.import_module(MOVED.get(module, module)), function)
 
 
 def write_final_metrics(result, variant: str, values: dict, after: After = After()) -> dict:

@@ -21,8 +21,8 @@ class _Callable(types.ModuleType):
 
         if isinstance(config, dict):
             config = from_dict(config)
-        if isinstance(config, RayvlConfig):
-            config = with_overrides(config, list(overrides))
+        if isinstance(config, RayvlConfig):  # rebuilt and checked as a recipe is: it reaches the workers as it is
+            config = with_overrides(from_dict(config.to_dict()), list(overrides))
         else:
             config = load_config(config, list(overrides))
         return train(config, **options)

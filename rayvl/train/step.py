@@ -6,13 +6,13 @@ gradient clip and the guard against non-finite gradients, the optimizer step.
         loss   = Objective(engine, batch)                both towers (rayvl.models.dual_encoder), then the loss of
                                                          rayvl.losses the enabled methods' parts choose
         engine.backward(loss)                            DeepSpeed: gradients reduced across ranks (ZeRO: partitioned)
-    at the last micro-batch, ``clip_and_step``:
-        ZeRO-0 (bf16 / fp32)   rayvl clips here: one foreach norm over the reduced gradients, one foreach scale;
-                               a non-finite norm skips the step on the device (the fused AdamW's found_inf)
-        ZeRO ≥ 1, or fp16      DeepSpeed clips inside engine.step(): its optimizer's norm and clip are the
-                               device-side ones rayvl.train.syncfree installs; a non-finite norm zeroes the step's
-                               gradients (fp16: DeepSpeed's loss scaler skips it)
-        engine.step()          the optimizer, the learning-rate schedule
+        clip_and_step(engine)                            DeepSpeed counts micro-steps; at the last one:
+            ZeRO-0 (bf16 / fp32)   rayvl clips here: one foreach norm over the reduced gradients, one foreach
+                                   scale; a non-finite norm skips the step on the device (fused AdamW's found_inf)
+            ZeRO ≥ 1, or fp16      DeepSpeed clips inside engine.step(): its optimizer's norm and clip are the
+                                   device-side ones rayvl.train.syncfree installs; a non-finite norm zeroes the
+                                   step's gradients (fp16: DeepSpeed's loss scaler skips it)
+            engine.step()          the optimizer, the learning-rate schedule
 
 Nothing here reads the device from the host (``rayvl check census`` counts it): the loss and the gradient norm go to
 the report's ``Window`` as device tensors, the rows' ids to the row ledger (rayvl.train.resume).
@@ -78,7 +78,7 @@ class Step:
 
     def __call__(self, next_batch, step: int, window: Window) -> None:
         """Optimizer step ``step``: ``next_batch(step, micro)`` → (batch on the device, seconds waited) for each
-        micro-batch, forward and backward, then ``clip_and_step`` at the last."""
+        micro-batch, forward, backward and ``clip_and_step`` (whose optimizer step happens at the last)."""
         for micro in range(self.accumulation):
             batch, waited = next_batch(step, micro)
             self.rows.add(batch)

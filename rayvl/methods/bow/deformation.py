@@ -101,8 +101,8 @@ class BowStats:
 
 
 def is_pseudo(meta) -> bool:
-    """A pseudo-BoW caption (rayvl.methods.bow.pseudo_label, [BoW] §2.3): already a BoW, trained as it is, and no part of the
-    aligned captions' statistics."""
+    """A pseudo-BoW caption (rayvl.methods.bow.pseudo_label, [BoW] §2.3): already a BoW, trained as it is, and no
+    part of the aligned captions' statistics."""
     try:
         info = json.loads(meta) if meta else {}
     except (ValueError, TypeError):
