@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `ray job submit --working-dir .` runs from a copy
 
-from rayvl.recipes import run_recipe  # noqa: E402
+from rayvl.cli.recipes import run_recipe  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(run_recipe(str(Path(__file__).resolve().parent.parent / "configs" / "laion_adapt.yaml")))

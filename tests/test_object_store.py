@@ -152,7 +152,7 @@ def test_a_run_on_object_storage_is_watched_from_the_bucket_and_keeps_its_histor
 def test_a_missing_object_fails_the_run_naming_it(ray_local, demo_dir, tmp_path, laion, capsys):
     """Under the default data.unreadable_shards=fail, the first missing object the run reads ends it with one line
     naming the object and the cause (not a truncated shard, not "an epoch produced no full batch")."""
-    from rayvl.recipes import run_recipe
+    from rayvl.cli.recipes import run_recipe
 
     spec, held_out = laion
     config = small_config(demo_dir, tmp_path)  # for its paths; the command line below is what a user types

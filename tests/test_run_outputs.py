@@ -198,7 +198,7 @@ def test_recipes_are_installed_with_the_package(tmp_path):
     wheel = next((tmp_path / "wheel").glob("rayvl-*.whl"))
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp_path / "site"),
                     str(wheel)], check=True, capture_output=True)
-    code = "import rayvl.recipes as r; print(r.CONFIGS); print(sorted(p.name for p in r.CONFIGS.glob('*.yaml')))"
+    code = "import rayvl.cli.recipes as r; print(r.CONFIGS); print(sorted(p.name for p in r.CONFIGS.glob('*.yaml')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True,
                          env={**os.environ, "PYTHONPATH": str(tmp_path / "site")}).stdout.splitlines()
     assert out[0].startswith(str(tmp_path / "site")), out
@@ -227,7 +227,7 @@ def test_recipes_are_installed_with_the_package(tmp_path):
 def test_bad_input_is_one_line_and_exit_2_before_ray(demo_dir, tmp_path, capsys, args, key):
     import ray
 
-    from rayvl.recipes import CONFIGS, run_recipe
+    from rayvl.cli.recipes import CONFIGS, run_recipe
 
     was_running = ray.is_initialized()
     base = ["--eval-data", str(demo_dir / "eval"), "--set", f"train.storage_path={tmp_path}"]
@@ -387,7 +387,7 @@ def test_cli_mistakes_name_the_way_out(demo_dir, tmp_path, capsys, monkeypatch):
     folder that is no sweep's: each one line (exit 2) saying what to do instead, before Ray starts."""
     from rayvl.cli import main
     from rayvl.config import load_config
-    from rayvl.recipes import CONFIGS, run_recipe
+    from rayvl.cli.recipes import CONFIGS, run_recipe
 
     finished = tmp_path / "runs" / "done" / "checkpoint_000001"
     finished.mkdir(parents=True)

@@ -181,7 +181,7 @@ class Comparison:
         """Parse, validate (before Ray starts), prepare, run the grid, print and write the comparison. A user's
         error is one line, ``rayvl: error: ...``, and exit status 2."""
         from rayvl import session
-        from rayvl.recipes import USER_ERRORS, user_error
+        from rayvl.cli.recipes import USER_ERRORS, user_error
 
         args = self.parser().parse_args(argv)
         session.setup_logging(True)  # Tune's trial table is the progress of a comparison
@@ -209,7 +209,7 @@ class Comparison:
     def configured(self, args) -> tuple["Comparison", list[str]]:
         """This comparison for the arguments, and the overrides every trial gets after ``fixed``: the demo's budget
         (without --data), the job's defaults, then --set, --data and --eval-data."""
-        from rayvl.recipes import config_overrides
+        from rayvl.cli.recipes import config_overrides
 
         comparison = dataclasses.replace(self, recipe=args.config, pinned=list(args.set)).bind(args) \
             .chosen(args.variants, not args.data)
@@ -217,7 +217,7 @@ class Comparison:
             + config_overrides(args)
 
     def parser(self) -> argparse.ArgumentParser:
-        from rayvl.recipes import RayvlParser  # a usage mistake ends as every user error does: rayvl: error: ...
+        from rayvl.cli.recipes import RayvlParser  # a usage mistake ends as every user error does: rayvl: error: ...
 
         p = RayvlParser(description=f"rayvl comparison {self.title}: {', '.join(self.variants)} × seeds, "
                                                 f"as a Ray Tune grid")

@@ -7,7 +7,7 @@ import sys
 
 import rayvl
 from rayvl.config import DataConfig, EvalConfig, PseudoLabelConfig, load_config
-from rayvl.recipes import (CONFIGS, USER_ERRORS, RayvlParser, add_train_args, config_from_args, data_cause,
+from rayvl.cli.recipes import (CONFIGS, USER_ERRORS, RayvlParser, add_train_args, config_from_args, data_cause,
                            one_line, print_dry_run, train_command, user_error)
 
 # commands that start no distributed work: a missing file or a bad value they raise comes from the command line
@@ -426,7 +426,3 @@ def assets_main(args) -> int:
         print(f"rayvl: error: missing {', '.join(missing)} — run `rayvl assets fetch` (make install does)",
               file=sys.stderr)
     return 1 if missing else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
