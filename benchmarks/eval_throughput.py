@@ -115,16 +115,10 @@ def tiny_checkpoint(out: Path, seed: int = 0) -> Path:
     return ckpt
 
 
-def gpu_check():
-    """The GPU check's module (rayvl/checks/gpu.py; its import loads nothing but the standard library)."""
-    import rayvl.checks.gpu
-
-    return rayvl.checks.gpu
-
-
 def held_out(images: int, out: Path) -> str:
     """``images`` held-out samples as shards under ``out``: the demo's held-out split, copied under new keys."""
-    check = gpu_check()
+    from rayvl.checks import gpu as check  # its import loads nothing but the standard library
+
     return check.copied_shards(check.demo_shards("eval"), images, out)
 
 

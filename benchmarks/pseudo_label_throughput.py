@@ -35,7 +35,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import eval_throughput as et  # noqa: E402  (the tiny checkpoint, the copied shards, the process timing)
+import eval_throughput as et  # noqa: E402  (the tiny checkpoint, the process timing)
 
 GOAL = 0.8
 SCORE_TOLERANCE = 2e-4  # rayvl writes scores rounded to 4 decimals
@@ -201,7 +201,8 @@ def table(images: int, r: dict, p: dict, agreed: dict) -> str:
 
 
 def benchmark(images: int, work: Path, workers: int) -> dict:
-    check = et.gpu_check()
+    from rayvl.checks import gpu as check
+
     et.say(f"writing the tiny checkpoint and {images} unaligned images under {work}")
     checkpoint = et.tiny_checkpoint(work)
     aligned = check.demo_halves()[0]

@@ -73,5 +73,15 @@ def crop(img: Image.Image, size: int, scale_min: float | None, rng: np.random.Ge
         raise ValueError("a random resized crop needs a generator (data/seeding.row_rng)")
     else:
         box = random_resized_crop_box(*img.size, scale_min, rng)
-    img = img.resize((size, size), Image.BICUBIC, box=box)
-    return np.asarray(img, dtype=np.uint8).transpose(2, 0, 1).copy()
+    return resized(img, box, size).copy()
+
+
+def resized(img: Image.Image, box, size: int) -> np.ndarray:
+    """The ``box`` (x0, y0, x1, y1, pixel corners) of an RGB image resized bicubic to ``size`` × ``size``, as a uint8
+    (3, size, size) view."""
+    return chw(img.resize((size, size), Image.BICUBIC, box=box))
+
+
+def chw(img: Image.Image) -> np.ndarray:
+    """An RGB image's pixels as a uint8 (3, H, W) view."""
+    return np.asarray(img, dtype=np.uint8).transpose(2, 0, 1)

@@ -162,8 +162,11 @@ def snapshot(report_name: str) -> dict:
 def caption_stats(counts: dict) -> dict:
     """Average caption length (words) of the kept samples, and what the methods derive from the counts (their
     report hooks, rayvl.plugins: e.g. the caption lengths before a deformation)."""
-    return {"avg_caption_words": counts.get("caption_words", 0) / max(1, counts.get("samples_kept", 0)),
-            **plugins.report_statistics(counts)}
+    return {"avg_caption_words": _avg_words(counts), **plugins.report_statistics(counts)}
+
+
+def _avg_words(counts: dict) -> float:
+    return counts.get("caption_words", 0) / max(1, counts.get("samples_kept", 0))
 
 
 def position_report(position: dict, resumed_at: list[int]) -> dict:
@@ -190,7 +193,7 @@ def drop_lines(report: dict) -> list[str]:
 
 
 def _caption_line(counts: dict) -> str:
-    return f"  captions: {counts.get('caption_words', 0) / max(1, counts.get('samples_kept', 0)):.1f} words on average"
+    return f"  captions: {_avg_words(counts):.1f} words on average"
 
 
 def _format_lines(counts: dict) -> list[str]:

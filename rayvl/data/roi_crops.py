@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from rayvl.data.images import decode, random_resized_crop_box
+from rayvl.data.images import chw, decode, random_resized_crop_box, resized
 
 
 @dataclass
@@ -35,7 +35,7 @@ class CropSource:
 
     @property
     def pixels(self) -> np.ndarray:
-        return np.asarray(self.image, dtype=np.uint8).transpose(2, 0, 1)
+        return chw(self.image)
 
 
 def source_side(size: int, scale_min: float) -> int:
@@ -97,8 +97,7 @@ def from_image(img: Image.Image, boxes: np.ndarray, full: tuple[int, int], side:
 def cut_on_cpu(sources: list[CropSource], size: int) -> np.ndarray:
     """``cut`` done by Pillow on this core, uint8 (Σ c, 3, size, size): a bicubic resize of each box of the
     downscaled image — faster on a CPU than ``grid_sample``, and what a CPU labeller runs on its threads."""
-    return np.stack([np.asarray(s.image.resize((size, size), Image.BICUBIC, box=tuple(map(float, b))),
-                                dtype=np.uint8).transpose(2, 0, 1) for s in sources for b in s.boxes])
+    return np.stack([resized(s.image, tuple(map(float, b)), size) for s in sources for b in s.boxes])
 
 
 MAX_SAMPLES = 4  # bilinear samples a side averaged into a crop pixel, at most: area-filtered up to a 4× reduction
