@@ -7,8 +7,8 @@ framework, not the model, sets the speed (DeepSpeed ZeRO-2's per-gradient hooks 
 CPU with one intra-op thread, ``time.thread_time()`` of the step counts the host's work and the model's arithmetic
 together; on the census's tiny model (rayvl/checks/census.py, `rayvl check census`: the laion_adapt layout at
 ViT-B/32, 188 trainable tensors, 32 px) at batch 2 and 8 tokens the arithmetic is small, so what a layout adds
-over the bare loop is host work a GPU would wait on. fp32 by default: this CPU emulates bf16's matrix products, which would bury the host's
-work (``--precision bf16`` runs DeepSpeed's bf16 path all the same).
+over the bare loop is host work a GPU would wait on. fp32 by default: this CPU emulates bf16's matrix products,
+which would bury the host's work (``--precision bf16`` runs DeepSpeed's bf16 path all the same).
 
 Every layout is rayvl's own step (``rayvl.train.engine.build_engine``, ``rayvl.train.step.Step``) in one
 process beside the bare loop (fused AdamW, foreach clipping; bf16 autocast at bf16); rounds interleave them in a
