@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ray  # noqa: E402
 
 from rayvl import assets  # noqa: E402
-from rayvl.config import DEFAULT_BOW_OPS  # noqa: E402
+from rayvl.methods.bow.config import DEFAULT_BOW_OPS  # noqa: E402
 from rayvl.data.pipeline import Rows, preprocess  # noqa: E402
 from rayvl.methods.bow import deformation as bow  # noqa: E402
 from rayvl.methods.bow.check import parse_ops as parse_bow_ops  # noqa: E402

@@ -97,7 +97,7 @@ def plain_label(checkpoint: str, aligned: str, unaligned: str, results: str, wor
 
     from rayvl import assets
     from rayvl.checkpoints import load_model
-    from rayvl.config import PseudoLabelConfig
+    from rayvl.methods.bow.config import PseudoLabelConfig
     from rayvl.data.specs import resolve_shards
     from rayvl.data.text import tokenize
     from rayvl.eval import knn

@@ -26,7 +26,7 @@ from rayvl.data import tar  # noqa: E402
 from rayvl.data.specs import resolve_shards  # noqa: E402
 from rayvl.data.tar import iter_tar_samples  # noqa: E402
 from rayvl.data.demo import SHAPES, write_demo  # noqa: E402
-from rayvl.data.ontology import Ontology  # noqa: E402
+from rayvl.methods.tonics.ontology import Ontology  # noqa: E402
 from rayvl.methods.tonics.rows import Objects  # noqa: E402
 from rayvl.methods.tonics.sampler import BucketSampler, draw_node  # noqa: E402
 from rayvl.losses import clip_loss  # noqa: E402

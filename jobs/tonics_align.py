@@ -19,7 +19,7 @@ random and tonics (grid <name>) with tonics.threshold read from the control's cu
 
 Each trial evaluates retrieval on the in-distribution split during training (data.eval, whose first
 tonics.refresh_instances also drive the curriculum refresh) and, when it ends, on a held-out split: `rayvl eval`'s
-retrieval and R@1 within same-object galleries (rayvl.eval.contextual: a caption naming object o ranks only the
+retrieval and R@1 within same-object galleries (rayvl.methods.tonics.contextual: a caption naming object o ranks only the
 images holding o — the contextual alignment the paper claims). With no --data it uses the embedded demo: 3
 training shards of multi-object scenes, the 4th as in-distribution split, the single-object held-out split as
 held-out.
@@ -76,7 +76,7 @@ COMPARISON = TonicsAlign(
     # 10 keep the 9 trials within the demo's budget (the recipe's 150 steps do not)
     demo=["train.cpus_per_worker=0.45", "train.max_steps=50", "train.checkpoint_every=50", "train.warmup_steps=10",
           "tonics.refresh_every=10"],
-    after="rayvl.eval.contextual:tonics_heldout",
+    after="rayvl.methods.tonics.contextual:tonics_heldout",
     after_metrics=tuple(key for _, key, _ in ROWS if key.startswith("heldout_")))
 
 

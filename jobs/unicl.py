@@ -12,7 +12,7 @@ each — one Ray Tune grid (rayvl.sweeps.comparison), mean ± std per metric.
 - unicl: as unicl_labels, with image-label prompts mixed 1:1 per batch with image-text pairs (the embedded demo's, or
   --data).
 
-Each trial ends with zero-shot on the Fashion-MNIST test split (all 80 templates averaged, rayvl.eval.class_split):
+Each trial ends with zero-shot on the Fashion-MNIST test split (all 80 templates averaged, rayvl.methods.unicl.class_split):
 over all 10 classes, over the 7 training classes, and over the 3 held-out classes, with each held-out class's recall
 among the three (the whole confusion matrix is in each trial's final_metrics.json). The CE model has no text
 encoder, so it can only score the classes it has embeddings for ("-" on held-out classes; its 10-class accuracy
@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # `ray job submit --working-dir .` runs from a copy
 
-from rayvl.eval.class_split import ROWS, mean_confusion  # noqa: E402
+from rayvl.methods.unicl.class_split import ROWS, mean_confusion  # noqa: E402
 from rayvl.sweeps.comparison import Comparison  # noqa: E402
 
 
@@ -43,7 +43,7 @@ COMPARISON = Unicl(
     # one trial at a time on 2 cores (2 × 0.45 + its driver's 0.1 + Ray Data's 1); 50 steps keep 9 trials within the
     # demo's budget
     demo=["train.cpus_per_worker=0.45", "train.max_steps=50", "train.checkpoint_every=50", "train.warmup_steps=10"],
-    after="rayvl.eval.class_split:fashion_mnist_split",
+    after="rayvl.methods.unicl.class_split:fashion_mnist_split",
     after_metrics=tuple(key for _, key, _ in ROWS if key.startswith("zs_")))
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ metric.
 
 Every arm trains on the same image-label data — Fashion-MNIST photos of the 7 training classes, from the first
 image_label.limit = 50,000 training photos (held-out trouser, sandal, bag excluded and counted) — mixed 1:1 per
-batch with image-text pairs (rayvl.data.fashion_captions, from the last 10,000 training photos, which the labelled
+batch with image-text pairs (rayvl.methods.unicl.fashion_captions, from the last 10,000 training photos, which the labelled
 set never reads):
 
 - unicl_uncovered: pairs of the training classes only (no caption names a held-out class), UniCL loss;
@@ -19,7 +19,7 @@ set never reads):
 - clip_uncovered: the CLIP loss on unicl_uncovered's data (with --variants all).
 
 Each trial ends with zero-shot on the first 2,000 Fashion-MNIST test photos (80 templates averaged,
-rayvl.eval.class_split): all, seen and held-out classes, each held-out class's recall among the three and the
+rayvl.methods.unicl.class_split): all, seen and held-out classes, each held-out class's recall among the three and the
 held-out confusion matrix (final_metrics.json; the report prints each arm's mean matrix). With --covered/--uncovered
 the pairs are yours (shards of captions that do and do not name the held-out classes).
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # `ray job submit --working-dir .` runs from a copy
 
-from rayvl.eval.class_split import ROWS, mean_confusion  # noqa: E402
+from rayvl.methods.unicl.class_split import ROWS, mean_confusion  # noqa: E402
 from rayvl.sweeps.comparison import Comparison  # noqa: E402
 
 FIRST_CAPTIONED = 50_000  # image_label.limit: the labelled set reads the photos before this index, the pairs the rest
@@ -47,7 +47,7 @@ class UniclCoverage(Comparison):
         import dataclasses
 
         from rayvl.config import ConfigError, load_config
-        from rayvl.data.fashion_captions import ensure_coverage
+        from rayvl.methods.unicl.fashion_captions import ensure_coverage
         from rayvl.data.fashion_mnist import is_fashion_mnist
 
         if getattr(args, "data", None):
@@ -81,7 +81,7 @@ COMPARISON = UniclCoverage(
     # demo's budget
     demo=["train.cpus_per_worker=0.45", "train.max_steps=50", "train.checkpoint_every=50", "train.warmup_steps=10"],
     demo_variants=("unicl_uncovered", "unicl_covered", "clip_covered"),
-    after="rayvl.eval.class_split:coverage_split",
+    after="rayvl.methods.unicl.class_split:coverage_split",
     after_metrics=tuple(key for _, key, _ in ROWS if key.startswith("zs_")) + ("covered_share",))
 
 

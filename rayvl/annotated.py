@@ -1,5 +1,6 @@
 """`rayvl config show`: a resolved config as YAML, each key under its meaning — the docstring its dataclass field
-carries in rayvl/config.py (read from the source: Python keeps no field docstrings at run time). The output is a
+carries in rayvl/config.py or in a method's config.py (read from the source: Python keeps no field docstrings at run
+time). The output is a
 recipe: ``rayvl config show > mine.yaml`` then ``rayvl train --config mine.yaml`` trains the same config."""
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from functools import lru_cache
 
 import yaml
 
-from rayvl import config as config_module
 from rayvl.config import RayvlConfig
 
 WIDTH = 110
@@ -20,7 +20,19 @@ WIDTH = 110
 
 @lru_cache(maxsize=None)
 def field_docs(cls: type) -> dict[str, str]:
-    """{field: its docstring (one line)} of a config dataclass: the string literal after each annotated field."""
+    """{field: its docstring (one line)} of a config dataclass: the string literal after each annotated field — of
+    its bases too (RayvlConfig, made from the registered sections, has no source; its core fields are CoreConfig's)."""
+    docs = {}
+    for base in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(base):
+            try:
+                docs.update(_own_field_docs(base))
+            except (OSError, TypeError):  # made at run time: no source
+                pass
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body
     docs = {}
@@ -38,7 +50,7 @@ def show(cfg: RayvlConfig) -> str:
 
 def _lines(obj, depth: int) -> list[str]:
     indent, out = "  " * depth, []
-    hints = typing.get_type_hints(type(obj), vars(config_module))
+    hints = typing.get_type_hints(type(obj))
     docs = field_docs(type(obj))
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)

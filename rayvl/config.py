@@ -96,95 +96,6 @@ class DataConfig:
 
 
 @dataclass
-class BowConfig:
-    """Bag-of-Words caption deformation of the training captions ([BoW] §2.2)."""
-
-    enabled: bool = False
-    """deform the training captions (held-out captions always stay intact)."""
-    ops: list[Any] = field(default_factory=lambda: [dict(o) if isinstance(o, dict) else o for o in DEFAULT_BOW_OPS])
-    """the cascade, in order; Keep(n) must be last. Names: shuffle, rm_stop_nalpha, limit_to_base_vocab,
-    {rm_top_freq: t}, {keep: n}. Default: the paper's default BoW."""
-    base_fraction: float = 0.1
-    """share of captions kept intact (the "base" split, chosen by hashing the sample key); 0 = only BoW."""
-    seed: int = 0
-    """seed of the base split and of each caption's shuffle (hash of seed and sample key)."""
-    stats_path: str = ""
-    """base-split statistics artifact (JSON, local or URL); reused when its fingerprint matches the shards and
-    split, computed with Ray Data otherwise ('' = <run directory>/bow_stats.json)."""
-    keep_base_intact: bool = True
-    """False: the base split still gives the statistics, but its captions are deformed too ([BoW] Table 4, 100%
-    BoW captions)."""
-    top_freq_words: Literal["content", "all"] = "content"
-    """what RmTopFreq(t) ranks: "content" = the t most frequent base words among those RmStopNalpha keeps (the
-    words [BoW] Figure 2 shows it removing: "men", "table", "rocks"); "all" = the whole base vocabulary, stop words
-    and punctuation included (the literal reading; after RmStopNalpha its top-t removes fewer real words)."""
-
-
-DEFAULT_BOW_OPS = ("shuffle", "rm_stop_nalpha", "limit_to_base_vocab", {"rm_top_freq": 1000}, {"keep": 4})
-
-
-@dataclass
-class TonicsConfig:
-    """TOnICS ontology-bucketed curriculum minibatches ([TOnICS] §3, App. A)."""
-
-    enabled: bool = False
-    """draw each step's minibatch from the root (random) or from one object node ([TOnICS] §3)."""
-    classes: list[str] = field(default_factory=list)
-    """object classes: WordNet nouns ("dog": its first noun sense that is a physical entity), synset ids
-    ("dog.n.01") or a name for a synset ("diamond=rhombus.n.01")."""
-    overrides: str = ""
-    """JSON file {noun: class} applied before WordNet (the paper corrects its noun→object mapping by hand)."""
-    tags_field: str = "objects"
-    """JSON metadata field with detector tags (strings, [label, ...] lists or {label|name|class: ...}): the objects
-    in the image. A caption noun makes a TOnICS row only for a class the tags hold; without tags, every caption noun
-    that maps to a class makes one."""
-    min_instances: int = 5000
-    """object classes with fewer training rows are dropped (paper: 5000 of 5.8M triplets)."""
-    buffer_rows: int = 2048
-    """rows each worker keeps in its bucket buffers."""
-    max_wait_rows: int = 4096
-    """rows a worker may read past its buffer looking for an object's rows before the fallback applies: the rest of
-    the micro-batch is filled with random rows, counted in tonics_fallback_rows."""
-    refresh_every: int = 5000
-    """steps between curriculum refreshes (paper: 5K)."""
-    refresh_instances: int = 100
-    """held-out instances (the first of the eval split) whose image retrieval decides a refresh (paper: 100)."""
-    threshold: float = 90.0
-    """refresh when held-out text→image R@1 (%) is at least this (paper: 90)."""
-    curriculum: bool = True
-    """False = the control arm of a comparison: the same triplet rows, sampler and refresh evaluations (logged as
-    tonics_last_refresh_accuracy, the learning curve a threshold is read from), but P_S never leaves the root."""
-    alpha: float = 0.9
-    """P_S(root) ← α·P_S(root) at a refresh (paper: 0.9)."""
-    beta: float = 0.2
-    """floor of P_S(root) (paper: 0.2)."""
-    counts_path: str = ""
-    """per-class row counts |X(η_o)| (JSON artifact, Ray Data aggregation); reused when its fingerprint matches
-    ('' = <storage path>/artifacts/tonics_counts-<hash of the shards' sizes and the ontology>.json: counted once per
-    data set, for every run over it)."""
-
-
-@dataclass
-class ImageLabelConfig:
-    """Image-label data mixed with image-text data ([UniCL] §3, App. B.2)."""
-
-    data: str = ""
-    """'' = none; "fashion-mnist" (Debian dataset-fashion-mnist), a folder of Fashion-MNIST IDX files, or
-    img2dataset-style shards whose JSON carries ``cls``."""
-    classes: str = ""
-    """JSON {"classes": [...]}: the name of each class id ('' = Fashion-MNIST's names for Fashion-MNIST)."""
-    templates: str = ""
-    """JSON {"templates": [...]} with "{}" for the class name ('' = CLIP's 80 ImageNet templates)."""
-    train_classes: list[int] = field(default_factory=list)
-    """class ids trained on ([] = all); the others stay unseen, for zero-shot on held-out classes."""
-    weight: float = 0.5
-    """share of every micro-batch drawn from image-label data ([UniCL] App. B.2: 1:1); 1.0 = image-label only."""
-    limit: int = 0
-    """use only the first N Fashion-MNIST training images (0 = all 60,000): quick runs, or the rest kept apart
-    (jobs/unicl_coverage.py captions them as image-text pairs)."""
-
-
-@dataclass
 class ClipArchitecture:
     """A whole CLIP's shapes (``model.init_from_clip`` reads them from its weights before Ray starts; 0 = no CLIP).
     Set by hand only where the weights cannot say: ``vision_heads`` / ``text_heads`` (CLIP's heads are 64 wide) and
@@ -294,26 +205,12 @@ class ModelConfig:
 class LossConfig:
     gather_with_grad: bool = True
     """gather features from all workers with gradients flowing back to their owners (open_clip semantics)."""
-    kind: Literal["clip", "unicl", "ce", "siglip"] = "clip"
-    """clip: InfoNCE with one positive per query; unicl: label-aware targets, every key with the query's label is
+    kind: str = "clip"
+    """the core's clip or siglip, or a kind a method registers (``Method.loss_kinds``). clip: InfoNCE with one positive per query; unicl: label-aware targets, every key with the query's label is
     a positive ([UniCL] eq. (1)–(3)); identical when all labels are unique (image-text data only); ce: cross-
     entropy against a learned class-embedding matrix ([UniCL] eq. (4); needs model.text_tower=class_embedding);
     siglip: SigLIP's sigmoid loss (Zhai et al. 2023, arXiv:2303.15343), a binary term per image-text pair with a
     learnable bias — model.init_logit_scale and model.init_logit_bias default to the paper's 10 and −10."""
-
-
-@dataclass
-class MemoryBankConfig:
-    """EMA memory bank of negatives ([BoW] §2.1 eq. (1)–(3), MoCo)."""
-
-    size: int = 0
-    """K image keys and K text keys in the queue (paper: 8192); 0 = plain in-batch InfoNCE."""
-    momentum: float = 0.999
-    """EMA momentum m of the key encoders: θ' ← m·θ' + (1 − m)·θ."""
-    temperature: float = 0.02
-    """τ of eq. (1)–(2) (paper: 0.02, fixed)."""
-    learn_temperature: bool = False
-    """use the model's learnable logit scale instead of the fixed 1/τ."""
 
 
 @dataclass
@@ -474,57 +371,9 @@ class SweepConfig:
 
 
 @dataclass
-class PseudoLabelConfig:
-    """Pseudo-BoW captions for images without captions ([BoW] §2.3): `rayvl pseudo-label`, jobs/pseudo_label.py."""
+class CoreConfig:
+    """The core's sections; ``RayvlConfig`` adds each registered method's (rayvl.plugins)."""
 
-    checkpoint: str = ""
-    """the labelling model: a run directory, a checkpoint or an export (normally a BoW run)."""
-    aligned: str = ""
-    """S_a, the aligned shards whose intact captions are retrieved (normally the labelling model's training data)."""
-    unaligned: str = ""
-    """the images to label: img2dataset shards (their captions ignored) or a folder of image files (searched
-    recursively)."""
-    out: str = ""
-    """output folder: one img2dataset-layout shard set per rule, <out>/<rule>/, and the index cache <out>/index/."""
-    rules: list[str] = field(default_factory=lambda: ["weighted_count"])
-    """word ranking rules (max_count, rm_top_max_count, rm_top_rand, weighted_count; Table 7's best is the last);
-    several rules share one retrieval and each writes its own shard set."""
-    crops: int = 10
-    """c: random resized crops per image, each one query (the paper does not give c)."""
-    crop_scale_min: float = 0.5
-    """smallest crop area as a fraction of the image (Inception-style crops, aspect ratio 3/4–4/3)."""
-    k: int = 5
-    """top-k captions retrieved per crop: NN_i holds k·c captions."""
-    words: int = 4
-    """p: words kept in a pseudo caption (the default BoW keeps 4, Keep(4))."""
-    top_t: int = 1000
-    """t of rm_top_max_count / rm_top_rand: S_a's most frequent content words removed (1000 in the paper)."""
-    index: Literal["auto", "flat", "ivf", "hnsw"] = "auto"
-    """faiss index over the caption pool: exact (flat) up to index_exact_max captions under auto, IVF above."""
-    index_exact_max: int = 100_000
-    """largest pool searched exactly under index: auto."""
-    index_nlist: int = 0
-    """IVF cells (0 = 4·√pool size)."""
-    index_nprobe: int = 16
-    """IVF cells searched per query."""
-    recall_sample: int = 256
-    """unaligned images whose crops measure an approximate index's recall@k against exact search."""
-    shard_size: int = 1000
-    """images per output shard when the unaligned set is a folder of images (a shard input keeps its shards)."""
-    actors: int = 1
-    """labelling actors (each loads the model and the index once)."""
-    cpus_per_actor: float = 1.0
-    """CPUs each labelling / caption-embedding actor reserves."""
-    gpus_per_actor: float = 0.0
-    """GPUs each labelling actor reserves (the model and a faiss-gpu index then use CUDA)."""
-    batch_size: int = 256
-    """crops (or captions) per forward pass."""
-    seed: int = 0
-    """seed of the crops and of rm_top_rand's order (both also keyed by the image key)."""
-
-
-@dataclass
-class RayvlConfig:
     recipe: str = "laion_adapt"
     """name of the recipe, used in run names."""
     ray_address: str = ""
@@ -532,19 +381,28 @@ class RayvlConfig:
     local_num_cpus: int = 0
     """CPUs of a local Ray started on demand (0 = all)."""
     data: DataConfig = field(default_factory=DataConfig)
-    bow: BowConfig = field(default_factory=BowConfig)
-    tonics: TonicsConfig = field(default_factory=TonicsConfig)
-    image_label: ImageLabelConfig = field(default_factory=ImageLabelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     loss: LossConfig = field(default_factory=LossConfig)
-    memory_bank: MemoryBankConfig = field(default_factory=MemoryBankConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     tune: SweepConfig = field(default_factory=SweepConfig)
-    pseudo_label: PseudoLabelConfig = field(default_factory=PseudoLabelConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _config_tree() -> type:
+    """The whole tree: the core's sections, then each registered method's own (``Method.sections``, in registration
+    order) — one dataclass, so a method's keys are typed, checked and documented as the core's are, and the core
+    names none of them."""
+    sections = [(key, cls, field(default_factory=cls)) for key, cls in plugins.config_sections()]
+    tree = dataclasses.make_dataclass("RayvlConfig", sections, bases=(CoreConfig,))
+    tree.__module__ = __name__  # pickled by reference (a run's workers get the config typed)
+    tree.__doc__ = "The config tree of every rayvl job: the core's sections and the registered methods'."
+    return tree
+
+
+RayvlConfig = _config_tree()
 
 
 EVAL_TASKS = ("zeroshot", "retrieval", "paraphrase", "sts")
@@ -816,8 +674,14 @@ def _validate_logit_bias(cfg: RayvlConfig) -> None:
                           "once; the texts' gradients must flow back to their owners: set it true")
 
 
+LOSS_KINDS = ("clip", "siglip")
+"""the core's loss kinds; the methods add theirs (rayvl.plugins.loss_kinds)."""
+
+
 def validate(cfg: RayvlConfig) -> None:
     """Impossible combinations, each naming the key to change."""
+    if cfg.loss.kind not in (kinds := [*LOSS_KINDS, *plugins.loss_kinds()]):
+        raise ConfigError(f"loss.kind: {cfg.loss.kind!r} is not one of {kinds}")
     _validate_train(cfg.train)
     _validate_data(cfg.data, cfg.train)
     m = cfg.model

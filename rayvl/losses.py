@@ -45,9 +45,9 @@ def clip_loss(image_features: torch.Tensor, text_features: torch.Tensor, logit_s
     return (F.cross_entropy(logits_per_image, targets) + F.cross_entropy(logits_per_text, targets)) / 2
 
 
-def unicl_loss(image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
-               labels: torch.Tensor, gather_with_grad: bool = True, image_keys: torch.Tensor | None = None,
-               text_keys: torch.Tensor | None = None, key_labels: torch.Tensor | None = None) -> torch.Tensor:
+def label_aware_loss(image_features: torch.Tensor, text_features: torch.Tensor, logit_scale: torch.Tensor,
+                     labels: torch.Tensor, gather_with_grad: bool = True, image_keys: torch.Tensor | None = None,
+                     text_keys: torch.Tensor | None = None, key_labels: torch.Tensor | None = None) -> torch.Tensor:
     """UniCL's bidirectional label-aware contrastive loss ([UniCL] eq. (1)–(3), Algorithm 1 TargetM).
 
     Every sample carries a label (image-text pairs a unique one, image-label samples their class id); the

@@ -42,6 +42,13 @@ class Method:
     streams: Callable[[Any], int] | None = None
     """``streams(cfg)``: the Ray Data pipelines it reads beside the training stream (each needs a read task's CPUs
     beside the workers: rayvl.session.check_resources); torch-free."""
+    loss_kinds: tuple[str, ...] = ()
+    """values of ``loss.kind`` it adds beside the core's clip and siglip (its training part gives their targets or
+    loss)."""
+    sections: tuple[tuple[str, type], ...] = ()
+    """(key, dataclass) of each config section it owns, e.g. ``("x", XConfig)``: ``rayvl.config.RayvlConfig``
+    gets a field ``key`` of that type (its ``--set key.field=…`` keys, their checks and ``rayvl config show``'s
+    docs as every section's); torch-free, imported with the registration."""
 
 
 _registered: dict[str, Method] = {}
@@ -57,6 +64,19 @@ def methods() -> tuple[Method, ...]:
     """Every registered method, in registration order."""
     importlib.import_module(PACKAGE)  # its __init__ registers each method, once
     return tuple(_registered.values())
+
+
+def config_sections() -> list[tuple[str, type]]:
+    """Every method's config sections, in registration order; a key given twice is a mistake in a registration."""
+    sections = [section for m in methods() for section in m.sections]
+    keys = [key for key, _ in sections]
+    if len(set(keys)) < len(keys):
+        raise ValueError(f"config sections registered twice: {sorted(k for k in keys if keys.count(k) > 1)}")
+    return sections
+
+
+def loss_kinds() -> list[str]:
+    return [kind for m in methods() for kind in m.loss_kinds]
 
 
 def check(cfg) -> None:

@@ -6,6 +6,7 @@ section of docs/running.md submits them: its own sweep command, its data and swe
 store, then a run with one worker per node (STRICT_SPREAD)."""
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -22,9 +23,10 @@ HEAD = yaml.safe_load((REPO / "cluster.yaml").read_text())["available_node_types
 
 # the fake provider's cluster config (Ray ships the code but not its example.yaml in the wheel; the provider is Ray's
 # fake one with a disk per node, tests/fake_cloud.py); the node types mirror cluster.yaml's: its head, and workers from
-# 0 nodes scaled up on demand, idle nodes removed after a while
+# 0 nodes scaled up on demand, idle nodes removed after a while (longer than this module runs: a node removed between
+# two trials, as the next trial's placement group lands on it, would fail that trial's first worker group)
 CONFIG = {
-    "cluster_name": "rayvl-fake", "max_workers": 2, "upscaling_speed": 1.0, "idle_timeout_minutes": 1,
+    "cluster_name": "rayvl-fake", "max_workers": 2, "upscaling_speed": 1.0, "idle_timeout_minutes": 20,
     "provider": {"type": "external", "module": "fake_cloud.SeparateDisks", "use_node_id_as_ip": True,
                  "disable_node_updaters": True, "disable_launch_config_check": True},
     "available_node_types": {
@@ -105,6 +107,30 @@ def _submit(options: list[str], job: list[str]) -> str:
         time.sleep(3)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
+    job_id = re.search(r"raysubmit_\w+", out)
+    if job_id and f"Job '{job_id.group(0)}' succeeded" not in out:
+        # the CLI follows the job's logs through a websocket; on a loaded machine the job agent has closed it (code
+        # 1000) while the job still ran, and the CLI then exits 0 with the job RUNNING: wait for its end, read its logs
+        out = _finished(job_id.group(0))
+    return out
+
+
+def _finished(job_id: str, timeout_s: float = 900) -> str:
+    """The logs of job ``job_id`` once it has ended, and its final status line (it must have succeeded)."""
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    deadline = time.time() + timeout_s
+    while True:
+        status = subprocess.run([ray_cli, "job", "status", "--address", ADDRESS, job_id], env={**os.environ, **ENV},
+                                capture_output=True, text=True, timeout=120)
+        said = status.stdout + status.stderr  # "Job 'ID' succeeded", "... failed", "... was stopped" or "Status for ..."
+        if any(f"Job '{job_id}' {end}" in said for end in ("succeeded", "failed", "was stopped")) \
+                or time.time() > deadline:
+            break
+        time.sleep(5)
+    logs = subprocess.run([ray_cli, "job", "logs", "--address", ADDRESS, job_id], env={**os.environ, **ENV},
+                          capture_output=True, text=True, timeout=120)
+    out = logs.stdout + said
+    assert f"Job '{job_id}' succeeded" in said, out[-4000:]
     return out
 
 
@@ -185,13 +211,16 @@ def test_the_readmes_sweep_runs_its_trials_side_by_side_as_nodes_arrive(cluster,
     assert _most_at_once(drivers) == 2, drivers
     workers = {a.actor_id: a.node_id for a in list_actors(filters=[("class_name", "=", "RayTrainWorker")])}
     nodes = set(workers.values())
-    assert len(workers) == 5 and len(nodes) == 2 and head["NodeID"] not in nodes, workers  # both worker nodes
+    # a worker per trial; Ray Train may start a trial's worker group again (train.max_failures: 1) when its first
+    # one fails to start on a machine this loaded (CI saw 6 workers for 5 trials twice, every trial succeeding)
+    assert 5 <= len(workers) <= 10 and len(nodes) == 2 and head["NodeID"] not in nodes, workers  # both worker nodes
     trained = []
     for actor in workers:
         times = [(t.start_time_ms, t.end_time_ms) for t in list_tasks(filters=[("actor_id", "=", actor)],
                                                                       detail=True, limit=10_000)]
-        trained.append((min(t[0] for t in times if t[0]) / 1e3, max(t[1] for t in times if t[1]) / 1e3))
-    assert _most_at_once(trained) == 2, trained
+        if any(start and end for start, end in times):  # a worker that ran a task (not one that died starting)
+            trained.append((min(t[0] for t in times if t[0]) / 1e3, max(t[1] for t in times if t[1]) / 1e3))
+    assert len(trained) >= 5 and _most_at_once(trained) == 2, trained
 
     best = yaml.safe_load(storage.read_text(storage.join(sweep, "best_config.yaml")))
     assert best["train"]["checkpoint_every"] == 2000 and best["train"]["max_steps"] == 2  # not the demo's 10 and 30

@@ -24,7 +24,7 @@ except LookupError:
 """
 READ = """
 from rayvl.data.text import stopwords
-from rayvl.data.ontology import wordnet
+from rayvl.data.wordnet import wordnet
 print(len(stopwords()), wordnet().synsets("puppy")[0].name())
 """
 

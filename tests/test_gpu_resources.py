@@ -102,6 +102,7 @@ def test_an_actor_given_a_gpu_without_cuda_names_the_fix(demo_dir, tmp_path, cap
         with pytest.raises(ray.exceptions.ActorDiedError) as died:
             ray.get(labeler.__ray_ready__.remote())
         assert "install a CUDA build of torch" in no_cuda_cause(died.value)
+        assert no_cuda_cause(died.value).endswith("(pseudo_label.gpus_per_actor=0)")
         assert no_cuda_cause(NoCudaError("x")) == "x" and no_cuda_cause(RuntimeError("other")) is None
 
         capsys.readouterr()
@@ -112,6 +113,6 @@ def test_an_actor_given_a_gpu_without_cuda_names_the_fix(demo_dir, tmp_path, cap
         lines = [line for line in err.splitlines() if line.startswith("rayvl: error: ")]
         assert len(lines) == 1 and "Traceback" not in lines[0]
         assert "this Ray actor was given GPU " in lines[0] and "is a CPU build: install a CUDA build of torch on the " \
-            "GPU nodes" in lines[0] and lines[0].endswith("(rayvl eval --gpus 0, pseudo_label.gpus_per_actor=0)")
+            "GPU nodes" in lines[0] and lines[0].endswith("(rayvl eval --gpus 0)")
     finally:
         ray.shutdown()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from rayvl.losses import clip_loss, siglip_loss, unicl_loss
+from rayvl.losses import clip_loss, label_aware_loss, siglip_loss
 
 
 def reference_clip_loss(img: np.ndarray, txt: np.ndarray, scale: float) -> float:
@@ -74,13 +74,14 @@ def test_unicl_with_unique_labels_is_clip_exactly():
     img, txt = _features(3, 16, 8)
     scale = torch.tensor(11.0, dtype=torch.float64)
     unique = torch.arange(16) * 7 - 50  # any distinct labels
-    assert unicl_loss(img, txt, scale, unique).item() == pytest.approx(clip_loss(img, txt, scale).item(), rel=1e-13)
+    assert label_aware_loss(img, txt, scale, unique).item() == pytest.approx(clip_loss(img, txt, scale).item(),
+                                                                          rel=1e-13)
 
 
 def test_unicl_repeated_labels_and_queue_match_float64_reference():
     img, txt = _features(4, 12, 8)
     labels = torch.tensor([0, 1, 0, 2, 1, 0, -1, -2, -3, 2, -4, -5])  # classes 0–2 repeat; pairs unique (< 0)
-    got = unicl_loss(img, txt, torch.tensor(9.0, dtype=torch.float64), labels)
+    got = label_aware_loss(img, txt, torch.tensor(9.0, dtype=torch.float64), labels)
     ref = reference_unicl_loss(img.numpy(), txt.numpy(), img.numpy(), txt.numpy(), labels.numpy(), labels.numpy(), 9)
     assert got.item() == pytest.approx(ref, rel=1e-12)
     assert got.item() != pytest.approx(clip_loss(img, txt, torch.tensor(9.0, dtype=torch.float64)).item())
@@ -90,7 +91,7 @@ def test_unicl_repeated_labels_and_queue_match_float64_reference():
     q_labels = torch.tensor([0, 5, 1, -9, 2, 0, 7, -10, 1, 1, 3, -11, 0, 2, 4, -12, 6, 0, -13, 8])
     keys_img, keys_txt = torch.cat([img, q_img]), torch.cat([txt, q_txt])
     key_labels = torch.cat([labels, q_labels])
-    got = unicl_loss(img, txt, torch.tensor(50.0, dtype=torch.float64), labels, image_keys=keys_img,
+    got = label_aware_loss(img, txt, torch.tensor(50.0, dtype=torch.float64), labels, image_keys=keys_img,
                      text_keys=keys_txt, key_labels=key_labels)
     ref = reference_unicl_loss(img.numpy(), txt.numpy(), keys_img.numpy(), keys_txt.numpy(), labels.numpy(),
                                key_labels.numpy(), 50.0)
@@ -112,7 +113,7 @@ def _two_worker_loss(config):
     mean_loss = loss.detach().clone()
     dist.all_reduce(mean_loss)
     labels = torch.tensor(config["labels"])[rank * b:(rank + 1) * b]
-    unicl = unicl_loss(mine_img.detach(), mine_txt.detach(), torch.tensor(config["scale"], dtype=torch.float64),
+    unicl = label_aware_loss(mine_img.detach(), mine_txt.detach(), torch.tensor(config["scale"], dtype=torch.float64),
                        labels).detach()
     dist.all_reduce(unicl)
     # SigLIP on its own leaves, with the shared labels: positives across the two ranks' rows

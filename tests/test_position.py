@@ -143,7 +143,7 @@ def test_a_stream_resumed_on_two_ranks_and_read_to_its_end_trains_every_row_of_e
 
 def test_a_caption_naming_one_class_twice_is_one_row_through_sampler_position_settle_and_resume(ray_local, demo_dir):
     """Some demo captions name one shape twice ("a large green diamond to the right of an orange diamond"): one
-    (pair, class) row each (data/ontology.py). The TOnICS sampler trains on part of the pass (object and root
+    (pair, class) row each (methods/tonics/ontology.py). The TOnICS sampler trains on part of the pass (object and root
     batches; rows left in its buckets are untrained at the "checkpoint"), a resumed read trains on the rest: every
     row once, none a duplicate, the shards settled and the pass complete. With a row per noun the two rows of such a
     pair share one (row, object) key: a false duplicate, a shard that never settles."""
@@ -154,7 +154,7 @@ def test_a_caption_naming_one_class_twice_is_one_row_through_sampler_position_se
     from rayvl import assets
     from rayvl.data import shards
     from rayvl.data.demo import SHAPES
-    from rayvl.data.ontology import Ontology
+    from rayvl.methods.tonics.ontology import Ontology
     from rayvl.methods.tonics.rows import Objects
     from rayvl.data.report import report_actor
     from rayvl.data.text import validate_caption

@@ -247,7 +247,7 @@ def test_a_labeller_whose_nearest_caption_is_the_images_own_writes_that_captions
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from rayvl.config import PseudoLabelConfig
+    from rayvl.methods.bow.config import PseudoLabelConfig
     from rayvl.methods.bow.deformation import rm_stop_nalpha
     from rayvl.data.demo import write_shard
     from rayvl.data.tar import iter_tar_samples
@@ -381,7 +381,7 @@ def test_a_folder_of_image_files_is_labelled_in_shards_of_shard_size(demo_dir, t
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from rayvl.config import PseudoLabelConfig
+    from rayvl.methods.bow.config import PseudoLabelConfig
     from rayvl.data.tar import iter_tar_samples
     from rayvl.eval import knn
     from rayvl.export import load

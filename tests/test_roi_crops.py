@@ -136,7 +136,7 @@ def test_the_gpu_paths_labels_are_the_cpu_paths(demo_dir, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from rayvl.config import PseudoLabelConfig
+    from rayvl.methods.bow.config import PseudoLabelConfig
     from rayvl.eval import knn
     from rayvl.export import load
     from rayvl.methods.bow.pseudo_label import Labeler, Unit, crops, unit_samples

@@ -14,7 +14,7 @@ from rayvl.data import fashion_mnist
 from rayvl.data.pipeline import Rows, preprocess
 from rayvl.methods.unicl.rows import Prompted, prompt_batch
 from rayvl.data.position import row_ids
-from rayvl.data.prompts import Prompts
+from rayvl.methods.unicl.prompts import Prompts
 from rayvl.data.prompts import templates as prompt_templates
 from rayvl.data.seeding import key_hash, row_rng, shuffle_seed
 

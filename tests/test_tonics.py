@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 
 from conftest import REPO, small_config, tonics_shapes
 from rayvl.config import ConfigError
-from rayvl.data import ontology as onto
+from rayvl.methods.tonics import ontology as onto
 from rayvl.data.tar import iter_tar_samples
 from rayvl.data.artifacts import ArtifactMismatch
 from rayvl.data.demo import SHAPES
@@ -353,7 +353,7 @@ def test_two_workers_draw_the_same_node_and_object_batches_share_it(ray_local, d
 # ----------------------------------------------------------------------------- same-object galleries
 
 def test_same_object_recall_against_a_float64_loop():
-    from rayvl.eval.contextual import same_object_recall
+    from rayvl.methods.tonics.contextual import same_object_recall
 
     rng = np.random.default_rng(0)
     n = 60
@@ -388,7 +388,7 @@ def test_tonics_heldout_hook_ranks_within_the_galleries_of_the_runs_ontology(ray
 
     from conftest import untrained_checkpoint
     from rayvl.checkpoints import META_FILE
-    from rayvl.eval.contextual import tonics_heldout
+    from rayvl.methods.tonics.contextual import tonics_heldout
 
     run = untrained_checkpoint(demo_dir, tmp_path)
     meta_path = run / "checkpoint_000000" / META_FILE

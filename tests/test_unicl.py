@@ -15,7 +15,7 @@ from rayvl.data import fashion_mnist, shards
 from rayvl.data.pipeline import Rows
 from rayvl.data.shards import Reading
 from rayvl.methods.unicl.rows import Prompted, prompt_batch
-from rayvl.data.prompts import Prompts, load_prompts
+from rayvl.methods.unicl.prompts import Prompts, load_prompts
 from rayvl.data.prompts import templates as prompt_templates
 from rayvl.data.report import report_actor
 
@@ -121,7 +121,7 @@ def _check_image_label_stream(result, share: float, steps: list[int]) -> None:
 
     history = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == steps and all(np.isfinite(h["loss"]) for h in history)
-    assert all(h["image_label_share"] == share for h in history)
+    assert all(h["labelled_share"] == share for h in history)
     lab = result.data_report["image_label"]["counts"]
     assert lab["samples_kept"] > 0 and lab["excluded_held_out_class"] > 0
     assert "image-label: seen" in format_data_report(result.data_report)
@@ -144,11 +144,11 @@ def test_ce_baseline_trains_two_workers_on_image_label_rows_only(ray_local, demo
 
 
 def test_held_out_confusion_and_recall_against_a_loop():
-    """rayvl.eval.class_split.confusion: choosing among the held-out classes only, each row the share of a true
+    """rayvl.methods.unicl.class_split.confusion: choosing among the held-out classes only, each row the share of a true
     class's images predicted as each class."""
     import torch
 
-    from rayvl.eval.class_split import confusion, top1
+    from rayvl.methods.unicl.class_split import confusion, top1
 
     g = torch.Generator().manual_seed(0)
     class_emb = torch.nn.functional.normalize(torch.randn(10, 16, generator=g), dim=1)
@@ -177,7 +177,7 @@ def test_captioned_pairs_for_concept_coverage(tmp_path):
 
     from PIL import Image
 
-    from rayvl.data import fashion_captions
+    from rayvl.methods.unicl import fashion_captions
     from rayvl.data.tar import iter_tar_samples
 
     pixels, labels = fashion_mnist.read("fashion-mnist")

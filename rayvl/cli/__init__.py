@@ -6,7 +6,8 @@ from __future__ import annotations
 import sys
 
 import rayvl
-from rayvl.config import DataConfig, EvalConfig, PseudoLabelConfig, load_config
+from rayvl.config import DataConfig, EvalConfig, load_config
+from rayvl.methods.bow.config import PseudoLabelConfig
 from rayvl.cli.recipes import (CONFIGS, USER_ERRORS, RayvlParser, add_train_args, config_from_args, data_cause,
                            one_line, print_dry_run, train_command, user_error)
 
@@ -417,7 +418,7 @@ def assets_main(args) -> int:
     lines, missing = assets.check()
     print("\n".join(lines))
     if not missing:  # and the language resources read through nltk's own readers
-        from rayvl.data.ontology import wordnet
+        from rayvl.data.wordnet import wordnet
         from rayvl.data.text import stopwords
 
         print(f"nltk English stopwords: {len(stopwords())} words; WordNet {wordnet().get_version()}: "

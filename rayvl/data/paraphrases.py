@@ -38,7 +38,7 @@ LOCATIONS = {"in the center": "in the middle", "in the middle": "in the center",
 def synonyms() -> dict[str, list[str]]:
     """Each word of SENSES → the other lemmas of its sense, read from WordNet 3.0. A lemma that contains the word
     itself ("dark-green", "cherry-red") names a narrower colour, not the same one, and is left out."""
-    from rayvl.data.ontology import wordnet
+    from rayvl.data.wordnet import wordnet
 
     wn = wordnet()
     out = {}

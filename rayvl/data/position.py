@@ -164,7 +164,7 @@ def _joined(spans: np.ndarray) -> np.ndarray:
         spans = spans[np.lexsort((spans[:, 1], spans[:, 0]))]
         dense = np.cumsum(np.r_[True, spans[1:, 0] != spans[:-1, 0]]) - 1
         if (int(dense[-1]) + 1) * width >= 1 << 62:
-            raise OverflowError(f"{int(dense[-1]) + 1} units of keys up to {width}: TOnICS object ids too large")
+            raise OverflowError(f"{int(dense[-1]) + 1} units of keys up to {width}: object ids too large")
         base = dense * width
     reach = np.maximum.accumulate(base + spans[:, 2])
     starts = np.flatnonzero(np.r_[True, base[1:] + spans[1:, 1] > reach[:-1]])

@@ -14,8 +14,6 @@ from rayvl.private_copy import readable
 
 RESOURCES = Path(__file__).resolve().parent.parent / "resources" / "nltk_data"
 TOKEN_PATTERN = r"\w+(?:[-'’]\w+)*|[^\w\s]+"
-PSEUDO_FLAG = "pseudo_bow"  # in a sample's JSON: its caption is a pseudo-BoW caption (rayvl.methods.bow.pseudo_label)
-PSEUDO_MARKER = "pseudo_label.json"  # in a `rayvl pseudo-label` output folder, beside its <rule>/ shard folders
 # nltk's RegexpTokenizer(TOKEN_PATTERN) gives the same tokens (tested) but routes every call through its ReDoS guard
 # (the `regex` engine with a timeout), several times slower: this fixed pattern cannot backtrack catastrophically,
 # so `re` is safe here and keeps the BoW deformation a small share of the pipeline (docs/benchmarks.md).

@@ -81,10 +81,11 @@ def no_cuda_cause(error: BaseException) -> str | None:
     return None
 
 
-def actor_device() -> torch.device:
+def actor_device(off: str = "rayvl eval --gpus 0") -> torch.device:
     """``cuda`` when Ray gave this process a GPU — it then sees only the GPUs it was given (Ray sets
     CUDA_VISIBLE_DEVICES), so ``cuda`` is its own — else ``cpu``: an actor without GPUs on a GPU node still sees
-    every GPU of the node (Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone there), so CUDA being there decides nothing."""
+    every GPU of the node (Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone there), so CUDA being there decides nothing.
+    ``off``: the setting that runs the command without GPUs, named when CUDA cannot be used."""
     gpus = ray.get_gpu_ids() if ray.is_initialized() else []
     if not gpus:
         return torch.device("cpu")
@@ -94,8 +95,7 @@ def actor_device() -> torch.device:
                f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU (NVIDIA driver; "
                f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
         given = ", ".join(sorted(map(str, gpus)))
-        raise NoCudaError(f"this Ray actor was given GPU {given}, but {why}; or run without GPUs (rayvl eval "
-                          f"--gpus 0, pseudo_label.gpus_per_actor=0)")
+        raise NoCudaError(f"this Ray actor was given GPU {given}, but {why}; or run without GPUs ({off})")
     return torch.device("cuda")
 
 
@@ -109,8 +109,8 @@ class EmbeddingActor:
     a random init, rayvl.models.meta_init) on this actor's device — on a GPU: NHWC image tower, bf16 autocast,
     batches copied from pinned memory without blocking, embeddings kept on the GPU and copied back once a call."""
 
-    def __init__(self, checkpoint: str):
-        self.device = actor_device()
+    def __init__(self, checkpoint: str, off: str = "rayvl eval --gpus 0"):
+        self.device = actor_device(off)
         self.model, config = load_model(checkpoint)
         if self.device.type == "cuda":
             self.model.to(self.device).vision.to_channels_last()
@@ -196,14 +196,14 @@ IN_FLIGHT_BYTES = 512 << 20  # decoded images read ahead of the actors: what an 
 class ActorEmbedder:
     """A pool of ``EmbeddingActor``s, started at once (they load their model while Ray Data starts reading) and
     kept for every call: images streamed to them block by block (nothing is materialised), then every text, split
-    among them. ``close`` ends them."""
+    among them. ``close`` ends them. ``off``: the setting that runs the command without GPUs (actor_device)."""
 
     def __init__(self, checkpoint: str | os.PathLike, actors: int = 1, cpus_per_actor: float = 0.5,
-                 batch_size: int = 128, gpus_per_actor: float = 0.0):
+                 batch_size: int = 128, gpus_per_actor: float = 0.0, off: str = "rayvl eval --gpus 0"):
         options = pool_options(actors, cpus_per_actor, gpus_per_actor)
         remote = ray.remote(EmbeddingActor).options(num_cpus=options["num_cpus"], num_gpus=options["num_gpus"])
         self.started = time.time()
-        self.actors = [remote.remote(str(checkpoint)) for _ in range(options["concurrency"])]
+        self.actors = [remote.remote(str(checkpoint), off) for _ in range(options["concurrency"])]
         self.ready = [a.ready.remote() for a in self.actors]  # answered once each actor holds its model
         self.batch_size = batch_size
         self.rows: dict[str, np.ndarray] = {}  # the other columns of the last images() call's rows, in its order

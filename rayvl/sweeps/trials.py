@@ -45,7 +45,9 @@ def trial(config: dict) -> None:
 
 # modules that moved, as a trial's config may still name them: Tune restores a resumed sweep's trials with the
 # configs they started with
-MOVED = {"rayvl.eval.pseudo_captions": "rayvl.methods.bow.pseudo_captions"}
+MOVED = {"rayvl.eval.pseudo_captions": "rayvl.methods.bow.pseudo_captions",
+         "rayvl.eval.contextual": "rayvl.methods.tonics.contextual",
+         "rayvl.eval.class_split": "rayvl.methods.unicl.class_split"}
 
 
 def hook(spec: str):

@@ -133,8 +133,8 @@ class DataResume:
         self.rows = TrainedRows()
 
     def restore(self):
-        """Before any stream starts: the restored checkpoint's position (or none) to the data report; the
-        image-label report starts again. Returns (that checkpoint's train state, read once here for
+        """Before any stream starts: the restored checkpoint's position (or none) to the data report; the reports
+        of the methods' own streams start again. Returns (that checkpoint's train state, read once here for
         checkpoint.restore, or None; ``begin(n)``, which numbers the passes of the n-th further Ray Data execution,
         train/batches.epochs — None without a report)."""
         import torch.distributed as dist
@@ -149,8 +149,8 @@ class DataResume:
         actor, token = report_actor(self.plan.report_name), uuid.uuid4().hex
         if self.rank == 0:  # a new token per worker group: what the lost group's reads counted is dropped
             ray.get(actor.restore.remote(token, restored, self.position.n_shards, self.position.mix))
-            if self.plan.label_report:  # no position: read again from its start, counted again from 0
-                ray.get(report_actor(self.plan.label_report).restore.remote(token, None, 0))
+            for report in self.plan.stream_reports.values():  # no position: read again from the start, from 0
+                ray.get(report_actor(report).restore.remote(token, None, 0))
         if dist.is_initialized():
             dist.barrier()
         first = self.position.execution  # rank 0's moves on at checkpoints; the count starts here

@@ -24,7 +24,7 @@ import math
 import torch
 
 from rayvl.config import RayvlConfig
-from rayvl.losses import clip_loss, siglip_loss, unicl_loss
+from rayvl.losses import clip_loss, label_aware_loss, siglip_loss
 from rayvl.train.engine import broadcast_buffers, rayvl_clips
 from rayvl.train.parts import TrainPart
 from rayvl.train.window import Window
@@ -61,7 +61,7 @@ class Objective:
                 return loss
         if not given:  # every row its own positive: the CLIP loss
             return clip_loss(*features, self.gather_with_grad)
-        return unicl_loss(*features, labels, self.gather_with_grad)
+        return label_aware_loss(*features, labels, self.gather_with_grad)
 
 
 class Step:

@@ -74,7 +74,8 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
     continue_records(run_dir, logs, cfg.train.resume)
     run_log = RunLog(str(logs), run_record(cfg, run_dir, name), cfg.train.report_to,
                      mlflow_uri(cfg, logs) if "mlflow" in cfg.train.report_to else "", cfg.train.sync_every_s)
-    plan = WorkerPlan(cfg, report_name=report_name, label_report=reports.get("image_label") or "",
+    streams = {stream: name for stream, name in reports.items() if stream not in ("train", "eval")}
+    plan = WorkerPlan(cfg, report_name=report_name, stream_reports=streams,
                       tokenizer_path=str(assets.text_model_path(cfg.model.text)), train_shards=data.train_slots,
                       train_mix=data.train_mix.signature, init_from=planned.init_from, eval_files=data.files,
                       placement_registry=placement_registry, method_inputs=built.worker_inputs, startup=startup)

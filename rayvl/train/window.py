@@ -15,8 +15,8 @@ from rayvl.train.flops import mfu
 
 @dataclass
 class Window:
-    """What happened since the last report on this rank: summed loss, time waited for data, samples, image-label
-    rows."""
+    """What happened since the last report on this rank: summed loss, time waited for data, samples, rows that
+    carry a class label (``labelled_share``: image-label rows, [UniCL])."""
 
     loss: torch.Tensor | float = 0.0
     wait: float = 0.0
@@ -42,7 +42,7 @@ class Window:
         self.loss = self.loss + loss
         self.wait += waited
         self.samples += batch["image"].shape[0] * world
-        self.label_rows = self.label_rows + (batch["label"] >= 0).sum() * world  # image-label share of batches
+        self.label_rows = self.label_rows + (batch["label"] >= 0).sum() * world  # rows that carry a class id
 
     def over_ranks(self, device) -> dict:
         """The window's loss and data-wait share, each the mean over ranks: every rank computes the loss of its
@@ -71,7 +71,7 @@ class Window:
             "lr": engine.get_lr()[0],
             "logit_scale": engine.module.scale().item(),
             "grad_norm": None if self.grad_norm is None else float(self.grad_norm),
-            "image_label_share": int(self.label_rows) / max(1, self.samples),
+            "labelled_share": int(self.label_rows) / max(1, self.samples),
         }
         if (bias := engine.module.bias()) is not None:  # SigLIP's (loss.kind=siglip)
             metrics["logit_bias"] = bias.item()

@@ -16,7 +16,8 @@ class WorkerPlan:
     """The driver's plan for a run's workers, beside the Ray Datasets it hands them.
 
     ``config``: the validated config tree, typed (the driver checked it before Ray started); ``report_name``:
-    the run's training data report (rayvl.data.report), ``label_report`` the image-label stream's ('' = none);
+    the run's training data report (rayvl.data.report), ``stream_reports`` those of the streams the methods' data
+    parts read beside it, by stream;
     ``tokenizer_path``: the text tower's tokenizer on the workers' disk; ``train_shards``: shard reads a pass holds
     (the data position's size), ``train_mix`` the upsampled sources' (shards, reads) (rayvl.data.mix; () = none);
     ``init_from``: weights a new run starts from ('' = none); ``eval_files``: the held-out task files
@@ -27,7 +28,7 @@ class WorkerPlan:
 
     config: RayvlConfig
     report_name: str = ""
-    label_report: str = ""
+    stream_reports: dict[str, str] = field(default_factory=dict)
     tokenizer_path: str = ""
     train_shards: int = 0
     train_mix: tuple = ()

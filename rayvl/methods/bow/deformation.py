@@ -29,9 +29,9 @@ from rayvl import storage
 from rayvl.data import artifacts
 from rayvl.data.shards import Reading, group_over_shards
 from rayvl.data.specs import resolve_shards
-from rayvl.data.text import (PSEUDO_FLAG, PSEUDO_MARKER, TOKEN_PATTERN, is_alphabetical, stopwords, validate_caption,
-                             words)
+from rayvl.data.text import TOKEN_PATTERN, is_alphabetical, stopwords, validate_caption, words
 from rayvl.methods.bow.check import BowOp, needs_stats
+from rayvl.methods.bow.marks import PSEUDO_FLAG, PSEUDO_MARKER
 
 STATS_FORMAT = 1
 # reserved aggregation keys: the tokenizer never joins "<" to a word, so no caption word can collide with these

@@ -9,7 +9,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from rayvl.checkpoints import checkpoint_uri, read_meta
-from rayvl.data.text import PSEUDO_MARKER
+from rayvl.methods.bow.marks import PSEUDO_MARKER
 
 
 def pseudo_caption_metrics(result, unaligned: str = "") -> dict:

@@ -45,7 +45,7 @@ import pyarrow.parquet as pq
 import ray
 
 from rayvl.checkpoints import checkpoint_uri, read_meta
-from rayvl.config import ConfigError, PseudoLabelConfig, RayvlConfig
+from rayvl.config import ConfigError, RayvlConfig
 from rayvl.data import artifacts
 from rayvl.data import roi_crops
 from rayvl.data.report import DataPlaneError
@@ -54,9 +54,11 @@ from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
 from rayvl.data import specs
 from rayvl.data.specs import resolve_shards
 from rayvl.data.tar import IMAGE_EXTENSIONS as TAR_IMAGE_EXTENSIONS, iter_tar_samples, write_img2dataset_shard
-from rayvl.data.text import PSEUDO_FLAG, PSEUDO_MARKER, validate_caption, words
+from rayvl.data.text import validate_caption, words
 from rayvl.methods.bow import deformation as bow
+from rayvl.methods.bow.config import PseudoLabelConfig
 from rayvl.methods.bow.deformation import rm_stop_nalpha
+from rayvl.methods.bow.marks import PSEUDO_FLAG, PSEUDO_MARKER
 from rayvl.methods.bow.word_rank import WordRanker, neighbour_counts
 from rayvl.eval import knn
 from rayvl.eval.data import IMAGE_EXTENSIONS
@@ -64,6 +66,7 @@ from rayvl.eval.embed import ActorEmbedder, actor_device, check_gpus, inference
 
 log = logging.getLogger("rayvl")
 META, INDEX_DIR, FORMAT = PSEUDO_MARKER, "index", 1
+GPUS_OFF = "pseudo_label.gpus_per_actor=0"  # what runs the labelling without GPUs, named where CUDA cannot be used
 CROPS_CUT = "reduced-2"  # rayvl.data.roi_crops: decoded reduced, downscaled once, cut by Pillow or grid_sample
 
 
@@ -158,7 +161,7 @@ def build_index(cfg: RayvlConfig, ckpt: str, folder: Path, expected: dict, units
     started = time.time()
     keys, captions = read_pool(x.aligned, cfg.data.read_cpus, ReadPolicy.of(cfg.data))
     log.info("caption pool: embedding %d captions of %s", len(captions), x.aligned)
-    embedder = ActorEmbedder(ckpt, x.actors, x.cpus_per_actor, x.batch_size, x.gpus_per_actor)
+    embedder = ActorEmbedder(ckpt, x.actors, x.cpus_per_actor, x.batch_size, x.gpus_per_actor, GPUS_OFF)
     try:
         vectors = embedder.texts(captions)
     finally:
@@ -272,7 +275,7 @@ class Labeler:
         from rayvl.export import load
 
         self.x = PseudoLabelConfig(**settings)
-        self.device = actor_device()  # cuda only on the GPUs Ray gave this actor (pseudo_label.gpus_per_actor)
+        self.device = actor_device(GPUS_OFF)  # cuda only on the GPUs Ray gave this actor (pseudo_label.gpus_per_actor)
         self.model = load(checkpoint, str(self.device))
         # NHWC here and in GPU embedding actors; CPU evaluation embeds as training does, so `rayvl eval` on CPU
         # reproduces its metrics exactly

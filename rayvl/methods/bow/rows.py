@@ -9,10 +9,10 @@ from collections import Counter
 from rayvl.data.artifacts import ArtifactMismatch
 from rayvl.data.parts import Contribution, DataPart, RowTransform, RunData, Sample
 from rayvl.data.shards import Reading
-from rayvl.data.text import PSEUDO_FLAG
 from rayvl.errors import ConfigError
 from rayvl.methods.bow import deformation
 from rayvl.methods.bow.check import needs_stats, parse_ops
+from rayvl.methods.bow.marks import PSEUDO_FLAG
 
 log = logging.getLogger("rayvl")
 

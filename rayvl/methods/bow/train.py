@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rayvl.config import RayvlConfig, precision
-from rayvl.losses import gather_features, unicl_loss
+from rayvl.losses import gather_features, label_aware_loss
 from rayvl.methods.bow.memory_bank import MemoryBank
 from rayvl.train.parts import TrainPart
 from rayvl.train.worker import Worker
@@ -46,7 +46,7 @@ class MemoryBankPart(TrainPart):
         # a fill on the device, not a copy from the host: a pageable host-to-device copy waits for the GPU
         bank_scale = scale if mb.learn_temperature else torch.full((), 1.0 / mb.temperature, device=scale.device)
         image_keys, text_keys, key_labels = self.bank.keys(*keys)
-        loss = unicl_loss(image, text, bank_scale, labels, image_keys=image_keys, text_keys=text_keys,
+        loss = label_aware_loss(image, text, bank_scale, labels, image_keys=image_keys, text_keys=text_keys,
                           key_labels=key_labels)
         self.bank.enqueue(*keys)
         return loss

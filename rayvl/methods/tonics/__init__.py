@@ -1,3 +1,3 @@
 """[TOnICS] ontology-bucketed curriculum minibatches: one training row per aligned class (``rows``, over the
-ontology of ``rayvl.data.ontology``, which the contextual evaluation shares), the per-worker bucket sampler and the
+ontology of ``rayvl.methods.tonics.ontology``, which the contextual evaluation shares), the per-worker bucket sampler and the
 curriculum (``sampler``, ``train``); ``check``: the config constraints."""

@@ -11,7 +11,7 @@ from collections import Counter
 
 from rayvl import assets, storage
 from rayvl.data.artifacts import ArtifactMismatch
-from rayvl.data.ontology import UNALIGNED, Ontology, fingerprint, keep_frequent, load_or_count
+from rayvl.methods.tonics.ontology import UNALIGNED, Ontology, fingerprint, keep_frequent, load_or_count
 from rayvl.data.parts import Contribution, DataPart, RowTransform, RunData, Sample
 from rayvl.data.shards import Reading
 from rayvl.errors import ConfigError

@@ -13,7 +13,7 @@ from rayvl import assets
 from rayvl.data import fashion_mnist, shards
 from rayvl.data.parts import Contribution, DataPart, RowTransform, RunData, Sample
 from rayvl.data.pipeline import TRAIN_COLUMNS, UNLABELLED, Rows, model_inputs
-from rayvl.data.prompts import Prompts, load_prompts
+from rayvl.methods.unicl.prompts import Prompts, load_prompts
 from rayvl.data.report import current_token, record
 from rayvl.data.seeding import row_rng
 from rayvl.errors import ConfigError

@@ -1,7 +1,7 @@
 """The object ontology of [TOnICS] §3 "Ontology Construction", App. A.1 — object classes, the nouns that name them,
 and one training row per (image-text pair, aligned class): the paper's triplets, one per class (``aligned``) — and
-the WordNet reader under it. The TOnICS method (rayvl.methods.tonics) and the contextual evaluation
-(rayvl.eval.contextual) both use it.
+WordNet under it (rayvl.data.wordnet). The TOnICS method's rows (rows.py) and its contextual evaluation
+(contextual.py) use it.
 
 A caption's nouns are told apart from its adjectives and verbs without a tagger model (none ships offline):
 a word is a noun where WordNet's sense-tagged counts (SemCor, ``cntlist``) make the noun reading its most frequent
@@ -23,44 +23,20 @@ counts |X(η_o)| are a Ray Data groupby over the shards, saved as a run artifact
 from __future__ import annotations
 
 import json
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
-from rayvl import assets
 from rayvl.data import artifacts
 from rayvl.data.shards import Reading, group_over_shards
 from rayvl.data.specs import resolve_shards
 from rayvl.data.text import NLTK_LOCK, is_alphabetical, stopwords, validate_caption, words
-from rayvl.private_copy import readable
+from rayvl.data.wordnet import wordnet
 
 COUNTS_FORMAT = 3  # 2: caption nouns only (POS), tags restrict rather than replace them; 3: a row per class
 UNALIGNED = -1
-
-
-@lru_cache(maxsize=1)
-def wordnet():
-    """nltk's WordNet reader over the offline WordNet 3.0 (loaded once per process: it takes a second)."""
-    import nltk
-    from nltk.corpus.reader.wordnet import WordNetCorpusReader
-
-    class Reader(WordNetCorpusReader):
-        def map_wn(self, version="wordnet"):
-            # no Open Multilingual Wordnet here: nltk's own reader maps the loaded WordNet onto "wordnet" (itself)
-            # at every load, reading index.sense twice — most of the load's time, in every read task's process
-            return None
-
-    root = readable(assets.require_wordnet())  # a group-writable install: nltk reads a private copy
-    with NLTK_LOCK:
-        if str(root) not in nltk.data.path:  # nltk reads corpora only from folders on its path
-            nltk.data.path.insert(0, str(root))
-        with warnings.catch_warnings():  # that it has no multilingual functions: none are used
-            warnings.filterwarnings("ignore", "The multilingual functions")
-            return Reader(nltk.data.find("corpora/wordnet"), None)
 
 
 def _hypernyms(synset):

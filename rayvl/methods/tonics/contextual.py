@@ -43,7 +43,7 @@ def tonics_heldout(result, data: str = "") -> dict:
     (rayvl.eval.runner.after_training), then R@1 within same-object galleries, the objects of each held-out sample
     found by the run's own ontology (tonics.classes, its caption nouns and detector tags)."""
     from rayvl.checkpoints import checkpoint_uri, read_meta
-    from rayvl.data.ontology import UNALIGNED, Ontology
+    from rayvl.methods.tonics.ontology import UNALIGNED, Ontology
     from rayvl.data.shard_io import open_shard
     from rayvl.data.specs import resolve_shards
     from rayvl.data.tar import iter_tar_samples
