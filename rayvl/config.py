@@ -206,9 +206,10 @@ class LossConfig:
     gather_with_grad: bool = True
     """gather features from all workers with gradients flowing back to their owners (open_clip semantics)."""
     kind: str = "clip"
-    """the core's clip or siglip, or a kind a method registers (``Method.loss_kinds``). clip: InfoNCE with one positive per query; unicl: label-aware targets, every key with the query's label is
-    a positive ([UniCL] eq. (1)–(3)); identical when all labels are unique (image-text data only); ce: cross-
-    entropy against a learned class-embedding matrix ([UniCL] eq. (4); needs model.text_tower=class_embedding);
+    """the core's clip or siglip, or a kind a method registers (``Method.loss_kinds``). clip: InfoNCE with one
+    positive per query; unicl: label-aware targets, every key with the query's label is a positive ([UniCL] eq.
+    (1)–(3)); identical when all labels are unique (image-text data only); ce: cross-entropy against a learned
+    class-embedding matrix ([UniCL] eq. (4); needs model.text_tower=class_embedding);
     siglip: SigLIP's sigmoid loss (Zhai et al. 2023, arXiv:2303.15343), a binary term per image-text pair with a
     learnable bias — model.init_logit_scale and model.init_logit_bias default to the paper's 10 and −10."""
 
@@ -648,12 +649,12 @@ def _loss_defaults(values: dict) -> dict:
 
 
 def check_overrides(overrides: list[str]) -> None:
-    """Each ``key=value`` on its own: the key exists and the value has its type (ConfigError naming the key); what
-    they make together with a recipe is load_config's to check."""
+    """Each ``key=value`` on its own: the key exists and the value has its type or is one of its values
+    (ConfigError naming the key); what they make together with a recipe is load_config's to check."""
     values: dict = {}
     for text in overrides:
         values = _merge(values, parse_override(text))
-    _build(RayvlConfig, values)
+    _check_loss_kind(_build(RayvlConfig, values))
 
 
 def from_dict(values: dict) -> RayvlConfig:
@@ -678,10 +679,14 @@ LOSS_KINDS = ("clip", "siglip")
 """the core's loss kinds; the methods add theirs (rayvl.plugins.loss_kinds)."""
 
 
-def validate(cfg: RayvlConfig) -> None:
-    """Impossible combinations, each naming the key to change."""
+def _check_loss_kind(cfg: RayvlConfig) -> None:
     if cfg.loss.kind not in (kinds := [*LOSS_KINDS, *plugins.loss_kinds()]):
         raise ConfigError(f"loss.kind: {cfg.loss.kind!r} is not one of {kinds}")
+
+
+def validate(cfg: RayvlConfig) -> None:
+    """Impossible combinations, each naming the key to change."""
+    _check_loss_kind(cfg)
     _validate_train(cfg.train)
     _validate_data(cfg.data, cfg.train)
     m = cfg.model

@@ -41,6 +41,19 @@ def test_bad_space_is_an_error_naming_file_and_key(tmp_path, recipe, space, extr
     assert str(path) in str(e.value)
 
 
+def test_a_bad_value_on_the_command_line_is_the_command_lines_error(tmp_path):
+    """A --set's own mistake is named as the command line's, before the space file's values meet it — a value no
+    registered loss kind has too (loss.kind's values are the core's and the methods')."""
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump({"recipe": str(REPO / "configs" / "laion_adapt.yaml"), "metric": "t2i_R@1",
+                                    "space": {"train.lr": {"grid": [1e-3]}}}))
+    with pytest.raises(SweepError, match=r"^--set loss\.kind: 'nope' is not one of \['clip', 'siglip', 'unicl', "
+                                         r"'ce'\]"):
+        load_sweep(path, ["loss.kind=nope"])
+    with pytest.raises(SweepError, match=r"^--set train\.lr: expected a number"):
+        load_sweep(path, ["train.lr=fast"])
+
+
 def test_grid_combinations_are_checked_together(tmp_path):
     """Each value is fine alone; together they are impossible (ZeRO-3 partitions what the bank needs)."""
     path = tmp_path / "space.yaml"

@@ -1,15 +1,17 @@
 """Pseudo-BoW captions for images without captions ([BoW] §2.3, Table 7, Fig. 5), on Ray Data and faiss.
 
 1. Caption pool: every intact, valid caption of the aligned set S_a (sorted by sample key), embedded by the
-   labelling model's text tower through the evaluation's embedding path (``eval.embed.ActorEmbedder``: a pool of warm
-   actors, the captions split among them), and S_a's word document frequencies — the BoW statistics pass
-   (``bow.load_or_compute``) with every caption in the "base" split, saved as its fingerprinted artifact.
+   labelling model's text tower — by the labellers themselves (``Labeler.texts``, the captions split among them),
+   which the job starts first so that they load their model while the driver reads S_a — and S_a's word document
+   frequencies: the BoW statistics pass (``bow.load_or_compute``) with every caption in the "base" split, saved as
+   its fingerprinted artifact.
 2. Index: faiss over the pool (``eval.knn``): exact up to ``index_exact_max`` captions, IVF above; an approximate
    index's recall@k against exact search is measured on crops of real unaligned images. Pool, index and recall
    are saved in ``<out>/index/`` with the fingerprint of the checkpoint, the shards and the index settings, and
    reused while it matches.
-3. Labelling: one Ray Data actor call per unit — an input shard, or ``shard_size`` image files. The actor loads
-   the model and the index once; per image c random resized crops (seeded by the image key;
+3. Labelling: one labeller call per unit — an input shard, or ``shard_size`` image files — each unit to the next
+   free labeller (``ray.util.ActorPool``). A labeller holds the model from its start and loads the index at its
+   first unit; per image c random resized crops (seeded by the image key;
    ``rayvl.data.roi_crops``: decoded at a reduced JPEG scale, downscaled once, cut by Pillow on a CPU actor's
    threads or on its GPU), the top-k captions of each crop; NN_i keeps all k·c retrievals ordered by similarity (a
    caption found by several crops counts once per crop); each rule of ``data.word_rank`` keeps p words.
@@ -43,6 +45,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
+import torch
+from ray.util import ActorPool
 
 from rayvl.checkpoints import checkpoint_uri, read_meta
 from rayvl.config import ConfigError, RayvlConfig
@@ -62,10 +66,11 @@ from rayvl.methods.bow.marks import PSEUDO_FLAG, PSEUDO_MARKER
 from rayvl.methods.bow.word_rank import WordRanker, neighbour_counts
 from rayvl.eval import knn
 from rayvl.eval.data import IMAGE_EXTENSIONS
-from rayvl.eval.embed import ActorEmbedder, actor_device, check_gpus, inference
+from rayvl.eval.embed import TEXT_BATCH, actor_device, check_gpus, inference
 
 log = logging.getLogger("rayvl")
 META, INDEX_DIR, FORMAT = PSEUDO_MARKER, "index", 1
+WORD_STATS = "aligned_word_stats.json"  # S_a's word statistics, in INDEX_DIR
 GPUS_OFF = "pseudo_label.gpus_per_actor=0"  # what runs the labelling without GPUs, named where CUDA cannot be used
 CROPS_CUT = "reduced-2"  # rayvl.data.roi_crops: decoded reduced, downscaled once, cut by Pillow or grid_sample
 
@@ -148,24 +153,29 @@ def read_pool(spec: str, read_cpus: float, io: ReadPolicy = ReadPolicy()) -> tup
     return [k for k, _ in pairs], [c for _, c in pairs]
 
 
-def build_index(cfg: RayvlConfig, ckpt: str, folder: Path, expected: dict, units: list[Unit]) -> dict:
-    """The pool's index in ``folder`` (made, or reused when its fingerprint matches); its metadata."""
+def reusable_index(folder: Path, expected: dict) -> dict | None:
+    """The metadata of the index in ``folder`` when its fingerprint is ``expected``, else None."""
+    meta_path = folder / "index.json"
+    if meta_path.is_file() and json.loads(meta_path.read_text())["fingerprint"] == expected:
+        return json.loads(meta_path.read_text())
+    return None
+
+
+def build_index(cfg: RayvlConfig, ckpt: str, folder: Path, expected: dict, units: list[Unit], labelers: ActorPool
+                ) -> dict:
+    """The pool's index in ``folder`` (made, or reused when its fingerprint matches); its metadata. The captions
+    are embedded by the labellers, split among them."""
     import faiss
 
     x = cfg.pseudo_label
-    meta_path = folder / "index.json"
-    if meta_path.is_file() and json.loads(meta_path.read_text())["fingerprint"] == expected:
-        meta = json.loads(meta_path.read_text())
+    if (meta := reusable_index(folder, expected)) is not None:
         log.info("caption index reused from %s (%d captions, %s)", folder, meta["captions"], meta["kind"])
         return meta
     started = time.time()
     keys, captions = read_pool(x.aligned, cfg.data.read_cpus, ReadPolicy.of(cfg.data))
     log.info("caption pool: embedding %d captions of %s", len(captions), x.aligned)
-    embedder = ActorEmbedder(ckpt, x.actors, x.cpus_per_actor, x.batch_size, x.gpus_per_actor, GPUS_OFF)
-    try:
-        vectors = embedder.texts(captions)
-    finally:
-        embedder.close()
+    shares = [c.tolist() for c in np.array_split(np.asarray(captions, dtype=object), x.actors) if len(c)]
+    vectors = np.concatenate(list(labelers.map(lambda a, share: a.texts.remote(share), shares)))
     index = knn.build_index(vectors, x.index, exact_max=x.index_exact_max, nlist=x.index_nlist,
                             nprobe=x.index_nprobe, seed=x.seed)
     kind = type(index).__name__
@@ -178,7 +188,7 @@ def build_index(cfg: RayvlConfig, ckpt: str, folder: Path, expected: dict, units
     pq.write_table(pa.table({"key": keys, "caption": captions}), folder / "captions.parquet")
     meta = {"fingerprint": expected, "captions": len(captions), "kind": kind, "dim": int(vectors.shape[1]),
             f"recall_at_{x.k}": recall, "seconds": round(time.time() - started, 1)}
-    meta_path.write_text(json.dumps(meta, indent=1))
+    (folder / "index.json").write_text(json.dumps(meta, indent=1))
     log.info("caption index: %s over %d captions%s (%.0f s)", kind, len(captions),
              "" if recall is None else f", recall@{x.k} {recall:.3f} vs exact on real crops", meta["seconds"])
     return meta
@@ -266,12 +276,14 @@ def ahead_of_use(items: list, work, threads: ThreadPoolExecutor, ahead: int):
 
 
 class Labeler:
-    """Ray Data actor: units (JSON) → their output shards, written here; returns each unit's counts (JSON)."""
+    """One warm labelling model, for the whole job ([BoW] §2.3): it embeds the caption pool (``texts``), then labels
+    units (``label``) against the pool's index, which it loads from ``index_dir`` at its first unit — so the job
+    starts its labellers before the index exists and they load their model while the driver reads the aligned set,
+    and a labeller Ray restarts after a failure finds the index where its predecessor did. ``df``: S_a's document
+    frequencies (None: read from ``index_dir``'s word statistics when the index is loaded)."""
 
-    def __init__(self, checkpoint: str, index_dir: str, settings: dict, df: dict, out: str,
+    def __init__(self, checkpoint: str, index_dir: str, settings: dict, df: dict | None, out: str,
                  io: ReadPolicy = ReadPolicy()):
-        import faiss
-
         from rayvl.export import load
 
         self.x = PseudoLabelConfig(**settings)
@@ -280,12 +292,7 @@ class Labeler:
         # NHWC here and in GPU embedding actors; CPU evaluation embeds as training does, so `rayvl eval` on CPU
         # reproduces its metrics exactly
         self.model.module.vision.to_channels_last()
-        index = faiss.read_index(str(Path(index_dir) / "index.faiss"))
-        # on the actor's own GPU(s), the only ones it sees; a CPU actor on a GPU node keeps its index on CPU
-        self.index = knn.on_device(index) if self.device.type == "cuda" else index
-        pool = pq.read_table(Path(index_dir) / "captions.parquet")
-        self.keys, self.captions = pool["key"].to_pylist(), pool["caption"].to_pylist()
-        self.ranker = WordRanker(df, self.x.words, self.x.top_t, self.x.seed)
+        self.index_dir, self.df, self.index = Path(index_dir), df, None
         self.out, self.io = Path(out), io
         # decoding and cropping on every CPU this actor holds (Pillow's decode and resize release the GIL), the
         # next chunks prepared while one is embedded: one thread cropped 10 crops an image for the whole actor
@@ -293,15 +300,35 @@ class Labeler:
         self.cut_on_cpu = self.device.type != "cuda"  # else in one op on the GPU (roi_crops.cut)
         self.threads = ThreadPoolExecutor(self.cpus, thread_name_prefix="crops")
 
-    def __call__(self, batch: dict) -> dict:
-        counts = [json.dumps(self.label(Unit(**json.loads(u)))) for u in batch["unit"]]
-        return {"counts": np.array(counts, dtype=object)}
+    @torch.no_grad()
+    def texts(self, captions: list[str]) -> np.ndarray:
+        """The normalised text embeddings of ``captions`` (the caption pool's share of this labeller)."""
+        size = self.x.batch_size * TEXT_BATCH
+        with inference(self.device):
+            out = [self.model.encode_text(captions[i:i + size]).float().cpu() for i in range(0, len(captions), size)]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # what torch cached is the GPU memory a faiss-gpu index needs next
+        return torch.cat(out).numpy() if out else np.zeros((0, self.model.module.cfg.embed_dim), np.float32)
+
+    def _load_index(self) -> None:
+        import faiss
+
+        index = faiss.read_index(str(self.index_dir / "index.faiss"))
+        # on the actor's own GPU(s), the only ones it sees; a CPU actor on a GPU node keeps its index on CPU
+        self.index = knn.on_device(index) if self.device.type == "cuda" else index
+        pool = pq.read_table(self.index_dir / "captions.parquet")
+        self.keys, self.captions = pool["key"].to_pylist(), pool["caption"].to_pylist()
+        if self.df is None:
+            self.df = json.loads((self.index_dir / WORD_STATS).read_text())["df"]
+        self.ranker = WordRanker(self.df, self.x.words, self.x.top_t, self.x.seed)
 
     def neighbours(self, samples: list, size: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Per decodable sample (by index): (pool ids, scores) of its k·c retrievals, best first. A chunk of
         images is decoded, downscaled and given its crop boxes on the actor's threads (on a CPU actor its crops cut
         there too), up to two chunks a thread ahead of the one being embedded; on a GPU the chunk's crops are cut
         there in one op (``roi_crops.cut``)."""
+        if self.index is None:
+            self._load_index()
         x, per = self.x, max(1, self.x.batch_size // self.x.crops)
         chunks = [list(range(j, min(j + per, len(samples)))) for j in range(0, len(samples), per)]
         on_cpu = self.cut_on_cpu
@@ -322,6 +349,7 @@ class Labeler:
         return out
 
     def label(self, unit: Unit) -> dict:
+        """Label ``unit``: its output shards written, one per rule; its counts."""
         started = time.time()
         try:
             samples, damaged = unit_samples(unit, self.io)
@@ -365,9 +393,10 @@ def finished(out: Path, unit: Unit, rules: list[str]) -> bool:
 
 
 def check_cluster(cfg: RayvlConfig, fixed_size: bool, node_cpus: list[float] | None = None) -> None:
-    """The actor pool must leave a CPU on some node for Ray Data's other tasks (reads, repartition): with
-    pseudo_label.actors=2 × cpus_per_actor=1 on 2 CPUs the caption pool's embedding waited forever. An
-    error on a Ray of fixed size, a warning on a cluster that may autoscale. Likewise GPUs the cluster cannot have."""
+    """The labellers, which live from the job's start, must leave a read task's CPUs (``data.read_cpus``, at least
+    one) on some node for Ray Data's reads of S_a (its word statistics, its captions) and their repartitions: with
+    pseudo_label.actors=2 × cpus_per_actor=1 on 2 CPUs the reads waited forever. An error on a Ray of fixed size, a
+    warning on a cluster that may autoscale. Likewise GPUs the cluster cannot have."""
     from rayvl.session import place_workers
 
     x = cfg.pseudo_label
@@ -376,10 +405,11 @@ def check_cluster(cfg: RayvlConfig, fixed_size: bool, node_cpus: list[float] | N
     if node_cpus is None:
         node_cpus = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]]
     free = place_workers(node_cpus, x.actors, x.cpus_per_actor, "PACK")
-    if free is not None and place_workers(free, 1, 1.0, "PACK") is not None:
+    read = max(1.0, cfg.data.read_cpus)
+    if free is not None and place_workers(free, 1, read, "PACK") is not None:
         return
     problem = (f"pseudo_label.actors={x.actors} × pseudo_label.cpus_per_actor={x.cpus_per_actor:g} CPUs leave no "
-               f"free CPU for Ray Data's read and repartition tasks on nodes with "
+               f"{read:g} free CPUs for Ray Data's read and repartition tasks on nodes with "
                f"{', '.join(f'{c:g}' for c in node_cpus)} CPUs: the job would wait forever. Lower pseudo_label.actors "
                f"or pseudo_label.cpus_per_actor, or add nodes.")
     if fixed_size:
@@ -396,36 +426,46 @@ def run(cfg: RayvlConfig, fixed_size: bool = False, checked: tuple[str, list[Uni
     out = Path(x.out).expanduser()
     index_fp, labelling_fp = fingerprints(x, ckpt, units)
     claim(out, labelling_fp)
-    stats, reused = bow.load_or_compute(x.aligned, str(out / INDEX_DIR / "aligned_word_stats.json"), seed=0,
-                                        fraction=1.0, reading=Reading.of(cfg, None))
-    log.info("S_a word statistics %s: %d captions, %d words", "reused" if reused else "computed",
-             stats.captions, len(stats.df))
-    index = build_index(cfg, ckpt, out / INDEX_DIR, index_fp, units)
     todo = [u for u in units if not finished(out, u, x.rules)]
-    log.info("labelling %d of %d shards (%d finished before) with %s", len(todo), len(units), len(units) - len(todo),
-             ", ".join(x.rules))
-    started, done = time.time(), Counter()
-    if todo:
-        labels = ray.data.from_items([{"unit": json.dumps(asdict(u))} for u in todo],
-                                     override_num_blocks=len(todo)).map_batches(
-            # one unit in flight per actor: a unit is a whole shard, and Ray Data's default queues several on the
-            # first actor that is ready: 2 actors were given 2 shards one after the other
-            Labeler, batch_size=1, num_cpus=x.cpus_per_actor, num_gpus=x.gpus_per_actor,
-            compute=ray.data.ActorPoolStrategy(size=x.actors, max_tasks_in_flight_per_actor=1),
-            fn_constructor_kwargs={"checkpoint": ckpt, "index_dir": str(out / INDEX_DIR), "settings": asdict(x),
-                                   "df": stats.df, "out": str(out), "io": ReadPolicy.of(cfg.data)})
-        for row in labels.iter_rows():
-            c = json.loads(row["counts"])
-            done.update({k: v for k, v in c.items() if isinstance(v, int) and k != "unit"})
-            done["shards"] += 1
-            elapsed = time.time() - started
-            eta = elapsed / done["shards"] * (len(todo) - done["shards"])
-            log.info("pseudo-label: shard %d/%d | %d images (%d undecodable) | %.1f images/s | ETA %.0f s%s",
-                     done["shards"], len(todo), done["images"], done["images"] - done["decoded"],
-                     done["images"] / max(elapsed, 1e-9), eta,
-                     f" | damaged: {c['damaged_shard']}" if c.get("damaged_shard") else
-                     f" | not labelled: {c['unreadable_shard']}" if c.get("unreadable_shard") else "")
+    if not todo and (index := reusable_index(out / INDEX_DIR, index_fp)) is not None:
+        return summarize(out, x.rules, units, index, len(units), 0.0)
+    # the labellers load their model now, while the driver reads the aligned set twice (its word statistics, its
+    # captions); each then embeds its share of the caption pool and labels units, one in flight
+    actor = ray.remote(Labeler).options(num_cpus=x.cpus_per_actor, num_gpus=x.gpus_per_actor, max_restarts=1,
+                                        max_task_retries=1)  # a unit is written whole or not at all: safe to redo
+    actors = [actor.remote(ckpt, str(out / INDEX_DIR), asdict(x), None, str(out), ReadPolicy.of(cfg.data))
+              for _ in range(x.actors)]
+    labelers = ActorPool(actors)
+    try:
+        stats, reused = bow.load_or_compute(x.aligned, str(out / INDEX_DIR / WORD_STATS), seed=0, fraction=1.0,
+                                            reading=Reading.of(cfg, None))
+        log.info("S_a word statistics %s: %d captions, %d words", "reused" if reused else "computed",
+                 stats.captions, len(stats.df))
+        index = build_index(cfg, ckpt, out / INDEX_DIR, index_fp, units, labelers)
+        log.info("labelling %d of %d shards (%d finished before) with %s", len(todo), len(units),
+                 len(units) - len(todo), ", ".join(x.rules))
+        started = time.time()
+        _label(labelers, todo, started)
+    finally:
+        for a in actors:
+            ray.kill(a)
     return summarize(out, x.rules, units, index, len(units) - len(todo), time.time() - started)
+
+
+def _label(labelers: ActorPool, todo: list[Unit], started: float) -> None:
+    """Each unit to the next free labeller (one in flight each: a unit is a whole shard), a progress line per unit
+    done."""
+    done = Counter()
+    for c in labelers.map_unordered(lambda a, unit: a.label.remote(unit), todo):
+        done.update({k: v for k, v in c.items() if isinstance(v, int) and k != "unit"})
+        done["shards"] += 1
+        elapsed = time.time() - started
+        eta = elapsed / done["shards"] * (len(todo) - done["shards"])
+        log.info("pseudo-label: shard %d/%d | %d images (%d undecodable) | %.1f images/s | ETA %.0f s%s",
+                 done["shards"], len(todo), done["images"], done["images"] - done["decoded"],
+                 done["images"] / max(elapsed, 1e-9), eta,
+                 f" | damaged: {c['damaged_shard']}" if c.get("damaged_shard") else
+                 f" | not labelled: {c['unreadable_shard']}" if c.get("unreadable_shard") else "")
 
 
 def summarize(out: Path, rules: list[str], units: list[Unit], index: dict, reused: int, seconds: float) -> dict:
