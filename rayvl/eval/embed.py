@@ -81,7 +81,10 @@ def no_cuda_cause(error: BaseException) -> str | None:
     return None
 
 
-def actor_device(off: str = "rayvl eval --gpus 0") -> torch.device:
+EVAL_GPUS_OFF = "rayvl eval --gpus 0"  # what runs an evaluation without GPUs, named where CUDA cannot be used
+
+
+def actor_device(off: str = EVAL_GPUS_OFF) -> torch.device:
     """``cuda`` when Ray gave this process a GPU — it then sees only the GPUs it was given (Ray sets
     CUDA_VISIBLE_DEVICES), so ``cuda`` is its own — else ``cpu``: an actor without GPUs on a GPU node still sees
     every GPU of the node (Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone there), so CUDA being there decides nothing.
@@ -109,7 +112,7 @@ class EmbeddingActor:
     a random init, rayvl.models.meta_init) on this actor's device — on a GPU: NHWC image tower, bf16 autocast,
     batches copied from pinned memory without blocking, embeddings kept on the GPU and copied back once a call."""
 
-    def __init__(self, checkpoint: str, off: str = "rayvl eval --gpus 0"):
+    def __init__(self, checkpoint: str, off: str = EVAL_GPUS_OFF):
         self.device = actor_device(off)
         self.model, config = load_model(checkpoint)
         if self.device.type == "cuda":
@@ -143,14 +146,29 @@ class EmbeddingActor:
             embedding = self.model.encode_image(self._tensor(images)).float()
         return {"embedding": embedding.cpu().numpy(), **columns}
 
-    @torch.no_grad()
     def texts(self, texts: list[str], batch_size: int) -> np.ndarray:
-        """strings → tokens (the tower's own fast tokenizer) → normalised text embeddings."""
-        ids, mask = tokenize([str(t) for t in texts], self.tokenizer_path, self.max_tokens)
-        with inference(self.device):
-            out = [self.model.encode_text(self._tensor(ids[i:i + batch_size]), self._tensor(mask[i:i + batch_size]))
-                   .float() for i in range(0, len(ids), batch_size)]
-        return torch.cat(out).cpu().numpy()
+        return text_embeddings(self.model, texts, self.tokenizer_path, self.max_tokens, batch_size, self.device,
+                               self._tensor)
+
+
+@torch.no_grad()
+def text_embeddings(model, texts: list[str], tokenizer_path: str, max_tokens: int, batch_size: int,
+                    device: torch.device, tensor=None) -> np.ndarray:
+    """strings → tokens (the tower's own fast tokenizer) → normalised text embeddings, float32 (n, d): an actor's
+    share of a text set, in batches of ``batch_size``, in bf16 autocast on a GPU (``inference``); ``tensor`` puts a
+    token array on ``device`` (None: a plain copy). The evaluation's actors and the pseudo-labellers embed here."""
+    put = tensor or (lambda a: torch.from_numpy(a).to(device))
+    ids, mask = tokenize([str(t) for t in texts], tokenizer_path, max_tokens)
+    with inference(device):
+        out = [model.encode_text(put(ids[i:i + batch_size]), put(mask[i:i + batch_size])).float()
+               for i in range(0, len(ids), batch_size)]
+    return torch.cat(out).cpu().numpy() if out else np.zeros((0, model.cfg.embed_dim), np.float32)
+
+
+def shares(texts: list[str], n: int) -> list[list[str]]:
+    """``texts`` split in order into at most ``n`` consecutive non-empty shares (one an actor): their embeddings,
+    concatenated in order, are those of ``texts``."""
+    return [c.tolist() for c in np.array_split(np.asarray(texts, dtype=object), n) if len(c)]
 
 
 def gpu_shortfall(gpus_per_actor: float, node_gpus: list[float], largest: dict, autoscaled: bool) -> str:
@@ -199,7 +217,7 @@ class ActorEmbedder:
     among them. ``close`` ends them. ``off``: the setting that runs the command without GPUs (actor_device)."""
 
     def __init__(self, checkpoint: str | os.PathLike, actors: int = 1, cpus_per_actor: float = 0.5,
-                 batch_size: int = 128, gpus_per_actor: float = 0.0, off: str = "rayvl eval --gpus 0"):
+                 batch_size: int = 128, gpus_per_actor: float = 0.0, off: str = EVAL_GPUS_OFF):
         options = pool_options(actors, cpus_per_actor, gpus_per_actor)
         remote = ray.remote(EmbeddingActor).options(num_cpus=options["num_cpus"], num_gpus=options["num_gpus"])
         self.started = time.time()
@@ -242,9 +260,9 @@ class ActorEmbedder:
         return max(2 * len(self.actors), IN_FLIGHT_BYTES // size if size else 0)
 
     def texts(self, texts: list[str]) -> np.ndarray:
-        chunks = [c.tolist() for c in np.array_split(np.asarray(texts, dtype=object), len(self.actors)) if len(c)]
         size = self.batch_size * TEXT_BATCH
-        return np.concatenate(ray.get([a.texts.remote(c, size) for a, c in zip(self.actors, chunks)]))
+        split = shares(texts, len(self.actors))
+        return np.concatenate(ray.get([a.texts.remote(c, size) for a, c in zip(self.actors, split)]))
 
     def close(self) -> None:
         for actor in self.actors:

@@ -66,7 +66,7 @@ from rayvl.methods.bow.marks import PSEUDO_FLAG, PSEUDO_MARKER
 from rayvl.methods.bow.word_rank import WordRanker, neighbour_counts
 from rayvl.eval import knn
 from rayvl.eval.data import IMAGE_EXTENSIONS
-from rayvl.eval.embed import TEXT_BATCH, actor_device, check_gpus, inference
+from rayvl.eval.embed import TEXT_BATCH, actor_device, check_gpus, inference, shares, text_embeddings
 
 log = logging.getLogger("rayvl")
 META, INDEX_DIR, FORMAT = PSEUDO_MARKER, "index", 1
@@ -156,9 +156,8 @@ def read_pool(spec: str, read_cpus: float, io: ReadPolicy = ReadPolicy()) -> tup
 def reusable_index(folder: Path, expected: dict) -> dict | None:
     """The metadata of the index in ``folder`` when its fingerprint is ``expected``, else None."""
     meta_path = folder / "index.json"
-    if meta_path.is_file() and json.loads(meta_path.read_text())["fingerprint"] == expected:
-        return json.loads(meta_path.read_text())
-    return None
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else None
+    return meta if meta is not None and meta["fingerprint"] == expected else None
 
 
 def build_index(cfg: RayvlConfig, ckpt: str, folder: Path, expected: dict, units: list[Unit], labelers: ActorPool
@@ -174,8 +173,7 @@ def build_index(cfg: RayvlConfig, ckpt: str, folder: Path, expected: dict, units
     started = time.time()
     keys, captions = read_pool(x.aligned, cfg.data.read_cpus, ReadPolicy.of(cfg.data))
     log.info("caption pool: embedding %d captions of %s", len(captions), x.aligned)
-    shares = [c.tolist() for c in np.array_split(np.asarray(captions, dtype=object), x.actors) if len(c)]
-    vectors = np.concatenate(list(labelers.map(lambda a, share: a.texts.remote(share), shares)))
+    vectors = np.concatenate(list(labelers.map(lambda a, share: a.texts.remote(share), shares(captions, x.actors))))
     index = knn.build_index(vectors, x.index, exact_max=x.index_exact_max, nlist=x.index_nlist,
                             nprobe=x.index_nprobe, seed=x.seed)
     kind = type(index).__name__
@@ -300,15 +298,15 @@ class Labeler:
         self.cut_on_cpu = self.device.type != "cuda"  # else in one op on the GPU (roi_crops.cut)
         self.threads = ThreadPoolExecutor(self.cpus, thread_name_prefix="crops")
 
-    @torch.no_grad()
     def texts(self, captions: list[str]) -> np.ndarray:
-        """The normalised text embeddings of ``captions`` (the caption pool's share of this labeller)."""
-        size = self.x.batch_size * TEXT_BATCH
-        with inference(self.device):
-            out = [self.model.encode_text(captions[i:i + size]).float().cpu() for i in range(0, len(captions), size)]
+        """The normalised text embeddings of ``captions`` (the caption pool's share of this labeller), embedded as
+        the evaluation's actors embed texts."""
+        m = self.model
+        embedded = text_embeddings(m.module, captions, m.tokenizer_path, m.max_tokens, self.x.batch_size * TEXT_BATCH,
+                                   self.device)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # what torch cached is the GPU memory a faiss-gpu index needs next
-        return torch.cat(out).numpy() if out else np.zeros((0, self.model.module.cfg.embed_dim), np.float32)
+        return embedded
 
     def _load_index(self) -> None:
         import faiss
