@@ -2,6 +2,7 @@
 that the CPUs asked for leave room for Ray Data, and read how large the cluster can grow."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -31,12 +32,32 @@ def connect(address: str = "", num_cpus: int = 0, verbose: bool = True, **init_k
             ray.init(address=address, **{"log_to_driver": True, **init_kwargs})
         else:
             # "local": a fresh Ray even if a `ray start` cluster runs on this machine; joining one is explicit
-            ray.init(address="local", num_cpus=num_cpus or None, runtime_env={"env_vars": {**WORKER_ENV, **LOCAL_RAY_ENV}},
-                     **init_kwargs)
+            with local_worker_env({**WORKER_ENV, **LOCAL_RAY_ENV}):
+                ray.init(address="local", num_cpus=num_cpus or None, **init_kwargs)
             _quiet_data()
             return True
     _quiet_data()
     return False
+
+
+@contextlib.contextmanager
+def local_worker_env(env: dict[str, str]):
+    """The environment of every worker of a local Ray this block starts: set in this process while ``ray.init``
+    starts the raylet, whose worker processes inherit it, and restored after. A job-level ``runtime_env`` would
+    give the workers the same variables, but then every worker process starts through Ray's runtime-env setup
+    (``setup_worker.py``, a Python process that imports Ray before the worker's own) and none of the workers Ray
+    prestarts at ``ray.init`` serves the job: each actor and task process starts later and costs more CPU. A
+    cluster's workers get the environment as a runtime_env (`ray job submit`, ``rayvl.checks``)."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def planned_local_cpus(cfg: RayvlConfig) -> float | None:

@@ -63,11 +63,12 @@ QUICK_POLLS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
 def start_session_ray():
     import ray
 
-    from rayvl.session import LOCAL_RAY_ENV
+    from rayvl.session import LOCAL_RAY_ENV, local_worker_env
 
-    # 4 logical CPUs on 2 cores: 2 train workers × 0.5 CPU leave room for Ray Data tasks (DESIGN: starvation)
-    ray.init(address="local", num_cpus=4, include_dashboard=False,
-             runtime_env={"env_vars": {**worker_env(), **QUICK_POLLS, **LOCAL_RAY_ENV}})
+    # 4 logical CPUs on 2 cores: 2 train workers × 0.5 CPU leave room for Ray Data tasks (DESIGN: starvation);
+    # the workers' environment as rayvl gives a local Ray its own (no runtime_env: workers start sooner)
+    with local_worker_env({**worker_env(), **QUICK_POLLS, **LOCAL_RAY_ENV}):
+        ray.init(address="local", num_cpus=4, include_dashboard=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
     return ray
 

@@ -81,7 +81,7 @@ class TrialDriver:
         return onto.count_rows(spec, ontology)
 
 
-def test_class_counts_are_a_ray_data_aggregation(ray_local, demo_dir, tmp_path, caplog):
+def test_class_counts_are_summed_over_ray_data_batches(ray_local, demo_dir, tmp_path, caplog):
     from rayvl.methods.tonics.rows import counts_path
 
     o = onto.Ontology.build(SHAPES)
@@ -104,8 +104,8 @@ def test_class_counts_are_a_ray_data_aggregation(ray_local, demo_dir, tmp_path, 
     assert onto.UNALIGNED not in counts  # every demo caption names a shape its tags hold
 
     # as a Tune trial's driver counts them: in an actor held in a {CPU: 0.1} placement group that captures its child
-    # tasks (Ray Data's groupby shuffle tasks were refused there before shards.outside_placement_group; a plain task
-    # in the same group did not reproduce it, the trial's actor does)
+    # tasks (a Ray Data groupby's shuffle tasks were refused there before shards.outside_placement_group; a plain
+    # task in the same group did not reproduce it, the trial's actor does)
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -268,9 +268,10 @@ def _block(out: dict | pa.Table):
 
 def outside_placement_group(fn: Callable, *args):
     """``fn(*args)`` — in a CPU-less task outside the caller's placement group when the caller runs in one that
-    captures its child tasks. A Tune trial's driver holds {CPU: 0.1} in such a group, and Ray Data's hash-shuffle
-    tasks (a groupby) name no scheduling strategy, so there they were refused: "Cannot schedule _shuffle_map_task
-    with the placement group because the resource request {'CPU': 1.0, ...} cannot fit into any bundles"."""
+    captures its child tasks. A Tune trial's driver holds {CPU: 0.1} in such a group, where Ray Data's tasks would
+    ask that bundle for CPUs it does not hold (a groupby's hash-shuffle tasks were refused there: "Cannot schedule
+    _shuffle_map_task with the placement group because the resource request {'CPU': 1.0, ...} cannot fit into any
+    bundles")."""
     if ray.util.get_current_placement_group() is None:
         return fn(*args)
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -279,23 +280,46 @@ def outside_placement_group(fn: Callable, *args):
     return ray.get(ray.remote(fn).options(num_cpus=0, scheduling_strategy=anywhere, max_retries=0).remote(*args))
 
 
-def group_over_shards(paths: list[str], columns: tuple[str, ...], fn, fn_kwargs: dict, key: str,
-                      aggregate: Callable, reading: Reading = Reading()):
-    """Corpus statistics as a Ray Data aggregation over resolved shard ``paths``: only ``columns`` are read (with
-    ``reading``'s CPUs and I/O policy), ``fn`` turns each batch into rows with a ``key`` column, the rows are grouped
-    by it, and ``aggregate(grouped)`` makes the result (a sum or count) — never collecting the rows on the driver.
-    Runs outside the caller's placement group (``outside_placement_group``: the groupby's shuffle tasks cannot run
-    in a Tune trial's)."""
+# partial sums this many rows long are folded into the running sums: the driver holds the distinct keys and at most
+# one fold's partial rows
+FOLD_ROWS = 4_000_000
+
+
+def sum_over_shards(paths: list[str], columns: tuple[str, ...], fn, fn_kwargs: dict, key: str, value: str,
+                    reading: Reading = Reading()) -> dict:
+    """Corpus statistics as sums over resolved shard ``paths``: only ``columns`` are read (with ``reading``'s CPUs
+    and I/O policy), ``fn`` turns each batch into its partial sums (rows of ``key`` and ``value``, each key once a
+    batch) in Ray Data's tasks, and this process adds the partials up as they stream in (pyarrow's ``group_by``,
+    folded every FOLD_ROWS rows: memory bounded by the distinct keys, not by the corpus). {key: sum}.
+
+    Not a Ray Data ``groupby``: its hash shuffle starts aggregator actors, processes of their own that cost more
+    than the sums of a few shards, and that held their CPUs into the next execution (docs/benchmarks.md). Runs
+    outside the caller's placement group (``outside_placement_group``: a Tune trial's driver holds {CPU: 0.1} in a
+    group that captures its child tasks)."""
     reading = Reading(read_cpus=reading.read_cpus, io=reading.io)  # one pass, raw batches, counted nowhere
-    return outside_placement_group(_grouped, paths, columns, fn, fn_kwargs, key, aggregate, reading)
+    return outside_placement_group(_summed, paths, columns, fn, fn_kwargs, key, value, reading)
 
 
-def _grouped(paths, columns, fn, fn_kwargs, key, aggregate, reading: Reading):
-    rows = read(ShardStream(paths, reading, columns=columns)).map_batches(
+def _summed(paths, columns, fn, fn_kwargs, key: str, value: str, reading: Reading) -> dict:
+    partials = read(ShardStream(paths, reading, columns=columns)).map_batches(
         fn, batch_format="numpy", num_cpus=reading.read_cpus, fn_kwargs=fn_kwargs)
-    # hash partitions of the keys: Ray's default (200) is mostly task overhead on a few shards; one per 8 shards
-    # keeps LAION's 41k shards at the default cap
-    return aggregate(rows.groupby(key, num_partitions=max(1, min(200, len(paths) // 8))))
+    total, pending, rows = None, [], 0
+
+    def fold() -> pa.Table:
+        tables = ([total] if total is not None else []) + pending
+        return pa.concat_tables(tables).group_by(key).aggregate([(value, "sum")]).rename_columns([key, value])
+
+    for batch in partials.iter_batches(batch_size=None, batch_format="pyarrow"):
+        if not batch.num_rows:  # an empty batch's columns have no type to concatenate with
+            continue
+        pending.append(batch.select([key, value]))
+        rows += batch.num_rows
+        if rows >= FOLD_ROWS:
+            total, pending, rows = fold(), [], 0
+    if total is None and not pending:
+        return {}
+    total = fold()
+    return dict(zip(total.column(key).to_pylist(), total.column(value).to_pylist()))
 
 
 # ----------------------------------------------------------------------------- datasets

@@ -4,7 +4,7 @@ A random ``base_fraction`` of captions (10% in the paper) stays intact; every ot
 of word operations — the paper's default is Shuffle + RmStopNalpha + LimitToBaseVocab + RmTopFreq(1000) + Keep(4).
 LimitToBaseVocab and RmTopFreq need the base split's vocabulary and per-word document frequency ("the number of
 captions from the base set in which it appears", §2.2): ``compute_stats`` gets both in one Ray Data pass over the
-shards (a groupby-sum, never the captions on the driver) and saves them as a small JSON artifact with a fingerprint
+shards (each batch's partial counts, summed on the driver: never the captions) and saves them as a small JSON artifact with a fingerprint
 of the shards and of the split, so a run reuses it and a changed dataset is detected instead of silently mixed.
 
 Randomness — the base split and each caption's shuffle — is a hash of (seed, sample key), so a caption deforms the
@@ -27,7 +27,7 @@ import numpy as np
 
 from rayvl import storage
 from rayvl.data import artifacts
-from rayvl.data.shards import Reading, group_over_shards
+from rayvl.data.shards import Reading, sum_over_shards
 from rayvl.data.specs import resolve_shards
 from rayvl.data.text import TOKEN_PATTERN, is_alphabetical, stopwords, validate_caption, words
 from rayvl.methods.bow.check import BowOp, needs_stats
@@ -112,7 +112,7 @@ def is_pseudo(meta) -> bool:
 
 def base_word_counts(batch: dict, *, seed: int, fraction: float) -> dict:
     """One Ray Data batch → partial document frequencies of its base captions (each word once per caption),
-    plus the caption counts under the reserved keys. The groupby-sum after this adds the partials up."""
+    plus the caption counts under the reserved keys. ``sum_over_shards`` adds the partials up."""
     df: Counter = Counter()
     for key, txt, meta in zip(batch["key"], batch["txt"], batch["json"]):
         text, reason = validate_caption(txt)
@@ -146,15 +146,11 @@ def _fingerprint(shards: list[str], seed: int, fraction: float) -> dict:
 
 
 def _count(shards: list[str], seed: int, fraction: float, reading: Reading) -> dict:
-    """The statistics pass: shards streamed by Ray Data → per-batch partial counts → groupby("word").sum("df")."""
-    df = group_over_shards(shards, ("key", "txt", "json"), base_word_counts, {"seed": seed, "fraction": fraction},
-                           "word", _document_frequencies, reading)
+    """The statistics pass: shards streamed by Ray Data → per-batch partial counts → summed by word."""
+    df = sum_over_shards(shards, ("key", "txt", "json"), base_word_counts, {"seed": seed, "fraction": fraction},
+                         "word", "df", reading)
     captions, base = df.pop(ALL_CAPTIONS, 0), df.pop(BASE_CAPTIONS, 0)
     return {"captions": captions, "base_captions": base, "df": dict(sorted(df.items()))}
-
-
-def _document_frequencies(grouped) -> dict[str, int]:
-    return {row["word"]: int(row["sum(df)"]) for row in grouped.sum("df").iter_rows()}
 
 
 def compute_stats(spec: str | Sequence[str], *, seed: int, fraction: float, reading: Reading = Reading()) -> BowStats:

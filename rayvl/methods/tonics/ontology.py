@@ -16,7 +16,7 @@ is applied first, as the paper corrects its mapping by hand.
 Detector tags in a sample's JSON metadata (``tonics.tags_field``) say which objects are in the image: with tags, a
 caption noun makes a row only if its class is among the tags' classes — a triplet needs the noun in the caption
 and the object in the image (App. A.1); without tags every class a caption noun names makes a row. The per-class row
-counts |X(η_o)| are a Ray Data groupby over the shards, saved as a run artifact; classes with fewer than
+counts |X(η_o)| are summed over the shards' Ray Data batches, saved as a run artifact; classes with fewer than
 ``min_instances`` rows are dropped (paper: 5000), and a pair left with no aligned noun stays as one root-only row
 (object −1: it can be drawn in random minibatches only), counted in the data report.
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from rayvl.data import artifacts
-from rayvl.data.shards import Reading, group_over_shards
+from rayvl.data.shards import Reading, sum_over_shards
 from rayvl.data.specs import resolve_shards
 from rayvl.data.text import NLTK_LOCK, is_alphabetical, stopwords, validate_caption, words
 from rayvl.data.wordnet import wordnet
@@ -237,16 +237,18 @@ def _tags(meta, field_name: str) -> list[str]:
     return tags
 
 
-# ----------------------------------------------------------------------------- |X(η_o)| as a Ray Data aggregation
+# ----------------------------------------------------------------------------- |X(η_o)| summed over Ray Data's batches
 
 def batch_objects(batch: dict, *, ontology: Ontology) -> dict:
-    """One Ray Data batch → one row per (pair, aligned noun) with its object id (UNALIGNED for none)."""
+    """One Ray Data batch → its rows per object id: a (pair, aligned noun) row is one of its object's (UNALIGNED for
+    none)."""
     objects: list[int] = []
     for txt, meta in zip(batch["txt"], batch["json"]):
         text, reason = validate_caption(txt)
         if not reason:
             objects += ontology.row_objects(text, meta)
-    return {"object": np.array(objects, dtype=np.int64)}
+    ids, rows = np.unique(np.array(objects, dtype=np.int64), return_counts=True)
+    return {"object": ids, "rows": rows.astype(np.int64)}
 
 
 def fingerprint(spec: str | Sequence[str], ontology: Ontology) -> dict:
@@ -256,13 +258,9 @@ def fingerprint(spec: str | Sequence[str], ontology: Ontology) -> dict:
 
 
 def count_rows(spec: str | Sequence[str], ontology: Ontology, reading: Reading = Reading()) -> dict[int, int]:
-    """Rows per object id over the shards: map to objects, then groupby("object").count() on Ray Data."""
-    return group_over_shards(resolve_shards(spec), ("key", "txt", "json"), batch_objects, {"ontology": ontology},
-                             "object", _object_counts, reading)
-
-
-def _object_counts(grouped) -> dict[int, int]:
-    return {int(r["object"]): int(r["count()"]) for r in grouped.count().iter_rows()}
+    """Rows per object id over the shards: each batch's rows per object (Ray Data's tasks), summed here."""
+    return {int(k): int(v) for k, v in sum_over_shards(resolve_shards(spec), ("key", "txt", "json"), batch_objects,
+                                                       {"ontology": ontology}, "object", "rows", reading).items()}
 
 
 def load_or_count(spec: str | Sequence[str], path: str, ontology: Ontology,

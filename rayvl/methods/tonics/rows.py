@@ -1,6 +1,6 @@
 """[TOnICS]'s data: one training row per (image-text pair, aligned object class), App. A.1, and what the driver
 resolves for it — the ontology (before Ray starts: a bad class is a config error) and the rows per class
-|X(η_o)| (a Ray Data groupby once Ray is up, reused from its artifact when that matches)."""
+|X(η_o)| (a Ray Data pass once Ray is up, reused from its artifact when that matches)."""
 from __future__ import annotations
 
 import hashlib
@@ -84,7 +84,7 @@ def counts_path(run_dir: str, made_from: dict) -> str:
 
 def class_counts(cfg, ontology: Ontology, train: str, run_dir: str,
                  shards: tuple[str, ...] = ()) -> tuple[Ontology, list[int]]:
-    """|X(η_o)| per class over the shards of ``train`` (``shards``: as the run's plan listed them; Ray Data groupby,
+    """|X(η_o)| per class over the shards of ``train`` (``shards``: as the run's plan listed them; a Ray Data pass,
     reused from the artifact when it matches); rare classes dropped."""
     x = cfg.tonics
     made_from = fingerprint(shards or train, ontology)
