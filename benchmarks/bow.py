@@ -91,7 +91,7 @@ def main():
     print(f"\n{len(paths)} shards, {n} samples, cascade {' + '.join(map(str, ops))}; one core "
           f"(OMP_NUM_THREADS=1), best of {args.repeats}")
     print(f"{'measure':<46} {'value':>12}")
-    print(f"{'statistics pass (Ray Data groupby, whole data)':<46} {stats_s:>10.1f} s")
+    print(f"{'statistics pass (Ray Data, whole data)':<46} {stats_s:>10.1f} s")
     print(f"{'deformation alone, captions/s':<46} {n / d:>12.0f}")
     print(f"{'deformation, µs per caption':<46} {1e6 * d / n:>12.1f}")
     print(f"{'full per-sample pipeline with BoW, µs/sample':<46} {1e6 * full / n:>12.1f}")

@@ -61,7 +61,8 @@ METRIC_TOLERANCE = 0.5  # percentage points (20 queries at 4,000 images)
 
 READING = re.compile(r"eval: reading ")
 IMAGES = re.compile(r"eval: (\d+) images embedded \(([\d.]+) s[;)]")
-RUNNING = re.compile(r"first embedding actor ready ([\d.]+) s after its start, (\d+) images/s from then")
+RUNNING = re.compile(r"(?:first embedding actor|embedding model in this process) ready ([\d.]+) s after its start, "
+                     r"(\d+) images/s from then")
 TEXTS = re.compile(r"eval: (\d+) texts embedded \(([\d.]+) s\)")
 PLAIN_READING = re.compile(r"plain: reading ")
 PLAIN_EMBEDDED = re.compile(r"plain: (\d+) images and captions embedded \(([\d.]+) s\)")
@@ -299,7 +300,7 @@ def table(images: int, rayvl: dict, plain: dict, agreed: dict) -> str:
          ratio(r["pipeline_images_per_s"], p["pipeline_images_per_s"])),
         ("… rayvl: read planned, before the image pass: s", num(r.get("read_s")), "", ""),
         ("… rayvl: image pass, read + decode + embed streamed (its log): s", num(r.get("images_s")), "", ""),
-        ("… rayvl: the first embedding actor ready, after its start: s", num(r.get("actor_startup_s")), "", ""),
+        ("… rayvl: its embedding model ready (in its process, or the first actor), after its start: s", num(r.get("actor_startup_s")), "", ""),
         ("… rayvl: images/s from then (its log)", num(r.get("running_images_per_s"), "{:.0f}"), "", ""),
         ("… rayvl: text pass, the same actors (its log): s", num(r.get("texts_s")), "", ""),
         ("metrics, files, exit: s", num(r["rest_s"]), num(p["rest_s"]), ""),

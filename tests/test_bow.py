@@ -125,13 +125,18 @@ def _reference_stats(train_dir: Path, seed: int, fraction: float) -> tuple[int, 
     return captions, base, df
 
 
-def test_stats_pass_equals_single_process_reference_and_artifact_is_reused(ray_local, demo_dir, tmp_path):
+def test_stats_pass_equals_single_process_reference_and_artifact_is_reused(ray_local, demo_dir, tmp_path,
+                                                                            monkeypatch):
     data = tmp_path / "train"
     shutil.copytree(demo_dir / "train", data)
     stats = bow.compute_stats(str(data), seed=3, fraction=0.25)
     captions, base, df = _reference_stats(data, 3, 0.25)
     assert (stats.captions, stats.base_captions) == (captions, base) == (384, base)
     assert 60 < base < 130 and stats.df == dict(df)
+    # the driver's running sums folded after every batch (as a corpus of more than FOLD_ROWS partial rows is): the same
+    monkeypatch.setattr(shards, "FOLD_ROWS", 1)
+    assert bow.compute_stats(str(data), seed=3, fraction=0.25) == stats
+    monkeypatch.undo()
 
     path = str(tmp_path / "bow_stats.json")
     first, reused = bow.load_or_compute(str(data), path, seed=3, fraction=0.25)

@@ -53,3 +53,23 @@ def test_the_plain_loop_scores_as_rayvl_eval(ray_local, demo_dir, tmp_path, capl
     rayvl = bench.rayvl_phases({"wall_s": len(logged) + 1.0, "lines": logged}, 64)
     assert rayvl["pipeline_s"] is not None and rayvl["images_s"] >= 0 and rayvl["texts_s"] >= 0
     assert "rayvl eval" in bench.table(64, rayvl, plain, agreed)
+
+    # `rayvl eval` on a Ray it started itself, with the default pool, embeds in its own process (no actor to start):
+    # the same rows, the same embeddings, the same metrics as the actor above
+    import numpy as np
+
+    from rayvl.checkpoints import read_meta
+    from rayvl.eval.runner import default_sources, embeds_in_process, run_eval
+
+    assert embeds_in_process(True, 0, 0.0) and embeds_in_process(True, 1, 0.0)
+    assert not any((embeds_in_process(False, 0, 0.0), embeds_in_process(True, 2, 0.0), embeds_in_process(True, 0, 1)))
+    with caplog.at_level(logging.INFO, logger="rayvl"):
+        local = run_eval(str(checkpoint), ["retrieval"], default_sources(read_meta(str(checkpoint))["config"], data,
+                                                                          "shards"),
+                         out=tmp_path / "local", in_process=True)
+    assert "embedding model in this process ready" in caplog.text
+    assert json.loads((tmp_path / "local" / "keys.json").read_text()) == json.loads(
+        (tmp_path / "rayvl" / "keys.json").read_text())
+    np.testing.assert_allclose(np.load(tmp_path / "local" / "image_embeddings.npy"),
+                               np.load(tmp_path / "rayvl" / "image_embeddings.npy"), atol=1e-6)
+    assert local["retrieval"] == json.loads((tmp_path / "rayvl" / "retrieval.json").read_text())

@@ -216,7 +216,7 @@ def eval_main(args) -> int:
     from rayvl import session, storage
     from rayvl.checkpoints import checkpoint_uri, read_meta
     from rayvl.eval.embed import check_gpus
-    from rayvl.eval.runner import default_out, default_sources, run_eval, settings
+    from rayvl.eval.runner import default_out, default_sources, embeds_in_process, run_eval, settings
     from rayvl.eval.tables import format_tables
     from rayvl.train.run_dir import find_run
 
@@ -236,7 +236,8 @@ def eval_main(args) -> int:
         return user_error(e)
     results = _gpu_errors_in_one_line(lambda: run_eval(
         ckpt, tasks, sources, args.out or None, actors=pool.actors, cpus_per_actor=pool.cpus_per_actor,
-        batch_size=pool.batch_size, k=pool.paraphrase_k, limit=args.limit, gpus_per_actor=gpus))
+        batch_size=pool.batch_size, k=pool.paraphrase_k, limit=args.limit, gpus_per_actor=gpus,
+        in_process=embeds_in_process(started, pool.actors, gpus)))
     if results is None:
         return 1
     print(f"checkpoint {ckpt}\ndata {sources.data} ({sources.kind})")

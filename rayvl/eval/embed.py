@@ -7,8 +7,10 @@
   them by Ray Data) and texts; rows carry an ``index`` or ``key`` column so the result is put back in order.
   Actors given GPUs (``gpus_per_actor``) embed on theirs, in bf16 autocast; the others on CPU in fp32, as
   training-time evaluation on CPU does.
+- ``LocalEmbedder``: ``rayvl eval``'s one CPU model in its own process, on a Ray it started on this machine — the
+  same model code as an actor's, the blocks Ray Data streams embedded where they arrive.
 
-Both return float32 numpy arrays of L2-normalised embeddings, one row per input.
+All return float32 numpy arrays of L2-normalised embeddings, one row per input.
 """
 from __future__ import annotations
 
@@ -211,6 +213,17 @@ TEXT_BATCH = 4  # texts embed in batches this many times an image batch: a text 
 IN_FLIGHT_BYTES = 512 << 20  # decoded images read ahead of the actors: what an eval holds, however large its set
 
 
+def in_order(parts: list[dict]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The embedded blocks' rows put in order — by their ``index`` column (0..N-1), else by ``key`` —: (embeddings,
+    the rows' other columns)."""
+    parts = [p for p in parts if len(p["embedding"])]
+    if not parts:
+        raise ValueError("no image of the evaluation set could be read (every sample dropped, or none there)")
+    merged = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    order = np.argsort(merged["index"] if "index" in merged else merged["key"].astype(str), kind="stable")
+    return merged["embedding"][order], {k: v[order] for k, v in merged.items() if k != "embedding"}
+
+
 class ActorEmbedder:
     """A pool of ``EmbeddingActor``s, started at once (they load their model while Ray Data starts reading) and
     kept for every call: images streamed to them block by block (nothing is materialised), then every text, split
@@ -245,13 +258,8 @@ class ActorEmbedder:
                     parts += ray.get(done)
                 pending.append(self.actors[sent % len(self.actors)].images.remote(ref))
                 sent += 1
-        parts = [p for p in parts + ray.get(pending) if len(p["embedding"])]
-        if not parts:
-            raise ValueError("no image of the evaluation set could be read (every sample dropped, or none there)")
-        merged = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-        order = np.argsort(merged["index"] if "index" in merged else merged["key"].astype(str), kind="stable")
-        self.rows = {k: v[order] for k, v in merged.items() if k != "embedding"}
-        return merged["embedding"][order]
+        embeddings, self.rows = in_order(parts + ray.get(pending))
+        return embeddings
 
     def in_flight_blocks(self, images: ray.data.Dataset) -> int:
         """Blocks in flight: ``IN_FLIGHT_BYTES`` of them (a shard block holds ``batch_size`` rows, load_shards),
@@ -268,3 +276,37 @@ class ActorEmbedder:
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
+
+
+class LocalEmbedder:
+    """The pool's one CPU model in this process, for a Ray this driver started on its own machine (``rayvl eval``'s
+    default there): an actor would be a process of its own to start — Ray, torch, timm and the model imported and
+    loaded again — on the same CPUs as Ray Data's readers, before its first image. Here the model (an
+    ``EmbeddingActor`` object, the same code) loads in a thread while Ray Data starts reading, and each block is
+    embedded as it arrives. Same calls as ``ActorEmbedder``."""
+
+    def __init__(self, checkpoint: str | os.PathLike, batch_size: int = 128, off: str = EVAL_GPUS_OFF):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.started = time.time()
+        loader = ThreadPoolExecutor(1, thread_name_prefix="rayvl-eval-model")
+        self._model = loader.submit(EmbeddingActor, str(checkpoint), off)
+        loader.shutdown(wait=False)  # the thread ends once the model is loaded
+        self.batch_size = batch_size
+        self.rows: dict[str, np.ndarray] = {}
+
+    def first_ready(self) -> float:
+        return self._model.result().ready()
+
+    def images(self, images: ray.data.Dataset) -> np.ndarray:
+        """As ``ActorEmbedder.images``: every row of ``images`` embedded, in order; its other columns in ``rows``."""
+        parts = [self._model.result().images(ray.get(ref))
+                 for bundle in images.iter_internal_ref_bundles() for ref in bundle.block_refs]
+        embeddings, self.rows = in_order(parts)
+        return embeddings
+
+    def texts(self, texts: list[str]) -> np.ndarray:
+        return self._model.result().texts(texts, self.batch_size * TEXT_BATCH)
+
+    def close(self) -> None:
+        self._model.cancel()

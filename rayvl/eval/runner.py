@@ -22,7 +22,7 @@ from rayvl.checkpoints import checkpoint_uri, read_meta
 from rayvl.config import EvalConfig, from_dict
 from rayvl.data.report import report_actor, snapshot
 from rayvl.eval import data as eval_data
-from rayvl.eval.embed import ActorEmbedder
+from rayvl.eval.embed import ActorEmbedder, LocalEmbedder
 from rayvl.eval.tasks import SKIP_REASONS, evaluate
 
 log = logging.getLogger("rayvl")
@@ -94,12 +94,21 @@ def settings(config: dict, **given) -> EvalConfig:
     return replace(from_dict(config).eval, **{k: v for k, v in given.items() if v is not None})
 
 
+def embeds_in_process(started_here: bool, actors: int, gpus_per_actor: float) -> bool:
+    """Whether `rayvl eval` embeds in its own process: on a Ray it started on this machine (``started_here``: no
+    other node, and every CPU local) with the default pool — one actor (``actors`` 0 or 1), no GPUs. Such an actor
+    would only be one more process to start on the CPUs that decode; several actors, GPUs or a cluster keep the
+    pool."""
+    return started_here and actors <= 1 and not gpus_per_actor
+
+
 def run_eval(checkpoint: str, tasks: list[str] | None = None, sources: Sources | None = None,
              out: str | Path | None = None, actors: int | None = None, cpus_per_actor: float | None = None,
              batch_size: int | None = None, k: int | None = None, limit: int = 0,
-             gpus_per_actor: float | None = None) -> dict:
+             gpus_per_actor: float | None = None, in_process: bool = False) -> dict:
     """Every task of ``tasks`` on a checkpoint; ``tasks`` and the actor pool's settings left None come from its
-    config (``eval.checkpoint_tasks``, ``settings``)."""
+    config (``eval.checkpoint_tasks``, ``settings``). ``in_process``: the model embeds in this process
+    (``LocalEmbedder``; ``embeds_in_process`` says when) instead of the pool's actors."""
     uri = checkpoint_uri(checkpoint)  # local or a URL; every embedding actor loads it on its own node
     meta = read_meta(uri)
     config = meta["config"]
@@ -111,15 +120,18 @@ def run_eval(checkpoint: str, tasks: list[str] | None = None, sources: Sources |
     actors = pool_size(pool.actors, pool.gpus_per_actor, pool.cpus_per_actor)
     if pool.gpus_per_actor:
         log.info(f"eval: {actors} embedding actor(s) of {pool.gpus_per_actor:g} GPU(s) each")
-    # the actors load their model while the reading is planned and starts; the same actors embed every text
-    embedder = ActorEmbedder(uri, actors, pool.cpus_per_actor, pool.batch_size, pool.gpus_per_actor)
+    # the model loads (in the actors, or in a thread here) while the reading is planned and starts; the same model
+    # embeds every text
+    embedder = (LocalEmbedder(uri, pool.batch_size) if in_process else
+                ActorEmbedder(uri, actors, pool.cpus_per_actor, pool.batch_size, pool.gpus_per_actor))
+    model = "embedding model in this process" if in_process else "first embedding actor"
     try:
         log.info(f"eval: reading {sources.data} ({sources.kind}) for {', '.join(tasks)}")
         data, report_name = load(sources, config, pool.cpus_per_actor, limit, pool.batch_size)
         started = time.time()
         images = embedder.images(data.images)
         ended, ready = time.time(), embedder.first_ready()
-        log.info(f"eval: {len(images)} images embedded ({ended - started:.1f} s; the first embedding actor ready "
+        log.info(f"eval: {len(images)} images embedded ({ended - started:.1f} s; the {model} ready "
                  f"{ready - embedder.started:.1f} s after its start, {len(images) / max(ended - ready, 1e-9):.0f} "
                  f"images/s from then)")
         if sources.kind == "shards":  # streamed: what the rows said came back with their embeddings

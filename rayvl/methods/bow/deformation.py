@@ -80,7 +80,7 @@ def is_base(key: str, seed: int, fraction: float) -> bool:
     return _unit(seed, "base", key) < fraction * 2**64
 
 
-# ----------------------------------------------------------------------------- statistics (Ray Data aggregation)
+# ----------------------------------------------------------------------------- statistics (one Ray Data pass, summed)
 
 @dataclass
 class BowStats:

@@ -40,6 +40,6 @@ class TonicsConfig:
     beta: float = 0.2
     """floor of P_S(root) (paper: 0.2)."""
     counts_path: str = ""
-    """per-class row counts |X(η_o)| (JSON artifact, Ray Data aggregation); reused when its fingerprint matches
+    """per-class row counts |X(η_o)| (JSON artifact, summed over a Ray Data pass); reused when its fingerprint matches
     ('' = <storage path>/artifacts/tonics_counts-<hash of the shards' sizes and the ontology>.json: counted once per
     data set, for every run over it)."""
