@@ -122,9 +122,11 @@ def _eval_parser(sub) -> None:
                         f"(default: eval.gpus_per_actor, {d.gpus_per_actor:g})")
     e.add_argument("--actors", type=int, default=None,
                    help="embedding actors (Ray Data actor pool size; 0: 1 on CPU, with --gpus as many as the "
-                        f"cluster's GPUs hold now; default: eval.actors, {d.actors})")
+                        "cluster's GPUs hold now; 0 or 1 without GPUs on a Ray this command starts: the model "
+                        f"embeds in this process instead; default: eval.actors, {d.actors})")
     e.add_argument("--cpus-per-actor", type=float, default=None,
-                   help=f"CPUs each embedding actor reserves (default: eval.cpus_per_actor, {d.cpus_per_actor:g})")
+                   help="CPUs each embedding actor reserves, and each read task (the model in this process "
+                        f"reserves none; default: eval.cpus_per_actor, {d.cpus_per_actor:g})")
     e.add_argument("--batch-size", type=int, default=None,
                    help=f"images or texts per actor call (default: eval.batch_size, {d.batch_size})")
     e.add_argument("--k", type=int, default=None, help=f"k of AO@k / JS@k (default: eval.paraphrase_k, "

@@ -300,8 +300,13 @@ class LocalEmbedder:
 
     def images(self, images: ray.data.Dataset) -> np.ndarray:
         """As ``ActorEmbedder.images``: every row of ``images`` embedded, in order; its other columns in ``rows``."""
-        parts = [self._model.result().images(ray.get(ref))
-                 for bundle in images.iter_internal_ref_bundles() for ref in bundle.block_refs]
+        parts = []
+        for bundle in images.iter_internal_ref_bundles():
+            for ref in bundle.block_refs:
+                part = self._model.result().images(ray.get(ref))
+                # copies: a column read from the block may be a view of it (pyarrow's zero-copy to_numpy), and a
+                # view kept would keep the whole decoded block in the object store until the pass ends
+                parts.append({k: np.array(v, copy=True) for k, v in part.items()})
         embeddings, self.rows = in_order(parts)
         return embeddings
 
