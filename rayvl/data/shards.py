@@ -288,10 +288,10 @@ FOLD_ROWS = 4_000_000
 def sum_over_shards(paths: list[str], columns: tuple[str, ...], fn, fn_kwargs: dict, key: str, value: str,
                     reading: Reading = Reading()) -> dict:
     """Corpus statistics as sums over resolved shard ``paths``: only ``columns`` are read (with ``reading``'s CPUs
-    and I/O policy), ``fn`` turns each batch into its partial sums (rows of ``key`` and ``value``; a key may
-    come again in later rows) in Ray Data's tasks, and this process adds the partials up as they stream in (pyarrow's ``group_by``,
-    folded every FOLD_ROWS rows: memory bounded by the distinct keys, not by the corpus; the partial rows all pass
-    through this one process, where a groupby spread them over its partitions). {key: sum}.
+    and I/O policy), ``fn`` turns each batch into its partial sums (rows of ``key`` and ``value``; a key may come
+    again in later rows) in Ray Data's tasks, and this process adds the partials up as they stream in (pyarrow's
+    ``group_by``, folded every FOLD_ROWS rows: memory bounded by the distinct keys, not by the corpus; the partial
+    rows all pass through this one process, where a groupby spread them over its partitions). {key: sum}.
 
     Not a Ray Data ``groupby``: its hash shuffle starts aggregator actors, processes of their own that cost more
     than the sums of a few shards, and that held their CPUs into the next execution (docs/benchmarks.md). Runs

@@ -4,8 +4,9 @@ A random ``base_fraction`` of captions (10% in the paper) stays intact; every ot
 of word operations — the paper's default is Shuffle + RmStopNalpha + LimitToBaseVocab + RmTopFreq(1000) + Keep(4).
 LimitToBaseVocab and RmTopFreq need the base split's vocabulary and per-word document frequency ("the number of
 captions from the base set in which it appears", §2.2): ``compute_stats`` gets both in one Ray Data pass over the
-shards (each batch's partial counts, summed on the driver: never the captions) and saves them as a small JSON artifact with a fingerprint
-of the shards and of the split, so a run reuses it and a changed dataset is detected instead of silently mixed.
+shards (each batch's partial counts, summed on the driver: never the captions) and saves them as a small JSON
+artifact with a fingerprint of the shards and of the split, so a run reuses it and a changed dataset is detected
+instead of silently mixed.
 
 Randomness — the base split and each caption's shuffle — is a hash of (seed, sample key), so a caption deforms the
 same way on 1 or N workers, in any order, and after a restart.
