@@ -20,7 +20,7 @@ from rayvl.methods.bow import deformation as bow
 from rayvl.methods.bow.check import parse_ops as parse_bow_ops
 from rayvl.methods.bow.rows import Deform
 from rayvl.data.artifacts import ArtifactMismatch
-from rayvl.data.report import report_actor
+from rayvl.data.report import create_report, report_actor
 from rayvl.data.tar import iter_tar_samples
 from rayvl.data.text import TOKEN_PATTERN, stopwords, validate_caption, words
 
@@ -209,7 +209,7 @@ def test_emptied_captions_are_dropped_and_counted(ray_local, tmp_path):
     assert not any(everything(k, c)[1] for k, c in captions.items())
 
     report = "test-bow-empty"
-    report_actor(report)
+    create_report(report)
     rows = _pipeline(str(tmp_path), deform, report_name=report, shuffle_files=False).take_all()
     counts = ray.get(report_actor(report).snapshot.remote())["counts"]
     assert counts["dropped_bow_empty"] == len(emptied) and len(rows) == 40 - len(emptied)

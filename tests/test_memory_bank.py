@@ -1,5 +1,6 @@
 """EMA memory bank ([BoW] §2.1): EMA arithmetic, queue wrap-around, state round trip, config guard."""
 import io
+import time
 
 import pytest
 import torch
@@ -80,10 +81,22 @@ def test_zero3_with_a_memory_bank_is_refused_at_config_load():
     load_config(None, ["memory_bank.size=64", "train.zero_stage=2"])
 
 
+# the actors a run starts on its driver's Ray (besides its Train workers): its data reports, Ray Train's controller
+# and its datasets' coordinators, by the process titles Ray gives them
+RUN_ACTORS = ("ray::DataReport", "ray::TrainController", "ray::DatasetManager", "ray::SplitCoordinator")
+
+
+def _run_actor_processes() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith(RUN_ACTORS)}
+
+
 def test_ema_steps_once_per_optimizer_step_under_grad_accumulation(ray_local, demo_dir, tmp_path):
     """Two micro-batches make one optimizer step, so the key encoders take one EMA step per step:
     θ'_2 = m·θ'_1 + (1 − m)·θ_2. One update per micro-batch would also average in θ_1 (the weights the first
-    micro-batch of step 2 sees): m²·θ'_1 + m(1 − m)·θ_1 + (1 − m)·θ_2."""
+    micro-batch of step 2 sees): m²·θ'_1 + m(1 − m)·θ_1 + (1 − m)·θ_2. The run, on a driver that goes on (as a
+    notebook does), leaves none of its actors behind: its data reports and Ray Train's controller end with it."""
     from conftest import small_config
     from rayvl.checkpoints import read_train_state
     from rayvl.train.trainer import train
@@ -91,7 +104,15 @@ def test_ema_steps_once_per_optimizer_step_under_grad_accumulation(ray_local, de
     cfg = small_config(demo_dir, tmp_path, "train.num_workers=1", "train.grad_accumulation=2", "train.max_steps=2",
                        "train.warmup_steps=0", "train.checkpoint_every=1", "memory_bank.size=64",
                        "memory_bank.momentum=0.5", "eval.tasks=[]")
+    named = ray_local.util.list_named_actors
+    before, reports = _run_actor_processes(), {a["name"] for a in named(all_namespaces=True)}
     result = train(cfg)
+    deadline = time.monotonic() + 60  # a released actor's process exits shortly after
+    while _run_actor_processes() - before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _run_actor_processes() - before
+    left = {a["name"] for a in named(all_namespaces=True)} - reports
+    assert not [a for a in left if a.startswith("rayvl-data-report-")], left
     first, last = sorted(d for d in result.run_dir.glob("checkpoint_*") if d.is_dir())  # named by time
     bank_1 = read_train_state(first)["memory_bank"]
     bank_2 = read_train_state(last)["memory_bank"]

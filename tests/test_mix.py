@@ -95,14 +95,14 @@ def test_a_mixed_stream_resumed_mid_pass_reads_each_slot_once_each_read_cropped_
 
     from rayvl import assets
     from rayvl.data import shards
-    from rayvl.data.report import report_actor
+    from rayvl.data.report import create_report, report_actor
 
     train = demo_dir / "train"
     paths = [str(train / f"0000{i}.tar") for i in range(3)]
     mix = Mix.of((1, 2), (3.0, 0.5))
 
     def consume(name, position, limit):
-        ray.get(report_actor(name).restore.remote(uuid.uuid4().hex, position, mix.n_slots, mix.signature))
+        ray.get(create_report(name).restore.remote(uuid.uuid4().hex, position, mix.n_slots, mix.signature))
         ds = shards.read_shards(paths, Rows(image_size=16, crop_scale_min=0.3, train=True, seed=3,
                                             tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=8),
                                 Reading(read_cpus=0.5, batch_size=32, shuffle=True, report_name=name, passes=2,

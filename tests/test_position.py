@@ -52,7 +52,7 @@ def test_merge_counts_duplicates_and_settles_finished_shards_and_passes():
 def test_a_resumed_read_skips_finished_shards_and_trained_rows_and_continues_the_report(ray_local, demo_dir):
     from rayvl import assets
     from rayvl.data import shards
-    from rayvl.data.report import report_actor, snapshot
+    from rayvl.data.report import create_report, report_actor, snapshot
 
     def read(name):
         ds = shards.read_shards(str(demo_dir / "train"), Rows(image_size=16, crop_scale_min=0.5, train=True, seed=1,
@@ -62,7 +62,7 @@ def test_a_resumed_read_skips_finished_shards_and_trained_rows_and_continues_the
         return {int(r["row"]): r["key"] for r in ds.take_all()}
 
     first_name, second_name = (f"position-test-{uuid.uuid4().hex[:6]}" for _ in range(2))
-    report_actor(first_name)
+    create_report(first_name)
     everything = read(first_name)
     full = snapshot(first_name)["counts"]
     assert len(everything) == len(set(everything.values())) == full["samples_kept"]
@@ -80,7 +80,7 @@ def test_a_resumed_read_skips_finished_shards_and_trained_rows_and_continues_the
     pos.report, pos.execution = ray.get(first.settle.remote(done))
     assert pos.report["counts"]["samples_seen"] == 128
 
-    second = report_actor(second_name)
+    second = create_report(second_name)
     ray.get(second.restore.remote(uuid.uuid4().hex, pos.state_dict(), 3))
     resumed = read(second_name)
     assert set(resumed) == set(by_shard[1][50:] + by_shard[2])  # every row not trained on, once
@@ -105,10 +105,10 @@ def test_a_stream_resumed_on_two_ranks_and_read_to_its_end_trains_every_row_of_e
 
     from rayvl import assets
     from rayvl.data import shards
-    from rayvl.data.report import report_actor
+    from rayvl.data.report import create_report, report_actor
 
     def consume(name, token, position, limit):
-        ray.get(report_actor(name).restore.remote(token, position, 3))
+        ray.get(create_report(name).restore.remote(token, position, 3))
         ds = shards.read_shards(str(demo_dir / "train"), Rows(image_size=16, crop_scale_min=0.5, train=True, seed=3,
                                 tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=8),
                                 Reading(read_cpus=0.5, batch_size=32, shuffle=True, report_name=name,
@@ -156,7 +156,7 @@ def test_a_caption_naming_one_class_twice_is_one_row_through_sampler_position_se
     from rayvl.data.demo import SHAPES
     from rayvl.methods.tonics.ontology import Ontology
     from rayvl.methods.tonics.rows import Objects
-    from rayvl.data.report import report_actor
+    from rayvl.data.report import create_report, report_actor
     from rayvl.data.text import validate_caption
     from rayvl.methods.tonics.sampler import BucketSampler
 
@@ -173,7 +173,7 @@ def test_a_caption_naming_one_class_twice_is_one_row_through_sampler_position_se
     assert repeated >= 20  # the case is common in the demo, not a corner of it
 
     def consume(name, token, position, limit):
-        ray.get(report_actor(name).restore.remote(token, position, 3))
+        ray.get(create_report(name).restore.remote(token, position, 3))
         ds = shards.read_shards(str(demo_dir / "train"), Rows(image_size=16, crop_scale_min=0.5, train=True, seed=3,
                                 tokenizer_path=str(assets.text_model_path("minilm-l6")), max_tokens=8,
                                 transforms=(Objects(ontology),)),
@@ -217,7 +217,7 @@ def test_a_checkpoint_taken_as_the_next_execution_starts_resumes_the_rows_still_
     from rayvl import assets
     from rayvl.config import load_config
     from rayvl.data import shards
-    from rayvl.data.report import report_actor
+    from rayvl.data.report import create_report, report_actor
     from rayvl.train.batches import batch_stream
 
     cfg = load_config(None, ["train.micro_batch_size=16", "data.prefetch_batches=2"])
@@ -231,7 +231,7 @@ def test_a_checkpoint_taken_as_the_next_execution_starts_resumes_the_rows_still_
         return batch_stream(ds, cfg, begin=begin)
 
     first_name, second_name = (f"position-test-{uuid.uuid4().hex[:6]}" for _ in range(2))
-    actor, in_window, taken = report_actor(first_name), threading.Event(), threading.Event()
+    actor, in_window, taken = create_report(first_name), threading.Event(), threading.Event()
 
     def begin(k):  # what train/loop.py passes, then the window held open
         ray.get(actor.begin_execution.remote(k))
@@ -249,7 +249,7 @@ def test_a_checkpoint_taken_as_the_next_execution_starts_resumes_the_rows_still_
     assert pos.execution == 0 and dict(pos.rows_per_pass) == {0: 368}
     saved = pos.state_dict()
 
-    second = report_actor(second_name)
+    second = create_report(second_name)
     resumed = stream(second_name, "t2", saved,
                      lambda k: ray.get(second.begin_execution.remote(saved["execution"] + k)))
     for _ in range(1 + 24):  # the queued batch, then execution 1's pass
@@ -265,10 +265,10 @@ def test_a_shard_that_produced_no_row_is_finished_once_read(ray_local):
     pass is never complete, and a resume would read it again and again)."""
     import ray
 
-    from rayvl.data.report import report_actor
+    from rayvl.data.report import create_report
 
     name = f"position-test-{uuid.uuid4().hex[:6]}"
-    actor = report_actor(name)
+    actor = create_report(name)
     ray.get(actor.restore.remote("t", None, 2))
     ray.get(actor.add.remote({"samples_seen": 5, "samples_kept": 5}, None, ("t", "a", 0, 0, 5)))
     ray.get(actor.add.remote({"samples_seen": 4, "dropped_corrupt_image": 4}, None, ("t", "b", 0, 1, 0)))
@@ -285,10 +285,10 @@ def test_a_stream_without_position_counts_the_reads_of_its_current_worker_group(
     again, and a read of the lost group still running counts for nothing."""
     import ray
 
-    from rayvl.data.report import current_token, record, report_actor, snapshot
+    from rayvl.data.report import create_report, current_token, record, snapshot
 
     name = f"labels-test-{uuid.uuid4().hex[:6]}"
-    actor = report_actor(name)
+    actor = create_report(name)
     ray.get(actor.restore.remote("group-1", None, 0))
     old = current_token(name)
     record(name, {"samples_seen": 10, "samples_kept": 8}, token=old)

@@ -13,7 +13,7 @@ from rayvl import assets
 from rayvl.data import shards
 from rayvl.data.pipeline import Rows
 from rayvl.data.shards import Reading
-from rayvl.data.report import DataPlaneError, report_actor
+from rayvl.data.report import DataPlaneError, create_report, report_actor
 from rayvl.data.specs import resolve_shards
 
 
@@ -55,7 +55,7 @@ def bad_shard(tmp_path):
 
 def test_drop_counters(ray_local, bad_shard):
     name = "test-report-drops"
-    report = report_actor(name)
+    report = create_report(name)
     rows = _read(str(bad_shard), name)
     assert sorted(r["key"] for r in rows) == [f"{i:09d}" for i in range(6)]
     assert rows[0]["image"].shape == (3, 32, 32) and rows[0]["image"].dtype == np.uint8
@@ -72,7 +72,7 @@ def test_truncated_shard_costs_only_its_tail(ray_local, demo_dir, tmp_path):
     (tmp_path / "00000.tar").write_bytes(whole[: len(whole) // 2 + 777])  # cut inside a member
     (tmp_path / "00001.tar").write_bytes((demo_dir / "train" / "00001.tar").read_bytes())
     name = "test-report-truncated"
-    report = report_actor(name)
+    report = create_report(name)
     rows = _read(str(tmp_path), name)
     snap = ray.get(report.snapshot.remote())
     keys = {r["key"] for r in rows}
@@ -160,7 +160,7 @@ def test_read_ahead_stops_near_what_training_takes(ray_local, tmp_path):
     rows = Rows(image_size=16, crop_scale_min=0.5, train=True, max_tokens=8,
                 tokenizer_path=str(assets.text_model_path("minilm-l6")))
     name = "test-report-read-ahead"
-    report_actor(name)
+    create_report(name)
     ds = shards.read_shards(str(tmp_path), rows, Reading(read_cpus=0.5, batch_size=16, report_name=name))
     taken, budget = 64, 64 * shards.row_bytes(rows)
     ds.context.execution_options = ingest_options(RayvlConfig(), {"train": ds}, budget)["train"]

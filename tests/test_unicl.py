@@ -17,7 +17,7 @@ from rayvl.data.shards import Reading
 from rayvl.methods.unicl.rows import Prompted, prompt_batch
 from rayvl.methods.unicl.prompts import Prompts, load_prompts
 from rayvl.data.prompts import templates as prompt_templates
-from rayvl.data.report import report_actor
+from rayvl.data.report import create_report, report_actor
 
 
 
@@ -67,7 +67,7 @@ def test_image_label_shards_get_prompts_and_labels(ray_local, tmp_path):
                 info.size = len(payload)
                 tar.addfile(info, io.BytesIO(payload))
     prompts = Prompts(("cat", "dog", "bird"), prompt_templates(), frozenset({0, 1}))
-    report_actor("test-labels")
+    create_report("test-labels")
     rows = shards.read_shards(str(tmp_path), Rows(image_size=32, crop_scale_min=0.5, train=True,
                                                   tokenizer_path=str(assets.text_model_path("minilm-l6")),
                                                   max_tokens=16, transforms=(Prompted(prompts),)),

@@ -120,16 +120,33 @@ class DataReport:
 _handles: dict = {}
 
 
-def report_actor(name: str):
-    """The run's DataReport actor. The driver calls this first, so the actor is owned by (and dies with) the
-    driver; Ray Data tasks then find the existing one (get_if_exists makes that race-free)."""
-    if name not in _handles:
-        # on the driver's node: a worker node the autoscaler (or a spot market) takes away must not take the
-        # run's counts with it
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        _handles[name] = DataReport.options(name=name, namespace="rayvl", get_if_exists=True,
-                                            scheduling_strategy=here).remote()
+def create_report(name: str):
+    """A new DataReport actor, created by the driver of the run (or evaluation) it counts for: owned by that
+    driver, on its node — a worker node the autoscaler (or a spot market) takes away must not take the run's counts
+    with it. Ended by ``release_reports`` once its counts are read."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    _handles[name] = DataReport.options(name=name, namespace="rayvl", scheduling_strategy=here).remote()
     return _handles[name]
+
+
+def report_actor(name: str):
+    """The named report, which its driver created (``create_report``) before any reading started: found, never
+    created — a read task that starts after the run ended finds no report instead of starting one that nobody
+    ends."""
+    if name not in _handles:
+        _handles[name] = ray.get_actor(name, namespace="rayvl")
+    return _handles[name]
+
+
+def release_reports(names) -> None:
+    """Ends the driver's report actors once their counts are read. Every process that counted keeps a handle, and
+    an actor lives while its driver does: a driver that goes on after a run — a notebook, a sweep's driver, a test
+    session — would otherwise keep every run's report alive, each an idle process (memory, and CPU for Ray's own
+    threads)."""
+    for name in names:
+        handle = _handles.pop(name, None)
+        if handle is not None:
+            ray.kill(handle, no_restart=True)
 
 
 def record(report_name: str | None, counts: dict, bad_shard: tuple[str, str] | None = None,

@@ -20,7 +20,7 @@ import ray
 from rayvl import assets, storage
 from rayvl.checkpoints import checkpoint_uri, read_meta
 from rayvl.config import EvalConfig, from_dict
-from rayvl.data.report import report_actor, snapshot
+from rayvl.data.report import create_report, release_reports, snapshot
 from rayvl.eval import data as eval_data
 from rayvl.eval.embed import ActorEmbedder, LocalEmbedder
 from rayvl.eval.tasks import SKIP_REASONS, evaluate
@@ -66,7 +66,7 @@ def load(sources: Sources, config: dict, read_cpus: float, limit: int = 0,
     size, report_name = cfg.data.image_size, ""
     if sources.kind == "shards":
         report_name = f"rayvl-eval-report-{uuid.uuid4().hex[:8]}"
-        report_actor(report_name)  # owned by this driver; counts the samples dropped while reading
+        create_report(report_name)  # owned by this driver; counts the samples dropped while reading
         data = eval_data.load_shards(sources.data, size, str(assets.text_model_path(cfg.model.text)),
                                      cfg.data.max_text_tokens, read_cpus, report_name, cfg.data.read_threads,
                                      batch_size)
@@ -125,6 +125,7 @@ def run_eval(checkpoint: str, tasks: list[str] | None = None, sources: Sources |
     embedder = (LocalEmbedder(uri, pool.batch_size) if in_process else
                 ActorEmbedder(uri, actors, pool.cpus_per_actor, pool.batch_size, pool.gpus_per_actor))
     model = "embedding model in this process" if in_process else "first embedding actor"
+    report_name = ""
     try:
         log.info(f"eval: reading {sources.data} ({sources.kind}) for {', '.join(tasks)}")
         data, report_name = load(sources, config, pool.cpus_per_actor, limit, pool.batch_size)
@@ -140,6 +141,7 @@ def run_eval(checkpoint: str, tasks: list[str] | None = None, sources: Sources |
         metrics, embeddings = evaluate(tasks, data, embedder, pool.paraphrase_k, images)
     finally:
         embedder.close()
+        release_reports([report_name] if report_name else [])
     for name, array in embeddings.items():
         buffer = io.BytesIO()
         np.save(buffer, array)

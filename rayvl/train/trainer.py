@@ -2,6 +2,9 @@
 directory."""
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 import uuid
 
 import ray
@@ -11,7 +14,7 @@ from ray.train.torch import TorchTrainer
 from rayvl import assets, session
 from rayvl import storage as store
 from rayvl.config import RayvlConfig
-from rayvl.data.report import caption_stats, position_report, report_actor, snapshot
+from rayvl.data.report import caption_stats, create_report, position_report, release_reports, snapshot
 from rayvl.train import datasets
 from rayvl.train.layout import resolve
 from rayvl.train.resume import restored_state
@@ -65,7 +68,17 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
     report_name = f"rayvl-data-report-{name}-{uuid.uuid4().hex[:8]}"
     reports = data.reports(report_name)
     for r in reports.values():
-        report_actor(r)  # created by the driver, so they live as long as it does
+        create_report(r)
+    try:
+        return _run(cfg, planned, startup, reports, report_name, callbacks, placement_registry, progress)
+    finally:
+        release_reports(reports.values())
+
+
+def _run(cfg: RayvlConfig, planned, startup: Startup, reports: dict[str, str], report_name: str, callbacks: list,
+         placement_registry: str, progress: bool):
+    """The run itself, once Ray is up and its data reports exist: the datasets, the run's records, the trainer."""
+    data, storage, name = planned.data, planned.storage, planned.name
     run_dir = planned.run_dir
     built = datasets.build(data, run_dir, report_name, planned.passes)
     sets = built.datasets
@@ -82,7 +95,8 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
     startup.mark("fit")  # before the trainer, which may serialize its plan
     trainer = _trainer(cfg, storage, name, sets, [run_log, *callbacks], plan, planned.read_ahead_bytes)
     try:
-        result = _fit(trainer, logs, cfg) if progress else trainer.fit()
+        with _sigint_restored():
+            result = _fit(trainer, logs, cfg) if progress else trainer.fit()
     except BaseException as e:  # the records say how the invocation ended, and land in the run directory
         failed(run_dir, logs, e)
         raise
@@ -102,6 +116,21 @@ def _data_report(reports: dict[str, str], planned, result) -> dict:
         state = restored_state(result.checkpoint)
         report["position"] = position_report(state["data_position"], state["progress"]["resumed_at"])
     return report
+
+
+@contextlib.contextmanager
+def _sigint_restored():
+    """Ray Train's fit() in the main thread installs a Ctrl-C handler that aborts its run, and leaves it installed:
+    the handler holds the run's controller actor, which then outlives the run (with its dataset coordinators and
+    placement-group cleaner) until the next fit() replaces it. The handler from before is put back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def _fit(trainer: TorchTrainer, logs, cfg: RayvlConfig):
