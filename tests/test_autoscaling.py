@@ -158,7 +158,7 @@ TOY = ["train.use_gpu=false",  # no GPUs here: the fake nodes declare none
        # two 8-GPU trials cannot share 4-GPU nodes), so the second trial's placement group asks for the second node
        "train.num_workers=1", "train.cpus_per_worker=2",
        "train.precision=fp32",  # bf16 matmuls are ~50× slower on these CPUs (bf16 is trained in test_training)
-       "train.max_steps=2", "train.warmup_steps=1", "eval.every_steps=1", "data.image_size=32",
+       "train.max_steps=2", "train.warmup_steps=1", "eval.every_steps=2", "data.image_size=32",  # ASHA's one rung
        "train.micro_batch_size=8", "data.max_text_tokens=16", "model.embed_dim=64", "eval.batch_size=32",
        "train.report_to=[]"]  # the run's loggers are checked by the next test
 

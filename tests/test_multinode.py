@@ -125,7 +125,7 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_from_its_checkpoint(cluster
 
 
 def test_asha_sweep_on_the_cluster_stops_trials_early_and_gives_resources_back(cluster, demo_dir, tmp_path, capsys):
-    """2 trials of the real trainer (2 workers each; one at a time: a trial needs 2.1 of the cluster's 4 CPUs).
+    """2 trials of the real trainer (a worker each), one at a time (max_concurrent_trials: 1).
     ASHA judges them at step 2 on the reported learning rate, which makes its decisions deterministic: the
     grid runs from the larger lr down, so the later trial is below the rung's median and is stopped at step 2.
     Every trial's placement group is removed afterwards (Ray issue #54305: an early-stopped Train V2 trial once
@@ -145,8 +145,8 @@ def test_asha_sweep_on_the_cluster_stops_trials_early_and_gives_resources_back(c
     space.write_text(yaml.safe_dump({
         "recipe": str(REPO / "configs" / "laion_adapt.yaml"), "metric": "lr", "mode": "max",
         "space": {"train.lr": {"grid": [3e-3, 1e-3]}},
-        "scheduler": {"kind": "asha", "grace_period": 2, "reduction_factor": 2, "max_t": 4},
-        "set": {"train.max_steps": 4, "eval.every_steps": 2, "eval.tasks": ["retrieval"],
+        "scheduler": {"kind": "asha", "grace_period": 2, "reduction_factor": 2, "max_t": 4}, "max_concurrent_trials": 1,
+        "set": {"train.num_workers": 1, "train.max_steps": 4, "eval.every_steps": 2, "eval.tasks": ["retrieval"],
                 "train.checkpoint_every": 2, "train.shared_storage": True}}))
     overrides = [f"data.train={demo_dir / 'train'}", f"data.eval={demo_dir / 'eval'}", "data.image_size=32",
                  "data.max_text_tokens=16", "train.micro_batch_size=8", "train.warmup_steps=1",

@@ -122,7 +122,8 @@ def test_a_run_on_object_storage_is_watched_from_the_bucket_and_keeps_its_histor
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     driver = subprocess.Popen(
         [sys.executable, "-c", WATCHED, str(demo_dir), str(tmp_path), "train.storage_path=s3://rayvl-test/watched",
-         "train.max_steps=400", "train.checkpoint_every=400", "train.sync_every_s=0", "eval.tasks=[]",
+         "train.num_workers=1", "train.max_steps=400", "train.checkpoint_every=400", "train.sync_every_s=0",
+         "eval.tasks=[]",
          "train.report_to=[tensorboard, mlflow]"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 300
@@ -159,7 +160,8 @@ def test_a_missing_object_fails_the_run_naming_it(ray_local, demo_dir, tmp_path,
     code = run_recipe("configs/laion_adapt.yaml", [
         "--data", spec, "--eval-data", held_out, "--set", f"train.storage_path={tmp_path}",
         "--set", "train.max_failures=0", "--set", "data.shuffle_files=false", "--set", "eval.tasks=[retrieval]",
-        "--set", "train.micro_batch_size=8", "--set", "data.image_size=32", "--set", "train.max_steps=40",
+        "--set", "train.num_workers=1", "--set", "train.micro_batch_size=8", "--set", "data.image_size=32",
+        "--set", "train.max_steps=40",
         "--set", "model.alignment_layers=1", "--set", f"data.paraphrases={config.data.paraphrases}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1

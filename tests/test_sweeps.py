@@ -231,7 +231,7 @@ def test_an_interrupted_sweep_resumes_and_a_failing_trial_is_recorded(demo_dir, 
         "variants": {"demo": {"data.train": str(demo_dir / "train")}, "broken": {"data.train": str(broken)}},
         "space": {}, "max_concurrent_trials": 1,
         "set": {"train.max_steps": 6, "train.checkpoint_every": 2, "train.log_every": 2, "eval.tasks": [],
-                "train.max_failures": 0, "train.micro_batch_size": 8}}))
+                "train.max_failures": 0, "train.micro_batch_size": 8, "train.num_workers": 1}}))
     sets = [f"data.eval={demo_dir / 'eval'}", "data.image_size=32",
             "data.max_text_tokens=16", "train.warmup_steps=1", "model.alignment_layers=1", "model.embed_dim=64",
             f"tune.storage_path=file://{tmp_path / 'sweeps'}", "local_num_cpus=4",  # a URL: resume reads it

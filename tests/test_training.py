@@ -358,7 +358,10 @@ def test_checkpoint_round_trip_and_resume(ray_local, demo_dir, tmp_path, tonics_
     from rayvl.checkpoints import RAY_TRAIN_SNAPSHOT, latest_checkpoint_dir, load_model, read_train_state
 
     # with TOnICS refreshing at every step (threshold 0): P_S(root) = 0.8^step only if the curriculum resumes too
+    # (each refresh scores the first 8 held-out instances: the threshold of 0 takes any score, and every forward
+    # under ZeRO-3 gathers the partitioned weights)
     tonics = tonics_shapes("tonics.refresh_every=1", "tonics.threshold=0", "tonics.alpha=0.8", "tonics.buffer_rows=64",
+                           "tonics.refresh_instances=8",
                            f"tonics.counts_path={tonics_counts_path}")  # counted once for the session (test_tonics)
     # a checkpoint every step; every task is evaluated at the end: ZeRO-3's forwards gather the partitioned weights
     # ... and SigLIP's loss (its pairs' positives are the rows of one pair: TOnICS makes a row per object)
