@@ -124,6 +124,22 @@ def _a_unit_test_starts_no_ray(request):
         pytest.fail(f"{request.node.nodeid} starts Ray: mark it @pytest.mark.ray (tests/conftest.py, LAYERS)")
 
 
+@pytest.fixture(autouse=True)
+def _actors_end_with_their_test():
+    """The actors a test started itself end with it, as a run's end with the run (rayvl.train.trainer): its data
+    reports (rayvl.data.report.create_report), and the controller of a TorchTrainer it fit itself, which Ray Train's
+    Ctrl-C handler would hold until the next fit. An idle actor left on the session's Ray costs every later test
+    some CPU."""
+    import signal
+
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, handler)
+    report = sys.modules.get("rayvl.data.report")
+    if report is not None and _ray_up():
+        report.release_reports()
+
+
 def _ray_up() -> bool:
     import ray
 

@@ -321,6 +321,7 @@ def test_two_workers_draw_the_same_node_and_object_batches_share_it(ray_local, d
     from ray.train import DataConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from rayvl.data.report import create_report
     from rayvl.methods.tonics.rows import Objects
     from rayvl.methods.tonics.rows import class_counts as tonics_counts
     from rayvl.methods.tonics.rows import resolve_ontology as tonics_ontology
@@ -329,6 +330,7 @@ def test_two_workers_draw_the_same_node_and_object_batches_share_it(ray_local, d
     cfg = small_config(demo_dir, tmp_path, *tonics_shapes("tonics.buffer_rows=64", "tonics.max_wait_rows=1024",
                                                           f"tonics.counts_path={tonics_counts_path}"))  # counted once
     kept, sizes = tonics_counts(cfg, tonics_ontology(cfg), str(demo_dir / "train"), str(tmp_path / "run"))
+    create_report("tonics-test")  # what the read tasks count in (a run's driver creates its own)
     datasets = shard_datasets(cfg, str(demo_dir / "train"), "", "tonics-test", (Objects(kept),))
     p = [0.3] + [0.7 / len(SHAPES)] * len(SHAPES)
     TorchTrainer(_sample_nodes, train_loop_config={"rayvl": cfg.to_dict(), "sizes": sizes, "p": p,

@@ -134,16 +134,21 @@ def report_actor(name: str):
     created — a read task that starts after the run ended finds no report instead of starting one that nobody
     ends."""
     if name not in _handles:
-        _handles[name] = ray.get_actor(name, namespace="rayvl")
+        try:
+            _handles[name] = ray.get_actor(name, namespace="rayvl")
+        except ValueError:
+            raise ValueError(f"data report {name!r} does not exist: the driver creates it "
+                             "(rayvl.data.report.create_report) before anything reads into it, and ends it after "
+                             "(release_reports)") from None
     return _handles[name]
 
 
-def release_reports(names) -> None:
-    """Ends the driver's report actors once their counts are read. Every process that counted keeps a handle, and
-    an actor lives while its driver does: a driver that goes on after a run — a notebook, a sweep's driver, a test
-    session — would otherwise keep every run's report alive, each an idle process (memory, and CPU for Ray's own
-    threads)."""
-    for name in names:
+def release_reports(names=None) -> None:
+    """Ends the driver's report actors once their counts are read (``None``: every report this process holds).
+    Every process that counted keeps a handle, and an actor lives while its driver does: a driver that goes on after
+    a run — a notebook, a sweep's driver, a test session — would otherwise keep every run's report alive, each an
+    idle process (memory, and CPU for Ray's own threads)."""
+    for name in list(_handles) if names is None else names:
         handle = _handles.pop(name, None)
         if handle is not None:
             ray.kill(handle, no_restart=True)
