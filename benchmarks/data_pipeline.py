@@ -42,7 +42,7 @@ from rayvl import assets  # noqa: E402
 from rayvl.config import DataConfig  # noqa: E402
 from rayvl.data import demo, shards  # noqa: E402
 from rayvl.data.pipeline import Rows, preprocess  # noqa: E402
-from rayvl.data.report import create_report, report_actor  # noqa: E402
+from rayvl.data.report import create_report  # noqa: E402
 from rayvl.data.specs import resolve_shards  # noqa: E402
 from rayvl.data.tar import COLUMNS, iter_tar_samples  # noqa: E402
 

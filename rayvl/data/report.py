@@ -3,6 +3,7 @@ how it is printed. Nothing is lost silently: a dropped sample, a truncated shard
 here, and the counts ride in every metrics report and in ``data_report.json``."""
 from __future__ import annotations
 
+import sys
 from collections import Counter
 
 import ray
@@ -131,8 +132,8 @@ def create_report(name: str):
 
 def report_actor(name: str):
     """The named report, which its driver created (``create_report``) before any reading started: found, never
-    created — a read task that starts after the run ended finds no report instead of starting one that nobody
-    ends."""
+    created — a read task that starts after the run ended fails instead of starting a report that nobody ends (a
+    process that found it before keeps its handle: report names are unique per run and evaluation)."""
     if name not in _handles:
         try:
             _handles[name] = ray.get_actor(name, namespace="rayvl")
@@ -150,8 +151,11 @@ def release_reports(names=None) -> None:
     idle process (memory, and CPU for Ray's own threads)."""
     for name in list(_handles) if names is None else names:
         handle = _handles.pop(name, None)
-        if handle is not None:
-            ray.kill(handle, no_restart=True)
+        try:
+            if handle is not None:
+                ray.kill(handle, no_restart=True)
+        except Exception as e:  # called in `finally`: never in place of the error the run or evaluation raised
+            print(f"rayvl: warning: data report {name} not ended: {e}", file=sys.stderr)
 
 
 def record(report_name: str | None, counts: dict, bad_shard: tuple[str, str] | None = None,

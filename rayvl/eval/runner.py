@@ -64,17 +64,21 @@ def load(sources: Sources, config: dict, read_cpus: float, limit: int = 0,
     report counting the samples its reading drops: shards only, else '')."""
     cfg = from_dict(config)
     size, report_name = cfg.data.image_size, ""
-    if sources.kind == "shards":
-        report_name = f"rayvl-eval-report-{uuid.uuid4().hex[:8]}"
-        create_report(report_name)  # owned by this driver; counts the samples dropped while reading
-        data = eval_data.load_shards(sources.data, size, str(assets.text_model_path(cfg.model.text)),
-                                     cfg.data.max_text_tokens, read_cpus, report_name, cfg.data.read_threads,
-                                     batch_size)
-    elif sources.kind == "imagefolder":
-        data = eval_data.load_imagefolder(sources.data, size, read_cpus)
-    else:
-        data = eval_data.load_fashion_mnist(sources.data, size, read_cpus, limit=limit)
-    return data.with_text_sets(sources.classes, sources.paraphrases, sources.sts), report_name
+    try:
+        if sources.kind == "shards":
+            report_name = f"rayvl-eval-report-{uuid.uuid4().hex[:8]}"
+            create_report(report_name)  # owned by this driver; counts the samples dropped while reading
+            data = eval_data.load_shards(sources.data, size, str(assets.text_model_path(cfg.model.text)),
+                                         cfg.data.max_text_tokens, read_cpus, report_name, cfg.data.read_threads,
+                                         batch_size)
+        elif sources.kind == "imagefolder":
+            data = eval_data.load_imagefolder(sources.data, size, read_cpus)
+        else:
+            data = eval_data.load_fashion_mnist(sources.data, size, read_cpus, limit=limit)
+        return data.with_text_sets(sources.classes, sources.paraphrases, sources.sts), report_name
+    except BaseException:  # the caller never learns the report's name: it ends here
+        release_reports([report_name] if report_name else [])
+        raise
 
 
 def pool_size(actors: int, gpus_per_actor: float, cpus_per_actor: float) -> int:
@@ -140,8 +144,10 @@ def run_eval(checkpoint: str, tasks: list[str] | None = None, sources: Sources |
         counts = snapshot(report_name)["counts"] if report_name else {}
         metrics, embeddings = evaluate(tasks, data, embedder, pool.paraphrase_k, images)
     finally:
-        embedder.close()
-        release_reports([report_name] if report_name else [])
+        try:
+            embedder.close()
+        finally:
+            release_reports([report_name] if report_name else [])
     for name, array in embeddings.items():
         buffer = io.BytesIO()
         np.save(buffer, array)

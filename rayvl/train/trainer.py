@@ -67,9 +67,9 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
     startup.mark("ray")
     report_name = f"rayvl-data-report-{name}-{uuid.uuid4().hex[:8]}"
     reports = data.reports(report_name)
-    for r in reports.values():
-        create_report(r)
     try:
+        for r in reports.values():
+            create_report(r)
         return _run(cfg, planned, startup, reports, report_name, callbacks, placement_registry, progress)
     finally:
         release_reports(reports.values())
