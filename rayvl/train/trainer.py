@@ -70,15 +70,15 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
     try:
         for r in reports.values():
             create_report(r)
-        return _run(cfg, planned, startup, reports, report_name, callbacks, placement_registry, progress)
+        return _run(cfg, planned, startup, reports, callbacks, placement_registry, progress)
     finally:
         release_reports(reports.values())
 
 
-def _run(cfg: RayvlConfig, planned, startup: Startup, reports: dict[str, str], report_name: str, callbacks: list,
+def _run(cfg: RayvlConfig, planned, startup: Startup, reports: dict[str, str], callbacks: list,
          placement_registry: str, progress: bool):
     """The run itself, once Ray is up and its data reports exist: the datasets, the run's records, the trainer."""
-    data, storage, name = planned.data, planned.storage, planned.name
+    data, storage, name, report_name = planned.data, planned.storage, planned.name, reports["train"]
     run_dir = planned.run_dir
     built = datasets.build(data, run_dir, report_name, planned.passes)
     sets = built.datasets
