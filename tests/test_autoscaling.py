@@ -11,6 +11,7 @@ import shlex
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -38,6 +39,11 @@ CONFIG = {
     "setup_commands": [], "head_setup_commands": [], "worker_setup_commands": [], "head_start_ray_commands": [],
     "worker_start_ray_commands": []}
 ENV = {"RAY_AUTH_MODE": "token"}  # Ray 2.60's token authentication, on for the cluster and the CLI
+# what the test's cluster changes in Ray's defaults, none of it what the tests check: the head (0 CPUs, its trial
+# drivers') starts two worker processes at a time, not one; Ray Train polls its workers every 0.5 s instead of 2 s
+# (a report waits for the poll after its previous one); no node drains here, so no run starts a preemption watcher
+QUICKER = {"RAY_worker_maximum_startup_concurrency": "2", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+           "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 ADDRESS = "http://127.0.0.1:8265"
 
 
@@ -79,7 +85,7 @@ def cluster(no_session_ray):
     # AutoscalingCluster drives the `ray` command line: the one installed next to this interpreter, first on PATH for
     # the whole session (conftest)
     fake = _autoscaling_cluster()
-    fake.start(override_env={**ENV, **object_store_server().env})
+    fake.start(override_env={**ENV, **QUICKER, **object_store_server().env})
     try:
         ray.init(address="auto")
         yield fake
@@ -104,7 +110,7 @@ def _submit(options: list[str], job: list[str]) -> str:
         if r.returncode == 0 or not any(m in r.stdout + r.stderr for m in
                                         ("No available agent", "Failed to connect", "Connection refused")):
             break
-        time.sleep(3)
+        time.sleep(1)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     job_id = re.search(r"raysubmit_\w+", out)
@@ -126,7 +132,7 @@ def _finished(job_id: str, timeout_s: float = 900) -> str:
         if any(f"Job '{job_id}' {end}" in said for end in ("succeeded", "failed", "was stopped")) \
                 or time.time() > deadline:
             break
-        time.sleep(5)
+        time.sleep(1)
     logs = subprocess.run([ray_cli, "job", "logs", "--address", ADDRESS, job_id], env={**os.environ, **ENV},
                           capture_output=True, text=True, timeout=120)
     out = logs.stdout + said
@@ -163,10 +169,11 @@ TOY = ["train.use_gpu=false",  # no GPUs here: the fake nodes declare none
        "train.report_to=[]"]  # the run's loggers are checked by the next test
 
 
-def test_the_readmes_sweep_runs_its_trials_side_by_side_as_nodes_arrive(cluster, demo_dir, s3):
+def test_the_readmes_sweep_runs_its_trials_side_by_side_as_nodes_arrive(cluster, demo_dir, s3, tmp_path):
     """The docs' cluster sweep, submitted as it is written (its space, its trial drivers on the head's
-    `on_demand`, its overrides, its data and sweeps in S3) with the bucket and the ranges' ends replaced and a toy
-    budget appended, on a cluster whose workers start at 0: every trial driver is scheduled on the head (no CPUs
+    `on_demand`, its overrides, its data and sweeps in S3) with the bucket and the ranges' ends replaced, a toy
+    budget appended and the space's grid cut to its first 3 depths (3 trials on 2 one-trial nodes: two at once and
+    one waiting), on a cluster whose workers start at 0: every trial driver is scheduled on the head (no CPUs
     there); the sweep runs as many trials at once as the cluster holds at its largest (2: a trial per node), not
     the none the empty cluster held at launch; the autoscaler starts both worker nodes and two trials train side
     by side on them, never three; the command's overrides win over the space file (its `demo` budget does not
@@ -193,14 +200,19 @@ def test_the_readmes_sweep_runs_its_trials_side_by_side_as_nodes_arrive(cluster,
             replaced.append(key)
     assert sorted(replaced) == sorted(DATA_AND_STORAGE), replaced
     job += [x for setting in TOY for x in ("--set", setting)]
+    space = yaml.safe_load((REPO / job[2]).read_text())  # job: python jobs/sweep.py tune_spaces/alignment_depth.yaml
+    assert space["space"]["model.alignment_layers"]["grid"][:3] == [0, 1, 2]
+    space["space"]["model.alignment_layers"]["grid"] = [0, 1, 2]
+    job[2] = str(tmp_path / Path(job[2]).name)  # the sweep keeps its name (the file's), the recipe its path
+    Path(job[2]).write_text(yaml.safe_dump(space))
     assert _worker_nodes() == []  # workers scale from 0
 
     out = _submit(options, job)
-    assert "== sweep alignment_depth: 5 trials, 0 failed ==" in out, out[-4000:]
+    assert "== sweep alignment_depth: 3 trials, 0 failed ==" in out, out[-4000:]
     sweep = "s3://rayvl-test/rayvl-sweeps/alignment_depth"
     results = [[json.loads(x) for x in storage.read_text(storage.join(trial, "result.json")).splitlines()]
                for trial in storage.subdirs(sweep, "trial_")]
-    assert len(results) == 5 and all(results), [len(r) for r in results]
+    assert len(results) == 3 and all(results), [len(r) for r in results]
     head = next(n for n in ray.nodes() if "node:__internal_head__" in n["Resources"])
     assert {r[-1]["node_ip"] for r in results} == {head["NodeManagerAddress"]}  # every trial driver on the head
 
@@ -209,18 +221,20 @@ def test_the_readmes_sweep_runs_its_trials_side_by_side_as_nodes_arrive(cluster,
     # worker, from its first task to its last, on its node
     drivers = [(r[-1]["timestamp"] - r[-1]["time_total_s"] + 1, r[-1]["timestamp"] - 1) for r in results]
     assert _most_at_once(drivers) == 2, drivers
-    workers = {a.actor_id: a.node_id for a in list_actors(filters=[("class_name", "=", "RayTrainWorker")])}
-    nodes = set(workers.values())
+    actors = list_actors(filters=[("class_name", "=", "RayTrainWorker")], detail=True)
+    workers = {a.actor_id: a.node_id for a in actors}
+    seen = [(a.actor_id[:8], a.state, a.node_id and a.node_id[-5:], a.pid) for a in actors]
+    nodes = {node for node in workers.values() if node}  # an actor that died before it was placed has none
     # a worker per trial; Ray Train may start a trial's worker group again (train.max_failures: 1) when its first
     # one fails to start on a machine this loaded (CI saw 6 workers for 5 trials twice, every trial succeeding)
-    assert 5 <= len(workers) <= 10 and len(nodes) == 2 and head["NodeID"] not in nodes, workers  # both worker nodes
+    assert 3 <= len(workers) <= 6 and len(nodes) == 2 and head["NodeID"] not in nodes, seen  # both worker nodes
     trained = []
     for actor in workers:
         times = [(t.start_time_ms, t.end_time_ms) for t in list_tasks(filters=[("actor_id", "=", actor)],
                                                                       detail=True, limit=10_000)]
         if any(start and end for start, end in times):  # a worker that ran a task (not one that died starting)
             trained.append((min(t[0] for t in times if t[0]) / 1e3, max(t[1] for t in times if t[1]) / 1e3))
-    assert len(trained) >= 5 and _most_at_once(trained) == 2, trained
+    assert len(trained) >= 3 and _most_at_once(trained) == 2, trained
 
     best = yaml.safe_load(storage.read_text(storage.join(sweep, "best_config.yaml")))
     assert best["train"]["checkpoint_every"] == 2000 and best["train"]["max_steps"] == 2  # not the demo's 10 and 30

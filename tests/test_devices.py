@@ -121,7 +121,8 @@ def test_batchnorm_statistics_stay_fp32_under_deepspeed_bf16(one_process_group):
 @pytest.mark.slow
 def test_batchnorm_fp32_through_torch_compile():
     """bf16 weights, BatchNorm on fp32 weights and statistics, through torch.compile's AOTAutograd (aot_eager, the
-    graphs inductor compiles): the running statistics move exactly as without compiling."""
+    graphs inductor compiles): the running statistics move exactly as without compiling. The image embedding alone
+    is compiled (the BatchNorm tower; the whole model compiles in test_training's ZeRO-1 run)."""
     from rayvl.models.precision import keep_batchnorm_fp32
 
     model = build_model(load_config(None, []).model).train()
@@ -129,11 +130,9 @@ def test_batchnorm_fp32_through_torch_compile():
     for p in model.parameters():
         p.data = p.data.bfloat16()
     eager = copy.deepcopy(model)
-    inputs = (torch.randint(0, 256, (4, 3, 64, 64), dtype=torch.uint8), torch.randint(1000, 2000, (4, 8)),
-              torch.ones(4, 8, dtype=torch.long))
-    for m in (torch.compile(model, backend="aot_eager"), eager):
-        image, text, _ = m(*inputs)
-        (image.float() @ text.float().T).sum().backward()
+    images = torch.randint(0, 256, (4, 3, 64, 64), dtype=torch.uint8)
+    for encode in (torch.compile(model.encode_image, backend="aot_eager"), eager.encode_image):
+        (encode(images).float() * torch.arange(4.0)[:, None]).sum().backward()
     bn, reference = model.vision.backbone.bn1, eager.vision.backbone.bn1
     assert bn.running_mean.dtype == torch.float32 and bn.weight.grad.dtype == torch.bfloat16
     assert int(bn.num_batches_tracked) == 1

@@ -47,7 +47,9 @@ def test_a_run_on_object_storage_through_faults_trains_every_row_once_and_resume
 
     spec, held_out = laion
     runs = "s3://rayvl-test/runs"
-    args = [f"data.train={spec}", f"data.eval={held_out}", f"train.storage_path={runs}", "train.micro_batch_size=16",
+    # one worker (two ranks' ledgers resume in test_position and test_multinode), 32 rows a step
+    args = [f"data.train={spec}", f"data.eval={held_out}", f"train.storage_path={runs}", "train.micro_batch_size=32",
+            "train.num_workers=1",
             "train.report_to=[tensorboard, mlflow]",
             "train.max_steps=12", "train.checkpoint_every=6", "train.log_every=3", "eval.tasks=[retrieval]",
             "data.unreadable_shards=skip", "data.io_retry_wait_s=0.2", "data.local_shuffle_buffer=0"]
@@ -82,7 +84,7 @@ def test_a_run_on_object_storage_through_faults_trains_every_row_once_and_resume
     state = read_train_state(resumed.checkpoint_dir)  # downloaded from the store
     assert state["progress"]["resumed_at"] == [6]
     position = state["data_position"]
-    # 12 steps × 2 ranks × 16 rows = one pass of the 384 samples: every row trained once, across the resume
+    # 12 steps × 32 rows = one pass of the 384 samples: every row trained once, across the resume
     assert sum(position["rows_per_pass"].values()) == 384 and position["duplicates"] == 0
     assert history[-1]["data_rows_trained"] == 384 and history[-1]["data_duplicate_rows"] == 0
     record = json.loads(storage.read_text(f"{resumed.uri}/run.json"))  # each start's end, in the bucket

@@ -1,12 +1,13 @@
 """Sweeps: search spaces checked against the config tree before Ray starts; `cluster.yaml` against Ray's schema and
 rayvl's security rule. (The real ASHA sweep runs on a simulated multi-node cluster, in test_multinode.py.)"""
 
+import os
 import time
 
 import pytest
 import yaml
 
-from conftest import REPO
+from conftest import QUICK_POLLS, REPO
 from rayvl.sweeps.spaces import SweepError, load_sweep
 
 SPACES = sorted((REPO / "tune_spaces").glob("*.yaml"))
@@ -248,7 +249,10 @@ def test_an_interrupted_sweep_resumes_and_a_failing_trial_is_recorded(demo_dir, 
     out, _ = first.communicate(timeout=180)
     interrupted = next(d for d in runs.glob("trial-*") if (d / RAY_TRAIN_SNAPSHOT).is_file())
 
-    second = subprocess.run(command + ["--resume"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    # the resume at the session's quick polls (conftest.QUICK_POLLS): only its end is checked, while the first
+    # command keeps Ray's 2 s so that its trial is still running when the signal comes
+    second = subprocess.run(command + ["--resume"], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                            env={**os.environ, **QUICK_POLLS})
     assert second.returncode == 0, (out + second.stdout + second.stderr)[-3000:]
     with open(tmp_path / "sweeps" / "resume" / "trials.csv") as f:
         rows = {r["variant"]: r for r in csv.DictReader(f)}

@@ -128,16 +128,18 @@ def _check_image_label_stream(result, share: float, steps: list[int]) -> None:
 
 
 def test_unicl_mixes_half_image_label_rows_into_every_batch(unicl_mixed_run):
-    """The session's UniCL run (conftest.UNICL_MIXED: 2 workers, a memory bank, bf16)."""
+    """The session's UniCL run (conftest.UNICL_MIXED: 2 workers, a memory bank)."""
     _check_image_label_stream(unicl_mixed_run, 0.5, [1, 2, 3])
     assert "eval" in unicl_mixed_run.data_report
 
 
-def test_ce_baseline_trains_two_workers_on_image_label_rows_only(ray_local, demo_dir, tmp_path):
+def test_ce_baseline_trains_on_image_label_rows_only(ray_local, demo_dir, tmp_path):
+    """One worker: the mixed run above has two, and the CE objective reads no other rank's rows."""
     from rayvl.train.trainer import train
 
-    result = train(small_config(demo_dir, tmp_path, "image_label.data=fashion-mnist", "image_label.limit=1000",
-                                "image_label.train_classes=[0, 2, 4, 6]", "train.max_steps=2", "loss.kind=ce",
+    result = train(small_config(demo_dir, tmp_path, "train.num_workers=1", "image_label.data=fashion-mnist",
+                                "image_label.limit=1000", "image_label.train_classes=[0, 2, 4, 6]", "train.max_steps=2",
+                                "loss.kind=ce",
                                 "model.text_tower=class_embedding", "image_label.weight=1.0", "eval.tasks=[]"))
     _check_image_label_stream(result, 1.0, [1, 2])
     assert "eval" not in result.data_report  # the CE run reads no held-out split
