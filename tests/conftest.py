@@ -195,10 +195,10 @@ def small_config(demo_dir, tmp_path, *overrides):
 
 
 # [UniCL] App. B.2 at toy size: every micro-batch half image-label rows (Fashion-MNIST prompts of 4 training
-# classes), against a memory bank of 32 keys; deterministic, so that its seed fixes its loss curve. In fp32: bf16
-# matmuls are far slower on the suite's CPUs, and bf16 trains in test_training (ZeRO-2, the memory bank, a mix)
+# classes), against a memory bank of 32 keys in bf16 (at ZeRO-0 on CPU: torch autocast over fp32 weights, the layout
+# a GPU user gets first); deterministic, so that its seed fixes its loss curve
 UNICL_MIXED = ["image_label.data=fashion-mnist", "image_label.train_classes=[0, 2, 4, 6]", "image_label.limit=1000",
-               "loss.kind=unicl", "image_label.weight=0.5", "memory_bank.size=32",
+               "loss.kind=unicl", "image_label.weight=0.5", "memory_bank.size=32", "train.precision=bf16",
                "eval.tasks=[retrieval]", "data.deterministic=true", "train.checkpoint_every=100"]
 
 

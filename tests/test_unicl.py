@@ -128,7 +128,7 @@ def _check_image_label_stream(result, share: float, steps: list[int]) -> None:
 
 
 def test_unicl_mixes_half_image_label_rows_into_every_batch(unicl_mixed_run):
-    """The session's UniCL run (conftest.UNICL_MIXED: 2 workers, a memory bank)."""
+    """The session's UniCL run (conftest.UNICL_MIXED: 2 workers, a memory bank, bf16)."""
     _check_image_label_stream(unicl_mixed_run, 0.5, [1, 2, 3])
     assert "eval" in unicl_mixed_run.data_report
 
