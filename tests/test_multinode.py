@@ -176,6 +176,10 @@ def test_asha_sweep_on_the_cluster_stops_trials_early_and_gives_resources_back(c
     assert {p.name for p in sweep_dir.glob("*.png")} == {"lr_vs_train.lr.png", "learning_curves.png"}
     best = yaml.safe_load((sweep_dir / "best_config.yaml").read_text())
     assert best["train"]["lr"] == float(rows[0]["train.lr"]) and best["train"]["max_steps"] == 4
+    # the trial that reached max_t (its max_steps) ended as a run ends: its records written, not cut by Tune
+    finished = json.loads((sweep_dir / "runs" / f"trial-{by_lr[3e-3]['trial']}" / "run.json").read_text())
+    assert finished["status"] == "finished" and finished["final_metrics"]["step"] == 4, finished
+    assert (sweep_dir / "runs" / f"trial-{by_lr[3e-3]['trial']}" / "final_metrics.json").is_file()
     stopped = next(r for r in rows if r["status"] == "STOPPED EARLY")
     newest = latest_checkpoint_dir(f"{uri}/runs/trial-{stopped['trial']}")
     assert newest is None or read_meta(newest)["step"] < 4  # its Train run did not go on after Tune stopped it

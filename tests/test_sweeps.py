@@ -286,3 +286,24 @@ def test_a_budget_in_passes_gives_asha_and_the_report_the_steps_it_resolves_to(t
     path.write_text(yaml.safe_dump({**space, "scheduler": {"kind": "asha", "grace_period": 150}}))
     with pytest.raises(SweepError, match=r"grace_period: must be in \[1, max_t=125\]"):
         load_sweep(path)
+
+
+def test_asha_stops_trials_at_its_rungs_but_never_at_their_runs_last_step():
+    """rayvl.sweeps.asha: ASHA's decisions, except at a run's last step (Tune would end the trial's driver while
+    the run ends, its records unwritten); a max_t below the budget still stops there. The multinode ASHA sweep
+    reads a finished trial's records."""
+    from types import SimpleNamespace
+
+    from rayvl.sweeps.asha import FinishingASHA
+
+    def decisions(last_step: int, max_t: int) -> list[str]:
+        asha = FinishingASHA(last_step, time_attr="step", max_t=max_t, grace_period=2, reduction_factor=2,
+                             metric="lr", mode="max")
+        a, b = SimpleNamespace(trial_id="a"), SimpleNamespace(trial_id="b")
+        for trial in (a, b):
+            asha.on_trial_add(None, trial)
+        return [asha.on_trial_result(None, trial, {"step": step, "lr": lr})
+                for trial, step, lr in ((a, 2, 3e-3), (b, 2, 1e-3), (a, 4, 3e-3))]
+
+    assert decisions(4, 4) == ["CONTINUE", "STOP", "CONTINUE"]  # b below the rung's cutoff; a at its end goes on
+    assert decisions(6, 4) == ["CONTINUE", "STOP", "STOP"]  # max_t 4 of 6 steps: stopped at max_t, as asked

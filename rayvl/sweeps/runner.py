@@ -84,15 +84,17 @@ def _tune_domain(domain: dict):
 
 
 def _scheduler(sweep: Sweep, base: RayvlConfig):
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+    from ray.tune.schedulers import FIFOScheduler
+
+    from rayvl.sweeps.asha import FinishingASHA
 
     s = sweep.scheduler
     if s.get("kind", "fifo") == "fifo":
         return FIFOScheduler()
     # time is the optimizer step every report carries, so rungs are in steps whatever eval.every_steps is
-    return ASHAScheduler(time_attr="step", max_t=int(s.get("max_t") or budget_steps(sweep, base)),
-                         grace_period=grace_period(s, base),
-                         reduction_factor=float(s.get("reduction_factor", 2)))
+    budget = budget_steps(sweep, base)
+    return FinishingASHA(budget, time_attr="step", max_t=int(s.get("max_t") or budget),
+                         grace_period=grace_period(s, base), reduction_factor=float(s.get("reduction_factor", 2)))
 
 
 def sweep_and_report(sweep: Sweep, overrides: list[str] = (), name: str = "", resume: bool = False) -> str:
