@@ -295,15 +295,19 @@ def test_asha_stops_trials_at_its_rungs_but_never_at_their_runs_last_step():
     from types import SimpleNamespace
 
     from rayvl.sweeps.asha import FinishingASHA
+    from rayvl.sweeps.trials import LAST_STEP
 
-    def decisions(last_step: int, max_t: int) -> list[str]:
-        asha = FinishingASHA(last_step, time_attr="step", max_t=max_t, grace_period=2, reduction_factor=2,
-                             metric="lr", mode="max")
-        a, b = SimpleNamespace(trial_id="a"), SimpleNamespace(trial_id="b")
-        for trial in (a, b):
+    def decisions(last_steps: dict, max_t: int) -> list[str]:
+        asha = FinishingASHA(time_attr="step", max_t=max_t, grace_period=2, reduction_factor=2, metric="lr",
+                             mode="max")
+        trials = {name: SimpleNamespace(trial_id=name) for name in last_steps}
+        for trial in trials.values():
             asha.on_trial_add(None, trial)
-        return [asha.on_trial_result(None, trial, {"step": step, "lr": lr})
-                for trial, step, lr in ((a, 2, 3e-3), (b, 2, 1e-3), (a, 4, 3e-3))]
+        return [asha.on_trial_result(None, trials[name], {"step": step, "lr": lr, LAST_STEP: last_steps[name]})
+                for name, step, lr in (("a", 2, 3e-3), ("b", 2, 1e-3), ("a", 4, 3e-3))]
 
-    assert decisions(4, 4) == ["CONTINUE", "STOP", "CONTINUE"]  # b below the rung's cutoff; a at its end goes on
-    assert decisions(6, 4) == ["CONTINUE", "STOP", "STOP"]  # max_t 4 of 6 steps: stopped at max_t, as asked
+    # b below the rung's cutoff at step 2; a at its run's end goes on (Ray's ASHA stops it at max_t)
+    assert decisions({"a": 4, "b": 4}, 4) == ["CONTINUE", "STOP", "CONTINUE"]
+    assert decisions({"a": 6, "b": 6}, 4) == ["CONTINUE", "STOP", "STOP"]  # max_t 4 of 6 steps: stopped, as asked
+    # each trial's own end: b ends at step 2 (its own max_steps), so the rung's stop is its end and is not taken
+    assert decisions({"a": 6, "b": 2}, 4) == ["CONTINUE", "CONTINUE", "STOP"]

@@ -5,20 +5,21 @@ its last rung at ``max_t`` and stops the trials that reach it (``stop_last_trial
 of a sweep whose ``max_t`` is its budget (rayvl's default) would end cut."""
 from __future__ import annotations
 
+import math
+
 from ray.tune.schedulers import ASHAScheduler
+
+from rayvl.sweeps.trials import LAST_STEP
 
 
 class FinishingASHA(ASHAScheduler):
-    """ASHAScheduler whose decision on a result at step ``last_step`` or later is always to continue: the run then
-    ends by itself. Its rungs and their records are ASHA's own (the result is still recorded at its rung)."""
-
-    def __init__(self, last_step: int, **asha):
-        super().__init__(**asha)
-        self.last_step = last_step
+    """ASHAScheduler whose decision on a result at its trial's last step (the result's LAST_STEP, which rayvl's
+    trials report: each trial's own) is always to continue: the run then ends by itself. Its rungs and their
+    records are ASHA's own (the result is still recorded at its rung)."""
 
     def on_trial_result(self, tune_controller, trial, result: dict) -> str:
         action = super().on_trial_result(tune_controller, trial, result)
-        if action == self.STOP and result.get(self._time_attr, 0) >= self.last_step:
+        if action == self.STOP and result.get(self._time_attr, 0) >= result.get(LAST_STEP, math.inf):
             self._num_stopped -= 1  # ASHA counted it
             return self.CONTINUE
         return action

@@ -92,8 +92,7 @@ def _scheduler(sweep: Sweep, base: RayvlConfig):
     if s.get("kind", "fifo") == "fifo":
         return FIFOScheduler()
     # time is the optimizer step every report carries, so rungs are in steps whatever eval.every_steps is
-    budget = budget_steps(sweep, base)
-    return FinishingASHA(budget, time_attr="step", max_t=int(s.get("max_t") or budget),
+    return FinishingASHA(time_attr="step", max_t=int(s.get("max_t") or budget_steps(sweep, base)),
                          grace_period=grace_period(s, base), reduction_factor=float(s.get("reduction_factor", 2)))
 
 

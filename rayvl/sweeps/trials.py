@@ -71,14 +71,21 @@ def write_final_metrics(result, variant: str, values: dict, after: After = After
     return record
 
 
+LAST_STEP = "rayvl_last_step"  # in each result a trial hands Tune: the step its run ends at (rayvl.sweeps.asha)
+
+
 def _metric_report(metric: str):
     """Tune's TuneReportCallback for the reports that carry the sweep metric (Tune checks every result for it;
-    eval metrics come only every eval.every_steps)."""
+    eval metrics come only every eval.every_steps), each with the step this trial's run ends at (LAST_STEP): its
+    own, as its plan resolved it (a trial's max_steps may differ from the sweep's: set by the space, a variant, or
+    train.max_passes over its own batch size)."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     class MetricReport(TuneReportCallback):
         def after_report(self, run_context, metrics, checkpoint):
             if metrics and metric in metrics[0]:
+                t = run_context.train_loop_config["plan"].config.train
+                metrics = [{**metrics[0], LAST_STEP: t.stop_at_step or t.max_steps}, *metrics[1:]]
                 super().after_report(run_context, metrics, checkpoint)
 
     return MetricReport()
