@@ -327,6 +327,11 @@ class TrainConfig:
     the local shuffle buffers (with the rank) and the TOnICS node draws; with ``data.deterministic`` two runs of one
     seed train on the same batches."""
 
+    @property
+    def end_step(self) -> int:
+        """the step this invocation ends at: ``stop_at_step``, else ``max_steps``."""
+        return self.stop_at_step or self.max_steps
+
 
 @dataclass
 class EvalConfig:

@@ -58,6 +58,9 @@ def s3():
 # session's Ray polls sooner: a test whose point is timing (a node lost mid-run, a sweep stopped mid-trial) runs on
 # a cluster or in a process of its own, at Ray's default.
 QUICK_POLLS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
+# a cluster's 0-CPU head (its drivers') starts two worker processes at a time: Ray gives a raylet min(cores, CPUs), at
+# least 1 (ray/_private/services.py), and the raylet reads this setting over it; its raylets inherit it
+HEAD_STARTS_TWO = {"RAY_worker_maximum_startup_concurrency": "2"}
 
 
 def start_session_ray():

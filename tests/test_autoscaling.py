@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, object_store_server
+from conftest import HEAD_STARTS_TWO, REPO, object_store_server
+from rayvl.session import LOCAL_RAY_ENV
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -42,8 +43,7 @@ ENV = {"RAY_AUTH_MODE": "token"}  # Ray 2.60's token authentication, on for the 
 # what the test's cluster changes in Ray's defaults, none of it what the tests check: the head (0 CPUs, its trial
 # drivers') starts two worker processes at a time, not one; Ray Train polls its workers every 0.5 s instead of 2 s
 # (a report waits for the poll after its previous one); no node drains here, so no run starts a preemption watcher
-QUICKER = {"RAY_worker_maximum_startup_concurrency": "2", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
-           "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+QUICKER = {**HEAD_STARTS_TWO, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", **LOCAL_RAY_ENV}
 ADDRESS = "http://127.0.0.1:8265"
 
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import yaml
 
-from conftest import REPO, fit_in_task, small_config, worker_env
+from conftest import HEAD_STARTS_TWO, REPO, fit_in_task, small_config, worker_env
 
 NODE = {"num_cpus": 2, "object_store_memory": 200 * 1024**2}  # a train worker (0.5 CPU) + Ray Data on each node
 
@@ -25,7 +25,7 @@ def cluster(no_session_ray):
 
     from rayvl.session import LOCAL_RAY_ENV, local_worker_env
 
-    with local_worker_env({"RAY_worker_maximum_startup_concurrency": "2"}):
+    with local_worker_env(HEAD_STARTS_TWO):
         c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": 200 * 1024**2})
         for _ in range(2):
             c.add_node(**NODE)
@@ -177,9 +177,10 @@ def test_asha_sweep_on_the_cluster_stops_trials_early_and_gives_resources_back(c
     best = yaml.safe_load((sweep_dir / "best_config.yaml").read_text())
     assert best["train"]["lr"] == float(rows[0]["train.lr"]) and best["train"]["max_steps"] == 4
     # the trial that reached max_t (its max_steps) ended as a run ends: its records written, not cut by Tune
-    finished = json.loads((sweep_dir / "runs" / f"trial-{by_lr[3e-3]['trial']}" / "run.json").read_text())
+    run = sweep_dir / "runs" / f"trial-{by_lr[3e-3]['trial']}"
+    finished = json.loads((run / "run.json").read_text())
     assert finished["status"] == "finished" and finished["final_metrics"]["step"] == 4, finished
-    assert (sweep_dir / "runs" / f"trial-{by_lr[3e-3]['trial']}" / "final_metrics.json").is_file()
+    assert (run / "final_metrics.json").is_file()
     stopped = next(r for r in rows if r["status"] == "STOPPED EARLY")
     newest = latest_checkpoint_dir(f"{uri}/runs/trial-{stopped['trial']}")
     assert newest is None or read_meta(newest)["step"] < 4  # its Train run did not go on after Tune stopped it

@@ -57,7 +57,7 @@ def train_loop_per_worker(config: dict) -> None:
     window = Window(first_step=progress.step + 1,
                     resumed_from=progress.resumed_at[-1] if progress.resumed_at else None, **speed)
 
-    end = t.stop_at_step or t.max_steps  # a stop ends this invocation as the last step would
+    end = t.end_step  # a stop ends this invocation as the last step would
     profiler = StepProfiler.from_env(rank)
     while progress.step < end:
         profiler.before(progress.step + 1)

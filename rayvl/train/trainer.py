@@ -137,7 +137,7 @@ def _fit(trainer: TorchTrainer, logs, cfg: RayvlConfig):
     """fit() with a progress line per report on this driver's terminal."""
     from rayvl.checkpoints import METRICS_FILE
 
-    printer = ProgressPrinter(logs / METRICS_FILE, cfg.train.stop_at_step or cfg.train.max_steps,
+    printer = ProgressPrinter(logs / METRICS_FILE, cfg.train.end_step,
                               cfg.train.num_workers)
     log.info(f"training {cfg.recipe} → {logs} ({cfg.train.num_workers} workers, {cfg.train.max_steps} steps)")
     printer.start()
