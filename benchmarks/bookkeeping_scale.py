@@ -47,7 +47,7 @@ from rayvl.data.report import DataReport  # noqa: E402
 
 SHARDS, SAMPLES = 41_408, 10_000  # LAION-400M as img2dataset writes it
 GLOBAL_BATCH, CHECKPOINT_EVERY = 32_768, 1_000
-BLOCK = 256  # rows a read task emits per block (shards.RAW_ROWS_PER_BLOCK)
+BLOCK = 256  # rows a read task emits per block (shard_read.RAW_ROWS_PER_BLOCK)
 READ_TASKS = 200  # read tasks per pass (shards.MAX_TASKS_PER_PASS)
 PASSES_PLANNED = 32  # a LAION-400M schedule: OpenCLIP's ViT-B/32 weights are tagged laion400m_e32
 # Step time on paper: ViT-B/32 CLIP at 224 px, 77 tokens: 14.78 GFLOPs a sample forward (8.82 image + 5.96 text;

@@ -7,7 +7,9 @@ CPU goal: ≥ 0.8× the plain loop).
 Both sides run as processes of their own, timed from process start to exit, one after the other in this one run:
 
 - rayvl: the CLI, ``rayvl eval CHECKPOINT --tasks retrieval --data SHARDS --kind shards``, with the checkpoint's
-  ``eval`` settings (the defaults: one embedding actor on CPU, batches of 128) and a local Ray of its own;
+  ``eval`` settings (the defaults: one model on CPU, batches of 128) and no cluster named — on this one machine it
+  starts no Ray (rayvl.eval.runner.runs_without_ray: the model in its process, a local DataLoader of CPUs − 1
+  workers reading);
 - plain: this script's ``--plain`` mode, what a user writes without rayvl — a ``torch`` DataLoader over an
   IterableDataset of the tar shards (loader workers = CPUs − 1, shards split over them), rayvl's own
   per-sample code in the workers (``rayvl.data.pipeline.preprocess``: caption checks, decode, centre crop,
@@ -26,7 +28,7 @@ Each line either side writes is timed on arrival, so the phases come from the ou
 start-up (process start → reading begins: imports, Ray's start, the plain side's model load), the pipeline (reading
 begins → every image and caption embedded) and the rest (metrics, files, exit); rayvl's own log splits its
 pipeline into the planning of the read, the image pass (reading, decoding and embedding streamed together, the
-embedding actors starting beside the first reads) and the text pass of the same actors. The two
+model loading beside the first reads) and the text pass of the same model. The two
 sides' retrieval metrics and embeddings are compared: they must agree (same model, same rows, same order; the
 tolerances are ``METRIC_TOLERANCE`` and ``EMBEDDING_TOLERANCE``).
 """

@@ -348,12 +348,16 @@ class EvalConfig:
     """tasks `rayvl eval` runs on a checkpoint unless --tasks names others (the linear probe too)."""
     actors: int = 0
     """`rayvl eval`'s embedding actors (a Ray Data actor pool): 0 = one on CPU, or with gpus_per_actor as many as
-    the cluster's GPUs hold when it starts."""
+    the cluster's GPUs hold when it starts. One model on a machine of its own (no cluster named, one actor or one
+    GPU) embeds in the command's process, with no Ray (loader_workers)."""
     cpus_per_actor: float = 0.5
     """CPUs each `rayvl eval` embedding actor reserves."""
     gpus_per_actor: float = 0.0
     """GPUs each `rayvl eval` embedding actor reserves, at most 1 (0: embed on CPU in fp32; 1: an actor per GPU, in
     bf16 autocast; 0.5: two actors share a GPU)."""
+    loader_workers: int = 0
+    """processes that read and decode the images when `rayvl eval` runs on one machine without Ray (a torch
+    DataLoader's workers; 0 = this machine's CPUs less the one the model runs on)."""
 
 
 @dataclass

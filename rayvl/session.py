@@ -27,7 +27,7 @@ def connect(address: str = "", num_cpus: int = 0, verbose: bool = True, **init_k
     if not verbose:
         init_kwargs = {"log_to_driver": False, "logging_level": logging.ERROR, **init_kwargs}
     if not ray.is_initialized():
-        address = _join_address(address)
+        address = cluster_address(address)
         if address:
             ray.init(address=address, **{"log_to_driver": True, **init_kwargs})
         else:
@@ -63,12 +63,12 @@ def local_worker_env(env: dict[str, str]):
 def planned_local_cpus(cfg: RayvlConfig) -> float | None:
     """The CPUs of the local Ray that ``connect`` will start (``local_num_cpus``), known before it starts; None
     when it joins a running Ray or a cluster, or when Ray will count this machine's CPUs itself."""
-    if ray.is_initialized() or _join_address(cfg.ray_address) or not cfg.local_num_cpus:
+    if ray.is_initialized() or cluster_address(cfg.ray_address) or not cfg.local_num_cpus:
         return None
     return float(cfg.local_num_cpus)
 
 
-def _join_address(address: str) -> str:
+def cluster_address(address: str = "") -> str:
     """The Ray ``connect`` joins ('' = it starts a local one): ``address``, else RAY_ADDRESS."""
     return address or os.environ.get("RAY_ADDRESS", "")
 

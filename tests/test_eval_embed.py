@@ -111,3 +111,21 @@ def test_imagefolder_and_fashion_mnist(ray_local, tmp_path):
     assert fm.size == 20 and fm.labels[0] == 9 and fm.classes[9] == "ankle boot"  # t10k's first image is a boot
     row = sorted(fm.images.take_all(), key=lambda r: r["index"])[0]
     assert row["image"].shape == (3, 32, 32) and (row["image"][0] == row["image"][1]).all()
+
+    # the same sets read without Ray (`rayvl eval` on one machine): a local loader's batches, in any order, put in
+    # order as the embedder does; the labels and size come with the rows, the broken file dropped and counted
+    from rayvl.eval.embed import in_order
+
+    def streamed(data):
+        batches = list(data.images)
+        images, rows = in_order([{**b, "embedding": b["image"].reshape(len(b["image"]), -1)} for b in batches])
+        return data.with_rows(rows), images.reshape(-1, 3, 32, 32), data.images.counts
+
+    by_ray = {r["index"]: r["image"] for r in rows}
+    local, images, counts = streamed(datasets.local_imagefolder(str(tmp_path / "folder"), 32, workers=2,
+                                                                batch_size=4))
+    assert local.classes == folder.classes and local.size == 6 and list(local.labels) == list(folder.labels)
+    assert counts == {"dropped_corrupt_image": 1} and all(np.array_equal(images[i], by_ray[i]) for i in range(6))
+    local, images, _ = streamed(datasets.local_fashion_mnist(str(root), 32, workers=2, batch_size=8, limit=20))
+    assert local.size == 20 and list(local.labels) == list(fm.labels) and local.classes == fm.classes
+    assert np.array_equal(images[0], row["image"])

@@ -20,8 +20,9 @@ def benchmark_module():
 
 def test_the_plain_loop_scores_as_rayvl_eval(ray_local, demo_dir, tmp_path, caplog):
     """On the demo's 64 held-out images and the benchmark's tiny checkpoint: `rayvl eval --tasks retrieval` (in
-    this process, on the session's Ray) and the plain loop (as the benchmark runs it: its own process, one loader
-    worker) write the same keys in the same order, the same embeddings to float32 rounding, the same retrieval
+    this process, on the session's Ray: its actor pool), the same command in a process of its own (no Ray: one model
+    in that process) and the plain loop (as the benchmark runs it: its own process, one loader worker) write the
+    same keys in the same order, the same embeddings to float32 rounding, the same retrieval
     metrics. The metrics may differ by one query's worth (100/64 points) and no more: only where rows differ by
     rounding and a query's candidates tie can a rank move, and the demo's held-out captions repeat (63 distinct of
     64; rayvl embeds each text once, the plain loop each row). A wrong row order, crop or tokenization moves the
@@ -54,22 +55,22 @@ def test_the_plain_loop_scores_as_rayvl_eval(ray_local, demo_dir, tmp_path, capl
     assert rayvl["pipeline_s"] is not None and rayvl["images_s"] >= 0 and rayvl["texts_s"] >= 0
     assert "rayvl eval" in bench.table(64, rayvl, plain, agreed)
 
-    # `rayvl eval` on a Ray it started itself, with the default pool, embeds in its own process (no actor to start):
-    # the same rows, the same embeddings, the same metrics as the actor above
+    # `rayvl eval` on a machine of its own (no cluster named, one model): no Ray, the model in its own process fed
+    # by a local loader — the same rows, the same embeddings, the same metrics as the actor above
     import numpy as np
 
-    from rayvl.checkpoints import read_meta
-    from rayvl.eval.runner import default_sources, embeds_in_process, run_eval
+    from rayvl.eval.runner import runs_without_ray
 
-    assert embeds_in_process(True, 0, 0.0) and embeds_in_process(True, 1, 0.0)
-    assert not any((embeds_in_process(False, 0, 0.0), embeds_in_process(True, 2, 0.0), embeds_in_process(True, 0, 1)))
-    with caplog.at_level(logging.INFO, logger="rayvl"):
-        local = run_eval(str(checkpoint), ["retrieval"], default_sources(read_meta(str(checkpoint))["config"], data,
-                                                                          "shards"),
-                         out=tmp_path / "local", in_process=True)
-    assert "embedding model in this process ready" in caplog.text
+    assert not runs_without_ray(0, 0.0)  # this process runs the session's Ray
+    local = bench.timed(bench.rayvl_command(checkpoint, data, tmp_path / "local"), bench.child_env())
+    assert local["returncode"] == 0, bench.failed("rayvl eval without Ray", local)
+    said = "\n".join(line for _, line in local["lines"])
+    assert "one model in this process on cpu, " in said and "loader worker(s) reading; no Ray" in said
+    assert "embedding model in this process ready" in said and "Ray" not in said.replace("no Ray", "")
     assert json.loads((tmp_path / "local" / "keys.json").read_text()) == json.loads(
         (tmp_path / "rayvl" / "keys.json").read_text())
-    np.testing.assert_allclose(np.load(tmp_path / "local" / "image_embeddings.npy"),
-                               np.load(tmp_path / "rayvl" / "image_embeddings.npy"), atol=1e-6)
-    assert local["retrieval"] == json.loads((tmp_path / "rayvl" / "retrieval.json").read_text())
+    for name in ("image_embeddings.npy", "caption_embeddings.npy"):
+        np.testing.assert_allclose(np.load(tmp_path / "local" / name), np.load(tmp_path / "rayvl" / name), atol=1e-6)
+    written = [json.loads((tmp_path / side / "eval.json").read_text()) for side in ("local", "rayvl")]
+    assert written[0]["retrieval"] == written[1]["retrieval"] and written[0]["data"] == written[1]["data"]
+    assert written[0]["data"]["samples_kept"] == 64

@@ -20,8 +20,10 @@ Every training case is a short run on the embedded demo dataset at 224 px with a
   memory bank, both at stage 0 (auto's layout on one GPU), so compared with zero0;
 - pseudo_label: ``rayvl pseudo-label`` of ``--eval-images`` images (the demo's training shards copied under new
   keys until there are that many) with zero2's model, its actors on GPUs, its faiss index on a GPU;
-- eval: ``rayvl eval --gpus 1`` of zero2's run, retrieval over ``--eval-images`` held-out images (copied likewise):
-  images/s once running, not start-up;
+- eval: ``rayvl eval --gpus 1`` of zero2's run joined to the check's Ray (as on a cluster: GPU actors fed by Ray
+  Data), retrieval over ``--eval-images`` held-out images (copied likewise): images/s once running, not start-up;
+- eval_here: the same command with no cluster named (one model in the command's process fed by a local loader, no
+  Ray: what one machine runs);
 - compile: zero2 through ``torch.compile`` (inductor), not in the default cases;
 - kill_resume: a worker killed (SIGKILL, ``RAYVL_FAIL_AT``) between two checkpoints; the run must resume from the
   earlier one and end at its last step, no row trained twice.
@@ -540,9 +542,11 @@ def connect(check: Check) -> str:
     return ray.get_runtime_context().gcs_address
 
 
-def run_cli(check: Check, args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    """``rayvl ARGS`` in a new process joined to this check's Ray (whose GPUs the training cases have let go)."""
-    env = {**os.environ, "RAY_ADDRESS": connect(check), **rayvl_importable()}
+def run_cli(check: Check, args: list[str], timeout: float = 600, joined: bool = True) -> subprocess.CompletedProcess:
+    """``rayvl ARGS`` in a new process joined to this check's Ray (whose GPUs the training cases have let go), or
+    (``joined`` False) with no cluster named."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {**env, **({"RAY_ADDRESS": connect(check)} if joined else {}), **rayvl_importable()}
     # run from the check's own folder: `-m` puts the working directory first on sys.path, and a folder holding a
     # rayvl/ (a checkout) would shadow the rayvl this check runs
     return subprocess.run([sys.executable, "-m", "rayvl.cli", *args], env=env, capture_output=True, text=True,
@@ -665,36 +669,51 @@ def pseudo_label_case(check: Check, case: Case, outcome: Outcome) -> None:
                           "capability 9.0+; docs/gpu.md)")
 
 
-EMBEDDED = re.compile(r"eval: (\d+) images embedded \(([\d.]+) s(?:; the first embedding actor ready ([\d.]+) s "
-                      r"after its start, (\d+) images/s from then)?")
+EMBEDDED = re.compile(r"eval: (\d+) images embedded \(([\d.]+) s(?:; the (?:first embedding actor|embedding model in "
+                      r"this process) ready ([\d.]+) s after its start, (\d+) images/s from then)?")
 GPU_ACTORS = re.compile(r"eval: (\d+) embedding actor\(s\) of ([\d.]+) GPU")
+ON_GPU_HERE = re.compile(r"eval: one model in this process on cuda")
 
 
 def eval_case(check: Check, case: Case, outcome: Outcome) -> None:
-    out = check.storage / "eval"
+    """`rayvl eval --gpus 1` joined to the check's Ray, as on a cluster: a pool of GPU actors fed by Ray Data."""
+    evaluate(check, outcome, joined=True)
+
+
+def eval_here_case(check: Check, case: Case, outcome: Outcome) -> None:
+    """`rayvl eval --gpus 1` on this machine with no cluster named: one model in the command's process, no Ray."""
+    evaluate(check, outcome, joined=False)
+
+
+def evaluate(check: Check, outcome: Outcome, joined: bool) -> None:
+    out = check.storage / ("eval" if joined else "eval-here")
     scale = []
     if check.args.eval_images:  # retrieval over that many held-out images: the embedding's rate once running
         data = copied_shards(demo_shards("eval"), check.args.eval_images, check.storage / "eval-images")
         scale = ["--data", data, "--kind", "shards", "--tasks", "retrieval"]
-    proc = run_cli(check, ["eval", base_run(check), "--gpus", "1", "--out", str(out), *scale])
+    proc = run_cli(check, ["eval", base_run(check), "--gpus", "1", "--out", str(out), *scale], joined=joined)
     if proc.returncode:
         raise CaseFailed(cli_failure(proc, "--gpus"))
-    embedded, actors = EMBEDDED.search(proc.stderr), GPU_ACTORS.search(proc.stderr)
+    embedded = EMBEDDED.search(proc.stderr)
+    on_gpu = GPU_ACTORS.search(proc.stderr) if joined else ON_GPU_HERE.search(proc.stderr)
     running = embedded and embedded.group(4)
-    if embedded:  # the rate once the first actor is ready (start-up apart), where the log gives it
+    if embedded:  # the rate once the model was ready (start-up apart), where the log gives it
         outcome.samples_per_s = (float(running) if running else
                                  int(embedded.group(1)) / max(float(embedded.group(2)), 1e-9))
     results = json.loads((out / "eval.json").read_text())
     top1 = results.get("zeroshot", {}).get("zeroshot_top1")
-    outcome.notes = (f"images/s {'once the first actor was ready' if running else 'of the embedding'} of "
+    model = "the first actor" if joined else "the model"
+    outcome.notes = (f"images/s {f'once {model} was ready' if running else 'of the embedding'} of "
                      f"{embedded.group(1) if embedded else '?'} images"
-                     f"{f' (actor start-up {embedded.group(3)} s)' if running else ''}; "
-                     f"{actors.group(1) if actors else 0} GPU actor(s)" +
+                     f"{f' (start-up {embedded.group(3)} s)' if running else ''}; " +
+                     (f"{on_gpu.group(1) if on_gpu else 0} GPU actor(s)" if joined else
+                      f"{'on the GPU' if on_gpu else 'not on a GPU'}, no Ray") +
                      (f"; zero-shot top-1 {round(top1, 1)}% (zero2's {check.steps} steps from random init)"
                       if top1 is not None else ""))
     outcome.run_dir = str(out)
-    if not actors:
-        raise CaseFailed("evaluated, but no embedding actor reported a GPU")
+    if not on_gpu:
+        raise CaseFailed("evaluated, but no embedding actor reported a GPU" if joined else
+                         "evaluated, but the model did not run on the GPU")
 
 
 CASES = [
@@ -714,7 +733,9 @@ CASES = [
     Case("memory_bank", "EMA memory bank (K 8192), stage 0", train_case, "laion_adapt",
          lambda c: ["train.zero_stage=0", "memory_bank.size=8192", NO_EVAL]),
     Case("pseudo_label", "rayvl pseudo-label, GPU actors + GPU faiss index", pseudo_label_case),
-    Case("eval", "rayvl eval --gpus 1 of zero2's run", eval_case),
+    Case("eval", "rayvl eval --gpus 1 of zero2's run, joined to a Ray: GPU actors", eval_case),
+    Case("eval_here", "rayvl eval --gpus 1 of zero2's run on this machine: one model in its process, no Ray",
+         eval_here_case),
     Case("compile", "zero2 through torch.compile (inductor)", train_case, "laion_adapt",
          lambda c: ["train.zero_stage=2", NO_EVAL, "train.compile=inductor"]),
     Case("kill_resume", "a worker killed mid-run; resume from its checkpoint", kill_resume_case, "laion_adapt",
@@ -747,12 +768,15 @@ def run_case(check: Check, case: Case) -> Outcome:
     return outcome
 
 
+NOT_TRAINING = ("eval", "eval_here", "pseudo_label")  # cases whose rate is images embedded or labelled
+
+
 def compare_to_bare(outcomes: list[Outcome]) -> None:
     """Each training case's samples/s over the bare loop's, zero0's and zero2's at the same micro-batch."""
     for over in ("bare", "zero0", "zero2"):
         rate = {o.batch: o.samples_per_s for o in outcomes if o.case == over and o.passed and o.samples_per_s}
         for o in outcomes:
-            if o.case not in ("bare", over, "eval", "pseudo_label") and o.samples_per_s and o.batch in rate:
+            if o.case not in ("bare", over, *NOT_TRAINING) and o.samples_per_s and o.batch in rate:
                 setattr(o, f"vs_{over}", o.samples_per_s / rate[o.batch])
 
 

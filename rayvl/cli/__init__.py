@@ -122,11 +122,15 @@ def _eval_parser(sub) -> None:
                         f"(default: eval.gpus_per_actor, {d.gpus_per_actor:g})")
     e.add_argument("--actors", type=int, default=None,
                    help="embedding actors (Ray Data actor pool size; 0: 1 on CPU, with --gpus as many as the "
-                        "cluster's GPUs hold now; 0 or 1 without GPUs on a Ray this command starts: the model "
-                        f"embeds in this process instead; default: eval.actors, {d.actors})")
+                        f"cluster's GPUs hold now; default: eval.actors, {d.actors}). With no cluster named "
+                        "(RAY_ADDRESS) and one model to run — 0 or 1 actors on CPU, or this machine's one GPU — "
+                        "the model embeds in this process, fed by --workers loader processes, and no Ray starts")
     e.add_argument("--cpus-per-actor", type=float, default=None,
-                   help="CPUs each embedding actor reserves, and each read task (the model in this process "
-                        f"reserves none; default: eval.cpus_per_actor, {d.cpus_per_actor:g})")
+                   help="CPUs each embedding actor reserves, and each read task (default: eval.cpus_per_actor, "
+                        f"{d.cpus_per_actor:g})")
+    e.add_argument("--workers", type=int, default=None,
+                   help="without Ray (see --actors): the loader processes that read and decode (0: this machine's "
+                        f"CPUs − 1; default: eval.loader_workers, {d.loader_workers})")
     e.add_argument("--batch-size", type=int, default=None,
                    help=f"images or texts per actor call (default: eval.batch_size, {d.batch_size})")
     e.add_argument("--k", type=int, default=None, help=f"k of AO@k / JS@k (default: eval.paraphrase_k, "
@@ -215,10 +219,10 @@ def check_main(name: str, argv: list[str]) -> int:
 
 
 def eval_main(args) -> int:
-    from rayvl import session, storage
+    from rayvl import session
     from rayvl.checkpoints import checkpoint_uri, read_meta
     from rayvl.eval.embed import check_gpus
-    from rayvl.eval.runner import default_out, default_sources, embeds_in_process, run_eval, settings
+    from rayvl.eval.runner import default_out, default_sources, run_eval, runs_without_ray, settings
     from rayvl.eval.tables import format_tables
     from rayvl.train.run_dir import find_run
 
@@ -226,20 +230,22 @@ def eval_main(args) -> int:
         ckpt = checkpoint_uri(find_run(args.run))  # a path or a URL (s3://, gs://, ...), a run's name, latest
         config = read_meta(ckpt)["config"]
         flags = dict(actors=args.actors, cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus,
-                     batch_size=args.batch_size, paraphrase_k=args.k)
+                     batch_size=args.batch_size, paraphrase_k=args.k, loader_workers=args.workers)
         pool = settings(config, **{**_eval_sets(args.set), **{k: v for k, v in flags.items() if v is not None}})
         tasks = _tasks(args.tasks, pool)
         _check_pool(pool)
         sources = default_sources(config, args.data, args.kind, args.classes, args.paraphrases, args.sts)
-        started = session.connect(verbose=args.verbose, include_dashboard=False)
         gpus = pool.gpus_per_actor
-        check_gpus(gpus, f"--gpus {gpus:g}", "--gpus 0", fixed_size=started)
+        without_ray = runs_without_ray(pool.actors, gpus)
+        if not without_ray:
+            started = session.connect(verbose=args.verbose, include_dashboard=False)
+            check_gpus(gpus, f"--gpus {gpus:g}", "--gpus 0", fixed_size=started)
     except (FileNotFoundError, ValueError) as e:
         return user_error(e)
     results = _gpu_errors_in_one_line(lambda: run_eval(
         ckpt, tasks, sources, args.out or None, actors=pool.actors, cpus_per_actor=pool.cpus_per_actor,
         batch_size=pool.batch_size, k=pool.paraphrase_k, limit=args.limit, gpus_per_actor=gpus,
-        in_process=embeds_in_process(started, pool.actors, gpus)))
+        without_ray=without_ray, loader_workers=pool.loader_workers))
     if results is None:
         return 1
     print(f"checkpoint {ckpt}\ndata {sources.data} ({sources.kind})")
@@ -280,9 +286,9 @@ def _check_pool(pool: EvalConfig) -> None:
     if not 0 <= pool.gpus_per_actor <= 1:  # an actor's model runs on one GPU: more GPUs make more actors (--actors)
         raise ValueError(f"--gpus {pool.gpus_per_actor:g} (eval.gpus_per_actor): GPUs per embedding actor, from 0 "
                          f"to 1 (more GPUs: more --actors)")
-    if pool.actors < 0 or pool.batch_size < 1 or pool.cpus_per_actor < 0:
-        raise ValueError("--actors, --cpus-per-actor (eval.actors, eval.cpus_per_actor) must be ≥ 0 and "
-                         "--batch-size (eval.batch_size) ≥ 1")
+    if pool.actors < 0 or pool.batch_size < 1 or pool.cpus_per_actor < 0 or pool.loader_workers < 0:
+        raise ValueError("--actors, --cpus-per-actor, --workers (eval.actors, eval.cpus_per_actor, "
+                         "eval.loader_workers) must be ≥ 0 and --batch-size (eval.batch_size) ≥ 1")
 
 
 def _gpu_errors_in_one_line(job):

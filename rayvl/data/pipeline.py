@@ -68,6 +68,12 @@ class Rows:
         return self.train or any(t.draws for t in self.transforms)
 
 
+def row_bytes(rows: Rows) -> int:
+    """Bytes one model-input row holds (in the object store, or a loader's queue): its uint8 image and int64 token
+    ids and mask."""
+    return 3 * rows.image_size ** 2 + 16 * rows.max_tokens
+
+
 def preprocess(batch: dict, counts: Counter, rows: Rows) -> dict:
     """Shard rows → model inputs; samples seen, kept and dropped (by reason) and the words of kept captions are
     added to ``counts``, with whatever the transforms count. A row's crop and draws come from (``rows.seed``, its

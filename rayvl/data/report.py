@@ -11,10 +11,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rayvl import plugins
 from rayvl.data.position import DataPosition
-
-
-class DataPlaneError(RuntimeError):
-    """The data path cannot produce training data (no shards, every sample dropped, a starved pipeline)."""
+from rayvl.errors import DataPlaneError  # noqa: F401 (raised by the readers; callers import it from here too)
 
 
 @ray.remote(num_cpus=0)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rayvl import storage
-from rayvl.data.report import DataPlaneError
+from rayvl.errors import DataPlaneError
 from rayvl.data.specs import DENIED_WORDS, PIPE
 
 # what pyarrow's S3/GCS clients say when retrying cannot help (its errors are OSErrors with the service's words)

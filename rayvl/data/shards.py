@@ -21,12 +21,10 @@ from __future__ import annotations
 import os
 import tarfile
 import uuid
-import zlib
-from collections import Counter, deque
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
-from functools import lru_cache, partial
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from functools import partial
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -36,51 +34,14 @@ from ray.data.datasource import Datasource, ReadTask
 
 from rayvl import storage
 from rayvl.data.mix import Mix
-from rayvl.data.pipeline import Rows, preprocess
+from rayvl.data.pipeline import Rows, preprocess, row_bytes  # row_bytes: imported from here too
 from rayvl.data.position import row_ids
 from rayvl.data.report import current_token, record, record_async, report_actor
-from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
+from rayvl.data.shard_read import Reading, raw_batches, transformed_ahead  # Reading: imported from here too
 from rayvl.data.specs import is_pipe, resolve_shards
-from rayvl.data.tar import COLUMNS, iter_tar_samples
+from rayvl.data.tar import COLUMNS
 
-if TYPE_CHECKING:
-    from rayvl.config import RayvlConfig
-
-RAW_ROWS_PER_BLOCK = 256
 MAX_TASKS_PER_PASS = 200  # Ray Data's default read parallelism; LAION's 41k shards → ≈200 shards a task
-
-
-@dataclass(frozen=True)
-class Reading:
-    """How a shard stream is read (what its rows become is ``pipeline.Rows``)."""
-
-    read_cpus: float = 0.5
-    """CPUs each read task reserves (data.read_cpus)."""
-    batch_size: int = RAW_ROWS_PER_BLOCK
-    """rows a read task transforms in one call, and the rows of each block it emits (data.transform_batch_size)."""
-    threads: int = 1
-    """batches a read task transforms side by side (data.read_threads, ``ShardStream._transformed_ahead``)."""
-    io: ReadPolicy = ReadPolicy()
-    """how I/O errors are met (shard_io.py)."""
-    shuffle: bool = False
-    """each pass reads the shards in its own order, drawn from (``seed``, pass) (data.shuffle_files)."""
-    seed: int = 0
-    """seed of the shard orders (train.seed)."""
-    passes: int = 1
-    """passes over the shards one Ray Data execution lists."""
-    positioned: bool = False
-    """the run's training stream: counted per shard in its report and resumed from the data position the report
-    holds (data/position.py); other streams (held-out, image-label) are counted as a whole."""
-    report_name: str | None = None
-    """the data report the stream's counts go to (rayvl.data.report; None = not counted)."""
-
-    @classmethod
-    def of(cls, cfg: RayvlConfig, report_name: str | None, **changes) -> Reading:
-        """How ``cfg``'s data settings read a stream counted in ``report_name``; ``changes``: fields set otherwise."""
-        d = cfg.data
-        return replace(cls(read_cpus=d.read_cpus, batch_size=d.transform_batch_size, threads=d.read_threads,
-                           io=ReadPolicy.of(d), shuffle=d.shuffle_files, seed=cfg.train.seed,
-                           report_name=report_name), **changes)
 
 
 class ShardStream(Datasource):
@@ -179,11 +140,8 @@ class ShardStream(Datasource):
 
     def _transformed_ahead(self, shard: int, pass_: int, bad: list,
                            io_counts: Counter) -> Iterator[tuple[dict | pa.Table, Counter]]:
-        """(transformed batch, its counts) in shard order, up to ``reading.threads`` batches transformed side by
-        side while the task emits the one before. JPEG decode, resize and the Rust tokenizer release the GIL, so one
-        read task keeps more than its one core busy and covers what Ray leaves idle around its tasks (the second
-        task's late start, the gap between one task's end and the next one's start, the last task of a run); the
-        measurement is in docs/benchmarks.md, "Data plane"."""
+        """(transformed batch, its counts) in shard order, ``reading.threads`` of them made side by side
+        (shard_read.transformed_ahead); a damaged or unreadable shard ends early, noted in ``bad``."""
         path, cycle = self.shard_of(pass_, shard)
 
         def transform(first: int, rows: list[dict]):
@@ -191,42 +149,8 @@ class ShardStream(Datasource):
             ids = row_ids(pass_, shard, first, len(rows))
             return self._transformed(rows, ids, batch_counts, cycle), batch_counts
 
-        raw = self._raw_batches(path, bad, io_counts)
-        threads = self.reading.threads
-        if threads <= 1 or self.transform is None:
-            yield from (transform(first, rows) for first, rows in raw)
-            return
-        pool, ahead = _pool(threads), deque()
-        for first, rows in raw:
-            ahead.append(pool.submit(transform, first, rows))
-            if len(ahead) > threads:
-                yield ahead.popleft().result()
-        while ahead:
-            yield ahead.popleft().result()
-
-    def _raw_batches(self, path: str, bad: list, io_counts: Counter) -> Iterator[tuple[int, list[dict]]]:
-        """(index of the first row in the shard, rows) batches of ``reading.batch_size``; I/O retries counted in
-        ``io_counts``."""
-        rows: list[dict] = []
-        read = 0
-        try:
-            with open_shard(path, self.reading.io, io_counts) as f:
-                for sample in iter_tar_samples(f, self.columns):
-                    rows.append(sample)
-                    if len(rows) == self.reading.batch_size:
-                        yield read, rows
-                        read += len(rows)
-                        rows = []
-        except ShardIOError as e:
-            # not the data's fault (shard_io.py): the run fails naming the shard, unless the user chose to skip
-            if self.reading.io.unreadable == "fail":
-                raise
-            bad.append((path, "unreadable_shards", f"{e.reason}: {e.detail} after {read + len(rows)} samples"))
-        except (tarfile.TarError, EOFError, zlib.error) as e:
-            # A damaged shard costs only its own bad tail (at most the one sample being read when it broke).
-            bad.append((path, "truncated_shards", f"{type(e).__name__}: {e} after {read + len(rows)} samples"))
-        if rows:
-            yield read, rows
+        raw = raw_batches(path, self.reading, self.columns, bad, io_counts)
+        yield from transformed_ahead(raw, transform, self.reading.threads if self.transform else 1)
 
     def _transformed(self, rows: list[dict], ids: np.ndarray, counts: Counter, cycle: int) -> dict | pa.Table:
         batch = {c: [r.get(c) for r in rows] for c in self.columns}
@@ -234,12 +158,6 @@ class ShardStream(Datasource):
             return pa.table({c: pa.array(v, pa.string() if c in ("key", "img_ext") else pa.binary())
                              for c, v in batch.items()})
         return self.transform({**batch, "row": ids, "cycle": cycle}, counts)
-
-
-@lru_cache(maxsize=None)
-def _pool(threads: int) -> ThreadPoolExecutor:
-    """The read tasks' transform threads, one pool per worker process (Ray reuses it for task after task)."""
-    return ThreadPoolExecutor(threads, thread_name_prefix="rayvl-transform")
 
 
 def _drain(counts: Counter) -> Counter:
@@ -338,11 +256,6 @@ def read_shards(spec: str | Sequence[str], rows: Rows, reading: Reading,
     # trainer as soon as it is made.
     ds.context.target_max_block_size = reading.batch_size * row_bytes(rows)
     return ds
-
-
-def row_bytes(rows: Rows) -> int:
-    """Bytes one model-input row holds in the object store: its uint8 image and int64 token ids and mask."""
-    return 3 * rows.image_size ** 2 + 16 * rows.max_tokens
 
 
 def read(source: ShardStream) -> ray.data.Dataset:

@@ -25,7 +25,7 @@ from braceexpand import braceexpand
 
 from rayvl import storage
 from rayvl.config import ConfigError
-from rayvl.data.report import DataPlaneError
+from rayvl.errors import DataPlaneError
 
 PIPE = "pipe:"
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")

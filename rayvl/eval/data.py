@@ -1,4 +1,5 @@
-"""Evaluation sets: images (an in-memory array, or a Ray Dataset with an ``index`` column 0..N-1) in key order,
+"""Evaluation sets: images (an in-memory array, a Ray Dataset with an ``index`` column 0..N-1, or the batches of a
+local loader read without Ray: rayvl.eval.local_read) in key order,
 what is known about them (class labels, captions), and the text sets evaluated beside them (class names and
 templates, paraphrase pairs, STS pairs).
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +23,8 @@ from rayvl.data.images import decode_and_crop
 from rayvl.data.prompts import read_class_file, templates
 from rayvl.data.pipeline import Rows
 from rayvl.data.shards import Reading, read_shards
+from rayvl.data.specs import resolve_shards
+from rayvl.eval import local_read
 from rayvl.eval.sts import read_sts
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
@@ -28,9 +32,9 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 
 @dataclass
 class EvalData:
-    # uint8 [N, 3, S, S]; or a Dataset with columns index, image[, cls]; or streamed shards (load_shards), whose size
-    # and row fields are 0 and empty until their rows are read (with_rows)
-    images: np.ndarray | ray.data.Dataset
+    # uint8 [N, 3, S, S]; or a Dataset with columns index, image[, cls]; or streamed shards (load_shards), or a local
+    # loader's batches (local_*), whose size and row fields may be 0 and empty until their rows are read (with_rows)
+    images: np.ndarray | ray.data.Dataset | local_read.Batches
     size: int
     labels: np.ndarray  # class id per image (-1 unknown)
     classes: list[str] = field(default_factory=list)
@@ -53,9 +57,11 @@ class EvalData:
         return out
 
     def with_rows(self, rows: dict) -> "EvalData":
-        """The set whose rows, in key order, are ``rows`` (key, caption and cls columns): one caption and one
-        label per image."""
-        n = len(rows["key"])
+        """The set whose rows, in order, are ``rows``: shards' (key, caption and cls columns: one caption and one
+        label per image, in key order), or an image set's read as a stream (index and cls)."""
+        n = len(rows["cls"])
+        if "key" not in rows:
+            return replace(self, size=n, labels=np.asarray(rows["cls"], np.int64))
         return replace(self, size=n, labels=np.asarray(rows["cls"], np.int64),
                        captions=[str(c) for c in rows["caption"]], caption_to_image=np.arange(n),
                        keys=[str(k) for k in rows["key"]])
@@ -102,6 +108,47 @@ def load_shards(spec: str, image_size: int, tokenizer_path: str, max_tokens: int
     return EvalData(ds, 0, np.zeros(0, np.int64))
 
 
+def local_shards(spec: str, image_size: int, tokenizer_path: str, max_tokens: int, workers: int = 0,
+                 batch_size: int = 64, threads: int = 1) -> EvalData:
+    """``load_shards`` without Ray: the held-out shards streamed by a local loader's ``workers`` processes
+    (rayvl.eval.local_read; 0 = CPUs − 1), the samples they drop counted in ``images.counts``."""
+    rows = Rows(image_size, 1.0, False, tokenizer_path, max_tokens)
+    reading = Reading(batch_size=batch_size, threads=threads)
+    images = local_read.shard_batches(resolve_shards(spec), rows, reading, SHARD_COLUMNS, workers)
+    return EvalData(images, 0, np.zeros(0, np.int64))
+
+
+def local_imagefolder(root: str, image_size: int, workers: int = 0, batch_size: int = 64) -> EvalData:
+    """``load_imagefolder`` without Ray: the images read and decoded by a local loader's ``workers`` processes as
+    they are embedded; the labels and size come with the rows (``with_rows``), undecodable files dropped."""
+    classes, files = _imagefolder_files(root)
+    class_of = {c: i for i, c in enumerate(classes)}
+    columns = {"index": np.arange(len(files)), "path": np.array(files, dtype=object)}
+    images = local_read.Batches(
+        local_read.ListBatches(columns, batch_size, partial(_read_and_decode, image_size=image_size,
+                                                            class_of=class_of)),
+        local_read.loader_workers(workers), batch_size * 3 * image_size ** 2)
+    return EvalData(images, 0, np.zeros(0, np.int64), [c.replace("_", " ") for c in classes],
+                    list(templates("clip_imagenet_short")))
+
+
+def local_fashion_mnist(root: str, image_size: int, workers: int = 0, batch_size: int = 64, split: str = "t10k",
+                        limit: int = 0) -> EvalData:
+    """``load_fashion_mnist`` without Ray: the images made RGB by a local loader's ``workers`` processes."""
+    pixels, labels = fashion_mnist.read(root, split, limit)
+    columns = {"index": np.arange(len(labels)), "pixels": pixels, "cls": labels}
+    images = local_read.Batches(
+        local_read.ListBatches(columns, batch_size, partial(_to_rgb, image_size=image_size)),
+        local_read.loader_workers(workers), batch_size * 3 * image_size ** 2)
+    return EvalData(images, len(labels), labels, list(fashion_mnist.CLASSES), list(templates("clip_imagenet_short")))
+
+
+def _read_and_decode(batch: dict, image_size: int, class_of: dict) -> dict:
+    out = _decode_files(_read_files(batch), image_size, class_of)
+    dropped = len(batch["index"]) - len(out["index"])
+    return {**out, local_read.COUNTS: {"dropped_corrupt_image": dropped} if dropped else {}}
+
+
 def _decode_files(batch: dict, image_size: int, class_of: dict) -> dict:
     images, cls, index = [], [], []
     for i, (path, data) in enumerate(zip(batch["path"], batch["bytes"])):
@@ -115,13 +162,19 @@ def _decode_files(batch: dict, image_size: int, class_of: dict) -> dict:
             np.zeros((0, 3, image_size, image_size), np.uint8), "cls": np.array(cls, np.int64)}
 
 
-def load_imagefolder(root: str, image_size: int, read_cpus: float) -> EvalData:
+def _imagefolder_files(root: str) -> tuple[list[str], list[str]]:
+    """(the class folders' names, sorted; every image file under them, sorted)."""
     root_path = Path(root).expanduser()
     classes = sorted(d.name for d in root_path.iterdir() if d.is_dir())
     files = sorted(str(p) for c in classes for p in (root_path / c).iterdir()
                    if p.suffix.lower() in IMAGE_EXTENSIONS)
     if not files:
         raise ValueError(f"{root}: no images in class folders")
+    return classes, files
+
+
+def load_imagefolder(root: str, image_size: int, read_cpus: float) -> EvalData:
+    classes, files = _imagefolder_files(root)
     class_of = {c: i for i, c in enumerate(classes)}
     paths = ray.data.from_items([{"index": i, "path": f} for i, f in enumerate(files)])
     ds = paths.map_batches(_read_files, batch_format="numpy", num_cpus=read_cpus).map_batches(

@@ -7,8 +7,8 @@
   them by Ray Data) and texts; rows carry an ``index`` or ``key`` column so the result is put back in order.
   Actors given GPUs (``gpus_per_actor``) embed on theirs, in bf16 autocast; the others on CPU in fp32, as
   training-time evaluation on CPU does.
-- ``LocalEmbedder``: ``rayvl eval``'s one CPU model in its own process, on a Ray it started on this machine — the
-  same model code as an actor's, the blocks Ray Data streams embedded where they arrive.
+- ``LocalEmbedder``: ``rayvl eval``'s one model in its own process on a machine with no Ray — the same model code
+  as an actor's, the batches a local torch DataLoader's workers decode embedded where they arrive.
 
 All return float32 numpy arrays of L2-normalised embeddings, one row per input.
 """
@@ -114,8 +114,8 @@ class EmbeddingActor:
     a random init, rayvl.models.meta_init) on this actor's device — on a GPU: NHWC image tower, bf16 autocast,
     batches copied from pinned memory without blocking, embeddings kept on the GPU and copied back once a call."""
 
-    def __init__(self, checkpoint: str, off: str = EVAL_GPUS_OFF):
-        self.device = actor_device(off)
+    def __init__(self, checkpoint: str, off: str = EVAL_GPUS_OFF, device: torch.device | None = None):
+        self.device = device or actor_device(off)  # ``device``: a model in a process Ray did not start
         self.model, config = load_model(checkpoint)
         if self.device.type == "cuda":
             self.model.to(self.device).vision.to_channels_last()
@@ -140,7 +140,12 @@ class EmbeddingActor:
         and cls)."""
         from ray.data.block import BlockAccessor
 
-        columns = BlockAccessor.for_block(block).to_numpy()
+        return self.embed(BlockAccessor.for_block(block).to_numpy())
+
+    @torch.no_grad()
+    def embed(self, columns: dict[str, np.ndarray]) -> dict:
+        """The embeddings of a batch's ``image`` column, and its other columns."""
+        columns = dict(columns)
         images = columns.pop("image")
         if not len(images):
             return {"embedding": np.zeros((0, self.model.cfg.embed_dim), np.float32), **columns}
@@ -279,39 +284,36 @@ class ActorEmbedder:
 
 
 class LocalEmbedder:
-    """The pool's one CPU model in this process, for a Ray this driver started on its own machine (``rayvl eval``'s
-    default there): an actor would be a process of its own to start — Ray, torch, timm and the model imported and
-    loaded again — on the same CPUs as Ray Data's readers, before its first image. Here the model (an
-    ``EmbeddingActor`` object, the same code) loads in a thread while Ray Data starts reading, and each block is
-    embedded as it arrives. Same calls as ``ActorEmbedder``."""
+    """`rayvl eval`'s one model in its own process, on a machine with no Ray (``runner.runs_without_ray``): the
+    batches a local loader's worker processes read and decode (rayvl.eval.local_read) embedded as they arrive. The
+    workers start first — forked before this process loads the model, and reading while it loads —, then the model
+    (an ``EmbeddingActor`` object, the actors' code) on ``device``. Same calls as ``ActorEmbedder``."""
 
-    def __init__(self, checkpoint: str | os.PathLike, batch_size: int = 128, off: str = EVAL_GPUS_OFF):
-        from concurrent.futures import ThreadPoolExecutor
-
+    def __init__(self, checkpoint: str | os.PathLike, batch_size: int = 128,
+                 device: torch.device = torch.device("cpu")):
+        self.checkpoint, self.batch_size, self.device = str(checkpoint), batch_size, device
         self.started = time.time()
-        loader = ThreadPoolExecutor(1, thread_name_prefix="rayvl-eval-model")
-        self._model = loader.submit(EmbeddingActor, str(checkpoint), off)
-        loader.shutdown(wait=False)  # the thread ends once the model is loaded
-        self.batch_size = batch_size
+        self._model: EmbeddingActor | None = None
         self.rows: dict[str, np.ndarray] = {}
 
-    def first_ready(self) -> float:
-        return self._model.result().ready()
+    def model(self) -> EmbeddingActor:
+        if self._model is None:
+            self._model = EmbeddingActor(self.checkpoint, device=self.device)
+        return self._model
 
-    def images(self, images: ray.data.Dataset) -> np.ndarray:
-        """As ``ActorEmbedder.images``: every row of ``images`` embedded, in order; its other columns in ``rows``."""
-        parts = []
-        for bundle in images.iter_internal_ref_bundles():
-            for ref in bundle.block_refs:
-                part = self._model.result().images(ray.get(ref))
-                # copies: a column read from the block may be a view of it (pyarrow's zero-copy to_numpy), and a
-                # view kept would keep the whole decoded block in the object store until the pass ends
-                parts.append({k: np.array(v, copy=True) for k, v in part.items()})
-        embeddings, self.rows = in_order(parts)
+    def first_ready(self) -> float:
+        return self.model().ready()
+
+    def images(self, batches) -> np.ndarray:
+        """As ``ActorEmbedder.images``, of ``batches`` (a local_read.Batches): every row embedded, in order; the
+        rows' other columns in ``rows``."""
+        reading = iter(batches)  # the loader's workers start here, before the model loads
+        model = self.model()
+        embeddings, self.rows = in_order([model.embed(batch) for batch in reading])
         return embeddings
 
     def texts(self, texts: list[str]) -> np.ndarray:
-        return self._model.result().texts(texts, self.batch_size * TEXT_BATCH)
+        return self.model().texts(texts, self.batch_size * TEXT_BATCH)
 
     def close(self) -> None:
-        self._model.cancel()
+        self._model = None

@@ -1,6 +1,7 @@
 """`rayvl eval`: every evaluation task on a checkpoint, embeddings computed by one pool of warm actors fed by Ray
-Data (on CPU, or each actor on its GPUs), the nearest-neighbour searches of the tasks by faiss in this process (on
-every GPU it sees).
+Data (on CPU, or each actor on its GPUs) — or, on a machine of its own with one model to run, by that model in this
+process fed by a local DataLoader, with no Ray at all (``runs_without_ray``) —, the nearest-neighbour searches of
+the tasks by faiss in this process (on every GPU it sees).
 
 Each task writes ``<out>/<task>.json``; embeddings are saved as ``.npy`` next to them.
 """
@@ -16,12 +17,14 @@ from pathlib import Path
 
 import numpy as np
 import ray
+import torch
 
 from rayvl import assets, storage
 from rayvl.checkpoints import checkpoint_uri, read_meta
 from rayvl.config import EvalConfig, from_dict
 from rayvl.data.report import create_report, release_reports, snapshot
 from rayvl.eval import data as eval_data
+from rayvl.eval import local_read
 from rayvl.eval.embed import ActorEmbedder, LocalEmbedder
 from rayvl.eval.tasks import SKIP_REASONS, evaluate
 
@@ -56,6 +59,22 @@ def default_sources(config: dict, data: str = "", kind: str = "auto", classes: s
     return Sources(data, eval_data.detect_kind(data) if kind == "auto" else kind,
                    pick(classes, d["classes"], "classes.json"),
                    pick(paraphrases, d["paraphrases"], "paraphrases.jsonl"), pick(sts, d["sts"], "sts.tsv"))
+
+
+def load_local(sources: Sources, config: dict, workers: int = 0, limit: int = 0,
+               batch_size: int = 64) -> eval_data.EvalData:
+    """``load`` without Ray: the evaluation set streamed by a local loader's ``workers`` processes (0 = CPUs − 1),
+    with its text sets; the samples its reading drops are counted in ``images.counts``."""
+    cfg = from_dict(config)
+    size = cfg.data.image_size
+    if sources.kind == "shards":
+        data = eval_data.local_shards(sources.data, size, str(assets.text_model_path(cfg.model.text)),
+                                      cfg.data.max_text_tokens, workers, batch_size, cfg.data.read_threads)
+    elif sources.kind == "imagefolder":
+        data = eval_data.local_imagefolder(sources.data, size, workers, batch_size)
+    else:
+        data = eval_data.local_fashion_mnist(sources.data, size, workers, batch_size, limit=limit)
+    return data.with_text_sets(sources.classes, sources.paraphrases, sources.sts)
 
 
 def load(sources: Sources, config: dict, read_cpus: float, limit: int = 0,
@@ -94,75 +113,116 @@ def pool_size(actors: int, gpus_per_actor: float, cpus_per_actor: float) -> int:
 def settings(config: dict, **given) -> EvalConfig:
     """The checkpoint's ``eval`` section (the config's defaults where its run set nothing), with each value given
     (not None) in its place: ``actors``, ``cpus_per_actor``, ``gpus_per_actor``, ``batch_size``,
-    ``paraphrase_k``."""
+    ``paraphrase_k``, ``loader_workers``."""
     return replace(from_dict(config).eval, **{k: v for k, v in given.items() if v is not None})
 
 
-def embeds_in_process(started_here: bool, actors: int, gpus_per_actor: float) -> bool:
-    """Whether `rayvl eval` embeds in its own process: on a Ray it started on this machine (``started_here``: no
-    other node, and every CPU local) with the default pool — one actor (``actors`` 0 or 1), no GPUs. Such an actor
-    would only be one more process to start on the CPUs that decode; several actors, GPUs or a cluster keep the
-    pool."""
-    return started_here and actors <= 1 and not gpus_per_actor
+def runs_without_ray(actors: int, gpus_per_actor: float, address: str = "") -> bool:
+    """Whether `rayvl eval` runs on this machine with no Ray: no cluster named (``address``, RAY_ADDRESS), no Ray
+    running in this process, and one model to embed with — one actor on CPU (``actors`` 0 or 1) or, with GPUs, the
+    one GPU torch sees here (or ``actors`` 1 of several). Ray would only add processes to start on the CPUs that
+    decode (its raylet, an actor importing torch and the model again, Ray Data's read tasks) before the first
+    image; several models, GPUs or a cluster keep the pool."""
+    from rayvl import session
+
+    if session.cluster_address(address) or ray.is_initialized() or actors > 1:
+        return False
+    if not gpus_per_actor:
+        return True
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return gpus == 1 or (gpus > 1 and actors == 1)
 
 
 def run_eval(checkpoint: str, tasks: list[str] | None = None, sources: Sources | None = None,
              out: str | Path | None = None, actors: int | None = None, cpus_per_actor: float | None = None,
              batch_size: int | None = None, k: int | None = None, limit: int = 0,
-             gpus_per_actor: float | None = None, in_process: bool = False) -> dict:
+             gpus_per_actor: float | None = None, without_ray: bool = False,
+             loader_workers: int | None = None) -> dict:
     """Every task of ``tasks`` on a checkpoint; ``tasks`` and the actor pool's settings left None come from its
-    config (``eval.checkpoint_tasks``, ``settings``). ``in_process``: the model embeds in this process
-    (``LocalEmbedder``; ``embeds_in_process`` says when) instead of the pool's actors."""
+    config (``eval.checkpoint_tasks``, ``settings``). ``without_ray``: the model embeds in this process, fed by a
+    local loader of ``loader_workers`` processes (``LocalEmbedder``, ``load_local``; ``runs_without_ray`` says when),
+    instead of the pool's actors fed by Ray Data."""
     uri = checkpoint_uri(checkpoint)  # local or a URL; every embedding actor loads it on its own node
     meta = read_meta(uri)
     config = meta["config"]
     sources = sources or default_sources(config)
     out = storage.normalize(out) if out else default_out(uri)
     pool = settings(config, actors=actors, cpus_per_actor=cpus_per_actor, gpus_per_actor=gpus_per_actor,
-                    batch_size=batch_size, paraphrase_k=k)
+                    batch_size=batch_size, paraphrase_k=k, loader_workers=loader_workers)
     tasks = pool.checkpoint_tasks if tasks is None else tasks
-    actors = pool_size(pool.actors, pool.gpus_per_actor, pool.cpus_per_actor)
-    if pool.gpus_per_actor:
-        log.info(f"eval: {actors} embedding actor(s) of {pool.gpus_per_actor:g} GPU(s) each")
-    # the model loads (in the actors, or in a thread here) while the reading is planned and starts; the same model
-    # embeds every text
-    embedder = (LocalEmbedder(uri, pool.batch_size) if in_process else
-                ActorEmbedder(uri, actors, pool.cpus_per_actor, pool.batch_size, pool.gpus_per_actor))
-    model = "embedding model in this process" if in_process else "first embedding actor"
+    embedder = start_embedder(uri, pool, without_ray)
     report_name = ""
     try:
         log.info(f"eval: reading {sources.data} ({sources.kind}) for {', '.join(tasks)}")
-        data, report_name = load(sources, config, pool.cpus_per_actor, limit, pool.batch_size)
-        started = time.time()
-        images = embedder.images(data.images)
-        ended, ready = time.time(), embedder.first_ready()
-        log.info(f"eval: {len(images)} images embedded ({ended - started:.1f} s; the {model} ready "
-                 f"{ready - embedder.started:.1f} s after its start, {len(images) / max(ended - ready, 1e-9):.0f} "
-                 f"images/s from then)")
-        if sources.kind == "shards":  # streamed: what the rows said came back with their embeddings
-            data = data.with_rows(embedder.rows)
-        counts = snapshot(report_name)["counts"] if report_name else {}
+        if without_ray:
+            data = load_local(sources, config, pool.loader_workers, limit, pool.batch_size)
+        else:
+            data, report_name = load(sources, config, pool.cpus_per_actor, limit, pool.batch_size)
+        images, data, counts = embedded(embedder, data, sources, report_name)
         metrics, embeddings = evaluate(tasks, data, embedder, pool.paraphrase_k, images)
     finally:
         try:
             embedder.close()
         finally:
             release_reports([report_name] if report_name else [])
-    for name, array in embeddings.items():
-        buffer = io.BytesIO()
-        np.save(buffer, array)
-        storage.write_bytes(storage.join(out, f"{name}_embeddings.npy"), buffer.getvalue())
-    for task, values in metrics.items():
-        storage.write_text(storage.join(out, f"{task}.json"), json.dumps(values, indent=2))
-    if data.keys:  # the sample of each row of the embeddings (shards: sorted by key)
-        storage.write_text(storage.join(out, "keys.json"), json.dumps(data.keys))
     results = {**({"data": counts} if counts else {}), **metrics}
     skipped = [t for t in tasks if t not in metrics]
     if skipped:
         results["skipped"] = {t: SKIP_REASONS[t] for t in skipped}
-    scored = {"checkpoint": uri, "step": meta["step"]}  # the file says what it scored
-    storage.write_text(storage.join(out, "eval.json"), json.dumps({**scored, **results}, indent=2))
+    write_results(out, {"checkpoint": uri, "step": meta["step"]}, results, embeddings, data.keys)
     return results
+
+
+def start_embedder(uri: str, pool: EvalConfig, without_ray: bool) -> LocalEmbedder | ActorEmbedder:
+    """The model in this process (its loader's workers start with the image pass, the model loads while they
+    read), or the pool's actors (loading their model while the reading is planned and starts)."""
+    if without_ray:
+        embedder = LocalEmbedder(uri, pool.batch_size, torch.device("cuda" if pool.gpus_per_actor else "cpu"))
+        log.info(f"eval: one model in this process on {embedder.device.type}, "
+                 f"{local_read.loader_workers(pool.loader_workers)} loader worker(s) reading; no Ray")
+        return embedder
+    actors = pool_size(pool.actors, pool.gpus_per_actor, pool.cpus_per_actor)
+    if pool.gpus_per_actor:
+        log.info(f"eval: {actors} embedding actor(s) of {pool.gpus_per_actor:g} GPU(s) each")
+    return ActorEmbedder(uri, actors, pool.cpus_per_actor, pool.batch_size, pool.gpus_per_actor)
+
+
+def embedded(embedder, data: eval_data.EvalData, sources: Sources,
+             report_name: str) -> tuple[np.ndarray, eval_data.EvalData, dict]:
+    """(the images' embeddings, the set with what its streamed rows said, the counts of the samples its reading
+    dropped: shards only, else {})."""
+    started = time.time()
+    images = embedder.images(data.images)
+    ended, ready = time.time(), embedder.first_ready()
+    model = "embedding model in this process" if isinstance(embedder, LocalEmbedder) else "first embedding actor"
+    log.info(f"eval: {len(images)} images embedded ({ended - started:.1f} s; the {model} ready "
+             f"{ready - embedder.started:.1f} s after its start, {len(images) / max(ended - ready, 1e-9):.0f} "
+             f"images/s from then)")
+    read_here = isinstance(data.images, local_read.Batches)  # a local loader counted its reading itself
+    counts = data.images.counts if read_here else {}
+    if not data.size:  # streamed: what the rows said came back with their embeddings
+        data = data.with_rows(embedder.rows)
+    if sources.kind == "shards":
+        return images, data, snapshot(report_name)["counts"] if report_name else dict(+counts)
+    if counts.get("dropped_corrupt_image"):  # as load_imagefolder says it, before the embedding, on Ray
+        print(f"rayvl eval: dropped {counts['dropped_corrupt_image']} undecodable images under {sources.data}")
+    return images, data, {}
+
+
+def write_results(out: str, scored: dict, results: dict, embeddings: dict, keys: list[str]) -> None:
+    """``eval.json`` (``scored``: what it scored), each task's json, the embeddings as .npy, the key of each row."""
+    for name, array in embeddings.items():
+        buffer = io.BytesIO()
+        np.save(buffer, array)
+        storage.write_bytes(storage.join(out, f"{name}_embeddings.npy"), buffer.getvalue())
+    for task, values in results.items():
+        if task not in ("data", "skipped"):
+            storage.write_text(storage.join(out, f"{task}.json"), json.dumps(values, indent=2))
+    if keys:  # the sample of each row of the embeddings (shards: sorted by key)
+        storage.write_text(storage.join(out, "keys.json"), json.dumps(keys))
+    storage.write_text(storage.join(out, "eval.json"), json.dumps({**scored, **results}, indent=2))
 
 
 def default_out(checkpoint: str) -> str:

@@ -1,0 +1,136 @@
+"""Data read on this machine without Ray: a ``torch`` DataLoader whose worker processes read and decode while the
+main process runs the model — what `rayvl eval` does on one machine, where starting a Ray (its raylet, its
+workers, Ray Data's read-task processes) costs more than the whole evaluation of a held-out split.
+
+Shards are read by the same code as Ray Data's read tasks (``shard_read.raw_batches``, ``pipeline.preprocess``):
+the same samples are kept, dropped and counted. The counts of each batch travel with it to the main process
+(``Batches.counts``); a shard that ends early is noted as the read tasks note it (``Batches.bad_shards``).
+
+The loader's workers split the work by shard while there are at least as many shards as workers; with fewer, the
+readers of one shard each parse all of it (reading a tar is cheap) and decode every n-th batch: a held-out split
+of 3 shards on a 16-CPU machine decodes on 15 cores, not 3.
+"""
+from __future__ import annotations
+
+import os
+from collections import Counter
+from typing import Callable, Iterator
+
+import numpy as np
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from rayvl.data.pipeline import Rows, preprocess, row_bytes
+from rayvl.data.position import row_ids
+from rayvl.data.shard_read import Reading, raw_batches, transformed_ahead
+from rayvl.data.tar import COLUMNS
+from rayvl.errors import DataPlaneError
+
+COUNTS, BAD_SHARD, ERROR = "_counts", "_bad_shard", "_error"  # what a worker sends beside a batch's columns
+IN_FLIGHT_BYTES = 512 << 20  # decoded batches the workers may hold ready: what a read holds, however large its set
+
+
+def this_machines_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's or a job's share, not the host's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def loader_workers(given: int = 0) -> int:
+    """``given``, or when 0: this machine's CPUs less the one the main process runs the model on (at least 1)."""
+    return given or max(1, this_machines_cpus() - 1)
+
+
+def share(n_shards: int, worker: int, workers: int) -> list[tuple[int, int, int]]:
+    """(shard, part, parts) a loader worker reads: whole shards (part 0 of 1) while there are at least as many
+    shards as workers, else one shard, of which it decodes every ``parts``-th batch from its ``part``-th — the
+    workers of a shard are ``shard``, ``shard + n_shards``, …"""
+    if n_shards >= workers:
+        return [(s, 0, 1) for s in range(worker, n_shards, workers)]
+    shard = worker % n_shards
+    return [(shard, worker // n_shards, len(range(shard, workers, n_shards)))]
+
+
+class ShardBatches(IterableDataset):
+    """Model-input batches of img2dataset shards (``columns`` of ``pipeline.preprocess``'s output, with each batch's
+    counts), each loader worker reading its ``share``. An I/O failure that ``reading.io`` does not skip ends the
+    read with a DataPlaneError in the main process (``Batches``)."""
+
+    def __init__(self, paths: list[str], rows: Rows, reading: Reading, columns: list[str]):
+        self.paths, self.rows, self.reading, self.columns = list(paths), rows, reading, list(columns)
+
+    def __iter__(self) -> Iterator[dict]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        try:
+            for shard, part, parts in share(len(self.paths), worker, workers):
+                yield from self._shard(shard, part, parts)
+        except DataPlaneError as e:  # a worker's exception reaches the main process as a traceback's text
+            yield {ERROR: str(e)}
+
+    def _shard(self, shard: int, part: int, parts: int) -> Iterator[dict]:
+        path, bad, io_counts = self.paths[shard], [], Counter()
+
+        def transform(first: int, samples: list[dict]) -> dict:
+            counts: Counter = Counter()
+            batch = {c: [s.get(c) for s in samples] for c in COLUMNS}
+            out = preprocess({**batch, "row": row_ids(0, shard, first, len(samples)), "cycle": 0}, counts, self.rows)
+            return {**{c: out[c] for c in self.columns}, COUNTS: dict(counts)}
+
+        raw = raw_batches(path, self.reading, COLUMNS, bad, io_counts)
+        mine = (batch for i, batch in enumerate(raw) if i % parts == part)
+        yield from transformed_ahead(mine, transform, self.reading.threads)
+        # every reader of the shard met its damage; one counts it (each one's I/O retries were its own)
+        ended = Counter(reason for _, reason, _ in bad) if part == 0 else Counter()
+        yield {COUNTS: dict(ended + io_counts),
+               **({BAD_SHARD: (bad[0][0], bad[0][2])} if bad and part == 0 else {})}
+
+
+class ListBatches(IterableDataset):
+    """``fn`` of each batch of ``batch_size`` rows of ``columns`` (a dict of equal-length arrays), each loader
+    worker making every n-th batch."""
+
+    def __init__(self, columns: dict[str, np.ndarray], batch_size: int, fn: Callable[[dict], dict]):
+        self.columns, self.batch_size, self.fn = columns, batch_size, fn
+
+    def __iter__(self) -> Iterator[dict]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        n = len(next(iter(self.columns.values())))
+        for first in range(worker * self.batch_size, n, workers * self.batch_size):
+            yield self.fn({k: v[first:first + self.batch_size] for k, v in self.columns.items()})
+
+
+def _as_is(item: dict) -> dict:
+    return item
+
+
+class Batches:
+    """The batches a ``dataset`` (``ShardBatches``, ``ListBatches``) yields, read by ``workers`` loader processes
+    (forked as iteration starts) at most ``IN_FLIGHT_BYTES`` ahead of the caller (``batch_bytes`` a batch): each
+    batch's columns, its counts added to ``counts`` as it arrives and a shard that ended early in ``bad_shards``."""
+
+    def __init__(self, dataset: IterableDataset, workers: int, batch_bytes: int):
+        self.dataset, self.workers = dataset, workers
+        self.ahead = max(2, IN_FLIGHT_BYTES // max(1, batch_bytes * workers))
+        self.counts: Counter = Counter()
+        self.bad_shards: dict[str, str] = {}
+
+    def __iter__(self) -> Iterator[dict]:
+        loader = DataLoader(self.dataset, batch_size=None, num_workers=self.workers, collate_fn=_as_is,
+                            prefetch_factor=self.ahead)
+        for item in loader:
+            if ERROR in item:
+                raise DataPlaneError(item[ERROR])
+            self.counts.update(item.pop(COUNTS, {}))
+            if BAD_SHARD in item:
+                path, why = item.pop(BAD_SHARD)
+                self.bad_shards[path] = why
+            if item:
+                yield item
+
+
+def shard_batches(paths: list[str], rows: Rows, reading: Reading, columns: list[str], workers: int = 0) -> Batches:
+    """``columns`` of the model inputs of ``paths``' samples in batches of ``reading.batch_size``, read by
+    ``loader_workers(workers)`` processes."""
+    workers = loader_workers(workers)
+    return Batches(ShardBatches(paths, rows, reading, columns), workers, reading.batch_size * row_bytes(rows))
+
