@@ -8,7 +8,7 @@ Both sides run as processes of their own, timed from process start to exit, one 
 
 - rayvl: the CLI, ``rayvl eval CHECKPOINT --tasks retrieval --data SHARDS --kind shards``, with the checkpoint's
   ``eval`` settings (the defaults: one model on CPU, batches of 128) and no cluster named — on this one machine it
-  starts no Ray (rayvl.eval.runner.runs_without_ray: the model in its process, a local DataLoader of CPUs − 1
+  starts no Ray (rayvl.session.runs_without_ray: the model in its process, a local DataLoader of CPUs − 1
   workers reading);
 - plain: this script's ``--plain`` mode, what a user writes without rayvl — a ``torch`` DataLoader over an
   IterableDataset of the tar shards (loader workers = CPUs − 1, shards split over them), rayvl's own

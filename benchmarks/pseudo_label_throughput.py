@@ -10,9 +10,10 @@ over the same checkpoint (eval_throughput.py's tiny one: timm's ``test_efficient
 cuts it) and the same unaligned images (the demo's training split copied under new keys until there are
 ``--images``):
 
-- rayvl: the CLI, ``rayvl pseudo-label RUN --aligned A --unaligned U --out O``, at its defaults (one labelling actor
-  of one CPU, 10 crops an image, k = 5, an exact index at this size) and a local Ray of its own; it also ranks words
-  and writes the pseudo-captioned shards;
+- rayvl: the CLI, ``rayvl pseudo-label RUN --aligned A --unaligned U --out O``, at its defaults (one labeller, 10
+  crops an image, k = 5, an exact index at this size) and no cluster named — on this one machine it starts no Ray
+  (rayvl.session.runs_without_ray: the labeller in its process, cutting crops on every CPU; the aligned set read by
+  local loaders); it also ranks words and writes the pseudo-captioned shards;
 - plain: this script's ``--plain`` mode, what a user writes without rayvl — the pool's captions read from the tars
   and embedded in the main process, the same faiss index (``rayvl.eval.knn.build_index``), then a ``torch``
   DataLoader over the unaligned shards (loader workers = CPUs − 1, shards split over them) running rayvl's own

@@ -68,6 +68,22 @@ def planned_local_cpus(cfg: RayvlConfig) -> float | None:
     return float(cfg.local_num_cpus)
 
 
+def runs_without_ray(actors: int, gpus_per_actor: float, address: str = "") -> bool:
+    """Whether a command whose work is one model (`rayvl eval`, `rayvl pseudo-label`) runs on this machine with no
+    Ray: no cluster named (``address``, RAY_ADDRESS), no Ray running in this process, and one model — one actor on
+    CPU (``actors`` 0 or 1) or, with GPUs, the one GPU torch sees here (or ``actors`` 1 of several). Ray would only
+    add processes to start on the CPUs that decode (its raylet, an actor importing torch and the model again, Ray
+    Data's read tasks) before the first image; several models, GPUs or a cluster keep Ray."""
+    if cluster_address(address) or ray.is_initialized() or actors > 1:
+        return False
+    if not gpus_per_actor:
+        return True
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return gpus == 1 or (gpus > 1 and actors == 1)
+
+
 def cluster_address(address: str = "") -> str:
     """The Ray ``connect`` joins ('' = it starts a local one): ``address``, else RAY_ADDRESS."""
     return address or os.environ.get("RAY_ADDRESS", "")

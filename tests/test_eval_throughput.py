@@ -59,7 +59,7 @@ def test_the_plain_loop_scores_as_rayvl_eval(ray_local, demo_dir, tmp_path, capl
     # by a local loader — the same rows, the same embeddings, the same metrics as the actor above
     import numpy as np
 
-    from rayvl.eval.runner import runs_without_ray
+    from rayvl.session import runs_without_ray
 
     assert not runs_without_ray(0, 0.0)  # this process runs the session's Ray
     local = bench.timed(bench.rayvl_command(checkpoint, data, tmp_path / "local"), bench.child_env())

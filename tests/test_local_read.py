@@ -30,6 +30,8 @@ def test_every_batch_of_every_shard_has_one_reader():
                     read.update((shard, b) for b in range(24) if b % parts == part)
             assert read == Counter({(s, b): 1 for s in range(n_shards) for b in range(24)}), (n_shards, workers)
             assert all(share(n_shards, w, workers) for w in range(workers)), (n_shards, workers)
+    # shards on object storage are not split (each reader would fetch the whole shard): one reader each
+    assert [share(2, w, 5, split=False) for w in range(5)] == [[(0, 0, 1)], [(1, 0, 1)], [], [], []]
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create 5 worker processes")  # 5 on purpose, on 2 CPUs
@@ -80,7 +82,34 @@ def test_a_shard_that_cannot_be_read_fails_the_read_naming_it_or_is_skipped_and_
     fail = Reading(batch_size=4, io=ReadPolicy(retries=0, wait_s=0.0))
     with pytest.raises(DataPlaneError, match=r"shard .*gone\.tar cannot be read: it does not exist"):
         list(local_read.shard_batches([str(tmp_path / "00000.tar"), missing], rows, fail, ["key"], 1))
+    # the workers start as the iteration does, before a batch is asked for: the model loads while they read
+    import multiprocessing
+
+    started = iter(local_read.shard_batches([str(tmp_path / "00000.tar")], rows, fail, ["key"], 2))
+    assert len(multiprocessing.active_children()) >= 2 and list(started) == []
     skip = Reading(batch_size=4, io=ReadPolicy(retries=0, wait_s=0.0, unreadable="skip"))
     batches = local_read.shard_batches([missing], rows, skip, ["key"], 1)
     assert list(batches) == [] and batches.counts == Counter({"unreadable_shards": 1})
     assert list(batches.bad_shards) == [missing]
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 5 worker processes")
+def test_the_aligned_sets_word_statistics_and_caption_pool_read_here_are_ray_datas(ray_local, demo_dir):
+    """`rayvl pseudo-label` without Ray reads S_a twice with local loaders: its BoW word statistics (a local
+    ``sum_over_shards``) and its caption pool — the same sums and the same (key, caption) pairs as Ray Data's reads,
+    with 1 worker and with more workers than shards."""
+    from rayvl.data.shards import sum_over_shards
+    from rayvl.methods.bow import deformation as bow
+    from rayvl.methods.bow.pseudo_label import read_pool
+
+    paths = resolve_shards(str(demo_dir / "train"))
+    kwargs = {"seed": 0, "fraction": 0.5}
+    by_ray = sum_over_shards(paths, ("key", "txt", "json"), bow.base_word_counts, kwargs, "word", "df")
+    assert by_ray[bow.ALL_CAPTIONS] == 384 and 0 < by_ray[bow.BASE_CAPTIONS] < 384
+    pool = read_pool(str(demo_dir / "train"), 0.5)
+    assert len(pool[0]) == 384 and pool[0] == sorted(pool[0])
+    for workers in (1, 5):
+        here = local_read.sum_over_shards(paths, ("key", "txt", "json"), bow.base_word_counts, kwargs, "word", "df",
+                                          workers=workers)
+        assert here == by_ray, workers
+    assert read_pool(str(demo_dir / "train"), 0.5, here=True) == pool

@@ -123,8 +123,9 @@ def _eval_parser(sub) -> None:
     e.add_argument("--actors", type=int, default=None,
                    help="embedding actors (Ray Data actor pool size; 0: 1 on CPU, with --gpus as many as the "
                         f"cluster's GPUs hold now; default: eval.actors, {d.actors}). With no cluster named "
-                        "(RAY_ADDRESS) and one model to run — 0 or 1 actors on CPU, or this machine's one GPU — "
-                        "the model embeds in this process, fed by --workers loader processes, and no Ray starts")
+                        "(RAY_ADDRESS) and one model to run — 0 or 1 actors on CPU, or with --gpus this machine's "
+                        "one GPU (or --actors 1) — the model embeds in this process, fed by --workers loader "
+                        "processes, and no Ray starts")
     e.add_argument("--cpus-per-actor", type=float, default=None,
                    help="CPUs each embedding actor reserves, and each read task (default: eval.cpus_per_actor, "
                         f"{d.cpus_per_actor:g})")
@@ -222,7 +223,7 @@ def eval_main(args) -> int:
     from rayvl import session
     from rayvl.checkpoints import checkpoint_uri, read_meta
     from rayvl.eval.embed import check_gpus
-    from rayvl.eval.runner import default_out, default_sources, run_eval, runs_without_ray, settings
+    from rayvl.eval.runner import default_out, default_sources, run_eval, settings
     from rayvl.eval.tables import format_tables
     from rayvl.train.run_dir import find_run
 
@@ -236,7 +237,7 @@ def eval_main(args) -> int:
         _check_pool(pool)
         sources = default_sources(config, args.data, args.kind, args.classes, args.paraphrases, args.sts)
         gpus = pool.gpus_per_actor
-        without_ray = runs_without_ray(pool.actors, gpus)
+        without_ray = session.runs_without_ray(pool.actors, gpus)
         if not without_ray:
             started = session.connect(verbose=args.verbose, include_dashboard=False)
             check_gpus(gpus, f"--gpus {gpus:g}", "--gpus 0", fixed_size=started)
@@ -384,9 +385,13 @@ def pseudo_label_main(args) -> int:
         return print_dry_run(lambda: dry_run.describe_pseudo_label(load_config(args.config, overrides)))
     cfg = load_config(args.config, overrides)
     checked = pseudo_label.check(cfg)  # every path named by its key before Ray starts
-    started = session.connect(cfg.ray_address, cfg.local_num_cpus, verbose=args.verbose, include_dashboard=False)
+    x = cfg.pseudo_label
+    without_ray = session.runs_without_ray(x.actors, x.gpus_per_actor, cfg.ray_address)
+    started = without_ray or session.connect(cfg.ray_address, cfg.local_num_cpus, verbose=args.verbose,
+                                             include_dashboard=False)
     try:
-        summary = _gpu_errors_in_one_line(lambda: pseudo_label.run(cfg, fixed_size=started, checked=checked))
+        summary = _gpu_errors_in_one_line(lambda: pseudo_label.run(cfg, fixed_size=started, checked=checked,
+                                                                   without_ray=without_ray))
     except Exception as e:  # an unreadable shard (or another data failure) in one line, not an actor's traceback
         cause = data_cause(e)
         if cause is None:

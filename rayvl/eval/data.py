@@ -109,11 +109,12 @@ def load_shards(spec: str, image_size: int, tokenizer_path: str, max_tokens: int
 
 
 def local_shards(spec: str, image_size: int, tokenizer_path: str, max_tokens: int, workers: int = 0,
-                 batch_size: int = 64, threads: int = 1) -> EvalData:
+                 batch_size: int = 64) -> EvalData:
     """``load_shards`` without Ray: the held-out shards streamed by a local loader's ``workers`` processes
-    (rayvl.eval.local_read; 0 = CPUs − 1), the samples they drop counted in ``images.counts``."""
+    (rayvl.eval.local_read; 0 = CPUs − 1, one thread each: the processes fill the CPUs), the samples they drop
+    counted in ``images.counts``."""
     rows = Rows(image_size, 1.0, False, tokenizer_path, max_tokens)
-    reading = Reading(batch_size=batch_size, threads=threads)
+    reading = Reading(batch_size=batch_size)
     images = local_read.shard_batches(resolve_shards(spec), rows, reading, SHARD_COLUMNS, workers)
     return EvalData(images, 0, np.zeros(0, np.int64))
 

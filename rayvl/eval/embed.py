@@ -284,7 +284,7 @@ class ActorEmbedder:
 
 
 class LocalEmbedder:
-    """`rayvl eval`'s one model in its own process, on a machine with no Ray (``runner.runs_without_ray``): the
+    """`rayvl eval`'s one model in its own process, on a machine with no Ray (``session.runs_without_ray``): the
     batches a local loader's worker processes read and decode (rayvl.eval.local_read) embedded as they arrive. The
     workers start first — forked before this process loads the model, and reading while it loads —, then the model
     (an ``EmbeddingActor`` object, the actors' code) on ``device``. Same calls as ``ActorEmbedder``."""

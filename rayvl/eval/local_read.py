@@ -6,22 +6,27 @@ Shards are read by the same code as Ray Data's read tasks (``shard_read.raw_batc
 the same samples are kept, dropped and counted. The counts of each batch travel with it to the main process
 (``Batches.counts``); a shard that ends early is noted as the read tasks note it (``Batches.bad_shards``).
 
-The loader's workers split the work by shard while there are at least as many shards as workers; with fewer, the
-readers of one shard each parse all of it (reading a tar is cheap) and decode every n-th batch: a held-out split
-of 3 shards on a 16-CPU machine decodes on 15 cores, not 3.
+The loader's workers split the work by shard while there are at least as many shards as workers; with fewer
+shards, all of them files on this machine, the readers of one shard each parse all of it (reading a local tar is
+cheap) and decode every n-th batch: a held-out split of 3 shards on a 16-CPU machine decodes on 15 cores, not 3.
+Shards on object storage or behind ``pipe:`` are read once each (a split would fetch them once per reader), by
+workers started from a fresh forkserver process: a process that has used an object store's client is not forked.
 """
 from __future__ import annotations
 
 import os
 from collections import Counter
+from functools import partial
 from typing import Callable, Iterator
 
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from rayvl import storage
 from rayvl.data.pipeline import Rows, preprocess, row_bytes
 from rayvl.data.position import row_ids
 from rayvl.data.shard_read import Reading, raw_batches, transformed_ahead
+from rayvl.data.specs import is_pipe
 from rayvl.data.tar import COLUMNS
 from rayvl.errors import DataPlaneError
 
@@ -39,29 +44,36 @@ def loader_workers(given: int = 0) -> int:
     return given or max(1, this_machines_cpus() - 1)
 
 
-def share(n_shards: int, worker: int, workers: int) -> list[tuple[int, int, int]]:
+def share(n_shards: int, worker: int, workers: int, split: bool = True) -> list[tuple[int, int, int]]:
     """(shard, part, parts) a loader worker reads: whole shards (part 0 of 1) while there are at least as many
-    shards as workers, else one shard, of which it decodes every ``parts``-th batch from its ``part``-th — the
-    workers of a shard are ``shard``, ``shard + n_shards``, …"""
-    if n_shards >= workers:
+    shards as workers or shards may not be ``split``, else one shard, of which it decodes every ``parts``-th batch
+    from its ``part``-th — the workers of a shard are ``shard``, ``shard + n_shards``, …"""
+    if n_shards >= workers or not split:
         return [(s, 0, 1) for s in range(worker, n_shards, workers)]
     shard = worker % n_shards
     return [(shard, worker // n_shards, len(range(shard, workers, n_shards)))]
 
 
-class ShardBatches(IterableDataset):
-    """Model-input batches of img2dataset shards (``columns`` of ``pipeline.preprocess``'s output, with each batch's
-    counts), each loader worker reading its ``share``. An I/O failure that ``reading.io`` does not skip ends the
-    read with a DataPlaneError in the main process (``Batches``)."""
+def on_this_machine(paths: list[str]) -> bool:
+    """Whether every shard is a file here (not on object storage, not a ``pipe:`` command)."""
+    return not any(storage.is_url(p) or is_pipe(p) for p in paths)
 
-    def __init__(self, paths: list[str], rows: Rows, reading: Reading, columns: list[str]):
-        self.paths, self.rows, self.reading, self.columns = list(paths), rows, reading, list(columns)
+
+class ShardBatches(IterableDataset):
+    """``transform(raw batch, counts) -> dict of columns`` of each batch of ``reading.batch_size`` samples of
+    img2dataset shards (the raw ``columns`` of each sample, with the row ids and pass ``pipeline.preprocess``
+    reads), each loader worker reading its ``share``; every output carries its batch's counts. An I/O failure that
+    ``reading.io`` does not skip ends the read with a DataPlaneError in the main process (``Batches``)."""
+
+    def __init__(self, paths: list[str], reading: Reading, transform: Callable[[dict, Counter], dict],
+                 columns: tuple[str, ...] = COLUMNS):
+        self.paths, self.reading, self.transform, self.columns = list(paths), reading, transform, tuple(columns)
 
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         try:
-            for shard, part, parts in share(len(self.paths), worker, workers):
+            for shard, part, parts in share(len(self.paths), worker, workers, on_this_machine(self.paths)):
                 yield from self._shard(shard, part, parts)
         except DataPlaneError as e:  # a worker's exception reaches the main process as a traceback's text
             yield {ERROR: str(e)}
@@ -71,17 +83,23 @@ class ShardBatches(IterableDataset):
 
         def transform(first: int, samples: list[dict]) -> dict:
             counts: Counter = Counter()
-            batch = {c: [s.get(c) for s in samples] for c in COLUMNS}
-            out = preprocess({**batch, "row": row_ids(0, shard, first, len(samples)), "cycle": 0}, counts, self.rows)
-            return {**{c: out[c] for c in self.columns}, COUNTS: dict(counts)}
+            batch = {c: [s.get(c) for s in samples] for c in self.columns}
+            out = self.transform({**batch, "row": row_ids(0, shard, first, len(samples)), "cycle": 0}, counts)
+            return {**out, COUNTS: dict(counts)}
 
-        raw = raw_batches(path, self.reading, COLUMNS, bad, io_counts)
+        raw = raw_batches(path, self.reading, self.columns, bad, io_counts)
         mine = (batch for i, batch in enumerate(raw) if i % parts == part)
         yield from transformed_ahead(mine, transform, self.reading.threads)
-        # every reader of the shard met its damage; one counts it (each one's I/O retries were its own)
-        ended = Counter(reason for _, reason, _ in bad) if part == 0 else Counter()
-        yield {COUNTS: dict(ended + io_counts),
-               **({BAD_SHARD: (bad[0][0], bad[0][2])} if bad and part == 0 else {})}
+        # a shard that ended early is counted once however many of its readers met the end (Batches); each reader's
+        # I/O retries were its own
+        yield {COUNTS: dict(io_counts), **({BAD_SHARD: bad[0]} if bad else {})}
+
+
+def model_inputs(batch: dict, counts: Counter, rows: Rows, columns: list[str]) -> dict:
+    """``columns`` of the model inputs ``rows`` makes of a raw batch (``pipeline.preprocess``: what Ray Data's read
+    tasks run), its drops counted in ``counts``."""
+    out = preprocess(batch, counts, rows)
+    return {c: out[c] for c in columns}
 
 
 class ListBatches(IterableDataset):
@@ -105,25 +123,33 @@ def _as_is(item: dict) -> dict:
 
 class Batches:
     """The batches a ``dataset`` (``ShardBatches``, ``ListBatches``) yields, read by ``workers`` loader processes
-    (forked as iteration starts) at most ``IN_FLIGHT_BYTES`` ahead of the caller (``batch_bytes`` a batch): each
-    batch's columns, its counts added to ``counts`` as it arrives and a shard that ended early in ``bad_shards``."""
+    (started as iteration starts, before the first batch is asked for) about ``IN_FLIGHT_BYTES`` ahead of the caller
+    (``batch_bytes`` a batch; at least one batch a worker, besides the one each is making): each batch's columns,
+    its counts added to ``counts`` as it arrives, a shard that ended early in ``bad_shards`` and counted once
+    (``truncated_shards``, ``unreadable_shards``) whichever of its readers met the end. ``fresh``: the workers start
+    from a fresh forkserver process instead of a fork of this one."""
 
-    def __init__(self, dataset: IterableDataset, workers: int, batch_bytes: int):
-        self.dataset, self.workers = dataset, workers
-        self.ahead = max(2, IN_FLIGHT_BYTES // max(1, batch_bytes * workers))
+    def __init__(self, dataset: IterableDataset, workers: int, batch_bytes: int, fresh: bool = False):
+        self.dataset, self.workers, self.fresh = dataset, workers, fresh
+        self.ahead = max(1, IN_FLIGHT_BYTES // max(1, batch_bytes * workers))
         self.counts: Counter = Counter()
         self.bad_shards: dict[str, str] = {}
 
     def __iter__(self) -> Iterator[dict]:
         loader = DataLoader(self.dataset, batch_size=None, num_workers=self.workers, collate_fn=_as_is,
-                            prefetch_factor=self.ahead)
-        for item in loader:
+                            prefetch_factor=self.ahead, multiprocessing_context="forkserver" if self.fresh else None)
+        return self._arriving(iter(loader))  # iter() starts the workers now
+
+    def _arriving(self, loaded: Iterator[dict]) -> Iterator[dict]:
+        for item in loaded:
             if ERROR in item:
                 raise DataPlaneError(item[ERROR])
             self.counts.update(item.pop(COUNTS, {}))
             if BAD_SHARD in item:
-                path, why = item.pop(BAD_SHARD)
-                self.bad_shards[path] = why
+                path, reason, why = item.pop(BAD_SHARD)
+                if path not in self.bad_shards:
+                    self.bad_shards[path] = why
+                    self.counts[reason] += 1
             if item:
                 yield item
 
@@ -132,5 +158,22 @@ def shard_batches(paths: list[str], rows: Rows, reading: Reading, columns: list[
     """``columns`` of the model inputs of ``paths``' samples in batches of ``reading.batch_size``, read by
     ``loader_workers(workers)`` processes."""
     workers = loader_workers(workers)
-    return Batches(ShardBatches(paths, rows, reading, columns), workers, reading.batch_size * row_bytes(rows))
+    dataset = ShardBatches(paths, reading, partial(model_inputs, rows=rows, columns=list(columns)))
+    return Batches(dataset, workers, reading.batch_size * row_bytes(rows), not on_this_machine(paths))
 
+
+def sum_over_shards(paths: list[str], columns: tuple[str, ...], fn, fn_kwargs: dict, key: str, value: str,
+                    reading: Reading = Reading(), workers: int = 0) -> dict:
+    """``rayvl.data.shards.sum_over_shards`` without Ray: corpus statistics as sums over ``paths``, only
+    ``columns`` read, ``fn`` turning each batch into its partial sums (rows of ``key`` and ``value``) in the loader's
+    workers, this process adding them up as they arrive. {key: sum}."""
+    reading = Reading(io=reading.io)  # one pass, raw batches, counted nowhere
+    total: Counter = Counter()
+    dataset = ShardBatches(paths, reading, partial(_partial_sums, fn=fn, fn_kwargs=fn_kwargs), columns)
+    for batch in Batches(dataset, loader_workers(workers), reading.batch_size * 1024, not on_this_machine(paths)):
+        total.update(dict(zip(batch[key].tolist(), batch[value].tolist())))
+    return dict(total)
+
+
+def _partial_sums(batch: dict, counts: Counter, fn, fn_kwargs: dict) -> dict:
+    return fn(batch, **fn_kwargs)

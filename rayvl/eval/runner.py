@@ -1,7 +1,7 @@
 """`rayvl eval`: every evaluation task on a checkpoint, embeddings computed by one pool of warm actors fed by Ray
 Data (on CPU, or each actor on its GPUs) — or, on a machine of its own with one model to run, by that model in this
-process fed by a local DataLoader, with no Ray at all (``runs_without_ray``) —, the nearest-neighbour searches of
-the tasks by faiss in this process (on every GPU it sees).
+process fed by a local DataLoader, with no Ray at all (``session.runs_without_ray``) —, the nearest-neighbour
+searches of the tasks by faiss in this process (on every GPU it sees).
 
 Each task writes ``<out>/<task>.json``; embeddings are saved as ``.npy`` next to them.
 """
@@ -69,7 +69,7 @@ def load_local(sources: Sources, config: dict, workers: int = 0, limit: int = 0,
     size = cfg.data.image_size
     if sources.kind == "shards":
         data = eval_data.local_shards(sources.data, size, str(assets.text_model_path(cfg.model.text)),
-                                      cfg.data.max_text_tokens, workers, batch_size, cfg.data.read_threads)
+                                      cfg.data.max_text_tokens, workers, batch_size)
     elif sources.kind == "imagefolder":
         data = eval_data.local_imagefolder(sources.data, size, workers, batch_size)
     else:
@@ -117,24 +117,6 @@ def settings(config: dict, **given) -> EvalConfig:
     return replace(from_dict(config).eval, **{k: v for k, v in given.items() if v is not None})
 
 
-def runs_without_ray(actors: int, gpus_per_actor: float, address: str = "") -> bool:
-    """Whether `rayvl eval` runs on this machine with no Ray: no cluster named (``address``, RAY_ADDRESS), no Ray
-    running in this process, and one model to embed with — one actor on CPU (``actors`` 0 or 1) or, with GPUs, the
-    one GPU torch sees here (or ``actors`` 1 of several). Ray would only add processes to start on the CPUs that
-    decode (its raylet, an actor importing torch and the model again, Ray Data's read tasks) before the first
-    image; several models, GPUs or a cluster keep the pool."""
-    from rayvl import session
-
-    if session.cluster_address(address) or ray.is_initialized() or actors > 1:
-        return False
-    if not gpus_per_actor:
-        return True
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return gpus == 1 or (gpus > 1 and actors == 1)
-
-
 def run_eval(checkpoint: str, tasks: list[str] | None = None, sources: Sources | None = None,
              out: str | Path | None = None, actors: int | None = None, cpus_per_actor: float | None = None,
              batch_size: int | None = None, k: int | None = None, limit: int = 0,
@@ -142,8 +124,8 @@ def run_eval(checkpoint: str, tasks: list[str] | None = None, sources: Sources |
              loader_workers: int | None = None) -> dict:
     """Every task of ``tasks`` on a checkpoint; ``tasks`` and the actor pool's settings left None come from its
     config (``eval.checkpoint_tasks``, ``settings``). ``without_ray``: the model embeds in this process, fed by a
-    local loader of ``loader_workers`` processes (``LocalEmbedder``, ``load_local``; ``runs_without_ray`` says when),
-    instead of the pool's actors fed by Ray Data."""
+    local loader of ``loader_workers`` processes (``LocalEmbedder``, ``load_local``; ``session.runs_without_ray``
+    says when), instead of the pool's actors fed by Ray Data."""
     uri = checkpoint_uri(checkpoint)  # local or a URL; every embedding actor loads it on its own node
     meta = read_meta(uri)
     config = meta["config"]

@@ -146,10 +146,11 @@ def _fingerprint(shards: list[str], seed: int, fraction: float) -> dict:
             "token_pattern": TOKEN_PATTERN, "format": STATS_FORMAT}
 
 
-def _count(shards: list[str], seed: int, fraction: float, reading: Reading) -> dict:
-    """The statistics pass: shards streamed by Ray Data → per-batch partial counts → summed by word."""
-    df = sum_over_shards(shards, ("key", "txt", "json"), base_word_counts, {"seed": seed, "fraction": fraction},
-                         "word", "df", reading)
+def _count(shards: list[str], seed: int, fraction: float, reading: Reading, summed=sum_over_shards) -> dict:
+    """The statistics pass: shards streamed by Ray Data (or ``summed``: another ``sum_over_shards``, e.g. a local
+    loader's) → per-batch partial counts → summed by word."""
+    df = summed(shards, ("key", "txt", "json"), base_word_counts, {"seed": seed, "fraction": fraction},
+                "word", "df", reading)
     captions, base = df.pop(ALL_CAPTIONS, 0), df.pop(BASE_CAPTIONS, 0)
     return {"captions": captions, "base_captions": base, "df": dict(sorted(df.items()))}
 
@@ -161,11 +162,12 @@ def compute_stats(spec: str | Sequence[str], *, seed: int, fraction: float, read
 
 
 def load_or_compute(spec: str | Sequence[str], path: str, *, seed: int, fraction: float,
-                    reading: Reading = Reading()) -> tuple[BowStats, bool]:
-    """(stats, reused). A saved artifact is reused only if its fingerprint matches the data and split now."""
+                    reading: Reading = Reading(), summed=sum_over_shards) -> tuple[BowStats, bool]:
+    """(stats, reused). A saved artifact is reused only if its fingerprint matches the data and split now.
+    ``summed``: how the statistics pass sums over the shards (``_count``)."""
     shards = counted_shards(spec)  # listed once: on object storage a listing is a round trip per folder
     content, reused = artifacts.load_or_make(path, _fingerprint(shards, seed, fraction), "bow.stats_path",
-                                             lambda: _count(shards, seed, fraction, reading))
+                                             lambda: _count(shards, seed, fraction, reading, summed))
     return BowStats(**content), reused
 
 

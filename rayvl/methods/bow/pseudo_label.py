@@ -53,7 +53,7 @@ from rayvl.config import ConfigError, RayvlConfig
 from rayvl.data import artifacts
 from rayvl.data import roi_crops
 from rayvl.data.report import DataPlaneError
-from rayvl.data.shards import Reading, ShardStream, read
+from rayvl.data.shards import Reading, ShardStream, read, sum_over_shards
 from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
 from rayvl.data import specs
 from rayvl.data.specs import resolve_shards
@@ -64,7 +64,7 @@ from rayvl.methods.bow.config import PseudoLabelConfig
 from rayvl.methods.bow.deformation import rm_stop_nalpha
 from rayvl.methods.bow.marks import PSEUDO_FLAG, PSEUDO_MARKER
 from rayvl.methods.bow.word_rank import WordRanker, neighbour_counts
-from rayvl.eval import knn
+from rayvl.eval import knn, local_read
 from rayvl.eval.data import IMAGE_EXTENSIONS
 from rayvl.eval.embed import TEXT_BATCH, actor_device, check_gpus, inference, shares, text_embeddings
 
@@ -137,20 +137,30 @@ def claim(out: Path, expected: dict) -> None:
 
 # ----------------------------------------------------------------------------- caption pool and index
 
-def read_pool(spec: str, read_cpus: float, io: ReadPolicy = ReadPolicy()) -> tuple[list[str], list[str]]:
-    """(keys, captions) of S_a's valid captions, sorted by key (a Ray Data read of the key and txt members)."""
-    pairs = []
-    reading = Reading(read_cpus=read_cpus, io=io)
-    for batch in read(ShardStream(resolve_shards(spec), reading, columns=("key", "txt"))).iter_batches(
-            batch_size=None, batch_format="numpy"):
-        for key, txt in zip(batch["key"], batch["txt"]):
-            text, reason = validate_caption(txt)
-            if not reason:
-                pairs.append((str(key), text))
+def read_pool(spec: str, read_cpus: float, io: ReadPolicy = ReadPolicy(),
+              here: bool = False) -> tuple[list[str], list[str]]:
+    """(keys, captions) of S_a's valid captions, sorted by key: a Ray Data read of the key and txt members, or
+    (``here``) a local loader's (no Ray)."""
+    paths, reading = resolve_shards(spec), Reading(read_cpus=read_cpus, io=io)
+    if here:
+        batches = local_read.Batches(local_read.ShardBatches(paths, reading, valid_captions, ("key", "txt")),
+                                     local_read.loader_workers(), reading.batch_size * 256,
+                                     not local_read.on_this_machine(paths))
+    else:
+        batches = (valid_captions(b) for b in read(ShardStream(paths, reading, columns=("key", "txt"))).iter_batches(
+            batch_size=None, batch_format="numpy"))
+    pairs = sorted(pair for b in batches for pair in zip(b["key"].tolist(), b["caption"].tolist()))
     if not pairs:
         raise DataPlaneError(f"pseudo_label.aligned: no valid caption in {spec!r}")
-    pairs.sort()
     return [k for k, _ in pairs], [c for _, c in pairs]
+
+
+def valid_captions(batch: dict, counts: Counter | None = None) -> dict:
+    """The keys and valid captions of a raw batch of (key, txt) members."""
+    found = [(str(key), text) for key, txt in zip(batch["key"], batch["txt"])
+             for text, reason in [validate_caption(txt)] if not reason]
+    keys, captions = zip(*found) if found else ((), ())
+    return {"key": np.array(keys, dtype=object), "caption": np.array(captions, dtype=object)}
 
 
 def reusable_index(folder: Path, expected: dict) -> dict | None:
@@ -160,10 +170,10 @@ def reusable_index(folder: Path, expected: dict) -> dict | None:
     return meta if meta is not None and meta["fingerprint"] == expected else None
 
 
-def build_index(cfg: RayvlConfig, ckpt: str, folder: Path, expected: dict, units: list[Unit], labelers: ActorPool
-                ) -> dict:
+def build_index(cfg: RayvlConfig, ckpt: str, folder: Path, expected: dict, units: list[Unit], embed_texts,
+                here: bool = False) -> dict:
     """The pool's index in ``folder`` (made, or reused when its fingerprint matches); its metadata. The captions
-    are embedded by the labellers, split among them."""
+    are embedded by ``embed_texts`` (the labellers, split among them); ``here``: S_a read without Ray."""
     import faiss
 
     x = cfg.pseudo_label
@@ -171,9 +181,9 @@ def build_index(cfg: RayvlConfig, ckpt: str, folder: Path, expected: dict, units
         log.info("caption index reused from %s (%d captions, %s)", folder, meta["captions"], meta["kind"])
         return meta
     started = time.time()
-    keys, captions = read_pool(x.aligned, cfg.data.read_cpus, ReadPolicy.of(cfg.data))
+    keys, captions = read_pool(x.aligned, cfg.data.read_cpus, ReadPolicy.of(cfg.data), here)
     log.info("caption pool: embedding %d captions of %s", len(captions), x.aligned)
-    vectors = np.concatenate(list(labelers.map(lambda a, share: a.texts.remote(share), shares(captions, x.actors))))
+    vectors = embed_texts(captions)
     index = knn.build_index(vectors, x.index, exact_max=x.index_exact_max, nlist=x.index_nlist,
                             nprobe=x.index_nprobe, seed=x.seed)
     kind = type(index).__name__
@@ -281,11 +291,13 @@ class Labeler:
     frequencies (None: read from ``index_dir``'s word statistics when the index is loaded)."""
 
     def __init__(self, checkpoint: str, index_dir: str, settings: dict, df: dict | None, out: str,
-                 io: ReadPolicy = ReadPolicy()):
+                 io: ReadPolicy = ReadPolicy(), device: torch.device | None = None):
         from rayvl.export import load
 
         self.x = PseudoLabelConfig(**settings)
-        self.device = actor_device(GPUS_OFF)  # cuda only on the GPUs Ray gave this actor (pseudo_label.gpus_per_actor)
+        # cuda only on the GPUs Ray gave this actor (pseudo_label.gpus_per_actor), or ``device`` where Ray did not
+        # start this process
+        self.device = device or actor_device(GPUS_OFF)
         self.model = load(checkpoint, str(self.device))
         # NHWC here and in GPU embedding actors; CPU evaluation embeds as training does, so `rayvl eval` on CPU
         # reproduces its metrics exactly
@@ -415,52 +427,92 @@ def check_cluster(cfg: RayvlConfig, fixed_size: bool, node_cpus: list[float] | N
     log.warning("%s (waiting for the autoscaler)", problem)
 
 
-def run(cfg: RayvlConfig, fixed_size: bool = False, checked: tuple[str, list[Unit]] | None = None) -> dict:
-    """Label ``pseudo_label.unaligned`` (Ray must be connected; ``fixed_size``: a Ray that cannot grow;
-    ``checked``: what ``check(cfg)`` returned, if it ran already); the job's summary, also in <out>/summary.json."""
+def run(cfg: RayvlConfig, fixed_size: bool = False, checked: tuple[str, list[Unit]] | None = None,
+        without_ray: bool = False) -> dict:
+    """Label ``pseudo_label.unaligned`` (Ray must be connected, unless ``without_ray``: one labeller in this process
+    and local loaders, ``session.runs_without_ray``; ``fixed_size``: a Ray that cannot grow; ``checked``: what
+    ``check(cfg)`` returned, if it ran already); the job's summary, also in <out>/summary.json."""
     x = cfg.pseudo_label
     ckpt, units = checked or check(cfg)
-    check_cluster(cfg, fixed_size)
+    if not without_ray:
+        check_cluster(cfg, fixed_size)
     out = Path(x.out).expanduser()
     index_fp, labelling_fp = fingerprints(x, ckpt, units)
     claim(out, labelling_fp)
     todo = [u for u in units if not finished(out, u, x.rules)]
     if not todo and (index := reusable_index(out / INDEX_DIR, index_fp)) is not None:
         return summarize(out, x.rules, units, index, len(units), 0.0)
-    # the labellers load their model now, while the driver reads the aligned set twice (its word statistics, its
-    # captions); each then embeds its share of the caption pool and labels units, one in flight
-    actor = ray.remote(Labeler).options(num_cpus=x.cpus_per_actor, num_gpus=x.gpus_per_actor, max_restarts=1,
-                                        max_task_retries=1)  # a unit is written whole or not at all: safe to redo
-    actors = [actor.remote(ckpt, str(out / INDEX_DIR), asdict(x), None, str(out), ReadPolicy.of(cfg.data))
-              for _ in range(x.actors)]
-    labelers = ActorPool(actors)
+    labellers = Labellers(cfg, ckpt, out, without_ray)
     try:
+        summed = local_read.sum_over_shards if without_ray else sum_over_shards
         stats, reused = bow.load_or_compute(x.aligned, str(out / INDEX_DIR / WORD_STATS), seed=0, fraction=1.0,
-                                            reading=Reading.of(cfg, None))
+                                            reading=Reading.of(cfg, None), summed=summed)
         log.info("S_a word statistics %s: %d captions, %d words", "reused" if reused else "computed",
                  stats.captions, len(stats.df))
-        index = build_index(cfg, ckpt, out / INDEX_DIR, index_fp, units, labelers)
+        index = build_index(cfg, ckpt, out / INDEX_DIR, index_fp, units, labellers.texts, without_ray)
         log.info("labelling %d of %d shards (%d finished before) with %s", len(todo), len(units),
                  len(units) - len(todo), ", ".join(x.rules))
         started = time.time()
-        _label(labelers, todo, started)
+        _label(labellers.label(todo), len(todo), started)
     finally:
-        for a in actors:
-            ray.kill(a)
+        labellers.close()
     return summarize(out, x.rules, units, index, len(units) - len(todo), time.time() - started)
 
 
-def _label(labelers: ActorPool, todo: list[Unit], started: float) -> None:
-    """Each unit to the next free labeller (one in flight each: a unit is a whole shard), a progress line per unit
-    done."""
+class Labellers:
+    """The job's labellers: ``pseudo_label.actors`` Ray actors, started at once — they load their model while the
+    driver reads the aligned set twice (its word statistics, its captions), then each embeds its share of the
+    caption pool and labels units, one in flight — or (``without_ray``) one ``Labeler`` in this process, its crops
+    cut on every CPU of the machine, loaded where it is first needed (after the local loaders have read S_a: their
+    workers are forked from this process, which should hold no model and no running thread then)."""
+
+    def __init__(self, cfg: RayvlConfig, ckpt: str, out: Path, without_ray: bool):
+        x = cfg.pseudo_label
+        self.args = [ckpt, str(out / INDEX_DIR), asdict(x), None, str(out), ReadPolicy.of(cfg.data)]
+        self.actors, self.here = [], None
+        if without_ray:
+            self.args[2] = {**asdict(x), "cpus_per_actor": float(local_read.this_machines_cpus())}
+            self.device = torch.device("cuda" if x.gpus_per_actor else "cpu")
+            return
+        actor = ray.remote(Labeler).options(num_cpus=x.cpus_per_actor, num_gpus=x.gpus_per_actor, max_restarts=1,
+                                            max_task_retries=1)  # a unit is written whole or not at all: safe to redo
+        self.actors = [actor.remote(*self.args) for _ in range(x.actors)]
+        self.pool = ActorPool(self.actors)
+
+    def labeler(self) -> Labeler:
+        """The labeller in this process (without Ray), loaded at its first use."""
+        if self.here is None:
+            self.here = Labeler(*self.args, device=self.device)
+        return self.here
+
+    def texts(self, captions: list[str]) -> np.ndarray:
+        if not self.actors:
+            return self.labeler().texts(captions)
+        shared = shares(captions, len(self.actors))
+        return np.concatenate(list(self.pool.map(lambda a, share: a.texts.remote(share), shared)))
+
+    def label(self, todo: list[Unit]):
+        """Each unit's counts as it is labelled: by the next free actor, or one after another here."""
+        if self.actors:
+            return self.pool.map_unordered(lambda a, unit: a.label.remote(unit), todo)
+        return (self.labeler().label(unit) for unit in todo)
+
+    def close(self) -> None:
+        for a in self.actors:
+            ray.kill(a)
+        self.actors, self.here = [], None
+
+
+def _label(results, total: int, started: float) -> None:
+    """A progress line per unit done (``results``: each unit's counts as it ends)."""
     done = Counter()
-    for c in labelers.map_unordered(lambda a, unit: a.label.remote(unit), todo):
+    for c in results:
         done.update({k: v for k, v in c.items() if isinstance(v, int) and k != "unit"})
         done["shards"] += 1
         elapsed = time.time() - started
-        eta = elapsed / done["shards"] * (len(todo) - done["shards"])
+        eta = elapsed / done["shards"] * (total - done["shards"])
         log.info("pseudo-label: shard %d/%d | %d images (%d undecodable) | %.1f images/s | ETA %.0f s%s",
-                 done["shards"], len(todo), done["images"], done["images"] - done["decoded"],
+                 done["shards"], total, done["images"], done["images"] - done["decoded"],
                  done["images"] / max(elapsed, 1e-9), eta,
                  f" | damaged: {c['damaged_shard']}" if c.get("damaged_shard") else
                  f" | not labelled: {c['unreadable_shard']}" if c.get("unreadable_shard") else "")
