@@ -242,3 +242,38 @@ def test_dry_runs_of_a_sweep_a_comparison_and_a_labelling_job(demo_dir, tmp_path
     assert "pseudo_label.aligned: 2 shards; 2 local files named and found" in out
     assert "pseudo_label.unaligned: 1 units (1 shards)" in out and "0 of 1 units finished before" in out
     assert not (tmp_path / "pseudo").exists()  # a dry run writes nothing
+
+
+@pytest.mark.slow
+def test_rayvl_eval_without_ray_reads_the_held_out_shards_from_the_store_through_faults(demo_dir, tmp_path, laion,
+                                                                                        s3):
+    """`rayvl eval` on one machine (no Ray) over held-out shards on object storage: its loader's workers start from a
+    fresh process (not a fork of one that used the store's client), each shard is fetched by one of them, and a
+    connection reset past pyarrow's own retries is resumed — the same rows, embeddings and counts as the same
+    shards read from files (the retries counted besides)."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from conftest import REPO
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import eval_throughput as bench
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    checkpoint = bench.tiny_checkpoint(tmp_path)
+    s3.faults.add("coco-val/00000.tar", *[("reset", 20_000)] * 40)
+    outs = {}
+    for name, data in (("store", laion[1]), ("files", str(demo_dir / "eval"))):
+        outs[name] = tmp_path / name
+        run = subprocess.run(bench.rayvl_command(checkpoint, data, outs[name]), env=bench.child_env(),
+                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert run.returncode == 0 and "no Ray" in run.stderr, run.stderr[-3000:]
+    store, files = (json.loads((outs[n] / "eval.json").read_text()) for n in ("store", "files"))
+    assert store["data"].pop("io_retries") >= 1 and store == {**files, "checkpoint": store["checkpoint"]}
+    assert files["data"]["samples_kept"] == 64
+    for name in ("keys.json", "image_embeddings.npy", "caption_embeddings.npy"):
+        a, b = (outs[n] / name for n in ("store", "files"))
+        assert (a.read_text() == b.read_text()) if name.endswith(".json") else np.array_equal(np.load(a), np.load(b))
