@@ -305,6 +305,19 @@ def describe_sweep(sweep) -> str:
     return "\n".join(head + ["  " + line for line in describe(cfg).splitlines()])
 
 
+def labellers_line(cfg: RayvlConfig) -> str:
+    """Who labels: the actors of a Ray, or the one labeller in the command's process (session.runs_without_ray)."""
+    from rayvl.session import runs_without_ray
+
+    x = cfg.pseudo_label
+    if runs_without_ray(x.actors, x.gpus_per_actor, cfg.ray_address):
+        cpus = f"{cfg.local_num_cpus} CPUs" if cfg.local_num_cpus else "the machine's CPUs"
+        return (f"  one labeller in this process, no Ray ({cpus}"
+                + (", this machine's GPU" if x.gpus_per_actor else "") + ")")
+    return (f"  {x.actors} labelling actors of {{CPU: {x.cpus_per_actor:g}"
+            + (f", GPU: {x.gpus_per_actor:g}" if x.gpus_per_actor else "") + "}")
+
+
 def describe_pseudo_label(cfg: RayvlConfig) -> str:
     """The plan of a labelling job (``rayvl pseudo-label --dry-run``)."""
     from rayvl.methods.bow import pseudo_label
@@ -323,7 +336,6 @@ def describe_pseudo_label(cfg: RayvlConfig) -> str:
         if storage.local_path(x.out).is_dir() else 0
     lines += ["job:", f"  rules {', '.join(x.rules)}; {x.crops} crops × top-{x.k} captions per image; {done} of "
                       f"{len(units)} units finished before (skipped)",
-              f"  {x.actors} labelling actors of {{CPU: {x.cpus_per_actor:g}"
-              + (f", GPU: {x.gpus_per_actor:g}" if x.gpus_per_actor else "") + "}",
+              labellers_line(cfg),
               f"  output {x.out}/<rule>/, index {x.out}/index/"]
     return "\n".join(lines)

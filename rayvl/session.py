@@ -71,17 +71,17 @@ def planned_local_cpus(cfg: RayvlConfig) -> float | None:
 def runs_without_ray(actors: int, gpus_per_actor: float, address: str = "") -> bool:
     """Whether a command whose work is one model (`rayvl eval`, `rayvl pseudo-label`) runs on this machine with no
     Ray: no cluster named (``address``, RAY_ADDRESS), no Ray running in this process, and one model — one actor on
-    CPU (``actors`` 0 or 1) or, with GPUs, the one GPU torch sees here (or ``actors`` 1 of several). Ray would only
-    add processes to start on the CPUs that decode (its raylet, an actor importing torch and the model again, Ray
-    Data's read tasks) before the first image; several models, GPUs or a cluster keep Ray."""
-    if cluster_address(address) or ray.is_initialized() or actors > 1:
+    CPU (``actors`` 0 or 1) or, with GPUs (at most one an actor), on a machine where torch sees exactly one GPU.
+    Ray would only add processes to start on the CPUs that decode (its raylet, an actor importing torch and the
+    model again, Ray Data's read tasks) before the first image; several models, several GPUs (which a process of
+    its own would all see: Ray gives each actor its own) or a cluster keep Ray."""
+    if cluster_address(address) or ray.is_initialized() or actors > 1 or gpus_per_actor > 1:
         return False
     if not gpus_per_actor:
         return True
     import torch
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return gpus == 1 or (gpus > 1 and actors == 1)
+    return torch.cuda.is_available() and torch.cuda.device_count() == 1
 
 
 def cluster_address(address: str = "") -> str:

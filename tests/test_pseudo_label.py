@@ -2,6 +2,7 @@
 recall against brute force, the word precision counted by hand and on a labeller whose answer is known, and the job
 on real shards — output read back with exact counts, a bad image counted, a killed job's rerun skipping its
 finished shards, a folder of image files, errors named before Ray starts."""
+import dataclasses
 import json
 import os
 import shutil
@@ -134,7 +135,7 @@ def test_pseudo_label_job_writes_shards_that_train_reads_and_resumes_after_a_kil
     before = {p: p.stat().st_mtime_ns for p in out.glob(f"*/{done[0][0][:5]}*")}
 
     # the rerun, the same command with no cluster named: on one machine with one labeller it starts no Ray (the
-    # labeller in its own process, its crops cut on every CPU) and finishes what the Ray job began
+    # labeller in its own process, decoding and cropping on the machine's CPUs) and finishes what the Ray job began
     from rayvl.config import load_config
 
     rerun = subprocess.run(command, env={k: v for k, v in env.items() if k != "RAY_ADDRESS"}, capture_output=True,
@@ -168,6 +169,22 @@ def test_pseudo_label_job_writes_shards_that_train_reads_and_resumes_after_a_kil
     assert len(queries) == 32 * 6 and index.nprobe == 2
     recall = knn.recall(index, index.reconstruct_n(0, index.ntotal), queries, 4)
     assert summary["index"]["recall_at_4"] == pytest.approx(recall, abs=1e-12) and 0 < recall < 1
+
+    # the same job from the start without Ray (S_a's statistics and pool read by local loaders, the index built and
+    # its recall measured here): the same index and the same labels, row by row, as the two runs above wrote
+    from rayvl.methods.bow.pseudo_label import run
+
+    fresh = tmp_path / "fresh"
+    again = run(dataclasses.replace(cfg, pseudo_label=dataclasses.replace(cfg.pseudo_label, out=str(fresh))),
+                without_ray=True)
+    assert again["index"] == {**summary["index"], "seconds": again["index"]["seconds"]}
+    assert json.loads((fresh / INDEX_DIR / "aligned_word_stats.json").read_text())["df"] == json.loads(
+        (out / INDEX_DIR / "aligned_word_stats.json").read_text())["df"]
+    for rule in ("max_count", "weighted_count"):
+        for shard in ("00000", "00001"):
+            a, b = (pq.read_table(d / rule / f"{shard}.parquet", columns=["key", "status", "words", "neighbours",
+                                                                          "scores"]).to_pylist() for d in (out, fresh))
+            assert a == b, (rule, shard)
 
     # read back through rayvl's training reader: every written sample arrives, its caption as written
     ds = read_shards(str(out / "weighted_count"), Rows(image_size=32, crop_scale_min=0.6, train=False,

@@ -123,9 +123,9 @@ def _eval_parser(sub) -> None:
     e.add_argument("--actors", type=int, default=None,
                    help="embedding actors (Ray Data actor pool size; 0: 1 on CPU, with --gpus as many as the "
                         f"cluster's GPUs hold now; default: eval.actors, {d.actors}). With no cluster named "
-                        "(RAY_ADDRESS) and one model to run — 0 or 1 actors on CPU, or with --gpus this machine's "
-                        "one GPU (or --actors 1) — the model embeds in this process, fed by --workers loader "
-                        "processes, and no Ray starts")
+                        "(RAY_ADDRESS) and one model to run — 0 or 1 actors on CPU, or with --gpus a machine's "
+                        "only GPU — the model embeds in this process, fed by --workers loader processes, and no Ray "
+                        "starts")
     e.add_argument("--cpus-per-actor", type=float, default=None,
                    help="CPUs each embedding actor reserves, and each read task (default: eval.cpus_per_actor, "
                         f"{d.cpus_per_actor:g})")
@@ -387,8 +387,8 @@ def pseudo_label_main(args) -> int:
     checked = pseudo_label.check(cfg)  # every path named by its key before Ray starts
     x = cfg.pseudo_label
     without_ray = session.runs_without_ray(x.actors, x.gpus_per_actor, cfg.ray_address)
-    started = without_ray or session.connect(cfg.ray_address, cfg.local_num_cpus, verbose=args.verbose,
-                                             include_dashboard=False)
+    started = not without_ray and session.connect(cfg.ray_address, cfg.local_num_cpus, verbose=args.verbose,
+                                                  include_dashboard=False)
     try:
         summary = _gpu_errors_in_one_line(lambda: pseudo_label.run(cfg, fixed_size=started, checked=checked,
                                                                    without_ray=without_ray))

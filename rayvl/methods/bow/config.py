@@ -88,10 +88,11 @@ class PseudoLabelConfig:
     shard_size: int = 1000
     """images per output shard when the unaligned set is a folder of images (a shard input keeps its shards)."""
     actors: int = 1
-    """labelling actors (each loads the model and the index once). One, on a machine with no cluster named (and no
-    GPU or its one GPU): the labeller runs in the command's process, with no Ray."""
+    """labelling actors (each loads the model and the index once). One, on a machine with no cluster named (no
+    GPU asked, or the machine's only GPU): the labeller runs in the command's process, with no Ray."""
     cpus_per_actor: float = 1.0
-    """CPUs each labelling / caption-embedding actor reserves (a labeller without Ray cuts crops on every CPU)."""
+    """CPUs each labelling / caption-embedding actor reserves (a labeller without Ray decodes and crops on the
+    machine's CPUs, local_num_cpus if set)."""
     gpus_per_actor: float = 0.0
     """GPUs each labelling actor reserves (the model and a faiss-gpu index then use CUDA)."""
     batch_size: int = 256

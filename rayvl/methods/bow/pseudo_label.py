@@ -24,6 +24,10 @@
    another model, data or settings is refused instead of mixing two labellings.
 Undecodable images and images whose retrieved words were all filtered out are listed in the parquet with their
 status (as img2dataset lists failed downloads), counted, and not in the tar.
+
+On one machine with one labeller and no cluster named (``session.runs_without_ray``), the job starts no Ray: S_a is
+read by local torch DataLoaders (``rayvl.eval.local_read``: its word statistics, its captions) and the one
+``Labeler`` runs in the command's process (``Labellers``), the same code as an actor's.
 """
 from __future__ import annotations
 
@@ -138,14 +142,13 @@ def claim(out: Path, expected: dict) -> None:
 # ----------------------------------------------------------------------------- caption pool and index
 
 def read_pool(spec: str, read_cpus: float, io: ReadPolicy = ReadPolicy(),
-              here: bool = False) -> tuple[list[str], list[str]]:
+              here: int = 0) -> tuple[list[str], list[str]]:
     """(keys, captions) of S_a's valid captions, sorted by key: a Ray Data read of the key and txt members, or
-    (``here``) a local loader's (no Ray)."""
+    (``here``) a local loader's of that many workers (no Ray)."""
     paths, reading = resolve_shards(spec), Reading(read_cpus=read_cpus, io=io)
     if here:
         batches = local_read.Batches(local_read.ShardBatches(paths, reading, valid_captions, ("key", "txt")),
-                                     local_read.loader_workers(), reading.batch_size * 256,
-                                     not local_read.on_this_machine(paths))
+                                     here, reading.batch_size * 256, not local_read.on_this_machine(paths))
     else:
         batches = (valid_captions(b) for b in read(ShardStream(paths, reading, columns=("key", "txt"))).iter_batches(
             batch_size=None, batch_format="numpy"))
@@ -171,9 +174,10 @@ def reusable_index(folder: Path, expected: dict) -> dict | None:
 
 
 def build_index(cfg: RayvlConfig, ckpt: str, folder: Path, expected: dict, units: list[Unit], embed_texts,
-                here: bool = False) -> dict:
+                here: int = 0) -> dict:
     """The pool's index in ``folder`` (made, or reused when its fingerprint matches); its metadata. The captions
-    are embedded by ``embed_texts`` (the labellers, split among them); ``here``: S_a read without Ray."""
+    are embedded by ``embed_texts`` (the labellers, split among them); ``here``: S_a read without Ray, by a local
+    loader of that many workers."""
     import faiss
 
     x = cfg.pseudo_label
@@ -444,12 +448,13 @@ def run(cfg: RayvlConfig, fixed_size: bool = False, checked: tuple[str, list[Uni
         return summarize(out, x.rules, units, index, len(units), 0.0)
     labellers = Labellers(cfg, ckpt, out, without_ray)
     try:
-        summed = local_read.sum_over_shards if without_ray else sum_over_shards
+        here = labellers.loader_workers  # 0: on Ray
+        summed = partial(local_read.sum_over_shards, workers=here) if here else sum_over_shards
         stats, reused = bow.load_or_compute(x.aligned, str(out / INDEX_DIR / WORD_STATS), seed=0, fraction=1.0,
                                             reading=Reading.of(cfg, None), summed=summed)
         log.info("S_a word statistics %s: %d captions, %d words", "reused" if reused else "computed",
                  stats.captions, len(stats.df))
-        index = build_index(cfg, ckpt, out / INDEX_DIR, index_fp, units, labellers.texts, without_ray)
+        index = build_index(cfg, ckpt, out / INDEX_DIR, index_fp, units, labellers.texts, here)
         log.info("labelling %d of %d shards (%d finished before) with %s", len(todo), len(units),
                  len(units) - len(todo), ", ".join(x.rules))
         started = time.time()
@@ -462,17 +467,20 @@ def run(cfg: RayvlConfig, fixed_size: bool = False, checked: tuple[str, list[Uni
 class Labellers:
     """The job's labellers: ``pseudo_label.actors`` Ray actors, started at once — they load their model while the
     driver reads the aligned set twice (its word statistics, its captions), then each embeds its share of the
-    caption pool and labels units, one in flight — or (``without_ray``) one ``Labeler`` in this process, its crops
-    cut on every CPU of the machine, loaded where it is first needed (after the local loaders have read S_a: their
-    workers are forked from this process, which should hold no model and no running thread then)."""
+    caption pool and labels units, one in flight — or (``without_ray``) one ``Labeler`` in this process, decoding
+    and cropping on the machine's CPUs (``local_num_cpus`` caps them), loaded where it is first needed: after the
+    local loaders (``loader_workers`` processes) have read S_a, so that they are forked from a process that holds
+    no model and runs no thread."""
 
     def __init__(self, cfg: RayvlConfig, ckpt: str, out: Path, without_ray: bool):
         x = cfg.pseudo_label
         self.args = [ckpt, str(out / INDEX_DIR), asdict(x), None, str(out), ReadPolicy.of(cfg.data)]
-        self.actors, self.here = [], None
+        self.actors, self.here, self.loader_workers = [], None, 0
         if without_ray:
-            self.args[2] = {**asdict(x), "cpus_per_actor": float(local_read.this_machines_cpus())}
+            cpus = min(cfg.local_num_cpus or local_read.this_machines_cpus(), local_read.this_machines_cpus())
+            self.args[2] = {**asdict(x), "cpus_per_actor": float(cpus)}
             self.device = torch.device("cuda" if x.gpus_per_actor else "cpu")
+            self.loader_workers = max(1, cpus - 1)
             return
         actor = ray.remote(Labeler).options(num_cpus=x.cpus_per_actor, num_gpus=x.gpus_per_actor, max_restarts=1,
                                             max_task_retries=1)  # a unit is written whole or not at all: safe to redo
@@ -486,20 +494,22 @@ class Labellers:
         return self.here
 
     def texts(self, captions: list[str]) -> np.ndarray:
-        if not self.actors:
+        if self.loader_workers:
             return self.labeler().texts(captions)
         shared = shares(captions, len(self.actors))
         return np.concatenate(list(self.pool.map(lambda a, share: a.texts.remote(share), shared)))
 
     def label(self, todo: list[Unit]):
         """Each unit's counts as it is labelled: by the next free actor, or one after another here."""
-        if self.actors:
-            return self.pool.map_unordered(lambda a, unit: a.label.remote(unit), todo)
-        return (self.labeler().label(unit) for unit in todo)
+        if self.loader_workers:
+            return (self.labeler().label(unit) for unit in todo)
+        return self.pool.map_unordered(lambda a, unit: a.label.remote(unit), todo)
 
     def close(self) -> None:
         for a in self.actors:
             ray.kill(a)
+        if self.here is not None:  # a unit that failed half-way leaves crops being cut: not waited for
+            self.here.threads.shutdown(wait=False, cancel_futures=True)
         self.actors, self.here = [], None
 
 
