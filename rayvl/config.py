@@ -348,8 +348,8 @@ class EvalConfig:
     """tasks `rayvl eval` runs on a checkpoint unless --tasks names others (the linear probe too)."""
     actors: int = 0
     """`rayvl eval`'s embedding actors (a Ray Data actor pool): 0 = one on CPU, or with gpus_per_actor as many as
-    the cluster's GPUs hold when it starts. One model on a machine of its own (no cluster named, one actor or one
-    GPU) embeds in the command's process, with no Ray (loader_workers)."""
+    the cluster's GPUs hold when it starts. One model on a machine of its own (no cluster named, one actor on CPU,
+    or the machine's only GPU) embeds in the command's process, with no Ray (loader_workers)."""
     cpus_per_actor: float = 0.5
     """CPUs each `rayvl eval` embedding actor reserves."""
     gpus_per_actor: float = 0.0
@@ -389,7 +389,8 @@ class CoreConfig:
     ray_address: str = ""
     """Ray cluster to join ('' = RAY_ADDRESS or a local Ray started on demand)."""
     local_num_cpus: int = 0
-    """CPUs of a local Ray started on demand (0 = all)."""
+    """CPUs of a local Ray started on demand (0 = all); where a command runs without Ray (`rayvl pseudo-label`'s one
+    labeller on one machine), the CPUs it decodes, crops and runs the model on."""
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     loss: LossConfig = field(default_factory=LossConfig)

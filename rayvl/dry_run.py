@@ -307,11 +307,12 @@ def describe_sweep(sweep) -> str:
 
 def labellers_line(cfg: RayvlConfig) -> str:
     """Who labels: the actors of a Ray, or the one labeller in the command's process (session.runs_without_ray)."""
+    from rayvl.methods.bow import pseudo_label
     from rayvl.session import runs_without_ray
 
     x = cfg.pseudo_label
     if runs_without_ray(x.actors, x.gpus_per_actor, cfg.ray_address):
-        cpus = f"{cfg.local_num_cpus} CPUs" if cfg.local_num_cpus else "the machine's CPUs"
+        cpus = f"{pseudo_label.labeller_cpus(cfg)} CPUs" if cfg.local_num_cpus else "the machine's CPUs"
         return (f"  one labeller in this process, no Ray ({cpus}"
                 + (", this machine's GPU" if x.gpus_per_actor else "") + ")")
     return (f"  {x.actors} labelling actors of {{CPU: {x.cpus_per_actor:g}"

@@ -97,7 +97,7 @@ def test_a_shard_that_cannot_be_read_fails_the_read_naming_it_or_is_skipped_and_
 def test_the_aligned_sets_word_statistics_and_caption_pool_read_here_are_ray_datas(ray_local, demo_dir):
     """`rayvl pseudo-label` without Ray reads S_a twice with local loaders: its BoW word statistics (a local
     ``sum_over_shards``) and its caption pool — the same sums and the same (key, caption) pairs as Ray Data's reads,
-    with 1 worker and with more workers than shards."""
+    with 1 worker and with more workers than shards (3)."""
     from rayvl.data.shards import sum_over_shards
     from rayvl.methods.bow import deformation as bow
     from rayvl.methods.bow.pseudo_label import read_pool
@@ -112,4 +112,21 @@ def test_the_aligned_sets_word_statistics_and_caption_pool_read_here_are_ray_dat
         here = local_read.sum_over_shards(paths, ("key", "txt", "json"), bow.base_word_counts, kwargs, "word", "df",
                                           workers=workers)
         assert here == by_ray, workers
-    assert read_pool(str(demo_dir / "train"), 0.5, here=True) == pool
+    assert read_pool(str(demo_dir / "train"), 0.5, here=5) == pool
+
+
+def test_one_model_on_a_machine_of_its_own_runs_without_ray(monkeypatch):
+    """session.runs_without_ray: no cluster named and one model — one actor on CPU, or a machine's only GPU; a
+    cluster (RAY_ADDRESS or the config's address), a Ray running in the process, several actors or more than one
+    GPU an actor keep Ray."""
+    import torch
+
+    from rayvl.session import runs_without_ray
+
+    here = not ray.is_initialized()  # the session's Ray, when an earlier test started it, is a Ray in this process
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert runs_without_ray(0, 0.0) == here and runs_without_ray(1, 0.0) == here
+    assert runs_without_ray(1, 1.0) == (here and torch.cuda.is_available() and torch.cuda.device_count() == 1)
+    assert not any((runs_without_ray(2, 0.0), runs_without_ray(1, 2.0), runs_without_ray(0, 0.0, "ray://head:10001")))
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    assert not runs_without_ray(0, 0.0) and not runs_without_ray(1, 0.0)

@@ -125,8 +125,13 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_from_its_checkpoint(cluster
     assert {w.node_id for w in train_workers()} == set()  # the run's workers are gone
 
     evaluated = run_eval(result.uri, ["retrieval"], batch_size=16)  # a run directory given as a URL
+    # the same rows and model, embedded in other batches (16 in one actor, 32 split over two ranks): rows differ by
+    # float32 rounding, and where a query's candidates tie (the demo's held-out captions repeat: 63 distinct of 64)
+    # a rank may move — by one query's worth of a recall (100/64 points) at most; a wrong checkpoint, row order or
+    # crop moves them far more (the suite at b6b2a14 saw t2i_R@5 12.5 against 14.0625: one query)
+    one_query = 100 / 64
     for key, value in evaluated["retrieval"].items():
-        assert value == pytest.approx(result.metrics[key], abs=1e-6), key
+        assert value == pytest.approx(result.metrics[key], abs=one_query + 1e-9), key
     assert json.loads((result.run_dir / "eval" / "retrieval.json").read_text()) == evaluated["retrieval"]
 
 

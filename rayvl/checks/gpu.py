@@ -544,9 +544,11 @@ def connect(check: Check) -> str:
 
 def run_cli(check: Check, args: list[str], timeout: float = 600, joined: bool = True) -> subprocess.CompletedProcess:
     """``rayvl ARGS`` in a new process joined to this check's Ray (whose GPUs the training cases have let go), or
-    (``joined`` False) with no cluster named."""
+    (``joined`` False) with no cluster named and the first GPU alone visible."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env = {**env, **({"RAY_ADDRESS": connect(check)} if joined else {}), **rayvl_importable()}
+    first_gpu = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    env = {**env, **({"RAY_ADDRESS": connect(check)} if joined else {"CUDA_VISIBLE_DEVICES": first_gpu}),
+           **rayvl_importable()}
     # run from the check's own folder: `-m` puts the working directory first on sys.path, and a folder holding a
     # rayvl/ (a checkout) would shadow the rayvl this check runs
     return subprocess.run([sys.executable, "-m", "rayvl.cli", *args], env=env, capture_output=True, text=True,
@@ -681,7 +683,8 @@ def eval_case(check: Check, case: Case, outcome: Outcome) -> None:
 
 
 def eval_here_case(check: Check, case: Case, outcome: Outcome) -> None:
-    """`rayvl eval --gpus 1` on this machine with no cluster named: one model in the command's process, no Ray."""
+    """`rayvl eval --gpus 1` on this machine with no cluster named, shown one GPU (CUDA_VISIBLE_DEVICES, as a user of
+    a machine with several runs one model): one model in the command's process, no Ray."""
     evaluate(check, outcome, joined=False)
 
 

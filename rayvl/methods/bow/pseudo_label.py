@@ -464,6 +464,11 @@ def run(cfg: RayvlConfig, fixed_size: bool = False, checked: tuple[str, list[Uni
     return summarize(out, x.rules, units, index, len(units) - len(todo), time.time() - started)
 
 
+def labeller_cpus(cfg: RayvlConfig) -> int:
+    """The CPUs a labeller without Ray uses: ``local_num_cpus`` where set, at most this machine's."""
+    return min(cfg.local_num_cpus or local_read.this_machines_cpus(), local_read.this_machines_cpus())
+
+
 class Labellers:
     """The job's labellers: ``pseudo_label.actors`` Ray actors, started at once — they load their model while the
     driver reads the aligned set twice (its word statistics, its captions), then each embeds its share of the
@@ -477,7 +482,9 @@ class Labellers:
         self.args = [ckpt, str(out / INDEX_DIR), asdict(x), None, str(out), ReadPolicy.of(cfg.data)]
         self.actors, self.here, self.loader_workers = [], None, 0
         if without_ray:
-            cpus = min(cfg.local_num_cpus or local_read.this_machines_cpus(), local_read.this_machines_cpus())
+            cpus = labeller_cpus(cfg)
+            if cfg.local_num_cpus:  # the model's and faiss's threads too, as an actor's would be
+                torch.set_num_threads(cpus)
             self.args[2] = {**asdict(x), "cpus_per_actor": float(cpus)}
             self.device = torch.device("cuda" if x.gpus_per_actor else "cpu")
             self.loader_workers = max(1, cpus - 1)
