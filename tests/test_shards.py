@@ -11,7 +11,7 @@ from PIL import Image
 
 from rayvl import assets
 from rayvl.data import shards
-from rayvl.data.pipeline import Rows
+from rayvl.data.pipeline import Rows, preprocess_columns
 from rayvl.data.shards import Reading
 from rayvl.data.report import DataPlaneError, create_report, report_actor
 from rayvl.data.specs import resolve_shards
@@ -129,7 +129,7 @@ def test_threaded_transform_keeps_order_rows_and_counts(bad_shard):
 
     def read(threads):
         source = shards.ShardStream(resolve_shards(str(bad_shard)), Reading(batch_size=2, threads=threads),
-                                    transform=partial(shards._transform, columns=None, rows=Rows(
+                                    transform=partial(preprocess_columns, columns=None, rows=Rows(
                                         image_size=32, crop_scale_min=0.5, train=False, max_tokens=16,
                                         tokenizer_path=str(assets.text_model_path("minilm-l6")))))
         bad: list = []

@@ -110,6 +110,13 @@ def preprocess(batch: dict, counts: Counter, rows: Rows) -> dict:
             **{c: np.array([v.get(c, default) for v in values], dtype=np.int64) for c, default in rows.columns.items()}}
 
 
+def preprocess_columns(batch: dict, counts: Counter, rows: Rows, columns: list[str] | None = None) -> dict:
+    """``preprocess``, only ``columns`` of its output kept (all of them when None): what a shard reader, Ray Data's
+    read task or a local loader's worker, makes of a raw batch."""
+    out = preprocess(batch, counts, rows)
+    return {c: out[c] for c in columns} if columns else out
+
+
 def model_inputs(images: list, captions: list[str], keys: list[str], rows: Rows) -> dict:
     """Stacked uint8 images, fixed-length token ids and mask, keys and captions (no label: the caller's column)."""
     ids, mask = tokenize(captions, rows.tokenizer_path, rows.max_tokens)

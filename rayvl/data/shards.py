@@ -34,7 +34,7 @@ from ray.data.datasource import Datasource, ReadTask
 
 from rayvl import storage
 from rayvl.data.mix import Mix
-from rayvl.data.pipeline import Rows, preprocess, row_bytes  # row_bytes: imported from here too
+from rayvl.data.pipeline import Rows, preprocess_columns, row_bytes  # row_bytes: imported from here too
 from rayvl.data.position import row_ids
 from rayvl.data.report import current_token, record, record_async, report_actor
 from rayvl.data.shard_read import Reading, raw_batches, transformed_ahead  # Reading: imported from here too
@@ -248,7 +248,7 @@ def read_shards(spec: str | Sequence[str], rows: Rows, reading: Reading,
     """The streaming Ray Dataset of model inputs for a shard spec (or the shards it resolved to): the shards read as
     ``reading`` says (a pass as ``mix`` upsamples its sources; None = each shard once), each row made what ``rows``
     says, only ``columns`` of the model inputs kept (all of them when None)."""
-    source = ShardStream(resolve_shards(spec), reading, transform=partial(_transform, rows=rows, columns=columns),
+    source = ShardStream(resolve_shards(spec), reading, transform=partial(preprocess_columns, rows=rows, columns=columns),
                          mix=mix)
     ds = read(source)
     # Ray merges a task's output into blocks of up to 128 MiB: a 1,000-sample shard at 64 px became one block, so the
@@ -260,11 +260,6 @@ def read_shards(spec: str | Sequence[str], rows: Rows, reading: Reading,
 
 def read(source: ShardStream) -> ray.data.Dataset:
     return ray.data.read_datasource(source, num_cpus=source.reading.read_cpus, override_num_blocks=source.num_tasks)
-
-
-def _transform(batch: dict, counts: Counter, rows: Rows, columns: list[str] | None) -> dict:
-    out = preprocess(batch, counts, rows)
-    return {c: out[c] for c in columns} if columns else out
 
 
 def passes_needed(samples_needed: int, samples_per_pass: int | None, n_shards: int) -> int:

@@ -23,7 +23,7 @@ import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from rayvl import storage
-from rayvl.data.pipeline import Rows, preprocess, row_bytes
+from rayvl.data.pipeline import Rows, preprocess_columns, row_bytes
 from rayvl.data.position import row_ids
 from rayvl.data.shard_read import Reading, raw_batches, transformed_ahead
 from rayvl.data.specs import is_pipe
@@ -95,13 +95,6 @@ class ShardBatches(IterableDataset):
         yield {COUNTS: dict(io_counts), **({BAD_SHARD: bad[0]} if bad else {})}
 
 
-def model_inputs(batch: dict, counts: Counter, rows: Rows, columns: list[str]) -> dict:
-    """``columns`` of the model inputs ``rows`` makes of a raw batch (``pipeline.preprocess``: what Ray Data's read
-    tasks run), its drops counted in ``counts``."""
-    out = preprocess(batch, counts, rows)
-    return {c: out[c] for c in columns}
-
-
 class ListBatches(IterableDataset):
     """``fn`` of each batch of ``batch_size`` rows of ``columns`` (a dict of equal-length arrays), each loader
     worker making every n-th batch."""
@@ -158,7 +151,7 @@ def shard_batches(paths: list[str], rows: Rows, reading: Reading, columns: list[
     """``columns`` of the model inputs of ``paths``' samples in batches of ``reading.batch_size``, read by
     ``loader_workers(workers)`` processes."""
     workers = loader_workers(workers)
-    dataset = ShardBatches(paths, reading, partial(model_inputs, rows=rows, columns=list(columns)))
+    dataset = ShardBatches(paths, reading, partial(preprocess_columns, rows=rows, columns=list(columns)))
     return Batches(dataset, workers, reading.batch_size * row_bytes(rows), not on_this_machine(paths))
 
 
