@@ -206,10 +206,10 @@ def test_local_storage_on_several_nodes_is_refused_naming_the_key():
 
 @pytest.mark.ray
 def test_an_interrupted_sweep_resumes_and_a_failing_trial_is_recorded(demo_dir, tmp_path):
-    """`rayvl tune` stopped with Ctrl-C (SIGINT) after the first trial's first checkpoint; `rayvl tune --resume`
-    continues it: the first trial resumes from its checkpoint (its train state records the step), the second
-    trial — whose shards hold only undecodable images — fails with the data plane's error, which the report
-    shows, and the sweep still finishes with a best config. The two data sets are the space's variants, so the
+    """Two trials side by side: `rayvl tune` stopped with Ctrl-C (SIGINT) after the demo trial's first checkpoint;
+    `rayvl tune --resume` continues it: the trial resumes from its checkpoint (its train state records the step),
+    the other trial — whose shards hold only undecodable images — fails with the data plane's error, which the
+    report shows, and the sweep still finishes with a best config. The two data sets are the space's variants, so the
     sweep is also a comparison: its table names the failed variant. Each command runs in its own process and Ray,
     as a user runs them; the sweep (and every trial's Train run) lives at a file:// URL, so the trial's resume finds its
     checkpoint through the URL code path."""
@@ -230,7 +230,7 @@ def test_an_interrupted_sweep_resumes_and_a_failing_trial_is_recorded(demo_dir, 
     space.write_text(yaml.safe_dump({
         "recipe": str(REPO / "configs" / "laion_adapt.yaml"), "metric": "loss", "mode": "min", "name": "resume",
         "variants": {"demo": {"data.train": str(demo_dir / "train")}, "broken": {"data.train": str(broken)}},
-        "space": {}, "max_concurrent_trials": 1,
+        "space": {}, "max_concurrent_trials": 2,
         "set": {"train.max_steps": 6, "train.checkpoint_every": 2, "train.log_every": 2, "eval.tasks": [],
                 "train.max_failures": 0, "train.micro_batch_size": 8, "train.num_workers": 1}}))
     sets = [f"data.eval={demo_dir / 'eval'}", "data.image_size=32",

@@ -346,8 +346,8 @@ def _check_restore(config):
 
 
 def test_checkpoint_round_trip_and_resume(ray_local, demo_dir, tmp_path, tonics_counts_path):
-    """ZeRO-3 with TOnICS: (1) a worker killed while the step-3 checkpoint is written — the run resumes from step 2,
-    trains step 3 again and goes on to its end, its curriculum, sampler counts and data position continued across the
+    """ZeRO-3 with TOnICS: (1) a worker killed while the step-2 checkpoint is written — the run resumes from step 1,
+    trains step 2 again and goes on to its end, its curriculum, sampler counts and data position continued across the
     restart (no TOnICS row trained twice); (2) the final checkpoint restores the engine bit for bit; (3) its ZeRO-3
     shards alone rebuild the weights. A new driver resuming a run (train.resume) is checked in test_object_store
     (row-exact, from S3) and on the memory bank (test_zero_stage_trains_two_workers)."""
@@ -365,37 +365,37 @@ def test_checkpoint_round_trip_and_resume(ray_local, demo_dir, tmp_path, tonics_
                            f"tonics.counts_path={tonics_counts_path}")  # counted once for the session (test_tonics)
     # a checkpoint every step; every task is evaluated at the end: ZeRO-3's forwards gather the partitioned weights
     # ... and SigLIP's loss (its pairs' positives are the rows of one pair: TOnICS makes a row per object)
-    cfg = small_config(demo_dir, tmp_path, "train.zero_stage=3", "train.max_steps=4", "train.checkpoint_every=1",
+    cfg = small_config(demo_dir, tmp_path, "train.zero_stage=3", "train.max_steps=3", "train.checkpoint_every=1",
                        "loss.kind=siglip", *tonics)
-    # rank 1 is killed (SIGKILL) after writing its DeepSpeed files of step 3, before reporting them
-    first = ray_local.get(fit_in_task(cfg.to_dict(), {"RAYVL_FAIL_AT": "checkpoint_write:3:1"}))
-    assert json.loads((Path(first.checkpoint_dir) / "rayvl.json").read_text())["step"] == 4
+    # rank 1 is killed (SIGKILL) after writing its DeepSpeed files of step 2, before reporting them
+    first = ray_local.get(fit_in_task(cfg.to_dict(), {"RAYVL_FAIL_AT": "checkpoint_write:2:1"}))
+    assert json.loads((Path(first.checkpoint_dir) / "rayvl.json").read_text())["step"] == 3
     state = read_train_state(first.checkpoint_dir)
-    assert state["progress"]["resumed_at"] == [2]  # the step-2 checkpoint was the one restored
+    assert state["progress"]["resumed_at"] == [1]  # the step-1 checkpoint was the one restored
     committed = json.loads((first.run_dir / RAY_TRAIN_SNAPSHOT).read_text())["checkpoint_results"]
     assert len(committed) == 2 and latest_checkpoint_dir(first.run_dir) == first.checkpoint_dir
     history = [json.loads(x) for x in (first.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [h["step"] for h in history] == [1, 2, 3, 4]  # step 3 once in the record, nothing repeated
-    assert history[2]["resumed_from"] == 2 and history[2]["first_step"] == 3  # the restart record
+    assert [h["step"] for h in history] == [1, 2, 3]  # step 2 once in the record, nothing repeated
+    assert history[1]["resumed_from"] == 1 and history[1]["first_step"] == 2  # the restart record
     files = set(_ds_files(Path(first.checkpoint_dir)))  # ZeRO-3: both ranks' parameter and optimizer partitions
     assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
             "zero_pp_rank_1_mp_rank_00_model_states.pt"} <= files
-    assert [h["tonics_p_root"] for h in history] == pytest.approx([0.8, 0.64, 0.512, 0.4096])
-    assert [h["tonics_refreshes"] for h in history] == [1, 2, 3, 4]
-    assert [h["tonics_last_refresh_step"] for h in history] == [1, 2, 3, 4]  # the curve a threshold is read from
-    # the samplers' counts are a train-state component: 4 steps × 2 ranks, each step's node drawn once — step 3's
-    # first draw was lost with its group (restored from step 2), not counted twice
-    assert [h["tonics_node_root_batches"] + h["tonics_node_object_batches"] for h in history] == [2, 4, 6, 8]
-    # the data position: 4 steps × 2 ranks × 8 rows, every (sample, noun) row of pass 0 trained on once, the rows
+    assert [h["tonics_p_root"] for h in history] == pytest.approx([0.8, 0.64, 0.512])
+    assert [h["tonics_refreshes"] for h in history] == [1, 2, 3]
+    assert [h["tonics_last_refresh_step"] for h in history] == [1, 2, 3]  # the curve a threshold is read from
+    # the samplers' counts are a train-state component: 3 steps × 2 ranks, each step's node drawn once — step 2's
+    # first draw was lost with its group (restored from step 1), not counted twice
+    assert [h["tonics_node_root_batches"] + h["tonics_node_object_batches"] for h in history] == [2, 4, 6]
+    # the data position: 3 steps × 2 ranks × 8 rows, every (sample, noun) row of pass 0 trained on once, the rows
     # of the checkpoints restored never read again
     position = state["data_position"]
-    assert position["rows_per_pass"] == {0: 64} and position["duplicates"] == 0
-    assert history[-1]["data_rows_trained"] == 64 and history[-1]["data_duplicate_rows"] == 0
+    assert position["rows_per_pass"] == {0: 48} and position["duplicates"] == 0
+    assert history[-1]["data_rows_trained"] == 48 and history[-1]["data_duplicate_rows"] == 0
     assert Path(tonics_counts_path).is_file()
     assert "TOnICS:" in format_data_report(first.data_report)
     assert all(k in first.metrics for k in ("zeroshot_top1", "t2i_R@10", "paraphrase_AO@10", "sts_spearman"))
     # SigLIP's bias and temperature start at the paper's −10 and 10 and are learned (reported every window)
-    assert [h["logit_bias"] != -10.0 for h in history] == [True] * 4 and history[0]["logit_scale"] != 10.0
+    assert [h["logit_bias"] != -10.0 for h in history] == [True] * 3 and history[0]["logit_scale"] != 10.0
     assert all(math.isfinite(h["loss"]) for h in history)
 
     out = tmp_path / "restore.json"
@@ -403,9 +403,9 @@ def test_checkpoint_round_trip_and_resume(ray_local, demo_dir, tmp_path, tonics_
                  scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
                  run_config=RunConfig(name="run", storage_path=str(tmp_path))).fit()
     restored = json.loads(out.read_text())
-    assert restored == {"step": 4, "history_steps": [1, 2, 3, 4], "identical": True, "scheduler_steps": 4}
+    assert restored == {"step": 3, "history_steps": [1, 2, 3], "identical": True, "scheduler_steps": 3}
     with pytest.raises(Exception, match="already has checkpoints"):  # a run of the same name is not started over
-        train(small_config(demo_dir, tmp_path, "train.zero_stage=3", "train.max_steps=4", *tonics))
+        train(small_config(demo_dir, tmp_path, "train.zero_stage=3", "train.max_steps=3", *tonics))
 
     # the final checkpoint without its consolidated model.pt (as an intermediate one is): `rayvl eval` rebuilds the
     # weights from the ZeRO-3 shards (DeepSpeed's zero_to_fp32), frozen LM and buffers included
