@@ -41,7 +41,7 @@ import zlib
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from functools import partial
+from functools import lru_cache, partial
 from itertools import islice
 from pathlib import Path
 
@@ -67,7 +67,7 @@ from rayvl.methods.bow import deformation as bow
 from rayvl.methods.bow.config import PseudoLabelConfig
 from rayvl.methods.bow.deformation import rm_stop_nalpha
 from rayvl.methods.bow.marks import PSEUDO_FLAG, PSEUDO_MARKER
-from rayvl.methods.bow.word_rank import WordRanker, neighbour_counts
+from rayvl.methods.bow.word_rank import WordRanker, caption_words, count_words
 from rayvl.eval import knn, local_read
 from rayvl.eval.data import IMAGE_EXTENSIONS
 from rayvl.eval.embed import TEXT_BATCH, actor_device, check_gpus, inference, shares, text_embeddings
@@ -75,6 +75,7 @@ from rayvl.eval.embed import TEXT_BATCH, actor_device, check_gpus, inference, sh
 log = logging.getLogger("rayvl")
 META, INDEX_DIR, FORMAT = PSEUDO_MARKER, "index", 1
 WORD_STATS = "aligned_word_stats.json"  # S_a's word statistics, in INDEX_DIR
+CAPTIONS_SPLIT_KEPT = 1 << 20  # pool captions a labeller keeps split into words (a bound on its memory)
 GPUS_OFF = "pseudo_label.gpus_per_actor=0"  # what runs the labelling without GPUs, named where CUDA cannot be used
 CROPS_CUT = "reduced-2"  # rayvl.data.roi_crops: decoded reduced, downscaled once, cut by Pillow or grid_sample
 
@@ -335,6 +336,9 @@ class Labeler:
         if self.df is None:
             self.df = json.loads((self.index_dir / WORD_STATS).read_text())["df"]
         self.ranker = WordRanker(self.df, self.x.words, self.x.top_t, self.x.seed)
+        # a pool caption is retrieved for many crops: split into its words once, not k·c times an image (this
+        # runs on the actor's one Python thread, which every image passes through)
+        self.caption_words = lru_cache(maxsize=CAPTIONS_SPLIT_KEPT)(lambda j: caption_words(self.captions[j]))
 
     def neighbours(self, samples: list, size: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Per decodable sample (by index): (pool ids, scores) of its k·c retrievals, best first. A chunk of
@@ -371,7 +375,7 @@ class Labeler:
             if self.io.unreadable == "fail":
                 raise
             return {"unit": unit.id, "unreadable_shard": str(e)}
-        found = {i: (ids, scores, neighbour_counts([self.captions[j] for j in ids]))  # counted once, for all rules
+        found = {i: (ids, scores, count_words(map(self.caption_words, ids.tolist())))  # once, for all rules
                  for i, (ids, scores) in self.neighbours(samples, self.model.image_size).items()}
         counts = Counter(images=len(samples), decoded=len(found))
         for rule in self.x.rules:

@@ -17,21 +17,33 @@ ties open: here they go to the word seen first in NN_i, i.e. in the caption clos
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from rayvl.data.text import is_alphabetical, stopwords, words
 from rayvl.methods.bow.check import RULES
 from rayvl.methods.bow.deformation import rm_stop_nalpha, shuffle
 
 
+def caption_words(caption: str) -> tuple[str, ...]:
+    """A caption's words after RmStopNalpha, each once, in order: what NN_i counts of it (a pool caption retrieved
+    for many crops is split once, where the labeller caches this)."""
+    return tuple(dict.fromkeys(rm_stop_nalpha(words(caption))))
+
+
 def neighbour_counts(captions: Sequence[str]) -> tuple[Counter, dict[str, int]]:
     """(count(w, NN_i), first position of w) over the filtered words of the retrieved captions, best first."""
+    return count_words(map(caption_words, captions))
+
+
+def count_words(caption_word_lists: Iterable[tuple[str, ...]]) -> tuple[Counter, dict[str, int]]:
+    """``neighbour_counts`` from each retrieved caption's ``caption_words``, best first."""
     counts: Counter = Counter()
     first: dict[str, int] = {}
-    for caption in captions:
-        for w in dict.fromkeys(rm_stop_nalpha(words(caption))):  # each word once per caption, in order
-            counts[w] += 1
-            first.setdefault(w, len(first))
+    for ws in caption_word_lists:
+        counts.update(ws)  # each word once per caption
+        for w in ws:
+            if w not in first:
+                first[w] = len(first)
     return counts, first
 
 
