@@ -21,14 +21,12 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import asdict
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's rayvl, installed or not
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # eval_throughput: the tiny checkpoint
 
 from rayvl.checks.gpu import demo_halves  # noqa: E402
 from rayvl.data import roi_crops  # noqa: E402
@@ -60,7 +58,6 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--images", type=int, default=1000)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--workers", type=int, default=2, help="crop workers of the labeller's CPU measure (0: skip it)")
     args = p.parse_args()
     x = PseudoLabelConfig()
     aligned, unaligned = demo_halves()
@@ -124,50 +121,6 @@ def main() -> None:
     total = sum(ms[k] for k in python)
     print(f"{'Python phases now (box draws, counting, rows, shard)':<64} {total:9.3f}  → at most "
           f"{1e3 / total:,.0f} images/s for one labeller")
-    if args.workers:
-        labeller_cpu(samples, captions, df, x, args.workers, args.repeats)
-
-
-def labeller_cpu(samples: list, captions: list[str], df: dict, x: PseudoLabelConfig, workers: int,
-                 repeats: int) -> None:
-    """The labeller process's own CPU time an image in ``Labeler.neighbours`` as a GPU labeller runs it — crops
-    cut in one op (here on CPU tensors), an untrained tiny model (eval_throughput.py's, 32 px) so that embedding is
-    ~0 — with its crop workers as threads (their work in this process) and as processes (in theirs; the chunks'
-    pickling in this one)."""
-    import faiss
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    import eval_throughput as et
-    from rayvl.data.crop_workers import crop_workers
-    from rayvl.eval import knn
-
-    work = Path(tempfile.mkdtemp(prefix="labeller-cpu-"))
-    ckpt = et.tiny_checkpoint(work)
-    labeller = Labeler(str(ckpt), str(work / "index"), {**asdict(x), "cpus_per_actor": workers}, df, str(work / "out"))
-    (work / "index").mkdir()
-    faiss.write_index(knn.build_index(labeller.texts(captions), "flat"), str(work / "index" / "index.faiss"))
-    pq.write_table(pa.table({"key": [f"{j:09d}" for j in range(len(captions))], "caption": captions}),
-                   work / "index" / "captions.parquet")
-    labeller.cut_on_cpu = False  # as on a GPU: the crops cut in one op (roi_crops.cut)
-    size = labeller.model.image_size
-    found = {}
-    print(f"\nthe labeller process's CPU an image in Labeler.neighbours, crops cut in one op, {workers} crop workers, "
-          f"median of {repeats} (the cut, the embedding and the search included: a GPU's and faiss's work here):")
-    for kind in ("threads", "processes"):
-        labeller.workers.shutdown()
-        labeller.workers = crop_workers(workers, processes=kind == "processes")
-        labeller.neighbours(samples[:50], size)  # the workers started
-        cpu = []
-        for _ in range(repeats):
-            started = time.process_time()
-            found[kind] = labeller.neighbours(samples, size)
-            cpu.append(time.process_time() - started)
-        print(f"  crop workers as {kind:<9} {1e3 * statistics.median(cpu) / len(samples):7.3f} ms")
-    labeller.workers.shutdown()
-    same = found["threads"].keys() == found["processes"].keys() and all(
-        np.array_equal(found["threads"][i][0], found["processes"][i][0]) for i in found["threads"])
-    print(f"  the same retrievals either way: {same}")
 
 
 if __name__ == "__main__":

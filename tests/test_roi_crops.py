@@ -139,7 +139,6 @@ def test_the_gpu_paths_labels_are_the_cpu_paths(demo_dir, tmp_path):
     from rayvl.methods.bow.config import PseudoLabelConfig
     from rayvl.eval import knn
     from rayvl.export import load
-    from rayvl.data.crop_workers import crop_workers
     from rayvl.methods.bow.pseudo_label import Labeler, Unit, crops, unit_samples
 
     ckpt = untrained_checkpoint(demo_dir, tmp_path)
@@ -165,18 +164,4 @@ def test_the_gpu_paths_labels_are_the_cpu_paths(demo_dir, tmp_path):
         assert len(on_cpu[i][0]) == len(in_one_op[i][0]) == 16  # k · c retrievals, merged per image
         assert np.allclose(on_cpu[i][1][:4], 1.0, atol=1e-4)
         assert in_one_op[i][1][0] > 0.95, (i, in_one_op[i][1][0])
-    # a GPU labeller prepares its crops in processes of their own (crop_workers): the same retrievals as threads,
-    # an undecodable image skipped in either
-    samples[5] = (samples[5][0], b"not an image", *samples[5][2:])
-    threads = labeler.neighbours(samples, model.image_size)
-    labeler.workers.shutdown()
-    labeler.workers = crop_workers(2, processes=True)
-    try:
-        in_processes = labeler.neighbours(samples, model.image_size)
-        assert {type(p).__name__ for p in labeler.workers._processes.values()} == {"ForkServerProcess"}
-    finally:
-        labeler.workers.shutdown()
-    assert sorted(threads) == sorted(in_processes) == [i for i in range(24) if i != 5]
-    for i in threads:
-        assert np.array_equal(threads[i][0], in_processes[i][0]) and np.array_equal(threads[i][1], in_processes[i][1])
     assert crops(b"not an image", "k", x, model.image_size) is None

@@ -36,8 +36,7 @@ steps 6-8 of that training case (``RAYVL_PROFILE``, rayvl/train/profiling.py) or
 The synchronisations caught a step are a column, where the first was made in the notes.
 
 A case passes when it ran correctly. Its samples/s, MFU (rayvl.train.flops) and data-wait share are those of the
-windows after the first (which holds the start-up), less the one that writes the run's checkpoint at its last step
-(a write the bare loop does not make), printed beside the goals (``GOALS``: issue 44's MFU and data
+windows after the first (which holds the start-up), printed beside the goals (``GOALS``: issue 44's MFU and data
 wait, issue 54's ratios, the time to the first step, no synchronisation in a step), which are separate columns and
 notes, not pass/fail. Exit status 0 when every case passed, 1 when one failed, 2 when torch sees no CUDA GPU (said
 before anything else starts).
@@ -233,18 +232,15 @@ def read_rows(result) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def steady_state(rows: list[dict], per_step: int, skip: range = range(0), checkpoint_every: int = 0) -> dict:
+def steady_state(rows: list[dict], per_step: int, skip: range = range(0)) -> dict:
     """samples/s, data-wait share and MFU (when every window has one) over the windows after the first and after
     each restart's first (start-up, compilation, a restored engine), each window weighted by its seconds; windows
-    holding a step of ``skip`` (the profiled ones, slowed by the profiler) are left out, and those holding a
-    checkpoint's step (every ``checkpoint_every``; the check writes one at its last step) where others remain: the
-    rate is the step's, which the bare loop's is, and a checkpoint's write is a cost of its own."""
-    def holds(r: dict, steps) -> bool:
-        return any(s in steps for s in range(r.get("first_step", r["step"]), r["step"] + 1))
+    holding a step of ``skip`` (the profiled ones, slowed by the profiler) are left out."""
+    def profiled(r: dict) -> bool:
+        return any(s in skip for s in range(r.get("first_step", r["step"]), r["step"] + 1))
 
-    kept = [r for i, r in enumerate(rows) if i > 0 and r.get("resumed_from") is None and not holds(r, skip)]
-    saved = range(checkpoint_every, rows[-1]["step"] + 1, checkpoint_every) if checkpoint_every and rows else ()
-    windows = [r for r in kept if not holds(r, saved)] or kept or rows[-1:]
+    windows = [r for i, r in enumerate(rows) if i > 0 and r.get("resumed_from") is None and not profiled(r)] \
+        or rows[-1:]
     samples = seconds = waited = mfu_seconds = 0.0
     for row in windows:
         n = (row["step"] - row.get("first_step", row["step"]) + 1) * per_step
@@ -264,7 +260,7 @@ def measure(check: Check, cfg, rows: list[dict], outcome: Outcome) -> None:
     t = cfg.train
     profiled = check.args.profile and check.args.profile == outcome.case and check.micro_batch == check.args.batch
     skip = range(PROFILED_STEPS[0], sum(PROFILED_STEPS)) if profiled else range(0)
-    steady = steady_state(rows, t.num_workers * t.micro_batch_size * t.grad_accumulation, skip, t.checkpoint_every)
+    steady = steady_state(rows, t.num_workers * t.micro_batch_size * t.grad_accumulation, skip)
     outcome.samples_per_s, outcome.data_wait_share = steady["samples_per_s"], steady["data_wait_share"]
     if rows and (phases := startup.summary(rows[0])) is not None:  # where the time before the first step went
         outcome.first_step_s = rows[0]["startup_total_s"]

@@ -94,21 +94,6 @@ def from_image(img: Image.Image, boxes: np.ndarray, full: tuple[int, int], side:
     return CropSource(img, np.minimum(mapped, np.array([img.width, img.height] * 2, np.float32)))
 
 
-def prepare_chunk(items: list[tuple[str, bytes | None]], crops: int, size: int, scale_min: float, seed: int,
-                  on_cpu: bool) -> tuple[list[int], list[CropSource], np.ndarray | None]:
-    """A pseudo-labeller's chunk of (key, encoded image) → (the positions of its decodable images, their
-    ``CropSource``s and — ``on_cpu`` — their crops cut by Pillow (``cut_on_cpu``), uint8 (Σ c, 3, size, size)): the CPU's share of
-    labelling it, run by the labeller's crop workers (rayvl.data.crop_workers)."""
-    kept, sources = [], []
-    for position, (key, data) in enumerate(items):
-        source = prepare(data, key, crops, size, scale_min, seed) if data is not None else None
-        if source is not None:
-            kept.append(position)
-            sources.append(source)
-    cut = cut_on_cpu(sources, size) if on_cpu and sources else None
-    return kept, sources, cut
-
-
 def cut_on_cpu(sources: list[CropSource], size: int) -> np.ndarray:
     """``cut`` done by Pillow on this core, uint8 (Σ c, 3, size, size): a bicubic resize of each box of the
     downscaled image — faster on a CPU than ``grid_sample``, and what a CPU labeller runs on its threads."""

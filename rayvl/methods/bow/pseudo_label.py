@@ -39,7 +39,7 @@ import tarfile
 import time
 import zlib
 from collections import Counter, deque
-from concurrent.futures import Executor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import lru_cache, partial
 from itertools import islice
@@ -56,7 +56,6 @@ from rayvl.checkpoints import checkpoint_uri, read_meta
 from rayvl.config import ConfigError, RayvlConfig
 from rayvl.data import artifacts
 from rayvl.data import roi_crops
-from rayvl.data.crop_workers import crop_workers
 from rayvl.data.report import DataPlaneError
 from rayvl.data.shards import Reading, ShardStream, read, sum_over_shards
 from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
@@ -254,21 +253,38 @@ def _member_extension(path: str) -> str:
     return ext if ext in TAR_IMAGE_EXTENSIONS else "jpg"
 
 
+def prepared(samples: list, indices: list[int], x: PseudoLabelConfig, size: int,
+             on_cpu: bool) -> tuple[list[int], list[roi_crops.CropSource], np.ndarray | None]:
+    """(the decodable samples of ``indices``, their crop sources, and — ``on_cpu`` — their crops cut by Pillow,
+    uint8 (Σ c, 3, size, size)): the CPU's share of labelling a chunk, run on a labeller's threads (Pillow's
+    decoders and resize release the GIL)."""
+    kept, sources = [], []
+    for i in indices:
+        key, data, *_ = samples[i]
+        source = (roi_crops.prepare(data, key, x.crops, size, x.crop_scale_min, x.seed)
+                  if data is not None else None)
+        if source is not None:
+            kept.append(i)
+            sources.append(source)
+    cut = roi_crops.cut_on_cpu(sources, size) if on_cpu and sources else None
+    return kept, sources, cut
+
+
 def crops(data: bytes, key: str, x: PseudoLabelConfig, size: int) -> np.ndarray | None:
     """The image's c random resized crops as a CPU labeller cuts them, uint8 (c, 3, size, size), drawn from (seed,
     image key); None when the bytes are not a decodable image."""
-    _, sources, cut = roi_crops.prepare_chunk([(key, data)], x.crops, size, x.crop_scale_min, x.seed, on_cpu=True)
+    _, sources, cut = prepared([(key, data)], [0], x, size, on_cpu=True)
     return cut if sources else None
 
 
-def ahead_of_use(items: list, work, workers: Executor, ahead: int):
-    """(item, work(item)) for each item in order, ``work`` running on ``workers`` for up to ``ahead`` items beyond
+def ahead_of_use(items: list, work, threads: ThreadPoolExecutor, ahead: int):
+    """(item, work(item)) for each item in order, ``work`` running on ``threads`` for up to ``ahead`` items beyond
     the one being used (so at most that many results are held)."""
-    pending = deque((item, workers.submit(work, item)) for item in items[:ahead])
+    pending = deque((item, threads.submit(work, item)) for item in items[:ahead])
     for n in range(len(items)):
         item, result = pending.popleft()
         if n + ahead < len(items):
-            pending.append((items[n + ahead], workers.submit(work, items[n + ahead])))
+            pending.append((items[n + ahead], threads.submit(work, items[n + ahead])))
         yield item, result.result()
 
 
@@ -293,13 +309,11 @@ class Labeler:
         self.model.module.vision.to_channels_last()
         self.index_dir, self.df, self.index = Path(index_dir), df, None
         self.out, self.io = Path(out), io
-        # decoding and cropping on every CPU this actor holds, the next chunks prepared while one is embedded: one
-        # thread cropped 10 crops an image for the whole actor. Where the crops are cut on the GPU, processes
-        # (crop_workers): what is left to the CPUs is mostly Python; where Pillow cuts them, threads (its resize
-        # releases the GIL, and the crops stay in this process)
+        # decoding and cropping on every CPU this actor holds (Pillow's decode and resize release the GIL), the
+        # next chunks prepared while one is embedded: one thread cropped 10 crops an image for the whole actor
         self.cpus = max(1, int(self.x.cpus_per_actor))
         self.cut_on_cpu = self.device.type != "cuda"  # else in one op on the GPU (roi_crops.cut)
-        self.workers = crop_workers(self.cpus, processes=not self.cut_on_cpu and self.cpus > 1)
+        self.threads = ThreadPoolExecutor(self.cpus, thread_name_prefix="crops")
 
     def texts(self, captions: list[str]) -> np.ndarray:
         """The normalised text embeddings of ``captions`` (the caption pool's share of this labeller), embedded as
@@ -328,23 +342,19 @@ class Labeler:
 
     def neighbours(self, samples: list, size: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Per decodable sample (by index): (pool ids, scores) of its k·c retrievals, best first. A chunk of
-        images is decoded, downscaled and given its crop boxes by the actor's crop workers (on a CPU actor its crops
-        cut there too), up to two chunks a worker ahead of the one being embedded; on a GPU the chunk's crops are
-        cut there in one op (``roi_crops.cut``)."""
+        images is decoded, downscaled and given its crop boxes on the actor's threads (on a CPU actor its crops cut
+        there too), up to two chunks a thread ahead of the one being embedded; on a GPU the chunk's crops are cut
+        there in one op (``roi_crops.cut``)."""
         if self.index is None:
             self._load_index()
         x, per = self.x, max(1, self.x.batch_size // self.x.crops)
         chunks = [list(range(j, min(j + per, len(samples)))) for j in range(0, len(samples), per)]
         on_cpu = self.cut_on_cpu
-        work = partial(roi_crops.prepare_chunk, crops=x.crops, size=size, scale_min=x.crop_scale_min, seed=x.seed,
-                       on_cpu=on_cpu)
-        payloads = [[samples[i][:2] for i in chunk] for chunk in chunks]  # (key, bytes): what a worker needs
+        work = partial(prepared, samples, x=x, size=size, on_cpu=on_cpu)
         out = {}
-        for chunk, (_, (positions, sources, cut)) in zip(chunks, ahead_of_use(payloads, work, self.workers,
-                                                                               2 * self.cpus)):
-            if not positions:
+        for _, (kept, sources, cut) in ahead_of_use(chunks, work, self.threads, 2 * self.cpus):
+            if not kept:
                 continue
-            kept = [chunk[p] for p in positions]
             queries = cut if on_cpu else roi_crops.cut(sources, size, self.device)
             with inference(self.device):
                 embedded = self.model.encode_image(queries).cpu().numpy()
@@ -510,7 +520,7 @@ class Labellers:
         for a in self.actors:
             ray.kill(a)
         if self.here is not None:  # a unit that failed half-way leaves crops being cut: not waited for
-            self.here.workers.shutdown(wait=False, cancel_futures=True)
+            self.here.threads.shutdown(wait=False, cancel_futures=True)
         self.actors, self.here = [], None
 
 
