@@ -2,6 +2,7 @@
 refresh arithmetic with the β floor, curriculum state round trip, and 2 real Ray workers drawing the same nodes."""
 import glob
 import json
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -306,14 +307,29 @@ def _sample_nodes(config):
     rank = ray.train.get_context().get_world_rank()
     curriculum = Curriculum(config["sizes"], 0.5, 0.2, 0.0, cfg.train.seed)
     curriculum.p = np.array(config["p"])
-    source = TonicsBatches(ray.train.get_dataset_shard("train"), cfg, rank)
-    log = []
+    source = TonicsBatches(ray.train.get_dataset_shard("train"), cfg, rank, curriculum)
+    log, ahead, held = [], 0, []
     for step in range(1, 41):
-        node = curriculum.node(step)
-        batch, _ = source.next(node, step, 0)
+        node = curriculum.node(step)  # as the loop's P_S has it now
+        batch, _ = source.next(step, 0)
         log.append({"node": node, "objects": sorted(set(batch["object"].tolist())), "rows": len(batch["object"])})
+        if step == 10:  # the drawing thread runs ahead of the loop...
+            ahead = _until(lambda: len(source.drawn))
+        if step % cfg.tonics.refresh_every == 0:  # ...but not past a refresh the loop has not decided
+            held.append([_until(lambda: source.waiting_for == step), [s for (s, _), _ in source.drawn]])
+            curriculum.update(step, 100.0)  # threshold 0: P_S(root) halves
+        source.decided(step)
     Path(config["out"]).joinpath(f"rank{rank}.json").write_text(json.dumps(
-        {"log": log, "fallback_rows": source.sampler.counts["tonics_fallback_rows"]}))
+        {"log": log, "fallback_rows": source.counts["tonics_fallback_rows"], "ahead": ahead, "held": held,
+         "p_root": curriculum.p[0]}))
+
+
+def _until(value, timeout: float = 60.0):
+    """``value()`` once truthy (polled; what a thread is doing now), else its last value after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not (v := value()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return v
 
 
 def test_two_workers_draw_the_same_node_and_object_batches_share_it(ray_local, demo_dir, tmp_path,
@@ -328,7 +344,8 @@ def test_two_workers_draw_the_same_node_and_object_batches_share_it(ray_local, d
     from rayvl.train.datasets import shard_datasets
 
     cfg = small_config(demo_dir, tmp_path, *tonics_shapes("tonics.buffer_rows=64", "tonics.max_wait_rows=1024",
-                                                          f"tonics.counts_path={tonics_counts_path}"))  # counted once
+                                                          f"tonics.counts_path={tonics_counts_path}",  # counted once
+                                                          "tonics.refresh_every=20"))
     kept, sizes = tonics_counts(cfg, tonics_ontology(cfg), str(demo_dir / "train"), str(tmp_path / "run"))
     create_report("tonics-test")  # what the read tasks count in (a run's driver creates its own)
     datasets = shard_datasets(cfg, str(demo_dir / "train"), "", "tonics-test", (Objects(kept),))
@@ -341,6 +358,15 @@ def test_two_workers_draw_the_same_node_and_object_batches_share_it(ray_local, d
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     nodes = [[e["node"] for e in r["log"]] for r in ranks]
     assert nodes[0] == nodes[1] and 0 in nodes[0] and len(set(nodes[0])) > 3
+    # drawn ahead of the loop, held at each refresh until it was decided: nothing past step 20 or 40 drawn before
+    for r in ranks:
+        assert r["ahead"] >= 1 and r["p_root"] == pytest.approx(0.2)  # 0.3 → max(0.5 · 0.3, β 0.2), then β
+        assert [[waited, all(s <= step for s in drawn)] for (waited, drawn), step in zip(r["held"], (20, 40))] \
+            == [[True, True], [True, True]]
+    # the refresh at step 20 changed the nodes drawn after it (each object batch below shows its node's object)
+    before = Curriculum(sizes, 0.5, 0.2, 0.0, cfg.train.seed)
+    before.p = np.array(p)
+    assert nodes[0][20:] != [before.node(s) for s in range(21, 41)]
     for r in ranks:
         assert all(e["rows"] == cfg.train.micro_batch_size for e in r["log"])
         if r["fallback_rows"] == 0:  # object node: the rank's whole micro-batch shows that object

@@ -2,6 +2,10 @@
 curriculum refreshed from held-out retrieval, one label per image-caption pair, and the sampler's counts."""
 from __future__ import annotations
 
+import itertools
+import threading
+from collections import Counter, deque
+
 import numpy as np
 import torch
 
@@ -15,40 +19,77 @@ from rayvl.train.worker import Worker
 
 class TonicsBatches:
     """TOnICS micro-batches (sampler.BucketSampler) over this rank's stream of rows with an "object" column, as
-    torch tensors on ``device``, with the time spent waiting for the stream."""
+    torch tensors on ``device``, and the seconds the training thread waited for each.
 
-    def __init__(self, shard, cfg: RayvlConfig, rank: int, begin=None, device: torch.device = CPU):
+    A thread of their own draws them ahead of the training thread — the bucketing of every row read and the stacking
+    of a micro-batch are host work that a step would otherwise wait for — up to ``data.prefetch_batches`` ahead,
+    and never past a refresh the training loop has not decided: step s's node is drawn from P_S, which the refresh
+    of the last multiple of ``tonics.refresh_every`` before s may change ([TOnICS] App. A.2), so the thread waits
+    for ``decided`` of that step. The batches and the node of each step are what drawing on demand gives (the
+    sampler's draws are seeded by step, micro-step and rank); its counts are taken when a batch is handed out."""
+
+    def __init__(self, shard, cfg: RayvlConfig, rank: int, curriculum: Curriculum, begin=None,
+                 device: torch.device = CPU):
         t, x = cfg.train, cfg.tonics
-        self.device = device
-        self.waited = 0.0
-        self.totals = SamplerTotals()  # the counts of self.sampler, over ranks and resumes (a train-state part)
+        self.cfg, self.device, self.curriculum = cfg, device, curriculum
+        self.every, self.accumulation = x.refresh_every, t.grad_accumulation
+        self.totals = SamplerTotals()  # the counts handed out, over ranks and resumes (a train-state part)
+        self.counts: Counter = Counter()  # this start's counts of the micro-batches handed out
         seeds = shuffle_seeds(cfg, rank)
         rows = prefetched(lambda: epochs(lambda: shard.iter_batches(
             batch_size=t.micro_batch_size, batch_format="numpy", prefetch_batches=cfg.data.prefetch_batches,
             local_shuffle_buffer_size=cfg.data.local_shuffle_buffer or None, local_shuffle_seed=next(seeds)),
-            begin), cfg, device)
-        self.sampler = BucketSampler(self._timed(rows), TRAIN_COLUMNS + ["object", ROW], t.micro_batch_size,
-                                     x.buffer_rows, x.max_wait_rows, t.seed, rank)
+            begin), cfg)
+        self.sampler = BucketSampler((item for item, _ in rows), TRAIN_COLUMNS + ["object", ROW],
+                                     t.micro_batch_size, x.buffer_rows, x.max_wait_rows, t.seed, rank)
+        self.decided_through = 0  # the last step whose refresh the training loop decided
+        self.changed = threading.Condition()
+        self.drawn: deque = deque()  # ((step, micro), its counts) of each batch drawn and not yet handed out
+        self.waiting_for: int | None = None  # the refresh step the drawing thread waits for the decision of
+        self.batches = None  # the drawing thread's, started at the first step asked for (a resume's first too)
 
-    def _timed(self, rows):
-        for item, waited in rows:
-            self.waited += waited
-            yield item
+    def next(self, step: int, micro: int) -> tuple[dict, float]:
+        if self.batches is None:
+            self.decided(step - 1)  # the steps before the first asked for are behind the curriculum it restored
+            self.batches = prefetched(lambda: self._draw(step), self.cfg, self.device, copy=True)
+        batch, waited = next(self.batches)
+        drawn_for, counts = self.drawn.popleft()
+        if drawn_for != (step, micro):
+            raise RuntimeError(f"TOnICS batches: drew step {drawn_for} where the loop asked for {(step, micro)}")
+        self.counts.update(counts)
+        return batch, waited
 
-    def next(self, node: int, step: int, micro: int) -> tuple[dict, float]:
-        before = self.waited
-        return self.sampler.batch(node, step, micro, self._stack), self.waited - before
+    def decided(self, step: int) -> None:
+        """The training loop is past step ``step``'s refresh decision (after_step): later nodes may be drawn."""
+        with self.changed:
+            self.decided_through = max(self.decided_through, step)
+            self.changed.notify_all()
+
+    def _draw(self, first: int):
+        """The micro-batches of steps first, first + 1, ... in order (in the drawing thread)."""
+        for step in itertools.count(first):
+            refresh = (step - 1) // self.every * self.every  # the last refresh that may change this step's node
+            with self.changed:
+                self.waiting_for = refresh if self.decided_through < refresh else None
+                self.changed.wait_for(lambda: self.decided_through >= refresh)
+                self.waiting_for = None
+            node = self.curriculum.node(step)
+            for micro in range(self.accumulation):
+                before = Counter(self.sampler.counts)
+                batch = self.sampler.batch(node, step, micro, self._stack)
+                self.drawn.append(((step, micro), Counter(self.sampler.counts) - before))
+                yield batch
 
     def _stack(self, rows: list) -> torch.Tensor:
-        """One column of the micro-batch on the device. To a GPU the rows are stacked straight into pinned host
-        memory (torch's caching host allocator: reused once its copy is done) and copied without blocking — one
-        host copy of the images, where stacking and then pinning made two."""
+        """One column of the micro-batch as a host tensor — for a GPU stacked straight into pinned memory (torch's
+        caching host allocator: reused once its copy is done), which the drawing thread then copies on a stream of
+        its own (batches.DeviceCopy): one host copy of the images."""
         if self.device.type != "cuda":
             return torch.from_numpy(np.stack(rows))
         first = np.asarray(rows[0])  # a column's rows share its dtype (one Ray Data column)
         pinned = torch.empty((len(rows), *first.shape), dtype=torch.from_numpy(first).dtype, pin_memory=True)
         np.stack(rows, out=pinned.numpy())
-        return pinned.to(self.device, non_blocking=True)
+        return pinned
 
 
 def pair_labels(batch: dict) -> torch.Tensor:
@@ -77,8 +118,9 @@ class TonicsPart(TrainPart):
         import ray.train
 
         w = self.worker
-        self.source = TonicsBatches(ray.train.get_dataset_shard("train"), w.cfg, w.rank, w.begin, w.device)
-        return lambda step, micro: self.source.next(self.curriculum.node(step), step, micro)
+        self.source = TonicsBatches(ray.train.get_dataset_shard("train"), w.cfg, w.rank, self.curriculum, w.begin,
+                                    w.device)
+        return self.source.next
 
     def targets(self, batch: dict, batch_index: int) -> torch.Tensor:
         return pair_labels(batch)
@@ -90,9 +132,11 @@ class TonicsPart(TrainPart):
         """Every tonics.refresh_every steps: held-out text→image R@1 decides the refresh ([TOnICS] App. A.2)."""
         x = self.worker.cfg.tonics
         if step % x.refresh_every:
+            self.source.decided(step)
             return False
         accuracy = self.worker.evaluation.retrieval(engine.module, x.refresh_instances)
         refreshed = self.curriculum.update(step, accuracy)
+        self.source.decided(step)  # the nodes after it are drawn from the P_S it left
         if self.worker.rank == 0:
             print(f"rayvl: TOnICS step {step}: held-out t2i R@1 {accuracy:.1f}% "
                   f"{'≥' if refreshed else '<'} {x.threshold:g}% → P_S(root) {self.curriculum.p[0]:.3f}"
@@ -104,8 +148,8 @@ class TonicsPart(TrainPart):
         over the run's resumes (SamplerTotals)."""
         import torch.distributed as dist
 
-        sampler, curriculum = self.source.sampler, self.curriculum
-        counts = torch.tensor([sampler.counts[n] for n in SAMPLER_COUNTS], dtype=torch.int64, device=device)
+        source, curriculum = self.source, self.curriculum
+        counts = torch.tensor([source.counts[n] for n in SAMPLER_COUNTS], dtype=torch.int64, device=device)
         if dist.is_initialized():
             dist.all_reduce(counts)  # a device tensor: NCCL refuses CPU tensors
         out = dict(self.source.totals.add(dict(zip(SAMPLER_COUNTS, counts.tolist()))))
