@@ -64,8 +64,7 @@ def test_collectives_run_on_the_workers_device(nccl_like):
     window.add(torch.tensor(2.0, device=META), 0.1, {"image": torch.zeros(4, 3, 8, 8, device=META),
                                                      "label": torch.full((4,), -1, device=META)}, 2)
     _reaches_on_meta(nccl_like, lambda: window.over_ranks(META))
-    source = types.SimpleNamespace(sampler=types.SimpleNamespace(counts={n: 1 for n in SAMPLER_COUNTS}),
-                                   totals=SamplerTotals())
+    source = types.SimpleNamespace(counts={n: 1 for n in SAMPLER_COUNTS}, totals=SamplerTotals())
     part = TonicsPart.__new__(TonicsPart)  # its counts and curriculum only: no stream
     part.source, part.curriculum = source, types.SimpleNamespace(p=[0.5], history=[])
     _reaches_on_meta(nccl_like, lambda: part.metrics(META))

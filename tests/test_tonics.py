@@ -343,9 +343,10 @@ def test_two_workers_draw_the_same_node_and_object_batches_share_it(ray_local, d
     from rayvl.methods.tonics.rows import resolve_ontology as tonics_ontology
     from rayvl.train.datasets import shard_datasets
 
+    # 41 steps: the drawing thread is held at step 40's refresh, which the test sees
     cfg = small_config(demo_dir, tmp_path, *tonics_shapes("tonics.buffer_rows=64", "tonics.max_wait_rows=1024",
                                                           f"tonics.counts_path={tonics_counts_path}",  # counted once
-                                                          "tonics.refresh_every=20"))
+                                                          "tonics.refresh_every=20", "train.max_steps=41"))
     kept, sizes = tonics_counts(cfg, tonics_ontology(cfg), str(demo_dir / "train"), str(tmp_path / "run"))
     create_report("tonics-test")  # what the read tasks count in (a run's driver creates its own)
     datasets = shard_datasets(cfg, str(demo_dir / "train"), "", "tonics-test", (Objects(kept),))

@@ -73,12 +73,13 @@ def epochs(iterate, begin=None) -> Iterator:
                                  "fewer samples than train.micro_batch_size × train.num_workers")
 
 
-def prefetched(make, cfg: RayvlConfig, device: torch.device = CPU,
-               copy: bool = False) -> Iterator[tuple[object, float]]:
+def prefetched(make, cfg: RayvlConfig, device: torch.device = CPU, copy: bool = False,
+               watched: bool = True) -> Iterator[tuple[object, float]]:
     """Items of ``make()`` produced by a thread started now, bound to ``device`` — the Ray Data execution starts
     while the caller builds the model and the DeepSpeed engine, instead of at the first step; the consumer waits
-    at most data.stall_timeout_s for each item. ``copy``: the items are dicts of host tensors, pinned where
-    ``device`` is a GPU, which the producer copies there on a stream of its own (DeviceCopy)."""
+    at most data.stall_timeout_s for each item (``watched``; unwatched where ``make()`` reads a stream that is
+    watched itself, and one item may take many of its reads). ``copy``: the items are dicts of host tensors, pinned
+    where ``device`` is a GPU, which the producer copies there on a stream of its own (DeviceCopy)."""
     q: queue.Queue = queue.Queue(maxsize=max(1, cfg.data.prefetch_batches))
     failure: list[BaseException] = []
     copies = DeviceCopy(device) if copy else None
@@ -93,7 +94,7 @@ def prefetched(make, cfg: RayvlConfig, device: torch.device = CPU,
             q.put(_END)
 
     threading.Thread(target=produce, name="rayvl-batches", daemon=True).start()
-    return _consume(q, failure, cfg.data.stall_timeout_s, copies)
+    return _consume(q, failure, cfg.data.stall_timeout_s if watched else None, copies)
 
 
 class DeviceCopy:
@@ -126,7 +127,7 @@ class DeviceCopy:
         return batch
 
 
-def _consume(q: queue.Queue, failure: list, stall_timeout_s: float,
+def _consume(q: queue.Queue, failure: list, stall_timeout_s: float | None,
              copies: DeviceCopy | None = None) -> Iterator[tuple[object, float]]:
     while True:
         started = time.perf_counter()

@@ -2,7 +2,6 @@
 curriculum refreshed from held-out retrieval, one label per image-caption pair, and the sampler's counts."""
 from __future__ import annotations
 
-import itertools
 import threading
 from collections import Counter, deque
 
@@ -51,7 +50,8 @@ class TonicsBatches:
     def next(self, step: int, micro: int) -> tuple[dict, float]:
         if self.batches is None:
             self.decided(step - 1)  # the steps before the first asked for are behind the curriculum it restored
-            self.batches = prefetched(lambda: self._draw(step), self.cfg, self.device, copy=True)
+            # each read of the stream is watched for a stall (data.stall_timeout_s); a micro-batch may take many
+            self.batches = prefetched(lambda: self._draw(step), self.cfg, self.device, copy=True, watched=False)
         batch, waited = next(self.batches)
         drawn_for, counts = self.drawn.popleft()
         if drawn_for != (step, micro):
@@ -66,8 +66,8 @@ class TonicsBatches:
             self.changed.notify_all()
 
     def _draw(self, first: int):
-        """The micro-batches of steps first, first + 1, ... in order (in the drawing thread)."""
-        for step in itertools.count(first):
+        """The micro-batches of steps first, first + 1, ..., the run's last, in order (in the drawing thread)."""
+        for step in range(first, self.cfg.train.end_step + 1):
             refresh = (step - 1) // self.every * self.every  # the last refresh that may change this step's node
             with self.changed:
                 self.waiting_for = refresh if self.decided_through < refresh else None
@@ -79,6 +79,8 @@ class TonicsBatches:
                 batch = self.sampler.batch(node, step, micro, self._stack)
                 self.drawn.append(((step, micro), Counter(self.sampler.counts) - before))
                 yield batch
+        # the loop asks for none after its last step: this reaches the training thread only if it does
+        raise RuntimeError(f"TOnICS batches: none after step {self.cfg.train.end_step} (train.end_step)")
 
     def _stack(self, rows: list) -> torch.Tensor:
         """One column of the micro-batch as a host tensor — for a GPU stacked straight into pinned memory (torch's
