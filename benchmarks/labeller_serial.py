@@ -27,25 +27,19 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's rayvl, installed or not
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # pseudo_label_throughput: the caption pool
+
+from pseudo_label_throughput import pool_captions  # noqa: E402
 
 from rayvl.checks.gpu import demo_halves  # noqa: E402
 from rayvl.data import roi_crops  # noqa: E402
 from rayvl.data.images import random_resized_crop_box  # noqa: E402
-from rayvl.data.tar import iter_tar_samples, write_img2dataset_shard  # noqa: E402
-from rayvl.data.text import validate_caption  # noqa: E402
+from rayvl.data.tar import write_img2dataset_shard  # noqa: E402
 from rayvl.methods.bow.config import PseudoLabelConfig  # noqa: E402
 from rayvl.methods.bow.pseudo_label import Labeler, Unit, unit_samples  # noqa: E402
 from rayvl.methods.bow.word_rank import WordRanker, caption_words, count_words, neighbour_counts  # noqa: E402
 
 SIZE = 224  # the crops' side at ViT-B/32's 224 px
-
-
-def pool(aligned: str) -> list[str]:
-    out = []
-    for shard in aligned.split(","):
-        with open(shard, "rb") as f:
-            out += [c for s in iter_tar_samples(f, ("key", "txt")) if (c := validate_caption(s.get("txt"))[0])]
-    return out
 
 
 def timed(work) -> float:
@@ -62,16 +56,13 @@ def main() -> None:
     x = PseudoLabelConfig()
     aligned, unaligned = demo_halves()
     samples = unit_samples(Unit(0, "shard", [unaligned.split(",")[0]]))[0][:args.images]
-    captions = pool(aligned)
+    keys, captions = pool_captions(aligned)
     n, retrieved = len(samples), x.k * x.crops
     rng = np.random.default_rng(0)
     ids = [rng.integers(0, len(captions), retrieved) for _ in range(n)]
-    df: dict[str, int] = {}
-    for c in captions:
-        for w in caption_words(c):
-            df[w] = df.get(w, 0) + 1
+    df = Counter(w for c in captions for w in caption_words(c))  # document frequencies: each word once a caption
     labeller = Labeler.__new__(Labeler)  # the row code alone: no model, no index
-    labeller.x, labeller.captions, labeller.keys = x, captions, [f"{j:09d}" for j in range(len(captions))]
+    labeller.x, labeller.captions, labeller.keys = x, captions, keys
     labeller.ranker = WordRanker(df, x.words, x.top_t, x.seed)
     side = roi_crops.source_side(SIZE, x.crop_scale_min)
 

@@ -317,7 +317,7 @@ def _sample_nodes(config):
             ahead = _until(lambda: len(source.drawn))
         if step % cfg.tonics.refresh_every == 0:  # ...but not past a refresh the loop has not decided
             held.append([_until(lambda: source.waiting_for == step), [s for (s, _), _ in source.drawn]])
-            curriculum.update(step, 100.0)  # threshold 0: P_S(root) halves
+            curriculum.update(step, 100.0)  # threshold 0: a refresh (P_S(root) 0.3 → 0.2, the β floor)
         source.decided(step)
     Path(config["out"]).joinpath(f"rank{rank}.json").write_text(json.dumps(
         {"log": log, "fallback_rows": source.counts["tonics_fallback_rows"], "ahead": ahead, "held": held,
