@@ -5,13 +5,14 @@ docs/gpu.md).
     .venv/bin/python benchmarks/labeller_serial.py [--images 1000] [--repeats 3]
 
 A labeller (``rayvl.methods.bow.pseudo_label.Labeler``) prepares each image's crops on its threads (the decoder's and
-the resize's C work releases the interpreter's lock; the box draws and the calls around them do not), then on its
-main thread counts the words of the image's k·c retrieved captions, ranks them, builds the rows and writes the
-shard. This runs each phase with rayvl's own functions over the embedded demo's first training shard, on one thread,
-and prints the median milliseconds an image of ``--repeats`` rounds: the Python phases together bound one
-labeller's rate (one interpreter), which no CPU count and no GPU raises. The retrievals are drawn at random from the
-demo's caption pool (the job's, the training split's first half); embedding and the index search are left out (the
-GPU's and faiss's, which release the lock).
+the resize's C work releases the interpreter's lock; the box draws and the calls around them do not); its finisher
+(``Finisher``: in the labeller's process without Ray, an actor of its own on Ray) counts the words of the image's
+k·c retrieved captions, ranks them, builds the rows and writes the shard. This runs each phase with rayvl's own
+functions over the embedded demo's first training shard, on one thread, and prints the median milliseconds an
+image of ``--repeats`` rounds: the Python phases of one interpreter bound its rate, which no CPU count and no GPU
+raises — on Ray the labeller's and its finisher's are two interpreters, without Ray one. The retrievals are drawn
+at random from the demo's caption pool (the job's, the training split's first half); embedding and the index search
+are left out (the GPU's, which releases the lock).
 """
 from __future__ import annotations
 
@@ -33,10 +34,10 @@ from pseudo_label_throughput import pool_captions  # noqa: E402
 
 from rayvl.checks.gpu import demo_halves  # noqa: E402
 from rayvl.data import roi_crops  # noqa: E402
-from rayvl.data.images import random_resized_crop_box  # noqa: E402
+from rayvl.data.images import random_resized_crop_box, random_resized_crop_boxes  # noqa: E402
 from rayvl.data.tar import write_img2dataset_shard  # noqa: E402
 from rayvl.methods.bow.config import PseudoLabelConfig  # noqa: E402
-from rayvl.methods.bow.pseudo_label import Labeler, Unit, unit_samples  # noqa: E402
+from rayvl.methods.bow.pseudo_label import Finisher, Unit, unit_samples  # noqa: E402
 from rayvl.methods.bow.word_rank import WordRanker, caption_words, count_words, neighbour_counts  # noqa: E402
 
 SIZE = 224  # the crops' side at ViT-B/32's 224 px
@@ -61,9 +62,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     ids = [rng.integers(0, len(captions), retrieved) for _ in range(n)]
     df = Counter(w for c in captions for w in caption_words(c))  # document frequencies: each word once a caption
-    labeller = Labeler.__new__(Labeler)  # the row code alone: no model, no index
-    labeller.x, labeller.captions, labeller.keys = x, captions, keys
-    labeller.ranker = WordRanker(df, x.words, x.top_t, x.seed)
+    finisher = Finisher.__new__(Finisher)  # the row code alone: no index folder
+    finisher.x, finisher.captions, finisher.keys = x, captions, keys
+    finisher.ranker = WordRanker(df, x.words, x.top_t, x.seed)
     side = roi_crops.source_side(SIZE, x.crop_scale_min)
 
     def decode():
@@ -71,9 +72,16 @@ def main() -> None:
 
     decoded = decode()
 
-    def image_boxes(key: str, w: int, h: int) -> np.ndarray:  # as roi_crops.prepare draws them
+    def image_boxes_one_by_one(key: str, w: int, h: int) -> np.ndarray:  # as roi_crops.prepare drew them before
         rng = roi_crops.rng_of(key, x.seed)
         return np.array([random_resized_crop_box(w, h, x.crop_scale_min, rng) for _ in range(x.crops)], np.float32)
+
+    def image_boxes(key: str, w: int, h: int) -> np.ndarray:  # as roi_crops.prepare draws them
+        return random_resized_crop_boxes(w, h, x.crop_scale_min, roi_crops.rng_of(key, x.seed), x.crops).astype(
+            np.float32)
+
+    def boxes_one_by_one():
+        return [image_boxes_one_by_one(s[0], w, h) for s, (_, (w, h)) in zip(samples, decoded)]
 
     def boxes():
         return [image_boxes(s[0], w, h) for s, (_, (w, h)) in zip(samples, decoded)]
@@ -85,14 +93,15 @@ def main() -> None:
     rows: list = []
 
     def build():
-        rows[:] = [labeller._row(x.rules[0], s, (i, scores, f), Counter())
+        rows[:] = [finisher._row(x.rules[0], s, (i, scores, f), Counter())
                    for s, i, f in zip(samples, ids, found)]
 
     build()
     out = Path(tempfile.mkdtemp(prefix="labeller-serial-"))
     phases = {
         "decode at a reduced scale (Pillow; its C work releases the lock)": decode,
-        "draw 10 crop boxes (Python)": boxes,
+        "draw 10 crop boxes one by one (before)": boxes_one_by_one,
+        "draw 10 crop boxes from one generator call (now)": boxes,
         "downscale once (Pillow)": lambda: [roi_crops.from_image(img, b, full, side)
                                             for (img, full), b in zip(decoded, drawn)],
         "count retrieved words, each caption split again (before)": lambda: [
@@ -109,9 +118,12 @@ def main() -> None:
     for name, v in ms.items():
         print(f"{name:<64} {v:9.3f}")
     python = [k for k in ms if "(Pillow" not in k and "(before)" not in k]
-    total = sum(ms[k] for k in python)
-    print(f"{'Python phases now (box draws, counting, rows, shard)':<64} {total:9.3f}  → at most "
-          f"{1e3 / total:,.0f} images/s for one labeller")
+    labeller = [k for k in python if "boxes" in k]
+    for name, names in (("the labeller's Python phases now (box draws)", labeller),
+                        ("its finisher's (counting, rows, shard)", [k for k in python if k not in labeller]),
+                        ("both in one interpreter (without Ray)", python)):
+        total = sum(ms[k] for k in names)
+        print(f"{name:<64} {total:9.3f}  → at most {1e3 / total:,.0f} images/s")
 
 
 if __name__ == "__main__":

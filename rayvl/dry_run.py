@@ -315,8 +315,10 @@ def labellers_line(cfg: RayvlConfig) -> str:
         cpus = f"{pseudo_label.labeller_cpus(cfg)} CPUs" if cfg.local_num_cpus else "the machine's CPUs"
         return (f"  one labeller in this process, no Ray ({cpus}"
                 + (", this machine's GPU" if x.gpus_per_actor else "") + ")")
-    return (f"  {x.actors} labelling actors of {{CPU: {x.cpus_per_actor:g}"
-            + (f", GPU: {x.gpus_per_actor:g}" if x.gpus_per_actor else "") + "}")
+    writing = pseudo_label.finisher_cpus(x.cpus_per_actor, x.gpus_per_actor)
+    return (f"  {x.actors} labelling actors of {{CPU: {x.cpus_per_actor - writing:g}"
+            + (f", GPU: {x.gpus_per_actor:g}" if x.gpus_per_actor else "")
+            + f"}}, each with an actor writing its shards of {{CPU: {writing:g}}}")
 
 
 def describe_pseudo_label(cfg: RayvlConfig) -> str:

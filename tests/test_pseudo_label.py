@@ -5,7 +5,6 @@ finished shards, a folder of image files, errors named before Ray starts."""
 import dataclasses
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -81,9 +80,53 @@ def test_exact_index_equals_brute_force_and_approximate_recall_is_measured():
     assert 0.5 < knn.recall(knn.build_index(pool, "hnsw"), pool, queries, 5) <= 1.0
 
 
+def test_a_device_index_finds_what_the_flat_index_finds_and_merges_each_images_crops_best_first(monkeypatch):
+    """knn.DeviceIndex (a labeller's exact search: matmul + top-k on its model's device, here CPU tensors) against
+    the float64 reference and faiss's flat index; knn.merged against the per-image merge the labeller made before:
+    each image's c·k retrievals by score, ties in crop then rank order, faiss's −1 padding last."""
+    import torch
+
+    from rayvl.eval import knn
+
+    rng = np.random.default_rng(1)
+    pool = rng.standard_normal((3000, 32)).astype(np.float32)
+    pool /= np.linalg.norm(pool, axis=1, keepdims=True)
+    queries = pool[:60] + 0.3 * rng.standard_normal((60, 32)).astype(np.float32)
+    flat = knn.build_index(pool, "flat")
+    index = knn.DeviceIndex.of(flat, torch.device("cpu"))
+    scores, ids = index.search(torch.from_numpy(queries).double(), 5)  # any dtype in: fp32 products, as faiss's
+    exact = np.argsort(-(queries.astype(np.float64) @ pool.T.astype(np.float64)), axis=1)[:, :5]
+    np.testing.assert_array_equal(ids.numpy(), exact)
+    np.testing.assert_allclose(scores.numpy(), knn.search(flat, queries, 5)[0], rtol=1e-5)
+    assert index.search(torch.from_numpy(queries[:2]), 5000)[1].shape == (2, 3000)  # k above the pool: all of it
+    monkeypatch.setattr(knn, "SCORES_BYTES", 4 * 60 * 7)  # the pool searched in blocks of 7 rows: the same
+    blocked = index.search(torch.from_numpy(queries), 5)
+    np.testing.assert_array_equal(blocked[1].numpy(), exact)
+    np.testing.assert_allclose(blocked[0].numpy(), scores.numpy(), rtol=1e-6)
+    assert index.search(torch.from_numpy(queries[:2]), 5000)[1].sort().values.tolist() == [list(range(3000))] * 2
+    monkeypatch.setattr(knn, "DEVICE_INDEX_BYTES", 3000 * 32 * 4 - 1)  # a pool above the bound stays with faiss
+    assert knn.DeviceIndex.of(flat, "cpu") is None
+    assert knn.DeviceIndex.of(knn.build_index(pool, "ivf", nlist=16), "cpu") is None  # approximate: faiss searches
+    assert knn.DeviceIndex.of(knn.build_index(pool, "hnsw"), "cpu") is None
+
+    # 3 images × 2 crops × k=3, ties across crops and −1 padding (an approximate index that found fewer than k)
+    s = np.array([[.9, .5, .1], [.9, .7, .5], [.8, .2, -3.4e38], [.6, .3, .3], [.4, .4, .4], [.9, .1, 0]], np.float32)
+    n = np.array([[1, 2, 3], [4, 5, 6], [7, 8, -1], [9, 10, 11], [12, 13, 14], [15, 16, 17]])
+    got_s, got_n = knn.merged(torch.from_numpy(s), torch.from_numpy(n), 2)
+    for b in range(3):  # the labeller's merge before: a stable argsort of the negated scores, −1 dropped
+        flat_s, flat_n = s[2 * b:2 * b + 2].ravel(), n[2 * b:2 * b + 2].ravel()
+        order = np.argsort(-flat_s, kind="stable")
+        keep = order[flat_n[order] >= 0]
+        row = got_n[b].numpy()
+        np.testing.assert_array_equal(row[row >= 0], flat_n[keep])
+        np.testing.assert_array_equal(got_s[b].numpy()[row >= 0], flat_s[keep])
+    assert got_n[1].tolist() == [7, 9, 10, 11, 8, -1] and got_n[0].tolist() == [1, 4, 5, 2, 6, 3]
+
+
 def _unaligned(demo_dir, tmp_path) -> Path:
-    """Two shards to label: 64 demo images with 2 undecodable ones, and shard 2 of the demo (128 images; the
-    captions of both are ignored)."""
+    """Two shards to label: 64 demo images with 2 undecodable ones, and shard 2 of the demo twice over under new
+    keys (256 images: the labeller's second shard takes several times what its finisher takes to write the first;
+    the captions of both are ignored)."""
     from rayvl.data.demo import write_shard
     from rayvl.data.tar import iter_tar_samples
 
@@ -95,11 +138,16 @@ def _unaligned(demo_dir, tmp_path) -> Path:
     rows += [{"key": f"99999999{i}", "caption": "x", "status": "success", "jpg": b"\xff\xd8 not a jpeg"}
              for i in range(2)]
     write_shard(out, 0, rows, time.time())
-    shutil.copy(demo_dir / "train" / "00002.tar", out / "00001.tar")
+    with open(demo_dir / "train" / "00002.tar", "rb") as f:
+        third = list(iter_tar_samples(f))
+    write_shard(out, 1, [{"key": f"{s['key']}{copy}", "caption": "x", "status": "success", "jpg": s["img"]}
+                         for copy in (0, 1) for s in third], time.time())
     return out
 
 
 def test_pseudo_label_job_writes_shards_that_train_reads_and_resumes_after_a_kill(ray_local, demo_dir, tmp_path):
+    """On Ray (the session's, joined by the CLI): a labeller finds a shard's retrievals and its finisher actor writes
+    it; the job killed once a shard is written, then run again without Ray, finishes the other."""
     import ray
 
     import pyarrow.parquet as pq
@@ -119,9 +167,9 @@ def test_pseudo_label_job_writes_shards_that_train_reads_and_resumes_after_a_kil
                "--set", "pseudo_label.index=ivf", "--set", "pseudo_label.index_nprobe=2",
                "--set", "pseudo_label.recall_sample=32"]
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "PYTHONPATH": str(REPO)}
-    # killed (SIGKILL) as soon as one shard is complete; one actor labels the shards one after the other (in no
-    # fixed order: CI saw the second first), so the other one is then being labelled — its partly written files
-    # must not count as finished
+    # killed (SIGKILL) as soon as one shard is complete: one labeller takes the shards in order, the small one
+    # first, and is still finding the large one's retrievals when its finisher has written the first (the driver,
+    # killed, hands no more to write) — files of the other written in part must not count as finished
     first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                              cwd=tmp_path)
     deadline = time.time() + 300
@@ -151,7 +199,7 @@ def test_pseudo_label_job_writes_shards_that_train_reads_and_resumes_after_a_kil
     summary = json.loads((out / "summary.json").read_text())
     for rule in ("max_count", "weighted_count"):
         s = summary["rules"][rule]
-        assert s["success"] + s.get("empty_pseudo_caption", 0) == 64 + 128 and s["failed_to_decode"] == 2
+        assert s["success"] + s.get("empty_pseudo_caption", 0) == 64 + 256 and s["failed_to_decode"] == 2
         assert expected_samples(str(out / rule)) == s["success"]  # img2dataset's parquet: successes only
     assert summary["units_reused"] == 1 and summary["index"]["kind"] == "IndexIVFFlat"
     assert summary["index"]["captions"] == 256
@@ -292,8 +340,10 @@ def test_a_labeller_whose_nearest_caption_is_the_images_own_writes_that_captions
     unaligned.mkdir()
     write_shard(unaligned, 0, [{"key": s["key"], "caption": c, "status": "success", "jpg": s["img"]}
                                for s, c in zip(samples, captions)], time.time())
-    # 4 chunks of 3 images, their crops cut on 3 threads up to 6 chunks ahead of the one being searched
-    x = PseudoLabelConfig(rules=["max_count"], crops=2, k=1, words=4, batch_size=6, cpus_per_actor=3)
+    # 4 chunks of 3 images, their crops cut on 3 threads up to 6 chunks ahead of the one being searched; a seed
+    # whose 24 crops are 24 pictures (a crop of two demo images' plain background is one picture: their embeddings
+    # tie, and either image's row is the nearest)
+    x = PseudoLabelConfig(rules=["max_count"], crops=2, k=1, words=4, batch_size=6, cpus_per_actor=3, seed=5)
     model = load(ckpt)
     model.module.vision.to_channels_last()  # as the labeller embeds
     vectors = np.concatenate([model.encode_image(crops(s["img"], s["key"], x, model.image_size)).numpy()
@@ -367,6 +417,71 @@ def test_bad_inputs_are_named_before_ray_starts(demo_dir, tmp_path, capsys):
     claim(tmp_path / "o", {"k": 5})
     with pytest.raises(ConfigError, match=r"pseudo_label.out: .* another checkpoint.*k: saved 5, now 10"):
         claim(tmp_path / "o", {"k": 10})
+
+
+def test_a_gpu_labeller_gives_one_of_its_cpus_to_its_writer_and_the_dry_run_says_so():
+    from rayvl.config import load_config
+    from rayvl.dry_run import labellers_line
+    from rayvl.methods.bow.pseudo_label import finisher_cpus
+
+    assert [finisher_cpus(c, g) for c, g in ((7, 1), (2, 0.5), (1.5, 1), (8, 0), (0.5, 0))] == [1, 1, 0, 0, 0]
+    gpu = load_config(None, ["pseudo_label.actors=2", "pseudo_label.cpus_per_actor=7", "pseudo_label.gpus_per_actor=1"])
+    assert labellers_line(gpu) == ("  2 labelling actors of {CPU: 6, GPU: 1}, each with an actor writing its shards of "
+                                   "{CPU: 1}")
+    cpu = load_config(None, ["pseudo_label.actors=2", "pseudo_label.cpus_per_actor=2"])
+    assert labellers_line(cpu) == "  2 labelling actors of {CPU: 2}, each with an actor writing its shards of {CPU: 0}"
+
+
+def test_each_labellers_units_are_written_by_its_own_finisher_at_most_two_units_behind(ray_local, tmp_path):
+    """rayvl.methods.bow.pseudo_label.labelled, with stand-ins for the Labeler's retrieve and the Finisher's write
+    (a labeller finding at once, a finisher taking 0.15 s a unit): every unit's counts come back once, each unit is
+    written by the finisher of the labeller that found it, given what the labeller returned (Ray resolves the
+    reference the driver passes), and no labeller starts a unit while WRITES_AHEAD of its units wait to be
+    written."""
+    import ray
+
+    from rayvl.methods.bow.pseudo_label import WRITES_AHEAD, Finisher, Unit, labelled
+
+    @ray.remote(num_cpus=0)
+    class Finds:
+        def __init__(self, name: str):
+            self.name, self.started = name, []
+
+        def retrieve(self, unit):
+            self.started.append(time.time())
+            return {"unit": unit.id, "found_by": self.name}
+
+        def log(self):
+            return self.started
+
+    @ray.remote(num_cpus=0)
+    class Writes:
+        def __init__(self, name: str):
+            self.name, self.ended = name, []
+
+        def load(self):
+            pass
+
+        def write(self, found):
+            time.sleep(0.15)
+            self.ended.append(time.time())
+            return {**found, "written_by": self.name}
+
+        def log(self):
+            return self.ended
+
+    finds, writes = [Finds.remote(n) for n in "ab"], [Writes.remote(n) for n in "ab"]
+    counts = list(labelled([Unit(i, "tar", [f"{i}.tar"]) for i in range(9)], finds, writes))
+    assert sorted(c["unit"] for c in counts) == list(range(9))
+    assert all(c["found_by"] == c["written_by"] for c in counts)
+    for f, w in zip(finds, writes):
+        started, ended = ray.get(f.log.remote()), ray.get(w.log.remote())
+        # the n-th unit (from 0) starts once at least n − WRITES_AHEAD + 1 of the labeller's units are written
+        assert all(sum(e < t for e in ended) >= n - WRITES_AHEAD + 1 for n, t in enumerate(started)), (started, ended)
+    # a unit its labeller could not read reaches the job as the labeller counted it, nothing written
+    unreadable = {"unit": 3, "unreadable_shard": "00003.tar: exited with status 3"}
+    assert Finisher(str(tmp_path), {}, {}, str(tmp_path / "out")).write(unreadable) == unreadable
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_pseudo_caption_is_trained_as_it_is_and_kept_out_of_the_bow_statistics(demo_dir):

@@ -19,7 +19,7 @@ Every training case is a short run on the embedded demo dataset at 224 px with a
   pseudo-label cases use); zero3: ZeRO-3; tonics: the TOnICS recipe (configs/tonics.yaml), memory_bank: the EMA
   memory bank, both at stage 0 (auto's layout on one GPU), so compared with zero0;
 - pseudo_label: ``rayvl pseudo-label`` of ``--eval-images`` images (the demo's training shards copied under new
-  keys until there are that many) with zero2's model, its actors on GPUs, its faiss index on a GPU;
+  keys until there are that many) with zero2's model, its actors on GPUs, its exact caption index searched there;
 - eval: ``rayvl eval --gpus 1`` of zero2's run joined to the check's Ray (as on a cluster: GPU actors fed by Ray
   Data), retrieval over ``--eval-images`` held-out images (copied likewise): images/s once running, not start-up;
 - eval_here: the same command with no cluster named (one model in the command's process fed by a local loader, no
@@ -32,8 +32,10 @@ Every training case is a short run on the embedded demo dataset at 224 px with a
 loop fits, found by doubling until the GPU runs out of memory). ``--profile CASE`` writes a torch.profiler trace of
 steps 6-8 of that training case (``RAYVL_PROFILE``, rayvl/train/profiling.py) or of the bare loop to
 ``<--out>-profile/``. Every training case's steps from the third on run under ``torch.cuda.set_sync_debug_mode``
-(``RAYVL_SYNC_DEBUG``, set before this check starts Ray, so its workers inherit it); the bare loop's timed steps too.
-The synchronisations caught a step are a column, where the first was made in the notes.
+(``RAYVL_SYNC_DEBUG``, set before this check starts Ray, so its workers inherit it); the bare loop's timed steps too,
+and the pseudo-labellers' units from the third (a unit's chunks: cut, embedded and searched on the GPU, its
+retrievals read back after). The synchronisations caught a step (a unit) are a column, where the first was made in
+the notes.
 
 A case passes when it ran correctly. Its samples/s, MFU (rayvl.train.flops) and data-wait share are those of the
 windows after the first (which holds the start-up), printed beside the goals (``GOALS``: issue 44's MFU and data
@@ -652,6 +654,7 @@ def pseudo_label_case(check: Check, case: Case, outcome: Outcome) -> None:
     out = check.storage / "pseudo-label"
     # one actor a GPU, decoding on the node's CPUs but one a GPU (left to Ray Data's reads): docs/gpu.md
     cpus = max(1, (os.cpu_count() or 2) // max(1, check.gpus) - 1)
+    watched = sync_files()  # the labellers' units, from the third, watched as the training steps (RAYVL_SYNC_DEBUG)
     proc = run_cli(check, ["pseudo-label", base_run(check), "--aligned", aligned, "--unaligned",
                            unaligned, "--out", str(out), "--set", "pseudo_label.gpus_per_actor=1",
                            "--set", f"pseudo_label.actors={check.gpus}", "--set", f"pseudo_label.cpus_per_actor={cpus}",
@@ -666,9 +669,12 @@ def pseudo_label_case(check: Check, case: Case, outcome: Outcome) -> None:
     outcome.notes = (f"{images} images labelled ({counts.get('success', 0)} written), index "
                      f"{summary['index']['kind']} over {summary['index']['captions']} captions, faiss GPUs {gpus}")
     outcome.run_dir = str(out)
-    if not gpus:  # not a failure: make install GPU=1 takes faiss-cpu where faiss-gpu-cu12 has no kernels (H100)
+    if summary["index"]["kind"] == "IndexFlatIP":  # exact: knn.DeviceIndex, whatever faiss build is installed
+        outcome.notes += "; the exact pool searched on each labeller's GPU (matmul + top-k, read back once a unit)"
+    elif not gpus:  # not a failure: make install GPU=1 takes faiss-cpu where faiss-gpu-cu12 has no kernels (H100)
         outcome.notes += ("; faiss-cpu: the index searched on the CPU (faiss-gpu-cu12 has no kernels for compute "
                           "capability 9.0+; docs/gpu.md)")
+    note_syncs(outcome, [p for p, seen in sync_files().items() if watched.get(p) != seen])  # a unit's, per "step"
 
 
 EMBEDDED = re.compile(r"eval: (\d+) images embedded \(([\d.]+) s(?:; the (?:first embedding actor|embedding model in "
@@ -735,7 +741,7 @@ CASES = [
         f"tonics.buffer_rows={4 * c.args.batch}", f"tonics.max_wait_rows={8 * c.args.batch}"]),
     Case("memory_bank", "EMA memory bank (K 8192), stage 0", train_case, "laion_adapt",
          lambda c: ["train.zero_stage=0", "memory_bank.size=8192", NO_EVAL]),
-    Case("pseudo_label", "rayvl pseudo-label, GPU actors + GPU faiss index", pseudo_label_case),
+    Case("pseudo_label", "rayvl pseudo-label, GPU actors searching the caption pool on their GPU", pseudo_label_case),
     Case("eval", "rayvl eval --gpus 1 of zero2's run, joined to a Ray: GPU actors", eval_case),
     Case("eval_here", "rayvl eval --gpus 1 of zero2's run on this machine: one model in its process, no Ray",
          eval_here_case),

@@ -29,6 +29,32 @@ def random_resized_crop_box(width: int, height: int, scale_min: float, rng: np.r
     return x, y, x + side, y + side
 
 
+def random_resized_crop_boxes(width: int, height: int, scale_min: float, rng: np.random.Generator,
+                              n: int) -> np.ndarray:
+    """``n`` boxes (int64 (n, 4): x0, y0, x1, y1), each drawn as ``random_resized_crop_box`` draws one — the first of
+    10 tries whose area fraction (in [scale_min, 1]) and aspect ratio (in [3/4, 4/3], log-uniform) fit the image, at
+    a uniform position, else the central square — from one generator call for all of them (a call costs more than
+    a box's arithmetic): what a pseudo-labeller draws for an image's c crops, on the thread it shares with every
+    other image."""
+    tries, per_box = 10, 22  # an area and a ratio a try, then the position
+    draws = rng.random(n * per_box).tolist()
+    area, low, span = width * height, math.log(3 / 4), math.log(4 / 3) - math.log(3 / 4)
+    side = min(width, height)
+    boxes = []
+    for first in range(0, n * per_box, per_box):
+        box = (width - side) // 2, (height - side) // 2, side, side  # the central square, unless a try fits
+        for t in range(first, first + 2 * tries, 2):
+            target = area * (scale_min + (1.0 - scale_min) * draws[t])
+            ratio = math.exp(low + span * draws[t + 1])
+            w, h = round(math.sqrt(target * ratio)), round(math.sqrt(target / ratio))
+            if 0 < w <= width and 0 < h <= height:
+                box = int(draws[first + 20] * (width - w + 1)), int(draws[first + 21] * (height - h + 1)), w, h
+                break
+        x, y, w, h = box
+        boxes.append((x, y, x + w, y + h))
+    return np.array(boxes, np.int64).reshape(n, 4)
+
+
 def center_crop_box(width: int, height: int):
     side = min(width, height)
     x, y = (width - side) // 2, (height - side) // 2

@@ -3,11 +3,12 @@ image, each a query).
 
 Cutting c crops with Pillow resamples the full image c times on one core; here the work is split where it is
 cheapest. On a CPU, per image (``prepare``): decode at a reduced JPEG scale where the crops allow it (libjpeg's
-DCT scaling), draw the c crop boxes from the image's seeded generator on the image's own pixel grid (the draws
-Pillow's path made: the same boxes), and downscale the image once so that its shorter side is just large enough
-that no crop is upsampled relative to the crop size. On the model's device, per batch of images (``cut``): a
-``grid_sample`` over the padded batch cuts every crop of every image (s × s bilinear samples averaged into each
-crop pixel: an area filter where a crop is reduced) — on a GPU the 10 crops of 100 images are a few kernels.
+DCT scaling), draw the c crop boxes from the image's seeded generator on the image's own pixel grid (all c at once,
+``images.random_resized_crop_boxes``: Pillow's path cuts the same boxes from the full image), and downscale the
+image once so that its shorter side is just large enough that no crop is upsampled relative to the crop size. On
+the model's device, per batch of images (``cut``): a ``grid_sample`` over the padded batch cuts every crop of every
+image (s × s bilinear samples averaged into each crop pixel: an area filter where a crop is reduced) — on a GPU the
+10 crops of 100 images are a few kernels.
 (torchvision's ``roi_align`` does the same; core torch's ``grid_sample`` also runs where torchvision's compiled ops
 cannot load, as on CPU machines whose registry has only a CUDA torchvision.)
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from rayvl.data.images import chw, decode, random_resized_crop_box, resized
+from rayvl.data.images import chw, decode, random_resized_crop_boxes, resized
 
 
 @dataclass
@@ -76,8 +77,7 @@ def prepare(data: bytes, key: str, crops: int, size: int, scale_min: float, seed
     if decoded is None:
         return None
     img, (width, height) = decoded
-    rng = rng_of(key, seed)
-    boxes = np.array([random_resized_crop_box(width, height, scale_min, rng) for _ in range(crops)], np.float32)
+    boxes = random_resized_crop_boxes(width, height, scale_min, rng_of(key, seed), crops).astype(np.float32)
     return from_image(img, boxes, (width, height), side)
 
 
@@ -124,7 +124,17 @@ def cut(sources: list[CropSource], size: int, device="cpu"):
     out = torch.cat(pieces)  # (N, c, 3, size, size), in group order
     back = torch.empty(len(order), dtype=torch.long)
     back[torch.tensor(order)] = torch.arange(len(order))
-    return out[back.to(out.device)].reshape(-1, 3, size, size)
+    return out[_to_device(back, out.device)].reshape(-1, 3, size, size)
+
+
+def _to_device(tensor, device):
+    """A CPU ``tensor`` on ``device``: to a GPU from pinned memory, without blocking — a copy from pageable memory
+    waits for the GPU's stream, which would make the labeller wait on the GPU once a chunk."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _samples(source: CropSource, size: int) -> int:
@@ -162,11 +172,8 @@ def _cut_group(sources: list[CropSource], size: int, samples: int, device):
     w = max(s.image.width for s in sources)
     canvas = np.stack([np.pad(s.pixels, ((0, 0), (0, h - s.image.height), (0, w - s.image.width)), mode="edge")
                        for s in sources])
-    images = torch.from_numpy(canvas)
-    if torch.device(device).type == "cuda":  # a pinned copy is the one that overlaps
-        images = images.pin_memory()
-    images = images.to(device, non_blocking=True).float()
-    boxes = torch.from_numpy(np.stack([s.boxes for s in sources])).to(device)  # (N, c, 4)
+    images = _to_device(torch.from_numpy(canvas), device).float()
+    boxes = _to_device(torch.from_numpy(np.stack([s.boxes for s in sources])), device)  # (N, c, 4)
     out = None
     for a in range(samples):
         for b in range(samples):

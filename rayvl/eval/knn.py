@@ -108,6 +108,68 @@ def search(index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return index.search(_f32(queries), min(k, index.ntotal))
 
 
+DEVICE_INDEX_BYTES = 2 << 30  # an exact index whose vectors are more stays with faiss (which tiles its search)
+SCORES_BYTES = 256 << 20  # query × pool scores a DeviceIndex computes at once
+
+
+class DeviceIndex:
+    """An exact index's vectors (``IndexFlatIP``'s, up to ``DEVICE_INDEX_BYTES``) as one float32 tensor on a torch
+    device: a search is matmuls and top-k's there, over blocks of the pool of ``SCORES_BYTES`` of scores, its
+    results staying there. On a GPU the queries never leave it and nothing is searched on the CPU — where faiss-gpu
+    has no kernels (compute capability 9.0+) faiss-cpu searches on the CPUs that feed the GPU. Its results are the
+    flat index's: the same scores up to float rounding (fp32 products, never TF32), equal scores possibly in another
+    order."""
+
+    def __init__(self, vectors: np.ndarray, device):
+        import torch
+
+        self.vectors = torch.from_numpy(_f32(vectors)).to(device)
+        self.ntotal = len(vectors)
+
+    @classmethod
+    def of(cls, index, device) -> "DeviceIndex | None":
+        """``index``'s vectors on ``device`` when it is exact (a flat inner-product index), else None."""
+        import faiss
+
+        if not isinstance(index, faiss.IndexFlatIP) or index.ntotal * index.d * 4 > DEVICE_INDEX_BYTES:
+            return None
+        return cls(index.reconstruct_n(0, index.ntotal), device)
+
+    def search(self, queries, k: int):
+        """(scores, ids) of the k best rows per query (a tensor on any device), best first, tensors on the index's
+        device."""
+        import torch
+
+        device, precision = self.vectors.device, torch.get_float32_matmul_precision()
+        k, block = min(k, self.ntotal), max(1, SCORES_BYTES // (4 * max(1, len(queries))))
+        torch.set_float32_matmul_precision("highest")  # IEEE fp32, as faiss computes
+        try:
+            with torch.autocast(device.type, enabled=False):  # nor a caller's bf16
+                queries = queries.to(device, torch.float32)
+                best = (torch.zeros((len(queries), 0), device=device),
+                        torch.zeros((len(queries), 0), dtype=torch.long, device=device))
+                for first in range(0, self.ntotal, block):
+                    part = self.vectors[first:first + block]
+                    scores, ids = (queries @ part.T).topk(min(k, len(part)), dim=1)
+                    if first:  # the best k of the blocks before and this one
+                        scores = torch.cat([best[0], scores], 1)
+                        scores, order = scores.topk(min(k, scores.shape[1]), dim=1)
+                        ids = torch.cat([best[1], ids + first], 1).gather(1, order)
+                    best = scores, ids
+        finally:
+            torch.set_float32_matmul_precision(precision)
+        return best
+
+
+def merged(scores, ids, groups: int):
+    """Each run of ``groups`` consecutive queries' results merged into one row, by score, best first (tensors;
+    (n·groups, k) → (n, groups·k) each): ties keep the queries' order, then their ranks'. Ids of −1 (faiss's
+    padding where it found fewer than k) sort last with their lowest scores."""
+    n = scores.shape[0] // groups
+    merged_scores, order = scores.reshape(n, -1).sort(dim=1, descending=True, stable=True)
+    return merged_scores, ids.reshape(n, -1).gather(1, order)
+
+
 def recall(index, vectors: np.ndarray, queries: np.ndarray, k: int) -> float:
     """Share of the exact top-k (brute force over ``vectors``) that ``index`` returns, averaged over queries."""
     _, exact = top_k(vectors, queries, k)

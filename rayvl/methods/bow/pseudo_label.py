@@ -10,14 +10,17 @@
    are saved in ``<out>/index/`` with the fingerprint of the checkpoint, the shards and the index settings, and
    reused while it matches.
 3. Labelling: one labeller call per unit — an input shard, or ``shard_size`` image files — each unit to the next
-   free labeller (``ray.util.ActorPool``). A labeller holds the model from its start and loads the index at its
+   free labeller (``labelled``). A labeller holds the model from its start and loads the index at its
    first unit; per image c random resized crops (seeded by the image key;
    ``rayvl.data.roi_crops``: decoded at a reduced JPEG scale, downscaled once, cut by Pillow on a CPU actor's
    threads or on its GPU), the top-k captions of each crop; NN_i keeps all k·c retrievals ordered by similarity (a
-   caption found by several crops counts once per crop); each rule of ``data.word_rank`` keeps p words.
+   caption found by several crops counts once per crop); each rule of ``data.word_rank`` keeps p words. A GPU
+   labeller searches an exact index on its GPU (``knn.DeviceIndex``: matmul + top-k, a unit's retrievals read back
+   once), faiss every other index and on CPU.
 4. Output: per rule one img2dataset-layout shard per unit, ``<out>/<rule>/<unit>.tar|.parquet|_stats.json``,
    caption in ``txt``, rule, words, neighbours' keys and scores in ``json`` (with ``"pseudo_bow": true``, so a
-   BoW run trains on the pseudo caption as it is). Written by the actor that labelled the unit, stats file last:
+   BoW run trains on the pseudo caption as it is). Written by the labeller's finisher (``Finisher``: an actor of
+   its own on Ray, ``labelled``), stats file last:
    not a Ray Datasink, whose write tasks get blocks without regard to input shards — resuming at shard
    granularity needs a shard to be one unit of work, written whole or not at all. A rerun skips units whose
    every rule's stats file exists; ``<out>/pseudo_label.json`` holds the job's fingerprint, and a rerun with
@@ -71,13 +74,15 @@ from rayvl.methods.bow.word_rank import WordRanker, caption_words, count_words
 from rayvl.eval import knn, local_read
 from rayvl.eval.data import IMAGE_EXTENSIONS
 from rayvl.eval.embed import TEXT_BATCH, actor_device, check_gpus, inference, shares, text_embeddings
+from rayvl.train.profiling import SYNC_ENV, SyncWatch
 
 log = logging.getLogger("rayvl")
 META, INDEX_DIR, FORMAT = PSEUDO_MARKER, "index", 1
 WORD_STATS = "aligned_word_stats.json"  # S_a's word statistics, in INDEX_DIR
 CAPTIONS_SPLIT_KEPT = 1 << 20  # pool captions a labeller keeps split into words (a bound on its memory)
 GPUS_OFF = "pseudo_label.gpus_per_actor=0"  # what runs the labelling without GPUs, named where CUDA cannot be used
-CROPS_CUT = "reduced-2"  # rayvl.data.roi_crops: decoded reduced, downscaled once, cut by Pillow or grid_sample
+# rayvl.data.roi_crops: decoded reduced, an image's boxes drawn at once, downscaled once, cut by Pillow or grid_sample
+CROPS_CUT = "reduced-3"
 
 
 @dataclass
@@ -288,12 +293,28 @@ def ahead_of_use(items: list, work, threads: ThreadPoolExecutor, ahead: int):
         yield item, result.result()
 
 
+@dataclass
+class Retrieved:
+    """What a labeller found in one unit, for its finisher to write: the unit's samples (up to a damage) and per
+    decodable sample (``kept``, by index in ``samples``), the pool ids and scores of its k·c retrievals, best first
+    (id −1 where faiss found fewer than k)."""
+
+    unit: Unit
+    samples: list  # (key, image bytes, source, image extension) each
+    damaged: str | None
+    kept: list[int]
+    ids: np.ndarray  # int64 (len(kept), k·c)
+    scores: np.ndarray  # float32 (len(kept), k·c)
+    started: float  # when its labeller began the unit (time.time(), that labeller's clock)
+
+
 class Labeler:
-    """One warm labelling model, for the whole job ([BoW] §2.3): it embeds the caption pool (``texts``), then labels
-    units (``label``) against the pool's index, which it loads from ``index_dir`` at its first unit — so the job
-    starts its labellers before the index exists and they load their model while the driver reads the aligned set,
-    and a labeller Ray restarts after a failure finds the index where its predecessor did. ``df``: S_a's document
-    frequencies (None: read from ``index_dir``'s word statistics when the index is loaded)."""
+    """One warm labelling model, for the whole job ([BoW] §2.3): it embeds the caption pool (``texts``), then finds
+    each unit's retrievals (``retrieve``; ``label`` also writes the unit, with a ``Finisher`` in this process) against
+    the pool's index, which it loads from ``index_dir`` at its first unit — so the job starts its labellers before the
+    index exists and they load their model while the driver reads the aligned set, and a labeller Ray restarts after
+    a failure finds the index where its predecessor did. ``df``: S_a's document frequencies for its finisher (None:
+    read from ``index_dir``'s word statistics)."""
 
     def __init__(self, checkpoint: str, index_dir: str, settings: dict, df: dict | None, out: str,
                  io: ReadPolicy = ReadPolicy(), device: torch.device | None = None):
@@ -309,11 +330,14 @@ class Labeler:
         self.model.module.vision.to_channels_last()
         self.index_dir, self.df, self.index = Path(index_dir), df, None
         self.out, self.io = Path(out), io
+        self.finisher: Finisher | None = None  # label's, made at its first unit
         # decoding and cropping on every CPU this actor holds (Pillow's decode and resize release the GIL), the
         # next chunks prepared while one is embedded: one thread cropped 10 crops an image for the whole actor
         self.cpus = max(1, int(self.x.cpus_per_actor))
         self.cut_on_cpu = self.device.type != "cuda"  # else in one op on the GPU (roi_crops.cut)
         self.threads = ThreadPoolExecutor(self.cpus, thread_name_prefix="crops")
+        # RAYVL_SYNC_DEBUG (rayvl check gpu): the host synchronisations of each unit's chunks, from the third unit
+        self.syncs, self.units = SyncWatch(os.environ.get(SYNC_ENV, ""), rank=0), 0
 
     def texts(self, captions: list[str]) -> np.ndarray:
         """The normalised text embeddings of ``captions`` (the caption pool's share of this labeller), embedded as
@@ -329,45 +353,59 @@ class Labeler:
         import faiss
 
         index = faiss.read_index(str(self.index_dir / "index.faiss"))
-        # on the actor's own GPU(s), the only ones it sees; a CPU actor on a GPU node keeps its index on CPU
-        self.index = knn.on_device(index) if self.device.type == "cuda" else index
-        pool = pq.read_table(self.index_dir / "captions.parquet")
-        self.keys, self.captions = pool["key"].to_pylist(), pool["caption"].to_pylist()
-        if self.df is None:
-            self.df = json.loads((self.index_dir / WORD_STATS).read_text())["df"]
-        self.ranker = WordRanker(self.df, self.x.words, self.x.top_t, self.x.seed)
-        # a pool caption is retrieved for many crops: split into its words once, not k·c times an image (this
-        # runs on the actor's one Python thread, which every image passes through)
-        self.caption_words = lru_cache(maxsize=CAPTIONS_SPLIT_KEPT)(lambda j: caption_words(self.captions[j]))
+        # on a GPU an exact index is searched where the crops are embedded (knn.DeviceIndex: nothing read back a
+        # chunk, the CPUs only feed the GPU), an approximate one by faiss on the actor's own GPU(s) — the only ones
+        # it sees — where faiss has kernels for them; a CPU actor (on a GPU node too) searches with faiss on CPU
+        if self.device.type == "cuda":
+            self.index = knn.DeviceIndex.of(index, self.device) or knn.on_device(index)
+        else:
+            self.index = index
 
     def neighbours(self, samples: list, size: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Per decodable sample (by index): (pool ids, scores) of its k·c retrievals, best first. A chunk of
-        images is decoded, downscaled and given its crop boxes on the actor's threads (on a CPU actor its crops cut
-        there too), up to two chunks a thread ahead of the one being embedded; on a GPU the chunk's crops are cut
-        there in one op (``roi_crops.cut``)."""
+        """Per decodable sample (by index): (pool ids, scores) of its k·c retrievals, best first (``retrievals``)."""
+        kept, ids, scores = self.retrievals(samples, size)
+        return {i: (n[n >= 0], s[n >= 0]) for i, n, s in zip(kept, ids, scores)}  # faiss pads with −1
+
+    def retrievals(self, samples: list, size: int) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """(the decodable samples' indices, their k·c retrievals' pool ids and scores, (n, k·c) each, best first). A
+        chunk of images is decoded, downscaled and given its crop boxes on the actor's threads (on a CPU actor its
+        crops cut there too), up to two chunks a thread ahead of the one being embedded; on a GPU the chunk's crops
+        are cut there in one op (``roi_crops.cut``), embedded and searched there, and the unit's retrievals read back
+        once: the GPU is never waited for between chunks."""
         if self.index is None:
             self._load_index()
         x, per = self.x, max(1, self.x.batch_size // self.x.crops)
         chunks = [list(range(j, min(j + per, len(samples)))) for j in range(0, len(samples), per)]
         on_cpu = self.cut_on_cpu
         work = partial(prepared, samples, x=x, size=size, on_cpu=on_cpu)
-        out = {}
-        for _, (kept, sources, cut) in ahead_of_use(chunks, work, self.threads, 2 * self.cpus):
-            if not kept:
+        kept, found = [], []
+        self.units += 1
+        self.syncs.before(self.units)
+        for _, (chunk, sources, cut) in ahead_of_use(chunks, work, self.threads, 2 * self.cpus):
+            if not chunk:
                 continue
             queries = cut if on_cpu else roi_crops.cut(sources, size, self.device)
             with inference(self.device):
-                embedded = self.model.encode_image(queries).cpu().numpy()
-            scores, ids = knn.search(self.index, embedded, x.k)
-            for b, i in enumerate(kept):
-                s, n = scores[b * x.crops:(b + 1) * x.crops].ravel(), ids[b * x.crops:(b + 1) * x.crops].ravel()
-                order = np.argsort(-s, kind="stable")
-                keep = order[n[order] >= 0]  # faiss pads with −1 when fewer than k are found
-                out[i] = (n[keep], s[keep])
-        return out
+                embedded = self.model.encode_image(queries)
+            kept += chunk
+            found.append(self._search(embedded))
+        self.syncs.after(self.units)  # what follows reads the unit's retrievals back: the one wait meant
+        if not found:
+            return [], np.zeros((0, x.k * x.crops), np.int64), np.zeros((0, x.k * x.crops), np.float32)
+        scores, ids = (torch.cat(part).cpu().numpy() for part in zip(*found))  # a unit's one read-back
+        return kept, ids, scores
 
-    def label(self, unit: Unit) -> dict:
-        """Label ``unit``: its output shards written, one per rule; its counts."""
+    def _search(self, embedded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores, pool ids) of each image's k·c retrievals (NN_i, [BoW] §2.3), (images, k·c) best first: on the
+        index's device, or faiss's results (read back for it) as tensors."""
+        if isinstance(self.index, knn.DeviceIndex):
+            return knn.merged(*self.index.search(embedded, self.x.k), self.x.crops)
+        scores, ids = knn.search(self.index, embedded.cpu().numpy(), self.x.k)
+        return knn.merged(torch.from_numpy(scores), torch.from_numpy(ids), self.x.crops)
+
+    def retrieve(self, unit: Unit) -> Retrieved | dict:
+        """``unit``'s samples and retrievals, for a ``Finisher`` to write — or, where the unit cannot be read and
+        ``data.unreadable`` skips it, its counts (nothing written: a rerun reads it again)."""
         started = time.time()
         try:
             samples, damaged = unit_samples(unit, self.io)
@@ -375,18 +413,65 @@ class Labeler:
             if self.io.unreadable == "fail":
                 raise
             return {"unit": unit.id, "unreadable_shard": str(e)}
-        found = {i: (ids, scores, count_words(map(self.caption_words, ids.tolist())))  # once, for all rules
-                 for i, (ids, scores) in self.neighbours(samples, self.model.image_size).items()}
-        counts = Counter(images=len(samples), decoded=len(found))
+        kept, ids, scores = self.retrievals(samples, self.model.image_size)
+        return Retrieved(unit, samples, damaged, kept, ids, scores, started)
+
+    def label(self, unit: Unit) -> dict:
+        """Label ``unit``: its retrievals found, then its output shards written (one per rule) by this process's
+        ``Finisher``; its counts."""
+        if self.finisher is None:
+            self.finisher = Finisher(str(self.index_dir), asdict(self.x), self.df, str(self.out))
+        return self.finisher.write(self.retrieve(unit))
+
+
+class Finisher:
+    """Writes a labelled unit ([BoW] §2.3): each decodable image's retrieved captions' words counted, ranked by each
+    rule of ``data.word_rank``, and one img2dataset shard written per rule, its stats file last. In the labeller's
+    process where it labels alone (``Labeler.label``: without Ray); on Ray an actor of its own for each labeller
+    (``Labellers``), so that the labeller's one interpreter — whose lock its crop threads share — only reads,
+    prepares, embeds and searches while its units before are written here. Loads the caption pool and S_a's
+    document frequencies (``df``, None: ``index_dir``'s word statistics) from ``index_dir`` at its first unit."""
+
+    def __init__(self, index_dir: str, settings: dict, df: dict | None, out: str):
+        self.x = PseudoLabelConfig(**settings)
+        self.index_dir, self.df, self.out = Path(index_dir), df, Path(out)
+        self.keys: list[str] | None = None
+
+    def load(self) -> None:
+        """The caption pool, S_a's document frequencies and the word filters, read before the first unit comes (on
+        Ray the job asks for it as labelling starts: the first write then waits for nothing)."""
+        if self.keys is not None:
+            return
+        pool = pq.read_table(self.index_dir / "captions.parquet")
+        self.keys, self.captions = pool["key"].to_pylist(), pool["caption"].to_pylist()
+        if self.df is None:
+            self.df = json.loads((self.index_dir / WORD_STATS).read_text())["df"]
+        self.ranker = WordRanker(self.df, self.x.words, self.x.top_t, self.x.seed)
+        # a pool caption is retrieved for many crops: split into its words once, not k·c times an image
+        self.caption_words = lru_cache(maxsize=CAPTIONS_SPLIT_KEPT)(lambda j: caption_words(self.captions[j]))
+        if self.captions:
+            self.caption_words(0)  # the word filters' first use loads their lists
+
+    def write(self, found: Retrieved | dict) -> dict:
+        """Write the unit ``found`` holds (``Labeler.retrieve``'s); its counts (a unit its labeller could not read:
+        its counts as they are)."""
+        if isinstance(found, dict):
+            return found
+        self.load()
+        unit, samples, damaged = found.unit, found.samples, found.damaged
+        retrieved = {i: (n[n >= 0], s[n >= 0]) for i, n, s in zip(found.kept, found.ids, found.scores)}
+        counted = {i: (ids, scores, count_words(map(self.caption_words, ids.tolist())))  # once, for all rules
+                   for i, (ids, scores) in retrieved.items()}
+        counts = Counter(images=len(samples), decoded=len(counted))
         for rule in self.x.rules:
-            rows = [self._row(rule, samples[i], found.get(i), counts) for i in range(len(samples))]
+            rows = [self._row(rule, samples[i], counted.get(i), counts) for i in range(len(samples))]
             written = sum(r["status"] == "success" for r in rows)
             counts[f"{rule}_written"] = written
             stats = {"count": len(rows), "successes": written, "status_dict": dict(Counter(r["status"] for r in rows)),
-                     "damaged_shard": damaged, "duration": time.time() - started, "rule": rule}
+                     "damaged_shard": damaged, "duration": time.time() - found.started, "rule": rule}
             (self.out / rule).mkdir(parents=True, exist_ok=True)
             write_img2dataset_shard(self.out / rule, f"{unit.id:05d}", rows, stats)
-        return {"unit": unit.id, **counts, "damaged_shard": damaged, "seconds": round(time.time() - started, 2)}
+        return {"unit": unit.id, **counts, "damaged_shard": damaged, "seconds": round(time.time() - found.started, 2)}
 
     def _row(self, rule: str, sample: tuple, found, counts: Counter) -> dict:
         key, data, source, ext = sample
@@ -473,10 +558,19 @@ def labeller_cpus(cfg: RayvlConfig) -> int:
     return min(cfg.local_num_cpus or local_read.this_machines_cpus(), local_read.this_machines_cpus())
 
 
+def finisher_cpus(cpus_per_actor: float, gpus_per_actor: float) -> float:
+    """The CPUs of a labeller's share (``pseudo_label.cpus_per_actor``) its finisher actor holds: one where a GPU
+    labeller holds two or more (its crop threads take the rest: it feeds a GPU from one interpreter), else none —
+    a CPU labeller's model runs on its CPUs (torch's threads: as many as the CPUs Ray gives it), and its finisher's
+    work is a small part of its own."""
+    return 1.0 if gpus_per_actor and cpus_per_actor >= 2 else 0.0
+
+
 class Labellers:
     """The job's labellers: ``pseudo_label.actors`` Ray actors, started at once — they load their model while the
     driver reads the aligned set twice (its word statistics, its captions), then each embeds its share of the
-    caption pool and labels units, one in flight — or (``without_ray``) one ``Labeler`` in this process, decoding
+    caption pool and finds units' retrievals, one in flight, which as many ``Finisher`` actors write (each holding
+    a CPU of a labeller's share, ``finisher_cpus``) — or (``without_ray``) one ``Labeler`` in this process, decoding
     and cropping on the machine's CPUs (``local_num_cpus`` caps them), loaded where it is first needed: after the
     local loaders (``loader_workers`` processes) have read S_a, so that they are forked from a process that holds
     no model and runs no thread."""
@@ -484,7 +578,7 @@ class Labellers:
     def __init__(self, cfg: RayvlConfig, ckpt: str, out: Path, without_ray: bool):
         x = cfg.pseudo_label
         self.args = [ckpt, str(out / INDEX_DIR), asdict(x), None, str(out), ReadPolicy.of(cfg.data)]
-        self.actors, self.here, self.loader_workers = [], None, 0
+        self.actors, self.finishers, self.here, self.loader_workers = [], [], None, 0
         if without_ray:
             cpus = labeller_cpus(cfg)
             if cfg.local_num_cpus:  # the model's and faiss's threads too, as an actor's would be
@@ -493,9 +587,14 @@ class Labellers:
             self.device = torch.device("cuda" if x.gpus_per_actor else "cpu")
             self.loader_workers = max(1, cpus - 1)
             return
-        actor = ray.remote(Labeler).options(num_cpus=x.cpus_per_actor, num_gpus=x.gpus_per_actor, max_restarts=1,
-                                            max_task_retries=1)  # a unit is written whole or not at all: safe to redo
-        self.actors = [actor.remote(*self.args) for _ in range(x.actors)]
+        writing = finisher_cpus(x.cpus_per_actor, x.gpus_per_actor)
+        # a unit is found, or written whole, or not at all: safe to redo
+        actor = ray.remote(Labeler).options(num_cpus=x.cpus_per_actor - writing, num_gpus=x.gpus_per_actor,
+                                            max_restarts=1, max_task_retries=1)
+        finisher = ray.remote(Finisher).options(num_cpus=writing, max_restarts=1, max_task_retries=1)
+        settings = {**asdict(x), "cpus_per_actor": x.cpus_per_actor - writing}  # the labeller's crop threads
+        self.actors = [actor.remote(ckpt, self.args[1], settings, *self.args[3:]) for _ in range(x.actors)]
+        self.finishers = [finisher.remote(*self.args[1:5]) for _ in range(x.actors)]
         self.pool = ActorPool(self.actors)
 
     def labeler(self) -> Labeler:
@@ -511,17 +610,61 @@ class Labellers:
         return np.concatenate(list(self.pool.map(lambda a, share: a.texts.remote(share), shared)))
 
     def label(self, todo: list[Unit]):
-        """Each unit's counts as it is labelled: by the next free actor, or one after another here."""
+        """Each unit's counts as it is written: by the actors (``labelled``), or one unit after another here."""
         if self.loader_workers:
             return (self.labeler().label(unit) for unit in todo)
-        return self.pool.map_unordered(lambda a, unit: a.label.remote(unit), todo)
+        return labelled(todo, self.actors, self.finishers)
 
     def close(self) -> None:
-        for a in self.actors:
+        for a in self.actors + self.finishers:
             ray.kill(a)
         if self.here is not None:  # a unit that failed half-way leaves crops being cut: not waited for
             self.here.threads.shutdown(wait=False, cancel_futures=True)
-        self.actors, self.here = [], None
+        self.actors, self.finishers, self.here = [], [], None
+
+
+WRITES_AHEAD = 2  # units a labeller may have found beyond those its finisher has written
+
+
+def labelled(todo: list[Unit], labellers: list, finishers: list, ahead: int = WRITES_AHEAD):
+    """Each unit's counts as its finisher ends it. Labeller i finds one unit's samples and retrievals at a time
+    (``Labeler.retrieve``, the next unit as soon as it is free) and finisher i writes them (``Finisher.write``),
+    reading what the labeller returned from Ray's object store: the driver passes the reference on, so a unit's
+    images never pass through it, and it owns every result — a write outlives the labeller that found its unit, and
+    Ray redoes a write whose finisher died. A labeller with ``ahead`` units unwritten waits for its finisher, so
+    the object store holds at most that many units' images a labeller."""
+    units = iter(todo)
+    finding: dict = {}  # a retrieve's result → its labeller
+    writing: dict = {}  # a write's result → its labeller
+    unwritten, waiting = [0] * len(labellers), set()
+
+    def find(i: int) -> None:
+        unit = next(units, None)
+        if unit is not None:
+            finding[labellers[i].retrieve.remote(unit)] = i
+
+    for finisher in finishers:
+        finisher.load.remote()  # an actor's calls run in order: before its first write, while the labellers find
+    for i in range(len(labellers)):
+        find(i)
+    while finding or writing:
+        # not fetched here: a unit's images go from its labeller's node to its finisher's
+        (done,), _ = ray.wait([*finding, *writing], num_returns=1, fetch_local=False)
+        if done in finding:
+            i = finding.pop(done)
+            writing[finishers[i].write.remote(done)] = i  # resolved in the finisher, never fetched here
+            unwritten[i] += 1
+            if unwritten[i] < ahead:
+                find(i)
+            else:
+                waiting.add(i)
+        else:
+            i = writing.pop(done)
+            unwritten[i] -= 1
+            if i in waiting:
+                waiting.discard(i)
+                find(i)
+            yield ray.get(done)
 
 
 def _label(results, total: int, started: float) -> None:
