@@ -449,6 +449,8 @@ def test_each_labellers_units_are_written_by_its_own_finisher_at_most_two_units_
 
         def retrieve(self, unit):
             self.started.append(time.time())
+            if unit.id < 0:
+                raise ValueError(f"unit {unit.id} cannot be read")
             return {"unit": unit.id, "found_by": self.name}
 
         def log(self):
@@ -478,6 +480,9 @@ def test_each_labellers_units_are_written_by_its_own_finisher_at_most_two_units_
         started, ended = ray.get(f.log.remote()), ray.get(w.log.remote())
         # the n-th unit (from 0) starts once at least n − WRITES_AHEAD + 1 of the labeller's units are written
         assert all(sum(e < t for e in ended) >= n - WRITES_AHEAD + 1 for n, t in enumerate(started)), (started, ended)
+    # a labeller's failure fails the job (its write gets the error), not a wait
+    with pytest.raises(ValueError, match="unit -1 cannot be read"):
+        list(labelled([Unit(i, "tar", [f"{i}.tar"]) for i in (0, -1, 2)], finds, writes))
     # a unit its labeller could not read reaches the job as the labeller counted it, nothing written
     unreadable = {"unit": 3, "unreadable_shard": "00003.tar: exited with status 3"}
     assert Finisher(str(tmp_path), {}, {}, str(tmp_path / "out")).write(unreadable) == unreadable

@@ -8,6 +8,9 @@ Exact search (``IndexFlatIP``) for evaluation galleries and small caption pools;
 — IVF (k-means cells, ``nprobe`` of them searched) or HNSW (a graph) — with its recall against exact search
 measured on real queries (``recall``), since an approximate index's recall depends on the queries' distribution.
 Vectors are L2-normalised embeddings, so inner product is cosine similarity.
+
+A GPU pseudo-labeller searches an exact index without faiss (``DeviceIndex``: the vectors as one tensor on its GPU,
+matmuls and top-k's there), and merges each image's crops' results there (``merged``).
 """
 from __future__ import annotations
 

@@ -381,15 +381,17 @@ class Labeler:
         kept, found = [], []
         self.units += 1
         self.syncs.before(self.units)
-        for _, (chunk, sources, cut) in ahead_of_use(chunks, work, self.threads, 2 * self.cpus):
-            if not chunk:
-                continue
-            queries = cut if on_cpu else roi_crops.cut(sources, size, self.device)
-            with inference(self.device):
-                embedded = self.model.encode_image(queries)
-            kept += chunk
-            found.append(self._search(embedded))
-        self.syncs.after(self.units)  # what follows reads the unit's retrievals back: the one wait meant
+        try:
+            for _, (chunk, sources, cut) in ahead_of_use(chunks, work, self.threads, 2 * self.cpus):
+                if not chunk:
+                    continue
+                queries = cut if on_cpu else roi_crops.cut(sources, size, self.device)
+                with inference(self.device):
+                    embedded = self.model.encode_image(queries)
+                kept += chunk
+                found.append(self._search(embedded))
+        finally:
+            self.syncs.after(self.units)  # what follows reads the unit's retrievals back: the one wait meant
         if not found:
             return [], np.zeros((0, x.k * x.crops), np.int64), np.zeros((0, x.k * x.crops), np.float32)
         scores, ids = (torch.cat(part).cpu().numpy() for part in zip(*found))  # a unit's one read-back
@@ -569,11 +571,11 @@ def finisher_cpus(cpus_per_actor: float, gpus_per_actor: float) -> float:
 class Labellers:
     """The job's labellers: ``pseudo_label.actors`` Ray actors, started at once — they load their model while the
     driver reads the aligned set twice (its word statistics, its captions), then each embeds its share of the
-    caption pool and finds units' retrievals, one in flight, which as many ``Finisher`` actors write (each holding
-    a CPU of a labeller's share, ``finisher_cpus``) — or (``without_ray``) one ``Labeler`` in this process, decoding
-    and cropping on the machine's CPUs (``local_num_cpus`` caps them), loaded where it is first needed: after the
-    local loaders (``loader_workers`` processes) have read S_a, so that they are forked from a process that holds
-    no model and runs no thread."""
+    caption pool and finds units' retrievals, one in flight, which as many ``Finisher`` actors write (one of a GPU
+    labeller's CPUs from 2 up, else none: ``finisher_cpus``) — or (``without_ray``) one ``Labeler`` in this process,
+    decoding and cropping on the machine's CPUs (``local_num_cpus`` caps them), loaded where it is first needed:
+    after the local loaders (``loader_workers`` processes) have read S_a, so that they are forked from a process
+    that holds no model and runs no thread."""
 
     def __init__(self, cfg: RayvlConfig, ckpt: str, out: Path, without_ray: bool):
         x = cfg.pseudo_label
