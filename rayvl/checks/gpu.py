@@ -202,7 +202,7 @@ def run_training(check: Check, case: Case, outcome: Outcome, env: dict | None = 
     check.runs[run_name(check, case)] = result
     outcome.run_dir = str(result.uri)
     measure(check, cfg, read_rows(result), outcome)
-    note_syncs(outcome, [p for p, seen in sync_files().items() if watched.get(p) != seen])
+    note_syncs(outcome, sync_files_since(watched))
     return cfg, result
 
 
@@ -309,6 +309,11 @@ def sync_files() -> dict[Path, tuple[int, int]]:
     spec = os.environ.get(SYNC_ENV, "")
     paths = SyncWatch(spec, 0).out.glob("syncs-rank*.jsonl") if spec else []
     return {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in paths}
+
+
+def sync_files_since(before: dict[Path, tuple[int, int]]) -> list[Path]:
+    """The sync watch's files new or changed since ``before`` (``sync_files()`` taken before a case ran)."""
+    return [p for p, seen in sync_files().items() if before.get(p) != seen]
 
 
 def note_syncs(outcome: Outcome, paths: list[Path]) -> None:
@@ -674,7 +679,7 @@ def pseudo_label_case(check: Check, case: Case, outcome: Outcome) -> None:
     elif not gpus:  # not a failure: make install GPU=1 takes faiss-cpu where faiss-gpu-cu12 has no kernels (H100)
         outcome.notes += ("; faiss-cpu: the index searched on the CPU (faiss-gpu-cu12 has no kernels for compute "
                           "capability 9.0+; docs/gpu.md)")
-    note_syncs(outcome, [p for p, seen in sync_files().items() if watched.get(p) != seen])  # a unit's, per "step"
+    note_syncs(outcome, sync_files_since(watched))  # a unit's, per "step"
 
 
 EMBEDDED = re.compile(r"eval: (\d+) images embedded \(([\d.]+) s(?:; the (?:first embedding actor|embedding model in "

@@ -293,6 +293,12 @@ def ahead_of_use(items: list, work, threads: ThreadPoolExecutor, ahead: int):
         yield item, result.result()
 
 
+def by_image(kept: list[int], ids: np.ndarray, scores: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Per decodable sample (``kept``, by index): (pool ids, scores) of its row of retrievals, best first, without
+    faiss's −1 padding (where it found fewer than k)."""
+    return {i: (n[n >= 0], s[n >= 0]) for i, n, s in zip(kept, ids, scores)}
+
+
 @dataclass
 class Retrieved:
     """What a labeller found in one unit, for its finisher to write: the unit's samples (up to a damage) and per
@@ -363,8 +369,7 @@ class Labeler:
 
     def neighbours(self, samples: list, size: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """Per decodable sample (by index): (pool ids, scores) of its k·c retrievals, best first (``retrievals``)."""
-        kept, ids, scores = self.retrievals(samples, size)
-        return {i: (n[n >= 0], s[n >= 0]) for i, n, s in zip(kept, ids, scores)}  # faiss pads with −1
+        return by_image(*self.retrievals(samples, size))
 
     def retrievals(self, samples: list, size: int) -> tuple[list[int], np.ndarray, np.ndarray]:
         """(the decodable samples' indices, their k·c retrievals' pool ids and scores, (n, k·c) each, best first). A
@@ -461,9 +466,8 @@ class Finisher:
             return found
         self.load()
         unit, samples, damaged = found.unit, found.samples, found.damaged
-        retrieved = {i: (n[n >= 0], s[n >= 0]) for i, n, s in zip(found.kept, found.ids, found.scores)}
         counted = {i: (ids, scores, count_words(map(self.caption_words, ids.tolist())))  # once, for all rules
-                   for i, (ids, scores) in retrieved.items()}
+                   for i, (ids, scores) in by_image(found.kept, found.ids, found.scores).items()}
         counts = Counter(images=len(samples), decoded=len(counted))
         for rule in self.x.rules:
             rows = [self._row(rule, samples[i], counted.get(i), counts) for i in range(len(samples))]
