@@ -72,6 +72,37 @@ def test_a_local_loader_keeps_drops_and_counts_as_ray_data_reads(ray_local, bad_
         assert batches.bad_shards == snap["bad_shards"], workers
 
 
+def test_a_batchs_images_cross_from_a_loader_worker_in_shared_memory(demo_dir):
+    """A large numeric column (SHARED_BYTES: a batch of 128 images at 224 px, 19 MB) leaves a loader worker as a
+    tensor in shared memory — not pickled through its pipe and unpickled by the main process — and arrives as a
+    numpy view of it; keys, captions and small columns stay numpy. The rows are the same either way."""
+    import torch
+
+    crossing = local_read._shared({"image": np.zeros((128, 3, 224, 224), np.uint8), "key": np.array(["k"] * 128),
+                                   "cls": np.zeros(128, np.int64)})
+    assert isinstance(crossing["image"], torch.Tensor) and crossing["image"].dtype == torch.uint8
+    assert all(isinstance(crossing[c], np.ndarray) for c in ("key", "cls"))
+    arrived = local_read._as_numpy(crossing)
+    assert isinstance(arrived["image"], np.ndarray) and np.shares_memory(arrived["image"], crossing["image"].numpy())
+
+    paths = resolve_shards(str(demo_dir / "eval"))
+    rows = Rows(image_size=32, crop_scale_min=0.5, train=False, max_tokens=16,
+                tokenizer_path=str(assets.text_model_path("minilm-l6")))
+
+    def read(shared_bytes: int) -> tuple[dict, list]:
+        batches = local_read.shard_batches(paths, rows, Reading(batch_size=16), ["key", "image", "cls"], 2)
+        batches.shared_bytes = shared_bytes
+        seen = list(batches)
+        return {k: (img.tobytes(), c) for b in seen for k, img, c in zip(b["key"], b["image"], b["cls"])}, seen
+
+    pickled, before = read(local_read.SHARED_BYTES)
+    shared, after = read(1024)
+    assert len(shared) == 64 and shared == pickled
+    assert not any(isinstance(b["image"].base, torch.Tensor) for b in before)
+    assert all(b["image"].base.is_shared() for b in after)  # 16 images of 32 px: 48 KB a batch
+    assert all(b["key"].dtype.kind in "OU" and not isinstance(b["key"].base, torch.Tensor) for b in after)
+
+
 def test_a_shard_that_cannot_be_read_fails_the_read_naming_it_or_is_skipped_and_counted(tmp_path):
     """An I/O failure in a loader worker reaches the caller as the DataPlaneError Ray's read names (not a worker's
     traceback text); under data.unreadable_shards=skip the shard is counted as unreadable and the rest is read."""
@@ -130,3 +161,44 @@ def test_one_model_on_a_machine_of_its_own_runs_without_ray(monkeypatch):
     assert not any((runs_without_ray(2, 0.0), runs_without_ray(1, 2.0), runs_without_ray(0, 0.0, "ray://head:10001")))
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
     assert not runs_without_ray(0, 0.0) and not runs_without_ray(1, 0.0)
+
+
+@pytest.mark.slow
+def test_a_local_evaluation_copies_its_image_embeddings_back_once(monkeypatch, demo_dir, tmp_path):
+    """`rayvl eval` without Ray (LocalEmbedder) keeps each batch's image embeddings on the model's device and copies
+    them to the host once (once every DEVICE_EMBEDDINGS_BYTES): on a GPU each copy waits for the device, and a copy
+    a batch kept this process from queueing the next batch while the GPU ran one. Counted here on CPU tensors: the
+    same code. The embeddings, in key order, are those embedded batch by batch."""
+    from collections import Counter
+
+    import torch
+
+    from conftest import untrained_checkpoint
+    from rayvl.eval import embed
+
+    paths = resolve_shards(str(demo_dir / "eval"))
+    rows = Rows(image_size=32, crop_scale_min=0.5, train=False, max_tokens=16,
+                tokenizer_path=str(assets.text_model_path("minilm-l6")))
+    local = embed.LocalEmbedder(untrained_checkpoint(demo_dir, tmp_path), batch_size=16)
+
+    def batches():
+        return local_read.shard_batches(paths, rows, Reading(batch_size=16), ["key", "image"], 1)
+
+    by_batch, by_batch_rows = embed.in_order([local.model().embed(b) for b in batches()])
+    read_back = Counter()
+    cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **kw: read_back.update(["cpu"]) or cpu(t, *a, **kw))
+    once = local.images(batches())
+    assert read_back["cpu"] == 1 and len(once) == 64
+    assert np.array_equal(once, by_batch) and list(local.rows["key"]) == list(by_batch_rows["key"])
+    monkeypatch.setattr(embed, "DEVICE_EMBEDDINGS_BYTES", 16 * 64 * 4)  # one batch's 16 embeddings of 64 floats
+    read_back.clear()
+    assert np.array_equal(local.images(batches()), once) and read_back["cpu"] == 4
+    # a batch whose every sample was dropped: no rows, float32, beside the others' as a batch embedded alone gives
+    none, columns = local.model().on_device({"image": np.zeros((0, 3, 32, 32), np.uint8), "key": np.array([], object)})
+    assert none.dtype == torch.float32 and none.shape == (0, 64) and len(columns["key"]) == 0
+    first = next(iter(batches()))
+    held = [local.model().on_device(dict(first)), (none, columns)]
+    together = embed.copied_back(held)
+    assert [len(p["embedding"]) for p in together] == [16, 0] and together[1]["embedding"].dtype == np.float32
+    assert np.array_equal(together[0]["embedding"], local.model().embed(first)["embedding"])

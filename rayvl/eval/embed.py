@@ -32,6 +32,7 @@ from rayvl.config import ConfigError
 from rayvl.data.text import tokenize
 
 log = logging.getLogger("rayvl")
+DEVICE_EMBEDDINGS_BYTES = 256 << 20  # a local evaluation's image embeddings held on its device between copies back
 
 
 class ModelEmbedder:
@@ -145,13 +146,19 @@ class EmbeddingActor:
     @torch.no_grad()
     def embed(self, columns: dict[str, np.ndarray]) -> dict:
         """The embeddings of a batch's ``image`` column, and its other columns."""
+        embedding, columns = self.on_device(columns)
+        return {"embedding": embedding.cpu().numpy(), **columns}
+
+    @torch.no_grad()
+    def on_device(self, columns: dict[str, np.ndarray]) -> tuple[torch.Tensor, dict]:
+        """The embeddings of a batch's ``image`` column where they were computed (on a GPU: queued, not waited
+        for), and the batch's other columns."""
         columns = dict(columns)
         images = columns.pop("image")
         if not len(images):
-            return {"embedding": np.zeros((0, self.model.cfg.embed_dim), np.float32), **columns}
+            return torch.zeros((0, self.model.cfg.embed_dim), dtype=torch.float32, device=self.device), columns
         with inference(self.device):
-            embedding = self.model.encode_image(self._tensor(images)).float()
-        return {"embedding": embedding.cpu().numpy(), **columns}
+            return self.model.encode_image(self._tensor(images)).float(), columns
 
     def texts(self, texts: list[str], batch_size: int) -> np.ndarray:
         return text_embeddings(self.model, texts, self.tokenizer_path, self.max_tokens, batch_size, self.device,
@@ -283,6 +290,18 @@ class ActorEmbedder:
         self.actors = []
 
 
+def copied_back(held: list[tuple[torch.Tensor, dict]]) -> list[dict]:
+    """Batches' embeddings held on their device, and their other columns, as ``embed`` returns them: the
+    embeddings copied to the host in one copy (one wait for the device)."""
+    if not held:
+        return []
+    host, at, out = torch.cat([e for e, _ in held]).cpu().numpy(), 0, []
+    for embedding, columns in held:
+        out.append({"embedding": host[at:at + len(embedding)], **columns})
+        at += len(embedding)
+    return out
+
+
 class LocalEmbedder:
     """`rayvl eval`'s one model in its own process, on a machine with no Ray (``session.runs_without_ray``): the
     batches a local loader's worker processes read and decode (rayvl.eval.local_read) embedded as they arrive. The
@@ -306,10 +325,20 @@ class LocalEmbedder:
 
     def images(self, batches) -> np.ndarray:
         """As ``ActorEmbedder.images``, of ``batches`` (a local_read.Batches): every row embedded, in order; the
-        rows' other columns in ``rows``."""
+        rows' other columns in ``rows``. The embeddings stay on the model's device and are copied back once every
+        ``DEVICE_EMBEDDINGS_BYTES``: on a GPU this process never waits for a batch's forward, and queues the next
+        batch's copy and forward while the GPU runs this one."""
         reading = iter(batches)  # the loader's workers start here, before the model loads
         model = self.model()
-        embeddings, self.rows = in_order([model.embed(batch) for batch in reading])
+        parts, held, kept = [], [], 0
+        for batch in reading:
+            embedding, columns = model.on_device(batch)
+            held.append((embedding, columns))
+            kept += embedding.numel() * embedding.element_size()
+            if kept >= DEVICE_EMBEDDINGS_BYTES:
+                parts += copied_back(held)
+                held, kept = [], 0
+        embeddings, self.rows = in_order(parts + copied_back(held))
         return embeddings
 
     def texts(self, texts: list[str]) -> np.ndarray:

@@ -20,6 +20,7 @@ from functools import partial
 from typing import Callable, Iterator
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from rayvl import storage
@@ -32,6 +33,11 @@ from rayvl.errors import DataPlaneError
 
 COUNTS, BAD_SHARD, ERROR = "_counts", "_bad_shard", "_error"  # what a worker sends beside a batch's columns
 IN_FLIGHT_BYTES = 512 << 20  # decoded batches the workers may hold ready: what a read holds, however large its set
+# a column at least this large crosses from a loader worker as a torch tensor, in shared memory; a numpy array is
+# pickled through the worker's pipe and unpickled by the main process — at 224 px, 19 MB a batch of 128 images, tens
+# of ms of the main process's time a batch (benchmarks/local_read_host.py). Smaller columns (keys, labels, row ids)
+# stay numpy: every shared tensor the main process keeps holds a file descriptor, and it keeps those to the end.
+SHARED_BYTES = 1 << 20
 
 
 def this_machines_cpus() -> int:
@@ -110,8 +116,20 @@ class ListBatches(IterableDataset):
             yield self.fn({k: v[first:first + self.batch_size] for k, v in self.columns.items()})
 
 
-def _as_is(item: dict) -> dict:
-    return item
+def _shared(item: dict, at: int = SHARED_BYTES) -> dict:
+    """A batch as a loader worker hands it over: its numeric columns of at least ``at`` bytes as tensors."""
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) if _large_numeric(v, at) else v for k, v in item.items()}
+
+
+def _large_numeric(v, at: int) -> bool:
+    # native byte order and at most 8 bytes an item: what torch.from_numpy takes
+    return (isinstance(v, np.ndarray) and v.nbytes >= at and v.dtype.kind in "biuf" and v.dtype.isnative
+            and v.dtype.itemsize <= 8)
+
+
+def _as_numpy(item: dict) -> dict:
+    """A batch as the main process uses it: every column numpy (a shared tensor's view, no copy)."""
+    return {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in item.items()}
 
 
 class Batches:
@@ -120,21 +138,24 @@ class Batches:
     (``batch_bytes`` a batch; at least one batch a worker, besides the one each is making): each batch's columns,
     its counts added to ``counts`` as it arrives, a shard that ended early in ``bad_shards`` and counted once
     (``truncated_shards``, ``unreadable_shards``) whichever of its readers met the end. ``fresh``: the workers start
-    from a fresh forkserver process instead of a fork of this one."""
+    from a fresh forkserver process instead of a fork of this one. ``shared_bytes``: the numeric columns of at least
+    that many bytes cross from the workers in shared memory (SHARED_BYTES)."""
 
-    def __init__(self, dataset: IterableDataset, workers: int, batch_bytes: int, fresh: bool = False):
-        self.dataset, self.workers, self.fresh = dataset, workers, fresh
+    def __init__(self, dataset: IterableDataset, workers: int, batch_bytes: int, fresh: bool = False,
+                 shared_bytes: int = SHARED_BYTES):
+        self.dataset, self.workers, self.fresh, self.shared_bytes = dataset, workers, fresh, shared_bytes
         self.ahead = max(1, IN_FLIGHT_BYTES // max(1, batch_bytes * workers))
         self.counts: Counter = Counter()
         self.bad_shards: dict[str, str] = {}
 
     def __iter__(self) -> Iterator[dict]:
-        loader = DataLoader(self.dataset, batch_size=None, num_workers=self.workers, collate_fn=_as_is,
-                            prefetch_factor=self.ahead, multiprocessing_context="forkserver" if self.fresh else None)
+        loader = DataLoader(self.dataset, batch_size=None, num_workers=self.workers,
+                            collate_fn=partial(_shared, at=self.shared_bytes), prefetch_factor=self.ahead,
+                            multiprocessing_context="forkserver" if self.fresh else None)
         return self._arriving(iter(loader))  # iter() starts the workers now
 
     def _arriving(self, loaded: Iterator[dict]) -> Iterator[dict]:
-        for item in loaded:
+        for item in map(_as_numpy, loaded):
             if ERROR in item:
                 raise DataPlaneError(item[ERROR])
             self.counts.update(item.pop(COUNTS, {}))
