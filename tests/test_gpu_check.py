@@ -213,8 +213,8 @@ def test_rayvl_check_gpu_on_a_machine_without_gpu_says_so_and_check_census_shows
 
 
 def _check(gc, tmp_path, **args):
-    options = Namespace(**{**dict(quick=False, steps=0, batch=256, batches="", profile="", eval_images=0, out="",
-                                    set=[], verbose=False, deadline_s=0), **args})
+    options = Namespace(**{**dict(quick=False, steps=0, batch=256, batches="", profile="", profile_startup="",
+                                  eval_images=0, out="", set=[], verbose=False, deadline_s=0), **args})
     return gc.Check(options, tmp_path, gpus=1, device_name="NVIDIA H100 80GB HBM3")
 
 
@@ -335,6 +335,44 @@ def test_each_training_case_is_compared_with_the_bare_loop_at_its_own_batch(tmp_
     check.batch = 1024
     assert gc.train_config(check, gc.CASES_BY_NAME["zero2"]).train.run_name == "gpu-check-zero2-b1024"
     assert gc.train_config(check, gc.CASES_BY_NAME["zero2"]).train.micro_batch_size == 1024
+
+
+def startup_section(text: str) -> str:
+    """The first listing of a start-up profile: rayvl's own functions (the package's files), by cumulative time."""
+    return text.split("Ordered by:")[1]
+
+
+def test_the_start_up_profile_names_what_rank_0_spent_its_start_on(monkeypatch, tmp_path):
+    """RAYVL_PROFILE_STARTUP (``rayvl check gpu --profile-startup CASE``): rank 0's functions until its first step,
+    by cumulative and by own time, in one file; other ranks and a run without the variable record nothing. (A run's
+    rank 0 writing it from Ray Train: test_training's ZeRO-3 kill-and-resume.)"""
+    import time
+
+    from rayvl.train.profiling import STARTUP_ENV, StartupProfile
+
+    def built_slowly():
+        time.sleep(0.05)
+
+    monkeypatch.setenv(STARTUP_ENV, str(tmp_path / "p"))
+    others = StartupProfile.from_env(rank=1)
+    profile = StartupProfile.from_env(rank=0)
+    built_slowly()
+    profile.stop()
+    others.stop()
+    profile.stop()  # a second stop writes nothing more
+    text = (tmp_path / "p" / "startup-rank0.txt").read_text()
+    assert "built_slowly" in text and text.count("time.sleep}") == 2  # in both orders of all functions
+    assert "Ordered by: cumulative time" in text and "Ordered by: internal time" in text
+    assert "time.sleep" not in startup_section(text) and "site-packages" not in startup_section(text)
+    assert [f.name for f in (tmp_path / "p").iterdir()] == ["startup-rank0.txt"]
+    monkeypatch.delenv(STARTUP_ENV)
+    assert StartupProfile.from_env(rank=0).profile is None
+    from rayvl.checks import gpu as gc
+
+    assert gc.parse_args(["--profile-startup", "zero0"]).profile_startup == "zero0"
+    for case in ("bare", "kill_resume"):  # no run to start; a start that restarts
+        with pytest.raises(SystemExit):
+            gc.parse_args(["--profile-startup", case])
 
 
 def test_eval_at_scale_copies_the_demo_under_new_keys(tmp_path, demo_dir):

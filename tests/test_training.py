@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import run_card_snippet, small_config, tonics_shapes, untrained_checkpoint
+from test_gpu_check import startup_section
 from rayvl.models.dual_encoder import build_model
 from rayvl.train.engine import lr_lambda
 from rayvl.data import specs
@@ -367,8 +368,15 @@ def test_checkpoint_round_trip_and_resume(ray_local, demo_dir, tmp_path, tonics_
     # ... and SigLIP's loss (its pairs' positives are the rows of one pair: TOnICS makes a row per object)
     cfg = small_config(demo_dir, tmp_path, "train.zero_stage=3", "train.max_steps=3", "train.checkpoint_every=1",
                        "loss.kind=siglip", *tonics)
-    # rank 1 is killed (SIGKILL) after writing its DeepSpeed files of step 2, before reporting them
-    first = ray_local.get(fit_in_task(cfg.to_dict(), {"RAYVL_FAIL_AT": "checkpoint_write:2:1"}))
+    # rank 1 is killed (SIGKILL) after writing its DeepSpeed files of step 2, before reporting them; each start's
+    # rank 0 profiles its start until its first step (rayvl check gpu --profile-startup)
+    first = ray_local.get(fit_in_task(cfg.to_dict(), {"RAYVL_FAIL_AT": "checkpoint_write:2:1",
+                                                      "RAYVL_PROFILE_STARTUP": str(tmp_path / "startup")}))
+    # rayvl's own functions first: the restarted group's rank 0 (restored_state: a checkpoint read), written over
+    # the first start's
+    rayvl_own = startup_section((tmp_path / "startup" / "startup-rank0.txt").read_text())
+    assert all(f"({name})" in rayvl_own for name in ("build_model", "build_engine", "restored_state")), rayvl_own
+    assert "site-packages" not in rayvl_own
     assert json.loads((Path(first.checkpoint_dir) / "rayvl.json").read_text())["step"] == 3
     state = read_train_state(first.checkpoint_dir)
     assert state["progress"]["resumed_at"] == [1]  # the step-1 checkpoint was the one restored

@@ -2,7 +2,8 @@
 against a hand-written loop — about ten minutes on one GPU.
 
     rayvl check gpu [--quick] [--out PATH] [--cases bare,zero0,eval] [--batch 256] [--batches 256,1024,max]
-                    [--profile zero0] [--eval-images 20000] [--set k=v ...] [--deadline-s 400]
+                    [--profile zero0] [--profile-startup zero0] [--eval-images 20000] [--set k=v ...]
+                    [--deadline-s 400]
     make gpu-check GPU=1 ARGS='...'
 
 (``python benchmarks/gpu_check.py ...`` in a checkout runs this same check: the offline bundle's GPU workflow calls
@@ -31,11 +32,12 @@ Every training case is a short run on the embedded demo dataset at 224 px with a
 ``--batches 256,1024,max`` runs bare and zero0-zero3 at each micro-batch (``max``: the largest power of two the bare
 loop fits, found by doubling until the GPU runs out of memory). ``--profile CASE`` writes a torch.profiler trace of
 steps 6-8 of that training case (``RAYVL_PROFILE``, rayvl/train/profiling.py) or of the bare loop to
-``<--out>-profile/``. Every training case's steps from the third on run under ``torch.cuda.set_sync_debug_mode``
-(``RAYVL_SYNC_DEBUG``, set before this check starts Ray, so its workers inherit it); the bare loop's timed steps too,
-and the pseudo-labellers' units from the third (a unit's chunks: cut, embedded and searched on the GPU, its
-retrievals read back after). The synchronisations caught a step (a unit) are a column, where the first was made in
-the notes.
+``<--out>-profile/``; ``--profile-startup CASE`` writes there where rank 0's start of that case spends its time until
+its first step, by function (``RAYVL_PROFILE_STARTUP``). Every training case's steps from the third on run under
+``torch.cuda.set_sync_debug_mode`` (``RAYVL_SYNC_DEBUG``, set before this check starts Ray, so its workers inherit
+it); the bare loop's timed steps too, and the pseudo-labellers' units from the third (a unit's chunks: cut, embedded
+and searched on the GPU, its retrievals read back after). The synchronisations caught a step (a unit) are a
+column, where the first was made in the notes.
 
 A case passes when it ran correctly. Its samples/s, MFU (rayvl.train.flops) and data-wait share are those of the
 windows after the first (which holds the start-up), printed beside the goals (``GOALS``: issue 44's MFU and data
@@ -192,6 +194,11 @@ def run_training(check: Check, case: Case, outcome: Outcome, env: dict | None = 
         from rayvl.train.profiling import ENV
 
         env = {**(env or {}), ENV: f"{profile_dir(check)}:{PROFILED_STEPS[0]}:{PROFILED_STEPS[1]}"}
+    if check.args.profile_startup == case.name and check.micro_batch == check.args.batch:
+        from rayvl.train.profiling import STARTUP_ENV
+
+        env = {**(env or {}), STARTUP_ENV: str(profile_dir(check))}
+        outcome.notes = "start-up profiled (cProfile: its phases slower than without)"
     watched = sync_files()
     if env is None:
         from rayvl.train.trainer import train
@@ -357,7 +364,8 @@ def train_case(check: Check, case: Case, outcome: Outcome) -> None:
 # ----------------------------------------------------------------------------- the bare loop
 
 def profile_dir(check: Check) -> Path:
-    base = Path(check.args.out).expanduser() if check.args.out else check.storage / "gpu_check"
+    # absolute: Ray Train runs each worker in a directory of its own
+    base = Path(check.args.out).expanduser().resolve() if check.args.out else check.storage / "gpu_check"
     return base.with_name(base.with_suffix("").name + "-profile")
 
 
@@ -929,6 +937,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--profile", default="", metavar="CASE",
                    help="write a torch.profiler trace of a few steady steps of this case (bare or a training case) "
                         "to <--out>-profile/")
+    p.add_argument("--profile-startup", default="", metavar="CASE",
+                   help="profile (cProfile) rank 0's start of this training case until its first step ends, by "
+                        "function, to <--out>-profile/startup-rank0.txt")
     p.add_argument("--eval-images", type=int, default=20000,
                    help="images the eval and pseudo-label cases process, the demo's copied under new keys "
                         "(0: the demo's own)")
@@ -948,6 +959,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--cases: unknown {sorted(unknown)} (known: {', '.join(c.name for c in CASES)})")
     if args.profile and args.profile not in {c.name for c in CASES if c.recipe or c.name == "bare"}:
         p.error(f"--profile: {args.profile!r} is not bare or a training case")
+    if args.profile_startup and args.profile_startup not in {c.name for c in CASES if c.recipe} - {"kill_resume"}:
+        p.error(f"--profile-startup: {args.profile_startup!r} is not a training case (kill_resume restarts)")
     if any(b != "max" and not b.isdigit() for b in args.batches.split(",") if b):
         p.error(f"--batches: {args.batches!r} is not a comma list of micro-batches and 'max'")
     return args

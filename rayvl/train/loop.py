@@ -20,7 +20,7 @@ from rayvl.train.engine import build_engine
 from rayvl.train.evaluation import Evaluation
 from rayvl.train.faults import fail_here
 from rayvl.train.parts import train_parts
-from rayvl.train.profiling import StepProfiler
+from rayvl.train.profiling import StartupProfile, StepProfiler
 from rayvl.train.resume import DataResume, aligned_buffers
 from rayvl.train.startup import Startup
 from rayvl.train.state import Progress, TrainState
@@ -33,6 +33,7 @@ def train_loop_per_worker(config: dict) -> None:
     entered, plan = time.time(), config["plan"]
     cfg, ctx = plan.config, ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    startup_profile = StartupProfile.from_env(rank)  # where the start's time goes, by function (RAYVL_PROFILE_STARTUP)
     device = _device(cfg)
     # the data position first (read tasks plan from it); the held-out set, then the batch source, beside the engine
     data_resume = DataResume(plan, rank, world)
@@ -45,9 +46,7 @@ def train_loop_per_worker(config: dict) -> None:
     _register_placement_group(plan.placement_registry if rank == 0 else "", cfg.train.run_name)  # before any wait
     engine, speed = _engine(cfg, world, plan.init_from if saved is None else "", device, parts, startup)
     next_batch = data.result()  # raises what the thread raised; the parts' sources (and their state) exist now
-    components = {name: c for part in parts for name, c in part.components().items()}
-    added_later = frozenset().union(*(part.added_later for part in parts))
-    state = TrainState(Progress(), added_later, data_position=data_resume.position, **components)
+    state = _train_state(parts, data_resume)
     if resume.restore(engine, state, saved):
         state.progress.resumed_at.append(state.progress.step)
     startup.mark("restore")
@@ -68,6 +67,7 @@ def train_loop_per_worker(config: dict) -> None:
         if startup is not None:  # the first step of this start: its report says where the time before it went
             startup.mark("first_step")
             window.startup, startup = startup.metrics(window.wait), None
+            startup_profile.stop()
         fail_here("step", progress)
         noted = [part.after_step(engine, step) for part in parts]
 
@@ -88,6 +88,13 @@ def train_loop_per_worker(config: dict) -> None:
         else:
             ray.train.report(metrics)
         window = Window(first_step=step + 1, **speed)
+
+
+def _train_state(parts, data_resume: DataResume) -> TrainState:
+    """The state a checkpoint holds: the progress, the data position and each part's components."""
+    components = {name: c for part in parts for name, c in part.components().items()}
+    added_later = frozenset().union(*(part.added_later for part in parts))
+    return TrainState(Progress(), added_later, data_position=data_resume.position, **components)
 
 
 def _device(cfg: RayvlConfig) -> torch.device:

@@ -4,6 +4,13 @@ both). Without the variables nothing is imported or recorded.
 - ``RAYVL_PROFILE=<dir>:<first step>:<steps>``: a torch.profiler trace. Rank 0 records steps first..first+steps-1
   with CPU and CUDA activity and writes ``<dir>/trace-rank0.json`` (chrome://tracing, Perfetto) and
   ``<dir>/ops-rank0.txt`` (the ops by host time, then by device time).
+- ``RAYVL_PROFILE_STARTUP=<dir>``: rank 0's training thread under cProfile from the training function's start to
+  the end of its first step (the ``setup`` to ``first_step`` phases of rayvl/train/startup.py: the model's build and
+  its imports, the engine's), ``<dir>/startup-rank0.txt``: rayvl's functions by cumulative time, then all
+  functions by cumulative time and by their own. What precedes the function (Ray Train's worker group, the worker's
+  own imports: the ``workers`` phase) is not in it. Up to Python 3.11 cProfile sees this thread only; from 3.12 (it
+  then uses ``sys.monitoring``) every thread of the process, the held-out read's and Ray's among them. Its hooks
+  slow pure Python down: the phases of a profiled start are longer than an unprofiled one's.
 - ``RAYVL_SYNC_DEBUG=<dir>[:<first step>]``: every step from the first (default 3) runs under
   ``torch.cuda.set_sync_debug_mode("warn")``, and each rank appends to ``<dir>/syncs-rank<r>-<pid>.jsonl`` the
   synchronisations it caught a step and the first few with their stacks (``read_syncs`` sums them). Only the step
@@ -13,12 +20,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import traceback
 import warnings
 from pathlib import Path
 
 ENV = "RAYVL_PROFILE"
+STARTUP_ENV = "RAYVL_PROFILE_STARTUP"
 SYNC_ENV = "RAYVL_SYNC_DEBUG"
 SYNC_MESSAGE = "called a synchronizing CUDA operation"  # torch's warning in the "warn" sync debug mode
 SYNC_FIRST_STEP = 3  # steps 1-2 hold one-off work: cuDNN and cuBLAS choices, the allocator's first blocks
@@ -66,6 +75,48 @@ class StepProfiler:
         (self.out / f"ops-rank{self.rank}.txt").write_text(
             f"steps {self.first}-{self.last}\n\n" + table.table(sort_by="self_cpu_time_total", row_limit=40)
             + "\n\n" + table.table(sort_by=device, row_limit=40) + "\n")
+        self.profile = None
+
+
+class StartupProfile:
+    """RAYVL_PROFILE_STARTUP: where rank 0's training thread spends the time before its first step, by function."""
+
+    ROWS = 45
+
+    def __init__(self, out: str, rank: int):
+        self.out, self.rank, self.profile = Path(out) if out else None, rank, None
+        if self.out is not None and rank == 0:
+            import cProfile
+
+            profile = cProfile.Profile()
+            try:
+                profile.enable()
+            except ValueError as e:  # another profiler holds the interpreter's (3.12+: sys.monitoring's) hook
+                warnings.warn(f"{STARTUP_ENV}: the start is not profiled: {e}", stacklevel=2)
+                return
+            self.profile = profile
+
+    @classmethod
+    def from_env(cls, rank: int) -> "StartupProfile":
+        return cls(os.environ.get(STARTUP_ENV, ""), rank)
+
+    def stop(self) -> None:
+        """Called once the first step is done: writes the profile (a second call does nothing)."""
+        if self.profile is None:
+            return
+        import io
+        import pstats
+
+        self.profile.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(self.profile, stream=text)
+        package = re.escape(str(Path(__file__).resolve().parent.parent) + os.sep)  # not a checkout's .venv/
+        stats.sort_stats("cumulative").print_stats(package, self.ROWS)  # rayvl's own phases first
+        for order in ("cumulative", "tottime"):
+            stats.sort_stats(order).print_stats(self.ROWS)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / f"startup-rank{self.rank}.txt").write_text(
+            "rank 0's training thread from the training function's start to its first step's end\n" + text.getvalue())
         self.profile = None
 
 
