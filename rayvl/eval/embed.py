@@ -35,6 +35,15 @@ log = logging.getLogger("rayvl")
 DEVICE_EMBEDDINGS_BYTES = 256 << 20  # a local evaluation's image embeddings held on its device between copies back
 
 
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device``; to a GPU from pinned memory without blocking: a pageable copy waits for the
+    stream, so an embedding loop that copied each batch so would wait for the GPU once a batch."""
+    with warnings.catch_warnings():  # Ray's zero-copy batches are read-only; nothing here writes into them
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        t = torch.from_numpy(np.ascontiguousarray(a))
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 class ModelEmbedder:
     def __init__(self, model, tokenizer_path: str, max_tokens: int, batch_size: int = 128, rank: int = 0,
                  world: int = 1):
@@ -43,7 +52,7 @@ class ModelEmbedder:
         self.device = next(model.parameters()).device
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+        return to_device(a, self.device)
 
     @torch.no_grad()
     def images(self, images: np.ndarray) -> np.ndarray:
@@ -130,10 +139,7 @@ class EmbeddingActor:
         return self.ready_at
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
-        with warnings.catch_warnings():  # Ray's zero-copy batches are read-only; nothing here writes into them
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            t = torch.from_numpy(np.ascontiguousarray(a))
-        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+        return to_device(a, self.device)
 
     @torch.no_grad()
     def images(self, block) -> dict:
