@@ -327,6 +327,14 @@ def test_each_training_case_is_compared_with_the_bare_loop_at_its_own_batch(tmp_
     assert [o.vs_zero0 for o in outcomes][8] == pytest.approx(4400 / 5100)  # the methods against the plain step
     assert cells[8][4] == "0.88 (0.80× zero2; 0.86× zero0; goal ≥ 0.9× zero0: missed)"
     assert cells[2][7] == "–" and cells[2][8] == "–"  # no report of the start-up, no sync watch
+    # the memory bank's goal is zero0's MFU: its EMA key encoders add a forward a sample that MFU counts
+    bank = [gc.Outcome("bare", "", batch=256, passed=True, samples_per_s=5000.0),
+            gc.Outcome("zero0", "", batch=256, passed=True, samples_per_s=5100.0, mfu=0.10),
+            gc.Outcome("memory_bank", "", batch=256, passed=True, samples_per_s=3800.0, mfu=0.095)]
+    gc.compare_to_bare(bank)
+    assert bank[2].mfu_vs_zero0 == pytest.approx(0.95) and bank[1].mfu_vs_zero0 is None
+    assert gc.rows([asdict(o) for o in bank])[2][4] == (
+        "0.76 (0.75× zero0; MFU 0.95× zero0's; goal ≥ 0.9× zero0's MFU: met)")
     assert gc._seconds(18.2) == "18.2 (goal ≤ 20: met)" and gc._seconds(35.0) == "35.0 (goal ≤ 20: missed)"
     args = gc.parse_args(["--batches", "256,1024,max", "--profile", "zero2"])
     assert (args.batches, args.profile, args.eval_images) == ("256,1024,max", "zero2", 20000)
