@@ -41,7 +41,7 @@ def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     with warnings.catch_warnings():  # Ray's zero-copy batches are read-only; nothing here writes into them
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         t = torch.from_numpy(np.ascontiguousarray(a))
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 class ModelEmbedder:
