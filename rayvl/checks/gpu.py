@@ -754,9 +754,12 @@ CASES = [
          per_batch=True),
     Case("zero3", "ZeRO-3, bf16", train_case, "laion_adapt", lambda c: ["train.zero_stage=3", NO_EVAL],
          per_batch=True),
+    # a buffer that holds a micro-batch of each of the demo's 8 shapes from the start: a smaller one grows to that
+    # size in the object steps after the first refresh, reading past it while they wait (benchmarks/tonics_batches.py
+    # --buffers), a one-off a run of this check's length would count in its steady rate
     Case("tonics", "TOnICS curriculum (configs/tonics.yaml), stage 0", train_case, "tonics", lambda c: [
         "train.zero_stage=0", f"tonics.refresh_every={max(1, c.steps // 2)}",
-        f"tonics.buffer_rows={4 * c.args.batch}", f"tonics.max_wait_rows={8 * c.args.batch}"]),
+        f"tonics.buffer_rows={12 * c.args.batch}", f"tonics.max_wait_rows={8 * c.args.batch}"]),
     Case("memory_bank", "EMA memory bank (K 8192), stage 0", train_case, "laion_adapt",
          lambda c: ["train.zero_stage=0", "memory_bank.size=8192", NO_EVAL]),
     Case("pseudo_label", "rayvl pseudo-label, GPU actors searching the caption pool on their GPU", pseudo_label_case),
