@@ -84,6 +84,9 @@ def test_a_batchs_images_cross_from_a_loader_worker_in_shared_memory(demo_dir):
     assert all(isinstance(crossing[c], np.ndarray) for c in ("key", "cls"))
     arrived = local_read._as_numpy(crossing)
     assert isinstance(arrived["image"], np.ndarray) and np.shares_memory(arrived["image"], crossing["image"].numpy())
+    # where the shared memory could not hold the batches in flight (a container's 64 MB), every column is pickled
+    assert local_read.shared_bytes_here() == local_read.SHARED_BYTES  # this machine's /dev/shm
+    assert local_read.shared_bytes_here(shm=str(demo_dir / "no-such-folder")) == local_read.NEVER_SHARED
 
     paths = resolve_shards(str(demo_dir / "eval"))
     rows = Rows(image_size=32, crop_scale_min=0.5, train=False, max_tokens=16,

@@ -754,9 +754,9 @@ CASES = [
          per_batch=True),
     Case("zero3", "ZeRO-3, bf16", train_case, "laion_adapt", lambda c: ["train.zero_stage=3", NO_EVAL],
          per_batch=True),
-    # a buffer that holds a micro-batch of each of the demo's 8 shapes from the start: a smaller one grows to that
-    # size in the object steps after the first refresh, reading past it while they wait (benchmarks/tonics_batches.py
-    # --buffers), a one-off a run of this check's length would count in its steady rate
+    # a buffer of the size a smaller one grows to (10-12 micro-batches with 8 objects: a micro-batch of each and the
+    # rows in flight) in the object steps after the first refresh, reading past it while they wait
+    # (benchmarks/tonics_batches.py --buffers): a one-off a run of this check's length would count in its steady rate
     Case("tonics", "TOnICS curriculum (configs/tonics.yaml), stage 0", train_case, "tonics", lambda c: [
         "train.zero_stage=0", f"tonics.refresh_every={max(1, c.steps // 2)}",
         f"tonics.buffer_rows={12 * c.args.batch}", f"tonics.max_wait_rows={8 * c.args.batch}"]),
@@ -863,11 +863,12 @@ def _ratio(o: dict) -> str:
     for goal in GOALS["ratios"]:
         name, of_mfu = goal["over"], goal.get("of") == "mfu"
         value, rate = o.get(f"mfu_vs_{name}" if of_mfu else f"vs_{name}"), o.get(f"vs_{name}")
-        if goal["case"] == o["case"] and value is not None and (not goal["batches"] or o.get("batch") in
-                                                                 goal["batches"]):
+        if goal["case"] != o["case"] or (goal["batches"] and o.get("batch") not in goal["batches"]):
+            continue
+        if name not in ("bare", "zero2") and rate is not None:  # zero2's ratio is noted already
+            notes.append(f"{rate:.2f}× {name}")  # beside an MFU goal too, and where no MFU was measured
+        if value is not None:
             over = "" if name == "bare" else f"× {name}" + ("'s MFU" if of_mfu else "")
-            if name not in ("bare", "zero2") and rate is not None:  # zero2's ratio is noted already
-                notes.append(f"{rate:.2f}× {name}")
             if of_mfu:
                 notes.append(f"MFU {value:.2f}× {name}'s")
             notes.append(f"goal ≥ {goal['goal']:g}{over}: {'met' if value >= goal['goal'] else 'missed'}")

@@ -11,10 +11,13 @@ shards, all of them files on this machine, the readers of one shard each parse a
 cheap) and decode every n-th batch: a held-out split of 3 shards on a 16-CPU machine decodes on 15 cores, not 3.
 Shards on object storage or behind ``pipe:`` are read once each (a split would fetch them once per reader), by
 workers started from a fresh forkserver process: a process that has used an object store's client is not forked.
+A batch's images leave a worker in shared memory (``SHARED_BYTES``), not pickled through its pipe, where the shared
+memory has room (``shared_bytes_here``).
 """
 from __future__ import annotations
 
 import os
+import shutil
 from collections import Counter
 from functools import partial
 from typing import Callable, Iterator
@@ -38,6 +41,21 @@ IN_FLIGHT_BYTES = 512 << 20  # decoded batches the workers may hold ready: what 
 # of ms of the main process's time a batch (benchmarks/local_read_host.py). Smaller columns (keys, labels, row ids)
 # stay numpy: every shared tensor the main process keeps holds a file descriptor, and it keeps those to the end.
 SHARED_BYTES = 1 << 20
+SHM = "/dev/shm"  # where those tensors live (torch's sharing strategies on Linux); a container's may be 64 MB
+
+
+def shared_bytes_here(wanted: int = SHARED_BYTES, shm: str = SHM) -> int:
+    """``wanted``, or — where the shared memory cannot hold the batches in flight twice over (a container's default
+    64 MB: a worker writing a tensor there would die of SIGBUS) — a threshold no column reaches: every column pickled
+    through the workers' pipes, as before."""
+    try:
+        free = shutil.disk_usage(shm).free
+    except OSError:
+        free = 0
+    return wanted if free >= 2 * IN_FLIGHT_BYTES else NEVER_SHARED
+
+
+NEVER_SHARED = 1 << 62
 
 
 def this_machines_cpus() -> int:
@@ -139,11 +157,12 @@ class Batches:
     its counts added to ``counts`` as it arrives, a shard that ended early in ``bad_shards`` and counted once
     (``truncated_shards``, ``unreadable_shards``) whichever of its readers met the end. ``fresh``: the workers start
     from a fresh forkserver process instead of a fork of this one. ``shared_bytes``: the numeric columns of at least
-    that many bytes cross from the workers in shared memory (SHARED_BYTES)."""
+    that many bytes cross from the workers in shared memory (None: ``shared_bytes_here()``)."""
 
     def __init__(self, dataset: IterableDataset, workers: int, batch_bytes: int, fresh: bool = False,
-                 shared_bytes: int = SHARED_BYTES):
-        self.dataset, self.workers, self.fresh, self.shared_bytes = dataset, workers, fresh, shared_bytes
+                 shared_bytes: int | None = None):
+        self.dataset, self.workers, self.fresh = dataset, workers, fresh
+        self.shared_bytes = shared_bytes_here() if shared_bytes is None else shared_bytes
         self.ahead = max(1, IN_FLIGHT_BYTES // max(1, batch_bytes * workers))
         self.counts: Counter = Counter()
         self.bad_shards: dict[str, str] = {}

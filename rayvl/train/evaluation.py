@@ -63,11 +63,11 @@ class Evaluation:
         return self.data is not None and (last or bool(every and step % every == 0))
 
     def run(self, model) -> dict:
-        """The evaluation's metrics and ``eval_s``, how long it paused training (its embeddings are read back at
-        its end, so on a GPU too this is the whole evaluation)."""
+        """The evaluation's metrics and ``evaluation_s``, how long it paused training (its embeddings are read back
+        at its end, so on a GPU too this is the whole evaluation; not ``eval_``: a model's metrics are named so)."""
         started = time.perf_counter()
         metrics = evaluate(model, self.data, self.cfg, self.tokenizer_path, self.rank, self.world)
-        return {**metrics, "eval_s": time.perf_counter() - started}
+        return {**metrics, "evaluation_s": time.perf_counter() - started}
 
     def retrieval(self, model, n: int) -> float:
         """Text→image R@1 (%) over the first ``n`` held-out instances (held_out_retrieval)."""

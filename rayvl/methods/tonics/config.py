@@ -22,7 +22,8 @@ class TonicsConfig:
     min_instances: int = 5000
     """object classes with fewer training rows are dropped (paper: 5000 of 5.8M triplets)."""
     buffer_rows: int = 2048
-    """rows each worker keeps in its bucket buffers."""
+    """rows each worker keeps in its bucket buffers at least (the buffer grows until it holds about a micro-batch of
+    each object: docs/tonics.md)."""
     max_wait_rows: int = 4096
     """rows a worker may read past its buffer looking for an object's rows before the fallback applies: the rest of
     the micro-batch is filled with random rows, counted in tonics_fallback_rows."""

@@ -4,7 +4,8 @@ Refresh"; App. A.2) as a distributed batch sampler.
 Nodes: 0 is the root *entity* node, k ≥ 1 is object class k − 1. At global step s every rank draws the node from
 P_S with an RNG seeded by (seed, s) — the same node on every rank without any communication. Root → an ordinary
 random micro-batch; object node → every rank fills its micro-batch from that object's bucket, so the whole global
-batch shares the object. Each rank keeps bucket buffers fed by its own Ray Data stream (memory ≈ buffer_rows rows);
+batch shares the object. Each rank keeps bucket buffers fed by its own Ray Data stream (at least buffer_rows rows:
+the rows an object's micro-batch reads past it stay, so it grows until it holds about a micro-batch of each object);
 when a bucket cannot fill a micro-batch after reading ``max_wait_rows`` more rows, the rest of the micro-batch is
 random rows (the documented fallback), counted per rank.
 
