@@ -124,12 +124,13 @@ def cut(sources: list[CropSource], size: int, device="cpu"):
     out = torch.cat(pieces)  # (N, c, 3, size, size), in group order
     back = torch.empty(len(order), dtype=torch.long)
     back[torch.tensor(order)] = torch.arange(len(order))
-    return out[_to_device(back, out.device)].reshape(-1, 3, size, size)
+    return out[to_device(back, out.device)].reshape(-1, 3, size, size)
 
 
-def _to_device(tensor, device):
+def to_device(tensor, device):
     """A CPU ``tensor`` on ``device``: to a GPU from pinned memory, without blocking — a copy from pageable memory
-    waits for the GPU's stream, which would make the labeller wait on the GPU once a chunk."""
+    waits for the GPU's stream, which would make the labeller wait on the GPU once a chunk (and an embedding loop
+    once a batch: rayvl.eval.embed copies its batches here too)."""
     import torch
 
     if torch.device(device).type != "cuda":
@@ -172,8 +173,8 @@ def _cut_group(sources: list[CropSource], size: int, samples: int, device):
     w = max(s.image.width for s in sources)
     canvas = np.stack([np.pad(s.pixels, ((0, 0), (0, h - s.image.height), (0, w - s.image.width)), mode="edge")
                        for s in sources])
-    images = _to_device(torch.from_numpy(canvas), device).float()
-    boxes = _to_device(torch.from_numpy(np.stack([s.boxes for s in sources])), device)  # (N, c, 4)
+    images = to_device(torch.from_numpy(canvas), device).float()
+    boxes = to_device(torch.from_numpy(np.stack([s.boxes for s in sources])), device)  # (N, c, 4)
     out = None
     for a in range(samples):
         for b in range(samples):

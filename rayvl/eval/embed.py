@@ -29,19 +29,18 @@ import torch.distributed as dist
 from rayvl import assets
 from rayvl.checkpoints import load_model
 from rayvl.config import ConfigError
+from rayvl.data.roi_crops import to_device
 from rayvl.data.text import tokenize
 
 log = logging.getLogger("rayvl")
 DEVICE_EMBEDDINGS_BYTES = 256 << 20  # a local evaluation's image embeddings held on its device between copies back
 
 
-def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on ``device``; to a GPU from pinned memory without blocking: a pageable copy waits for the
-    stream, so an embedding loop that copied each batch so would wait for the GPU once a batch."""
+def array_to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device`` (roi_crops.to_device: to a GPU without blocking)."""
     with warnings.catch_warnings():  # Ray's zero-copy batches are read-only; nothing here writes into them
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        t = torch.from_numpy(np.ascontiguousarray(a))
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+        return to_device(torch.from_numpy(np.ascontiguousarray(a)), device)
 
 
 class ModelEmbedder:
@@ -52,7 +51,7 @@ class ModelEmbedder:
         self.device = next(model.parameters()).device
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
-        return to_device(a, self.device)
+        return array_to_device(a, self.device)
 
     @torch.no_grad()
     def images(self, images: np.ndarray) -> np.ndarray:
@@ -139,7 +138,7 @@ class EmbeddingActor:
         return self.ready_at
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
-        return to_device(a, self.device)
+        return array_to_device(a, self.device)
 
     @torch.no_grad()
     def images(self, block) -> dict:
