@@ -266,17 +266,21 @@ def _fit(config: dict):
     return train(from_dict(config))
 
 
-@pytest.fixture(scope="module")
-def one_process_group():
-    """A real gloo process group of this one process (DeepSpeed and the collectives' callers need one)."""
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 no process listens on now."""
     import socket
-
-    import torch.distributed as dist
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def one_process_group():
+    """A real gloo process group of this one process (DeepSpeed and the collectives' callers need one)."""
+    import torch.distributed as dist
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)

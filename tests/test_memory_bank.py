@@ -87,9 +87,13 @@ RUN_ACTORS = ("ray::DataReport", "ray::TrainController", "ray::DatasetManager", 
 
 
 def _run_actor_processes() -> set[int]:
+    """The run actors' processes of this process's Ray (its raylet is a child of this process, its workers the
+    raylet's): another Ray on the machine (a pytest run beside this one, a developer's) is not looked at."""
     import psutil
 
-    return {p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith(RUN_ACTORS)}
+    ours = {p.pid for p in psutil.Process().children(recursive=True)}
+    return {p.pid for p in psutil.process_iter(["cmdline"])
+            if p.pid in ours and (p.info["cmdline"] or [""])[0].startswith(RUN_ACTORS)}
 
 
 def test_ema_steps_once_per_optimizer_step_under_grad_accumulation(ray_local, demo_dir, tmp_path):

@@ -10,7 +10,7 @@ import time
 import pytest
 import yaml
 
-from conftest import HEAD_STARTS_TWO, REPO, fit_in_task, small_config, worker_env
+from conftest import HEAD_STARTS_TWO, REPO, fit_in_task, free_port, small_config, worker_env
 
 NODE = {"num_cpus": 2, "object_store_memory": 200 * 1024**2}  # a train worker (0.5 CPU) + Ray Data on each node
 
@@ -25,8 +25,11 @@ def cluster(no_session_ray):
 
     from rayvl.session import LOCAL_RAY_ENV, local_worker_env
 
+    # the dashboard (the state API's server: train_workers) on a port of its own: Ray's 8265 may be another Ray's
+    # on this machine (a developer's, a CLI run's)
     with local_worker_env(HEAD_STARTS_TWO):
-        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": 200 * 1024**2})
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": 200 * 1024**2,
+                                                          "dashboard_port": free_port()})
         for _ in range(2):
             c.add_node(**NODE)
     ray.init(address=c.address, runtime_env={"env_vars": {**worker_env(), **LOCAL_RAY_ENV}})
@@ -54,9 +57,13 @@ def wait_until(condition, what: str, timeout: float = 60) -> None:
 
 
 def train_workers() -> list:
+    """The cluster's live Train workers, asked of this driver's cluster by its address: without one, Ray's state
+    API asks the cluster named in /tmp/ray/ray_current_cluster, which the last Cluster started on the machine wrote."""
+    import ray
     from ray.util.state import list_actors
 
-    return list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+    return list_actors(address=ray.get_runtime_context().gcs_address,
+                       filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
 
 
 def test_a_lost_node_is_replaced_and_the_run_resumes_from_its_checkpoint(cluster, demo_dir, tmp_path):
