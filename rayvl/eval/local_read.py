@@ -42,6 +42,7 @@ IN_FLIGHT_BYTES = 512 << 20  # decoded batches the workers may hold ready: what 
 # stay numpy: every shared tensor the main process keeps holds a file descriptor, and it keeps those to the end.
 SHARED_BYTES = 1 << 20
 SHM = "/dev/shm"  # where those tensors live (torch's sharing strategies on Linux); a container's may be 64 MB
+NEVER_SHARED = 1 << 62  # a threshold no column reaches: every column pickled through the workers' pipes
 
 
 def shared_bytes_here(wanted: int = SHARED_BYTES, shm: str = SHM) -> int:
@@ -53,9 +54,6 @@ def shared_bytes_here(wanted: int = SHARED_BYTES, shm: str = SHM) -> int:
     except OSError:
         free = 0
     return wanted if free >= 2 * IN_FLIGHT_BYTES else NEVER_SHARED
-
-
-NEVER_SHARED = 1 << 62
 
 
 def this_machines_cpus() -> int:
