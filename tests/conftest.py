@@ -266,6 +266,53 @@ def _fit(config: dict):
     return train(from_dict(config))
 
 
+# Modules whose point is what two ranks compute define two_ranks(out_dir) and read its files through the
+# two_rank_checks fixture: the selected modules' checks run in one 2-worker Ray Train fit (each fit starts 7
+# processes; a check needs no fit of its own). A check that raises leaves its traceback for its own test to fail on.
+TWO_RANKS = "two_ranks"
+
+
+def _run_two_rank_checks(config: dict) -> None:
+    import importlib
+    import traceback
+
+    import ray.train
+
+    rank = ray.train.get_context().get_world_rank()
+    for module in config["modules"]:
+        out = Path(config["out"]) / module
+        try:
+            getattr(importlib.import_module(module), TWO_RANKS)(str(out))
+        except Exception:  # noqa: BLE001 — the other modules' checks still run; this module's test reports it
+            (out / f"error{rank}.txt").write_text(traceback.format_exc())
+
+
+@pytest.fixture(scope="session")
+def two_rank_checks(request, ray_local, tmp_path_factory):
+    """The folder of each module's two_ranks files (``folder / module_name``), from one fit of every selected
+    module's check."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    modules = sorted({item.module.__name__ for item in request.session.items
+                      if "two_rank_checks" in item.fixturenames})
+    out = tmp_path_factory.mktemp("two_ranks")
+    for module in modules:
+        (out / module).mkdir()
+    TorchTrainer(_run_two_rank_checks, train_loop_config={"modules": modules, "out": str(out)},
+                 scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+                 run_config=RunConfig(storage_path=str(out / "ray"), name="two_ranks")).fit()
+    return out
+
+
+def two_rank_files(folder: Path, module: str) -> Path:
+    """A module's two_ranks folder, once its check raised on no rank."""
+    errors = sorted((folder / module).glob("error*.txt"))
+    if errors:
+        pytest.fail(f"{module}.{TWO_RANKS} raised:\n" + "\n".join(e.read_text() for e in errors))
+    return folder / module
+
+
 def free_port() -> int:
     """A TCP port of 127.0.0.1 no process listens on now."""
     import socket

@@ -55,8 +55,6 @@ def test_a_job_given_data_without_held_out_data_is_refused_before_ray_starts(dem
     """`python jobs/bow_pretrain.py --data SHARDS` without --eval-data: its table is evaluation metrics, which a run
     without held-out shards never reports. One line naming the metric and data.eval, status 2, no Ray started
     (with held-out shards the grid validates: test_every_comparison_job_validates_on_the_demo_and_on_real_data)."""
-    import time
-
     import ray
 
     job = _job("bow_pretrain")

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import two_rank_files
 from rayvl.losses import clip_loss, label_aware_loss, siglip_loss
 
 
@@ -98,27 +99,35 @@ def test_unicl_repeated_labels_and_queue_match_float64_reference():
     assert got.item() == pytest.approx(ref, rel=1e-12)
 
 
-def _two_worker_loss(config):
+# the two-worker check's global batch: seed, rows, dimension, logit scale, and labels with positives shared across
+# the two ranks' halves
+SEED, N, D, SCALE = 1, 10, 6, 7.0
+LABELS = [3, 1, 3, -1, 1, 3, -2, -3, 1, -4]
+
+
+def two_ranks(out: str) -> None:
+    """Each of 2 Ray Train ranks (conftest.two_rank_checks): its half's losses and gradients, and the means over
+    ranks."""
     import ray.train
     import torch.distributed as dist
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    img, txt = _features(config["seed"], config["n"], config["d"])  # same global batch on every rank
-    b = config["n"] // world
+    img, txt = _features(SEED, N, D)  # same global batch on every rank
+    b = N // world
     mine_img = img[rank * b:(rank + 1) * b].clone().requires_grad_(True)
     mine_txt = txt[rank * b:(rank + 1) * b].clone().requires_grad_(True)
-    loss = clip_loss(mine_img, mine_txt, torch.tensor(config["scale"], dtype=torch.float64), gather_with_grad=True)
+    loss = clip_loss(mine_img, mine_txt, torch.tensor(SCALE, dtype=torch.float64), gather_with_grad=True)
     loss.backward()
     mean_loss = loss.detach().clone()
     dist.all_reduce(mean_loss)
-    labels = torch.tensor(config["labels"])[rank * b:(rank + 1) * b]
-    unicl = label_aware_loss(mine_img.detach(), mine_txt.detach(), torch.tensor(config["scale"], dtype=torch.float64),
+    labels = torch.tensor(LABELS)[rank * b:(rank + 1) * b]
+    unicl = label_aware_loss(mine_img.detach(), mine_txt.detach(), torch.tensor(SCALE, dtype=torch.float64),
                        labels).detach()
     dist.all_reduce(unicl)
     # SigLIP on its own leaves, with the shared labels: positives across the two ranks' rows
     sig_img, sig_txt = mine_img.detach().clone().requires_grad_(True), mine_txt.detach().clone().requires_grad_(True)
-    siglip = siglip_loss(sig_img, sig_txt, torch.tensor(config["scale"], dtype=torch.float64),
+    siglip = siglip_loss(sig_img, sig_txt, torch.tensor(SCALE, dtype=torch.float64),
                          torch.tensor(-3.0, dtype=torch.float64), labels)
     siglip.backward()
     mean_siglip = siglip.detach().clone()
@@ -129,24 +138,17 @@ def _two_worker_loss(config):
     window = Window(steps=1)
     window.add(loss.item(), 0.0, {"image": mine_img, "label": labels}, world)
     reported = window.over_ranks("cpu")["loss"]
-    with open(f"{config['out']}/rank{rank}.json", "w") as f:
+    with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump({"loss": loss.item(), "mean_loss": mean_loss.item() / world, "unicl": unicl.item() / world,
                    "reported": reported, "siglip": mean_siglip.item() / world, "siglip_grad_img": sig_img.grad.tolist(),
                    "siglip_grad_txt": sig_txt.grad.tolist(),
                    "grad_img": mine_img.grad.tolist(), "grad_txt": mine_txt.grad.tolist()}, f)
 
 
-def test_two_ray_workers_match_float64_reference(ray_local, tmp_path):
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    n, d, scale, world = 10, 6, 7.0, 2
-    labels = [3, 1, 3, -1, 1, 3, -2, -3, 1, -4]  # positives shared across the two ranks' batches
-    TorchTrainer(_two_worker_loss, train_loop_config={"seed": 1, "n": n, "d": d, "scale": scale,
-                                                      "labels": labels, "out": str(tmp_path)},
-                 scaling_config=ScalingConfig(num_workers=world, resources_per_worker={"CPU": 0.5}),
-                 run_config=RunConfig(storage_path=str(tmp_path / "ray"), name="loss")).fit()
-    img, txt = _features(1, n, d)
+def test_two_ray_workers_match_float64_reference(two_rank_checks):
+    n, d, scale, world, labels = N, D, SCALE, 2, LABELS
+    folder = two_rank_files(two_rank_checks, __name__)
+    img, txt = _features(SEED, n, d)
     ref = reference_clip_loss(img.numpy(), txt.numpy(), scale)
     # float64 reference gradient of the global loss
     gi, gt = img.clone().requires_grad_(True), txt.clone().requires_grad_(True)
@@ -156,7 +158,7 @@ def test_two_ray_workers_match_float64_reference(ray_local, tmp_path):
                   + torch.nn.functional.cross_entropy(logits.T, target))
     full.backward()
     assert full.item() == pytest.approx(ref, rel=1e-12)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
     b = n // world
     unicl_ref = reference_unicl_loss(img.numpy(), txt.numpy(), img.numpy(), txt.numpy(), np.array(labels),
                                      np.array(labels), scale)

@@ -127,9 +127,9 @@ def test_shards_without_an_image_rayvl_reads_are_refused_naming_their_members(co
     for argv in (["data", "check", spec], ["train", "--dry-run", "--data", spec, "--eval-data", str(demo_dir / "eval")]):
         code, out, err = cli(capsys, *argv)
         assert code == 2 and len(err.splitlines()) == 1, err
-        assert f"64 of the 64 samples read from the start of its first and last shards would be dropped for their " \
-               f"image (dropped_missing_image 64)" in err
-        assert f"members: .json in 32, .tiff in 32, .txt in 32 — rayvl reads images from jpg, png, jpeg, webp" in err
+        assert "64 of the 64 samples read from the start of its first and last shards would be dropped for their " \
+               "image (dropped_missing_image 64)" in err
+        assert "members: .json in 32, .tiff in 32, .txt in 32 — rayvl reads images from jpg, png, jpeg, webp" in err
     # a local shard with no metadata: the size of a pass is estimated from its first shard's members, and what
     # gives it exactly is named
     code, out, err = cli(capsys, "data", "check", f"{copies}/00003.tar")

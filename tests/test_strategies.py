@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import two_rank_files
 from rayvl.config import load_config
 from rayvl.models.dual_encoder import build_model
 
@@ -47,21 +48,24 @@ def _optimized(engine) -> list:
     return [p for g in groups for p in g]
 
 
-def _train_each_strategy(config):
-    """Inside Ray Train (2 workers): every strategy × ZeRO stage builds an engine and takes a step."""
+def two_ranks(out: str) -> None:
+    """Inside Ray Train (2 workers, conftest.two_rank_checks): every strategy × ZeRO stage builds an engine and takes
+    a step."""
     import ray.train
 
+    from rayvl import assets
     from rayvl.config import from_dict
     from rayvl.data.text import tokenize
     from rayvl.losses import clip_loss
     from rayvl.train.engine import build_engine
 
     rank, world = ray.train.get_context().get_world_rank(), ray.train.get_context().get_world_size()
+    base = load_config(None, ["model.embed_dim=32", "model.alignment_layers=1", "data.image_size=32"]).to_dict()
     gen = torch.Generator().manual_seed(rank)
     images = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8, generator=gen)
     ids, mask = (torch.from_numpy(a) for a in tokenize([f"caption {rank} {i}" for i in range(4)],
-                                                       config["tokenizer"], 12))
-    out = {}
+                                                       str(assets.text_model_path("minilm-l6")), 12))
+    results = {}
     for strategy in (*STRATEGIES, "unlocked"):
         # bf16 under ZeRO-2 for every strategy and under ZeRO-3 for the main recipe's (bf16 matmuls are ~50× slower
         # than fp32 on these CPUs without AVX512-BF16, so the suite keeps its bf16 work small)
@@ -71,8 +75,8 @@ def _train_each_strategy(config):
             "text_strategy": "frozen", "text_unlocked_layers": 1, "vision_strategy": "frozen",
             "vision_unlocked_groups": 2, "vision_freeze_bn_stats": True}
         for stage, precision in layouts:
-            cfg = from_dict({**config["rayvl"], "model": {**config["rayvl"]["model"], **model_cfg},
-                             "train": {**config["rayvl"]["train"], "zero_stage": stage, "precision": precision}})
+            cfg = from_dict({**base, "model": {**base["model"], **model_cfg},
+                             "train": {**base["train"], "zero_stage": stage, "precision": precision}})
             model = build_model(cfg.model, seed=0)
             frozen = {n: p.detach().clone() for n, p in model.text.lm.named_parameters() if not p.requires_grad}
             trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -82,12 +86,12 @@ def _train_each_strategy(config):
             engine.step()
             finite = math.isfinite(loss.item())
             if stage == 3:  # partitioned parameters: the entry says that the bf16 ZeRO-3 engine trains
-                out[f"{strategy}/{stage}/{precision}"] = {"losses_finite": finite}
+                results[f"{strategy}/{stage}/{precision}"] = {"losses_finite": finite}
                 del engine
                 continue
             params = dict(engine.module.named_parameters())
             optimized = {id(p) for p in _optimized(engine)}
-            out[f"{strategy}/{stage}/{precision}"] = {
+            results[f"{strategy}/{stage}/{precision}"] = {
                 "losses_finite": finite,
                 # under bf16 DeepSpeed holds the frozen weights rounded to bf16, and never changes them
                 "frozen_identical": all(torch.equal(params[f"text.lm.{n}"], v.to(params[f"text.lm.{n}"].dtype))
@@ -101,23 +105,11 @@ def _train_each_strategy(config):
             }
             del engine
     if rank == 0:
-        Path(config["out"]).write_text(json.dumps(out))
+        (Path(out) / "strategies.json").write_text(json.dumps(results))
 
 
-def test_every_strategy_trains_under_zero_0_and_2(ray_local, tmp_path):
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    from rayvl import assets
-
-    cfg = load_config(None, ["model.embed_dim=32", "model.alignment_layers=1", "data.image_size=32"])
-    out = tmp_path / "strategies.json"
-    TorchTrainer(_train_each_strategy,
-                 train_loop_config={"rayvl": cfg.to_dict(), "out": str(out),
-                                    "tokenizer": str(assets.text_model_path("minilm-l6"))},
-                 scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
-                 run_config=RunConfig(name="strategies", storage_path=str(tmp_path))).fit()
-    results = json.loads(out.read_text())
+def test_every_strategy_trains_under_zero_0_and_2(two_rank_checks):
+    results = json.loads((two_rank_files(two_rank_checks, __name__) / "strategies.json").read_text())
     assert len(results) == 11 and "frozen_alignment/3/bf16" in results
     for key, r in results.items():
         strategy = key.split("/")[0]

@@ -26,7 +26,7 @@ from rayvl.train.startup import Startup
 from rayvl.train.state import Progress, TrainState
 from rayvl.train.step import Step
 from rayvl.train.window import Window
-from rayvl.train.worker import Worker, WorkerPlan
+from rayvl.train.worker import Worker
 
 
 def train_loop_per_worker(config: dict) -> None:

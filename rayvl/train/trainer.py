@@ -47,7 +47,7 @@ def train(cfg: RayvlConfig, callbacks: list = (), placement_registry: str = "", 
     startup = Startup()
     planned = plan_run(cfg, finished_ok)  # once: nothing below resolves a spec or the run's paths again
     data, cfg = planned.data, planned.cfg  # as the run's data adjusts it (evaluation off, the methods' values)
-    storage, name = planned.storage, planned.name
+    name = planned.name
     session.check_local_gpus(cfg)
     local_cpus = session.planned_local_cpus(cfg)
     if local_cpus is not None:  # the local Ray's size is final and known: an impossible plan fails before it starts
