@@ -38,7 +38,7 @@ def _faults(s3) -> None:
     5 s stall in the last shard (a slow read waits; it is no error)."""
     for key in ("laion/00000.tar", "laion/00001.tar"):
         s3.faults.add(key, *[("reset", 50_000)] * 40)
-    s3.faults.add("laion/00011.tar", ("stall", 50_000, 5))
+    s3.faults.add("laion/00011.tar", ("stall", 50_000, 1))  # a second of silence mid-object, then the rest
 
 
 def test_a_run_on_object_storage_through_faults_trains_every_row_once_and_resumes_from_the_store(

@@ -116,7 +116,7 @@ def test_object_store_faults_are_retried_and_resumed(s3, shard_dir):
     retried: Counter = Counter()
     assert _keys(f"{url}/00000.tar", retried=retried) == expected
     assert s3.faults.injected[(key, "reset")] == 40 and retried["io_retries"] >= 1
-    s3.faults.add(key, ("stall", 40_000, 5), *[("status", 503, "SlowDown")] * 3)  # 5 s, as test_object_store
+    s3.faults.add(key, ("stall", 40_000, 1), *[("status", 503, "SlowDown")] * 3)  # 1 s, as test_object_store
     assert _keys(f"{url}/00000.tar") == expected and s3.faults.injected[(key, "stall")] == 1
 
     with pytest.raises(ShardIOError) as missing:

@@ -318,14 +318,14 @@ def tune_main(args) -> int:
     from rayvl.sweeps.spaces import load_sweep
 
     if args.report:
-        from rayvl import session, storage
+        from rayvl import storage
         from rayvl.sweeps.directory import SWEEP_FILE
         from rayvl.sweeps.reports import write_report
 
         if not storage.is_file(storage.join(storage.normalize(args.report), SWEEP_FILE)):
             return user_error(f"--report {args.report}: not a sweep's directory (it has no {SWEEP_FILE}, which "
                               f"`rayvl tune SPACE` writes in the directory of each sweep)")
-        session.connect("", 1, include_dashboard=False)  # Tune's ExperimentAnalysis reads trials through a session
+        # no Ray: Tune's ExperimentAnalysis (Ray 2.60) reads the experiment state and the trials' results from storage
         print(write_report(args.report)[0] + variants_report(args.report))
         return 0
     if not args.space:

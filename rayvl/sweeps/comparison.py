@@ -186,7 +186,6 @@ class Comparison:
         args = self.parser().parse_args(argv)
         session.setup_logging(True)  # Tune's trial table is the progress of a comparison
         if args.report:
-            session.connect("", 1, include_dashboard=False)  # Tune's ExperimentAnalysis reads trials through Ray
             print(self.report(args.report)[0])
             return 0
         try:
