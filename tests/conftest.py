@@ -268,7 +268,7 @@ def _fit(config: dict):
 
 # Modules whose point is what two ranks compute define two_ranks(out_dir) and read its files through the
 # two_rank_checks fixture: the selected modules' checks run in one 2-worker Ray Train fit (each fit starts 7
-# processes; a check needs no fit of its own). A check that raises leaves its traceback for its own test to fail on.
+# processes; a check needs no fit of its own), one after the other.
 TWO_RANKS = "two_ranks"
 
 
@@ -283,14 +283,16 @@ def _run_two_rank_checks(config: dict) -> None:
         out = Path(config["out"]) / module
         try:
             getattr(importlib.import_module(module), TWO_RANKS)(str(out))
-        except Exception:  # noqa: BLE001 — the other modules' checks still run; this module's test reports it
+        except Exception:
             (out / f"error{rank}.txt").write_text(traceback.format_exc())
+            raise  # the fit ends: the other rank may be waiting in a collective of this check
+        (out / f"done{rank}").touch()
 
 
 @pytest.fixture(scope="session")
 def two_rank_checks(request, ray_local, tmp_path_factory):
     """The folder of each module's two_ranks files (``folder / module_name``), from one fit of every selected
-    module's check."""
+    module's check. A failed fit is each test's failure (two_rank_files), not the fixture's."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -299,17 +301,24 @@ def two_rank_checks(request, ray_local, tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
     for module in modules:
         (out / module).mkdir()
-    TorchTrainer(_run_two_rank_checks, train_loop_config={"modules": modules, "out": str(out)},
-                 scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
-                 run_config=RunConfig(storage_path=str(out / "ray"), name="two_ranks")).fit()
+    try:
+        TorchTrainer(_run_two_rank_checks, train_loop_config={"modules": modules, "out": str(out)},
+                     scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+                     run_config=RunConfig(storage_path=str(out / "ray"), name="two_ranks")).fit()
+    except Exception as e:  # noqa: BLE001 — said by the tests whose checks it stopped
+        (out / "fit_error.txt").write_text(f"{type(e).__name__}: {e}")
     return out
 
 
 def two_rank_files(folder: Path, module: str) -> Path:
-    """A module's two_ranks folder, once its check raised on no rank."""
+    """A module's two_ranks folder, once its check ran to its end on both ranks."""
     errors = sorted((folder / module).glob("error*.txt"))
     if errors:
         pytest.fail(f"{module}.{TWO_RANKS} raised:\n" + "\n".join(e.read_text() for e in errors))
+    if not all((folder / module / f"done{rank}").is_file() for rank in (0, 1)):
+        fit = folder / "fit_error.txt"
+        pytest.fail(f"{module}.{TWO_RANKS} did not run on both ranks: the fit ended before it: "
+                    + (fit.read_text() if fit.is_file() else "no error recorded"))
     return folder / module
 
 
