@@ -8,7 +8,8 @@ the same model, loss, optimizer, global batch and CPU threads, measured side by 
   no distribution. Measured before and after rayvl's run (after Ray has shut down); the table uses their mean.
 - rayvl: the recipe on the embedded demo for ``--steps`` optimizer steps (no evaluation, one checkpoint at the end).
   Its samples/s are over the whole run — every logged window from the first step to the last, the ones that waited
-  for data included; evaluation and checkpoint writing are outside the windows. Between the first and the
+  for data included; a window holds its report's wait for Ray Train's poll and a checkpoint's writing, not an
+  evaluation. Between the first and the
   second-to-last window, the CPU time of every process on the machine is split into groups (training workers,
   Ray Data read tasks, Ray's other processes including this driver, other processes, idle): where the cores went.
 """

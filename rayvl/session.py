@@ -17,6 +17,12 @@ WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PA
 # a Ray of this machine alone: no cloud drains its node, so no run starts Ray Train's preemption watcher (an actor
 # process of its own a run, at start-up and while it idles)
 LOCAL_RAY_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+# Ray Train's controller takes one report of each worker every time it polls them, every
+# RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (Ray's default: 2 s), and a worker's ray.train.report waits while its previous
+# report is unpolled (a queue of one): at Ray's default, a run whose reports come faster than one per 2 s trains
+# train.log_every steps per 2 s whatever its step time. rayvl's fits poll at REPORT_POLL's interval unless the
+# environment sets one (a user's value wins); docs/benchmarks.md has the measurement.
+REPORT_POLL = ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 
 
 def connect(address: str = "", num_cpus: int = 0, verbose: bool = True, **init_kwargs) -> bool:
@@ -38,6 +44,22 @@ def connect(address: str = "", num_cpus: int = 0, verbose: bool = True, **init_k
             return True
     _quiet_data()
     return False
+
+
+@contextlib.contextmanager
+def report_polls():
+    """Around a fit(): Ray Train's poll interval (REPORT_POLL) in this process's environment unless it is set there,
+    restored after. Ray Train passes the variable from the process that calls fit() to the run's controller and
+    workers, on a local Ray and on a cluster alike."""
+    key, value = REPORT_POLL
+    if key in os.environ:
+        yield
+        return
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(key, None)
 
 
 @contextlib.contextmanager

@@ -53,10 +53,10 @@ def s3():
     store.faults.clear()
 
 
-# Ray Train's controller polls its workers every 2 s (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S), and a worker's report
-# waits until its previous one is polled: a toy run's steps would wait on the polls, not on the training. Only the
-# session's Ray polls sooner: a test whose point is timing (a node lost mid-run, a sweep stopped mid-trial) runs on
-# a cluster or in a process of its own, at Ray's default.
+# Ray Train's controller polls its workers every 2 s by default (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S), and a worker's
+# report waits until its previous one is polled: a toy run's steps would wait on the polls, not on the training.
+# rayvl's own fits poll sooner (rayvl.session.report_polls); the session's Ray gives the fits a test makes itself
+# the same. A test whose point is timing (a node lost mid-run, a sweep stopped mid-trial) sets Ray's 2 s for its run.
 QUICK_POLLS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
 # a cluster's 0-CPU head (its drivers') starts two worker processes at a time: Ray gives a raylet min(cores, CPUs), at
 # least 1 (ray/_private/services.py), and the raylet reads this setting over it; its raylets inherit it

@@ -41,8 +41,9 @@ CONFIG = {
     "worker_start_ray_commands": []}
 ENV = {"RAY_AUTH_MODE": "token"}  # Ray 2.60's token authentication, on for the cluster and the CLI
 # what the test's cluster changes in Ray's defaults, none of it what the tests check: the head (0 CPUs, its trial
-# drivers') starts two worker processes at a time, not one; Ray Train polls its workers every 0.5 s instead of 2 s
-# (a report waits for the poll after its previous one); no node drains here, so no run starts a preemption watcher
+# drivers') starts two worker processes at a time, not one; Ray Train polls its workers every 0.5 s instead of Ray's
+# 2 s (a report waits for the poll after its previous one; set here, rayvl keeps it over its own interval, which
+# the trials' timing here was not measured with); no node drains here, so no run starts a preemption watcher
 QUICKER = {**HEAD_STARTS_TWO, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", **LOCAL_RAY_ENV}
 ADDRESS = "http://127.0.0.1:8265"
 

@@ -33,7 +33,10 @@ def cluster(no_session_ray):
                                                           "dashboard_port": free_port()})
         for _ in range(2):
             c.add_node(**NODE)
-    ray.init(address=c.address, runtime_env={"env_vars": {**worker_env(), **LOCAL_RAY_ENV}})
+    # Ray's 2 s polls (set, so rayvl keeps them): each report waits for the next poll, which keeps a run early in its
+    # steps when its node goes and a trial ASHA stops from reaching its last step before Tune ends it
+    ray.init(address=c.address, runtime_env={"env_vars": {**worker_env(), **LOCAL_RAY_ENV,
+                                                          "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}})
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield c
     ray.shutdown()
@@ -87,7 +90,7 @@ def test_a_lost_node_is_replaced_and_the_run_resumes_from_its_checkpoint(cluster
                        "train.placement_strategy=STRICT_SPREAD", "train.max_steps=12", "train.micro_batch_size=24",
                        "data.local_shuffle_buffer=0", "data.read_cpus=1", "train.checkpoint_every=2",
                        "train.log_every=2", "train.max_failures=1", "eval.tasks=[retrieval]")
-    run = fit_on_head(cfg.to_dict())
+    run = fit_on_head(cfg.to_dict())  # at the cluster's 2 s polls: the node goes while the run is early in its steps
 
     deadline = time.time() + 300
     committed = tmp_path / "runs" / "run" / RAY_TRAIN_SNAPSHOT  # Ray Train resumes only from committed ones

@@ -60,7 +60,7 @@ def copies(demo_dir, tmp_path_factory):
 
 
 def test_shards_of_every_image_format_and_metadata_are_checked_and_trained_with_exact_counts(
-        ray_local, copies, demo_dir, tmp_path, capsys):
+        ray_local, copies, demo_dir, tmp_path, capsys, monkeypatch):
     from rayvl.data.report import format_data_report
     from rayvl.train.trainer import train
 
@@ -95,7 +95,10 @@ def test_shards_of_every_image_format_and_metadata_are_checked_and_trained_with_
             "  paraphrase: skipped: no paraphrase file (data.paraphrases)\n"
             "  sts: skipped: no STS file (data.sts)\n") in out
 
-    # one run over all four: every format decoded, the .tiff-only samples dropped and counted, per pass exactly
+    # one run over all four: every format decoded, the .tiff-only samples dropped and counted, per pass exactly. Its
+    # Ray Train polls every second (a user's setting, which rayvl keeps): each report waits for a poll, and what the
+    # reports say still covers the wall time between them (samples/s of the steps and the waits alike)
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "1")
     steps = (4 * PER_SHARD - TIFF_ONLY) // 16  # 1 worker × 16 rows (the formats are read the same for any rank)
     result = train(small_config(demo_dir, tmp_path, f"data.train={spec}", f"data.samples_per_pass={4 * PER_SHARD}",
                                 "train.num_workers=1", "train.micro_batch_size=16",
@@ -115,6 +118,13 @@ def test_shards_of_every_image_format_and_metadata_are_checked_and_trained_with_
     text = format_data_report(result.data_report)
     assert f"a pass holds {4 * PER_SHARD} samples: data.samples_per_pass" in text
     assert f"images: jpg {passes * 60}, png {passes * PER_SHARD}, webp {passes * PER_SHARD}" in text
+    history = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == list(range(1, steps + 1))
+    # reports 4-6 (a step each, no checkpoint): their windows end to end against the driver's clock from report 3 to
+    # 6, which adds the difference of two reports' ways to the driver — each up to two polls (one report queued, one
+    # waiting to be), alike once the run's reports wait in step — and the tenths elapsed_s is rounded to
+    windows = sum(16 / h["samples_per_s"] for h in history[3:6])
+    assert windows == pytest.approx(history[5]["elapsed_s"] - history[2]["elapsed_s"], abs=1.5)
 
 
 def demo_key(copies) -> str:

@@ -7,7 +7,7 @@ import time
 import pytest
 import yaml
 
-from conftest import QUICK_POLLS, REPO
+from conftest import REPO
 from rayvl.sweeps.spaces import SweepError, load_sweep
 
 SPACES = sorted((REPO / "tune_spaces").glob("*.yaml"))
@@ -239,7 +239,10 @@ def test_an_interrupted_sweep_resumes_and_a_failing_trial_is_recorded(demo_dir, 
             "train.report_to=[]"]  # the trials' loggers are tested elsewhere (test_training, test_autoscaling)
     command = [sys.executable, "-m", "rayvl.cli", "tune", str(space), *(x for s in sets for x in ("--set", s))]
     runs = tmp_path / "sweeps" / "resume" / "runs"
-    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    # the first command at Ray's 2 s polls (set as a user sets them: rayvl keeps them), which hold each report for the
+    # next poll: its trial is still running when the signal comes
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                             env={**os.environ, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"})
     deadline = time.time() + 300
     while not any((d / RAY_TRAIN_SNAPSHOT).is_file() for d in runs.glob("trial-*")):  # a committed checkpoint
         assert first.poll() is None, f"the sweep ended before its first checkpoint:\n{first.stdout.read()[-3000:]}"
@@ -249,10 +252,8 @@ def test_an_interrupted_sweep_resumes_and_a_failing_trial_is_recorded(demo_dir, 
     out, _ = first.communicate(timeout=180)
     interrupted = next(d for d in runs.glob("trial-*") if (d / RAY_TRAIN_SNAPSHOT).is_file())
 
-    # the resume at the session's quick polls (conftest.QUICK_POLLS): only its end is checked, while the first
-    # command keeps Ray's 2 s so that its trial is still running when the signal comes
-    second = subprocess.run(command + ["--resume"], capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                            env={**os.environ, **QUICK_POLLS})
+    # the resume at rayvl's own polls (rayvl.session.REPORT_POLL): only its end is checked
+    second = subprocess.run(command + ["--resume"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert second.returncode == 0, (out + second.stdout + second.stderr)[-3000:]
     with open(tmp_path / "sweeps" / "resume" / "trials.csv") as f:
         rows = {r["variant"]: r for r in csv.DictReader(f)}

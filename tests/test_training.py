@@ -1,6 +1,7 @@
 """2 real Ray Train workers under real DeepSpeed: every ZeRO stage trains; checkpoints restore everything."""
 import json
 import math
+import os
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -435,6 +436,24 @@ class _Payload:
 
     def __reduce__(self):
         return (Path.touch, (Path(self.marker),))
+
+
+def test_a_fit_polls_its_reports_sooner_than_rays_default_unless_the_environment_says(monkeypatch):
+    """Around fit(), rayvl's poll interval is in the environment Ray Train passes to the run's controller and workers
+    (a report waits for the poll after its previous one); a user's own setting is kept; nothing stays set after."""
+    from ray.train.v2._internal.constants import get_env_vars_to_propagate
+
+    from rayvl.session import REPORT_POLL, report_polls
+
+    key, value = REPORT_POLL
+    monkeypatch.delenv(key, raising=False)
+    with report_polls():
+        assert get_env_vars_to_propagate()[key] == value
+    assert key not in os.environ
+    monkeypatch.setenv(key, "2")
+    with report_polls():
+        assert get_env_vars_to_propagate()[key] == "2"
+    assert os.environ[key] == "2"
 
 
 def test_tampered_checkpoint_files_are_refused_not_run(tmp_path):

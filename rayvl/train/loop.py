@@ -87,7 +87,7 @@ def train_loop_per_worker(config: dict) -> None:
                 ray.train.report(metrics, checkpoint=ckpt)
         else:
             ray.train.report(metrics)
-        window = Window(first_step=step + 1, **speed)
+        window = Window(first_step=step + 1, start=window.end + metrics.get("evaluation_s", 0.0), **speed)
 
 
 def _train_state(parts, data_resume: DataResume) -> TrainState:

@@ -95,7 +95,7 @@ def _run(cfg: RayvlConfig, planned, startup: Startup, reports: dict[str, str], c
     startup.mark("fit")  # before the trainer, which may serialize its plan
     trainer = _trainer(cfg, storage, name, sets, [run_log, *callbacks], plan, planned.read_ahead_bytes)
     try:
-        with _sigint_restored():
+        with _sigint_restored(), session.report_polls():
             result = _fit(trainer, logs, cfg) if progress else trainer.fit()
     except BaseException as e:  # the records say how the invocation ended, and land in the run directory
         failed(run_dir, logs, e)

@@ -27,6 +27,11 @@ class Window:
     resumed_from: int | None = None
     grad_norm: torch.Tensor | float | None = None
     start: float = field(default_factory=time.perf_counter)
+    """when the window began: where the one before it was measured, its evaluation's pause added — its report's wait
+    for Ray Train's poll and its checkpoint's writing are this window's time (steps/s over wall time), its evaluation
+    is not (``evaluation_s``)"""
+    end: float | None = None
+    """when ``over_ranks`` measured it"""
     flops_per_sample: float = 0.0
     """training FLOPs of one sample (rayvl.train.flops), 0 = unknown"""
     peak_flops: float | None = None
@@ -50,7 +55,8 @@ class Window:
         collective: every rank calls it at the same step."""
         import torch.distributed as dist
 
-        elapsed = time.perf_counter() - self.start
+        self.end = time.perf_counter()
+        elapsed = self.end - self.start
         values = torch.stack([torch.as_tensor(self.loss, dtype=torch.float64, device=device) / max(1, self.steps),
                               torch.tensor(self.wait / elapsed, dtype=torch.float64, device=device)])
         if dist.is_initialized():
