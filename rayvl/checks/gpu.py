@@ -265,6 +265,18 @@ def steady_state(rows: list[dict], per_step: int, skip: range = range(0)) -> dic
             "mfu": mfu_seconds / seconds if mfu_seconds == mfu_seconds else None}
 
 
+def driver_clock(rows: list[dict], per_step: int) -> float | None:
+    """samples/s by the driver's clock (``elapsed_s`` as each report arrived) from the first report to the last
+    before the final one (which carries the final checkpoint): the windows' rate checked against the wall time
+    (a report that waited for Ray Train's poll once went uncounted by its window). None for a restarted run, too
+    few reports, or rows without the driver's stamp."""
+    if len(rows) < 3 or any(r.get("resumed_from") is not None or "elapsed_s" not in r for r in rows):
+        return None
+    first, last = rows[0], rows[-2]
+    seconds = last["elapsed_s"] - first["elapsed_s"]
+    return (last["step"] - first["step"]) * per_step / seconds if seconds > 0 else None
+
+
 def measure(check: Check, cfg, rows: list[dict], outcome: Outcome) -> None:
     """The run's steady samples/s and data wait; its MFU from its reports when the training loop wrote one,
     else from this check's FLOPs count and the device's peak (none for a GPU the peak table lacks)."""
@@ -280,6 +292,8 @@ def measure(check: Check, cfg, rows: list[dict], outcome: Outcome) -> None:
         outcome.first_step_s = rows[0]["startup_total_s"]
         outcome.notes = "; ".join(x for x in (outcome.notes, phases) if x)
     outcome.windows = steady["windows"]
+    if (clock := driver_clock(rows, t.num_workers * t.micro_batch_size * t.grad_accumulation)) is not None:
+        outcome.notes = "; ".join(x for x in (outcome.notes, f"{clock:.0f} samples/s by the driver's clock") if x)
     if steady["mfu"] is not None:
         outcome.mfu, outcome.mfu_source = steady["mfu"], "run's reports"
         return
