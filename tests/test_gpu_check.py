@@ -267,7 +267,10 @@ def test_steady_state_leaves_out_the_first_window_and_a_restarts_first(tmp_path)
     # the driver's clock from the first report to the last before the final one: 2,000 samples in 4 s
     clocked = [{**r, "elapsed_s": e} for r, e in zip(rows[:3], (20.0, 22.0, 24.0))] + [{"step": 40, "elapsed_s": 30.0}]
     assert gc.driver_clock(clocked, 100) == pytest.approx(500.0)
-    assert gc.driver_clock(clocked[:2], 100) is None and gc.driver_clock(rows, 100) is None  # too few; a restart
+    assert gc.driver_clock(clocked[:2], 100) is None  # too few reports
+    assert gc.driver_clock(clocked[:3] + [{**rows[3], "elapsed_s": 30.0}], 100) is None  # a restart
+    evaluated = [clocked[0], {**clocked[1], "evaluation_s": 1.0}, *clocked[2:]]  # left out, as the windows do
+    assert gc.driver_clock(evaluated, 100) == pytest.approx(2000 / 3)
     # the first report's start-up phases: the time to the first step beside its goal, the phases in the notes
     check = _check(gc, tmp_path)
     outcome = gc.Outcome("zero2", "")

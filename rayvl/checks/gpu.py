@@ -268,12 +268,13 @@ def steady_state(rows: list[dict], per_step: int, skip: range = range(0)) -> dic
 def driver_clock(rows: list[dict], per_step: int) -> float | None:
     """samples/s by the driver's clock (``elapsed_s`` as each report arrived) from the first report to the last
     before the final one (which carries the final checkpoint): the windows' rate checked against the wall time
-    (a report that waited for Ray Train's poll once went uncounted by its window). None for a restarted run, too
-    few reports, or rows without the driver's stamp."""
+    (a report that waited for Ray Train's poll once went uncounted by its window); the evaluations in between are
+    left out, as the windows leave them out. None for a restarted run, too few reports, or rows without the
+    driver's stamp."""
     if len(rows) < 3 or any(r.get("resumed_from") is not None or "elapsed_s" not in r for r in rows):
         return None
     first, last = rows[0], rows[-2]
-    seconds = last["elapsed_s"] - first["elapsed_s"]
+    seconds = last["elapsed_s"] - first["elapsed_s"] - sum(r.get("evaluation_s", 0.0) for r in rows[1:-1])
     return (last["step"] - first["step"]) * per_step / seconds if seconds > 0 else None
 
 
@@ -292,7 +293,8 @@ def measure(check: Check, cfg, rows: list[dict], outcome: Outcome) -> None:
         outcome.first_step_s = rows[0]["startup_total_s"]
         outcome.notes = "; ".join(x for x in (outcome.notes, phases) if x)
     outcome.windows = steady["windows"]
-    if (clock := driver_clock(rows, t.num_workers * t.micro_batch_size * t.grad_accumulation)) is not None:
+    clock = None if profiled else driver_clock(rows, t.num_workers * t.micro_batch_size * t.grad_accumulation)
+    if clock is not None:  # a profiled case's clock holds the profiled steps, which its windows leave out
         outcome.notes = "; ".join(x for x in (outcome.notes, f"{clock:.0f} samples/s by the driver's clock") if x)
     if steady["mfu"] is not None:
         outcome.mfu, outcome.mfu_source = steady["mfu"], "run's reports"
