@@ -46,20 +46,12 @@ def connect(address: str = "", num_cpus: int = 0, verbose: bool = True, **init_k
     return False
 
 
-@contextlib.contextmanager
 def report_polls():
     """Around a fit(): Ray Train's poll interval (REPORT_POLL) in this process's environment unless it is set there,
-    restored after. Ray Train passes the variable from the process that calls fit() to the run's controller and
-    workers, on a local Ray and on a cluster alike."""
+    restored after (local_worker_env's set and restore). Ray Train passes the variable from the process that calls
+    fit() to the run's controller and workers, on a local Ray and on a cluster alike."""
     key, value = REPORT_POLL
-    if key in os.environ:
-        yield
-        return
-    os.environ[key] = value
-    try:
-        yield
-    finally:
-        os.environ.pop(key, None)
+    return local_worker_env({} if key in os.environ else {key: value})
 
 
 @contextlib.contextmanager

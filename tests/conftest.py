@@ -56,8 +56,8 @@ def s3():
 # Ray Train's controller polls its workers every 2 s by default (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S), and a worker's
 # report waits until its previous one is polled: a toy run's steps would wait on the polls, not on the training.
 # rayvl's own fits poll sooner (rayvl.session.report_polls); the session's Ray gives the fits a test makes itself
-# the same. A test whose point is timing (a node lost mid-run, a sweep stopped mid-trial) sets Ray's 2 s for its run.
-QUICK_POLLS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
+# the same (rayvl.session.REPORT_POLL). A test whose point is timing (a node lost mid-run, a sweep stopped mid-trial)
+# sets Ray's 2 s for its run.
 # a cluster's 0-CPU head (its drivers') starts two worker processes at a time: Ray gives a raylet min(cores, CPUs), at
 # least 1 (ray/_private/services.py), and the raylet reads this setting over it; its raylets inherit it
 HEAD_STARTS_TWO = {"RAY_worker_maximum_startup_concurrency": "2"}
@@ -66,11 +66,11 @@ HEAD_STARTS_TWO = {"RAY_worker_maximum_startup_concurrency": "2"}
 def start_session_ray():
     import ray
 
-    from rayvl.session import LOCAL_RAY_ENV, local_worker_env
+    from rayvl.session import LOCAL_RAY_ENV, REPORT_POLL, local_worker_env
 
     # 4 logical CPUs on 2 cores: 2 train workers × 0.5 CPU leave room for Ray Data tasks (DESIGN: starvation);
     # the workers' environment as rayvl gives a local Ray its own (no runtime_env: workers start sooner)
-    with local_worker_env({**worker_env(), **QUICK_POLLS, **LOCAL_RAY_ENV}):
+    with local_worker_env({**worker_env(), **dict([REPORT_POLL]), **LOCAL_RAY_ENV}):
         ray.init(address="local", num_cpus=4, include_dashboard=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
     return ray
