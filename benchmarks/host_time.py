@@ -1,6 +1,7 @@
 """Host CPU time of one training step per engine layout, against a bare loop: the CPU measure of issue 54.
 
-    .venv/bin/python benchmarks/host_time.py [--stages 0,1,2,3] [--precision fp32] [--rounds 12] [--steps 4]
+    .venv/bin/python benchmarks/host_time.py [--stages 0,1,2,3] [--no-methods] [--precision fp32] [--rounds 12]
+        [--steps 4]
 
 On a GPU the host only launches kernels; when the host's time per step exceeds the GPU's, the GPU waits and the
 framework, not the model, sets the speed (DeepSpeed ZeRO-2's per-gradient hooks did on an H200: docs/gpu.md). On a
@@ -16,6 +17,11 @@ rotating order, each round times ``--steps`` steps of each, and the table gives 
 time and the median over rounds of its ratio to the bare loop in the same round (a busy machine slows a whole round,
 not one layout). The sync-type ops per step (rayvl.checks.census.SYNC_OPS: each a wait for the GPU on CUDA) come
 from one counted step. Timings are printed, never asserted; tests/test_step_census.py pins the counts.
+
+The methods' rows (rayvl.checks.census.METHODS, at stage 0, the auto layout on one GPU): a memory bank ([BoW]'s EMA
+key encoders and queue) against a hand-written loop with the same bank, whose EMA forward is the method's own
+arithmetic; UniCL's label-aware loss (TOnICS's too) against the bare loop. TOnICS's sampler runs in a thread of its
+own: benchmarks/tonics_batches.py times what the training thread pays for it.
 """
 from __future__ import annotations
 
@@ -36,12 +42,20 @@ GOALS = {0: 1.10, 1: 1.5}
 BATCH, TOKENS = 2, 8
 
 
-def layouts(stages: list[int], precision: str) -> dict[str, tuple]:
-    """name → (step, census counts) for the bare loop and each stage."""
+def layouts(stages: list[int], precision: str, methods: bool = True) -> dict[str, tuple]:
+    """name → (step, census counts) for the bare loop, each stage and (``methods``) each method at stage 0."""
     steps = {"bare loop": sc.bare_step(sc.config(0, precision))}
     for stage in stages:
         steps[f"rayvl ZeRO-{stage}" + (" (auto)" if stage == 0 else "")] = sc.rayvl_step(sc.config(stage, precision))[0]
+    if methods:
+        steps.update(sc.method_steps(precision))
     return {name: (step, sc.census(step)) for name, step in steps.items()}
+
+
+def baseline(name: str) -> str:
+    """The hand-written loop a row is measured against."""
+    method = name.partition("ZeRO-0 + ")[2]
+    return sc.METHODS[method][1] if method in sc.METHODS else "bare loop"
 
 
 def measure(steps: dict[str, object], rounds: int, per_round: int) -> dict[str, list[float]]:
@@ -57,16 +71,16 @@ def measure(steps: dict[str, object], rounds: int, per_round: int) -> dict[str, 
 
 
 def table(times: dict[str, list[float]], counts: dict, precision: str) -> str:
-    bare = times["bare loop"]
-    head = f"{'step':<26} {'host ms/step':>13} {'× bare':>7} {'goal':>6} {'sync ops':>9} {'aten ops':>9}"
+    head = f"{'step':<34} {'host ms/step':>13} {'× bare':>7} {'goal':>6} {'sync ops':>9} {'aten ops':>9}"
     lines = [f"host CPU time per step, {precision}, one thread, 188 trainable tensors, batch {sc.BATCH}, "
-             f"{len(bare)} interleaved rounds (median)", head, "-" * len(head)]
+             f"{len(times['bare loop'])} interleaved rounds (median); × bare: against the bare loop, a method's row "
+             f"against its own bare loop", head, "-" * len(head)]
     for name, values in times.items():
-        ratio = statistics.median(v / b for v, b in zip(values, bare))
+        ratio = statistics.median(v / b for v, b in zip(values, times[baseline(name)]))
         stage = int(name.split("ZeRO-")[1][0]) if "ZeRO-" in name else None
         goal = f"≤{GOALS[stage]:.2f}" if stage in GOALS else ""
         c = counts[name]
-        lines.append(f"{name:<26} {1e3 * statistics.median(values):>13.2f} {ratio:>7.2f} {goal:>6} {c.sync_ops:>9} "
+        lines.append(f"{name:<34} {1e3 * statistics.median(values):>13.2f} {ratio:>7.2f} {goal:>6} {c.sync_ops:>9} "
                      f"{c.ops:>9}")
     return "\n".join(lines)
 
@@ -74,6 +88,7 @@ def table(times: dict[str, list[float]], counts: dict, precision: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages, comma-separated")
+    p.add_argument("--no-methods", action="store_true", help="leave out the memory bank and label-aware rows")
     p.add_argument("--precision", default="fp32", choices=["bf16", "fp32"])
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--steps", type=int, default=4, help="steps of each layout per round")
@@ -84,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)  # thread time then holds all of the step's arithmetic
     sc.BATCH, sc.TOKENS = BATCH, TOKENS
-    built = layouts([int(s) for s in args.stages.split(",") if s], args.precision)
+    built = layouts([int(s) for s in args.stages.split(",") if s], args.precision, not args.no_methods)
     times = measure({name: step for name, (step, _) in built.items()}, args.rounds, args.steps)
     print(table(times, {name: counts for name, (_, counts) in built.items()}, args.precision))
     return 0

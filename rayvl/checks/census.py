@@ -1,6 +1,6 @@
 """What one training step asks of the host, counted on a CPU: a proxy for the framework overhead of a GPU step.
 
-    rayvl check census [--stages 0,1,2,3] [--precision bf16] [--batch-path] [--top N]
+    rayvl check census [--stages 0,1,2,3] [--precision bf16] [--methods] [--batch-path] [--top N]
 
 (``python benchmarks/step_census.py ...`` in a checkout runs this same census; benchmarks/host_time.py times the
 steps it builds.)
@@ -20,6 +20,8 @@ frozen MiniLM text tower with 2 alignment layers: 188 trainable tensors) and cou
 that launch a kernel (view and alias ops do not), scalar reads, device synchronisations (DeepSpeed's accelerator
 and ``torch.cuda``) and Python threads alive. ``--batch-path`` adds rayvl ZeRO-2 fed through the real batch path:
 a Ray Data dataset iterated by ``rayvl.train.batches.batch_stream`` (its producer thread, Ray Data's threads).
+``--methods`` adds rayvl's stage-0 step with the training parts of a memory bank ([BoW]: EMA key encoders, a queue)
+and of UniCL's label-aware loss (TOnICS's loss too), and a hand-written memory-bank loop beside the bare one.
 
 DeepSpeed gets the config a one-GPU run gets (the census checks they are equal: at world size 1 rayvl's GPU and
 CPU DeepSpeed configs differ in nothing). Counts, not timings: ``tests/test_step_census.py`` pins them.
@@ -191,6 +193,54 @@ def bare_step(cfg) -> Callable[[], None]:
     return step
 
 
+# the method parts a step is counted with, at the auto layout (stage 0): their config and the hand-written loop
+# each is measured against (a memory bank's own arithmetic, its EMA forward, is in its bare loop too)
+METHODS = {"memory bank": (["memory_bank.size=64"], "bare loop + memory bank"),
+           "label-aware loss": (["loss.kind=unicl"], "bare loop")}
+
+
+def bare_memory_bank_step(cfg) -> Callable[[], None]:
+    """The hand-written loop with [BoW]'s memory bank (rayvl.methods.bow.memory_bank, the method's own arithmetic):
+    the EMA keys of the batch, the loss against them and the queue, the EMA update after the optimizer step."""
+    from rayvl.losses import label_aware_loss
+    from rayvl.methods.bow.memory_bank import MemoryBank
+    from rayvl.models.dual_encoder import param_groups
+
+    model, b, t, mb = small_model(cfg), batch(), cfg.train, cfg.memory_bank
+    bf16 = t.precision == "bf16"
+    bank = MemoryBank(model, mb.size, cfg.model.embed_dim, mb.momentum, torch.bfloat16 if bf16 else None)
+    optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=t.betas, eps=t.eps,
+                                  fused=True)
+    labels, scale = -1 - torch.arange(BATCH), torch.full((), 1.0 / mb.temperature)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            image, text, _ = model(b["image"], b["input_ids"], b["attention_mask"])
+        image_keys, text_keys = bank.encode(b["image"], b["input_ids"], b["attention_mask"])
+        keys = dict(zip(("image_keys", "text_keys", "key_labels"), bank.keys(image_keys, text_keys, labels)))
+        loss = label_aware_loss(image.float(), text.float(), scale, labels, **keys)
+        bank.enqueue(image_keys, text_keys, labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        bank.update(model)
+    return step
+
+
+def _own_linear(step: Callable[[], None], linear) -> Callable[[], None]:
+    """``step`` run with ``linear`` as ``torch.nn.functional.linear``: the one a process of its own would have. A
+    ZeRO-3 engine's build (its zero.Init) puts DeepSpeed's memory-efficient linear there for the rest of the process
+    ("this will persist unless manually reset"), and every step measured after it in one process would run it."""
+    def step_with_linear():
+        torch.nn.functional.linear = linear
+        try:
+            step()
+        finally:
+            torch.nn.functional.linear = torch._C._nn.linear  # torch's own
+    return step_with_linear
+
+
 def ensure_process_group() -> None:
     """A one-rank gloo group, as Ray Train makes for one worker (DeepSpeed joins it)."""
     import torch.distributed as dist
@@ -203,29 +253,42 @@ def ensure_process_group() -> None:
 
 
 def rayvl_step(cfg, next_batch=None):
-    """rayvl's step (rayvl.train.step.Step) through its DeepSpeed engine; (step, engine)."""
+    """rayvl's step (rayvl.train.step.Step) through its DeepSpeed engine, with the training parts the config enables
+    built as a worker builds them (rayvl.train.parts.train_parts: a memory bank's key encoders, UniCL's label-aware
+    targets) and each part's ``after_step`` after every step, as the loop calls it; the batch is the census's own
+    (``next_batch``), never a part's source (TOnICS's sampler is timed by benchmarks/tonics_batches.py); (step,
+    engine)."""
     import dataclasses
 
     from rayvl.train.engine import build_engine, deepspeed_config
+    from rayvl.train.parts import train_parts
     from rayvl.train.resume import TrainedRows
     from rayvl.train.step import Step
     from rayvl.train.window import Window
+    from rayvl.train.worker import Worker, WorkerPlan
 
     on_gpu = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, use_gpu=True))
     if deepspeed_config(on_gpu, 1) != deepspeed_config(cfg, 1):
         raise AssertionError("a one-GPU run would get another DeepSpeed config than the census measures")
     ensure_process_group()
-    engine = build_engine(small_model(cfg), cfg, 1)
+    model = small_model(cfg)
+    parts = train_parts(Worker(WorkerPlan(cfg), cfg, 0, 1, torch.device("cpu"), None, None))
+    for part in parts:
+        part.model_built(model)
+    engine = build_engine(model, cfg, 1)
+    linear, torch.nn.functional.linear = torch.nn.functional.linear, torch._C._nn.linear  # see _own_linear
     rows, state = TrainedRows(), {"step": 0}
-    train_step = Step(engine, [], cfg, rows)
+    train_step = Step(engine, parts, cfg, rows)
     b = batch()
     next_batch = next_batch or (lambda step, micro: (b, 0.0))
 
     def step():
         state["step"] += 1
         train_step(next_batch, state["step"], Window(first_step=state["step"]))
+        for part in parts:
+            part.after_step(engine, state["step"])
         rows.parts.clear()  # flushed at checkpoints in a run: not a cost of the step
-    return step, engine
+    return _own_linear(step, linear), engine
 
 
 def ray_data_batches(cfg, rows: int = 64):
@@ -246,11 +309,13 @@ def ray_data_batches(cfg, rows: int = 64):
 
 # ----------------------------------------------------------------------------- the table
 
-def run(stages: list[int], precision: str, batch_path: bool) -> list[tuple[str, Counts]]:
+def run(stages: list[int], precision: str, batch_path: bool, methods: bool = False) -> list[tuple[str, Counts]]:
     rows = [("bare loop", census(bare_step(config(0, precision))))]
     for stage in stages:
         step, _ = rayvl_step(config(stage, precision))
         rows.append((f"rayvl ZeRO-{stage}", census(step)))
+    if methods:
+        rows += [(name, census(step)) for name, step in method_steps(precision).items()]
     if batch_path:
         import ray
 
@@ -259,6 +324,14 @@ def run(stages: list[int], precision: str, batch_path: bool) -> list[tuple[str, 
         step, _ = rayvl_step(cfg, ray_data_batches(cfg))
         rows.append(("rayvl ZeRO-2, Ray Data batches", census(step)))
     return rows
+
+
+def method_steps(precision: str) -> dict[str, Callable[[], None]]:
+    """rayvl's stage-0 step with each of METHODS' parts, and the memory bank's bare loop, by name."""
+    steps = {"bare loop + memory bank": bare_memory_bank_step(config(0, precision, METHODS["memory bank"][0]))}
+    for name, (overrides, _) in METHODS.items():
+        steps[f"rayvl ZeRO-0 + {name}"] = rayvl_step(config(0, precision, overrides))[0]
+    return steps
 
 
 def table(rows: list[tuple[str, Counts]], precision: str) -> str:
@@ -278,12 +351,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to count, comma-separated")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--batch-path", action="store_true", help="also ZeRO-2 fed by Ray Data (starts a local Ray)")
+    p.add_argument("--methods", action="store_true",
+                   help="also stage 0 with a memory bank and with UniCL's label-aware loss, and a bare loop with "
+                        "the memory bank")
     p.add_argument("--top", type=int, default=0, help="also list each step's N most frequent kernel ops")
     args = p.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    rows = run([int(s) for s in args.stages.split(",") if s], args.precision, args.batch_path)
+    rows = run([int(s) for s in args.stages.split(",") if s], args.precision, args.batch_path, args.methods)
     print(table(rows, args.precision))
     for name, c in rows if args.top else []:
         print(f"\n{name}: " + ", ".join(f"{op} {n}" for op, n in c.by_op.most_common(args.top)))
