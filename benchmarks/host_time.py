@@ -52,12 +52,6 @@ def layouts(stages: list[int], precision: str, methods: bool = True) -> dict[str
     return {name: (step, sc.census(step)) for name, step in steps.items()}
 
 
-def baseline(name: str) -> str:
-    """The hand-written loop a row is measured against."""
-    method = name.partition("ZeRO-0 + ")[2]
-    return sc.METHODS[method][1] if method in sc.METHODS else "bare loop"
-
-
 def measure(steps: dict[str, object], rounds: int, per_round: int) -> dict[str, list[float]]:
     """Seconds of this thread's CPU time per step, one value per round for each name; the order rotates."""
     names, times = list(steps), {name: [] for name in steps}
@@ -76,7 +70,7 @@ def table(times: dict[str, list[float]], counts: dict, precision: str) -> str:
              f"{len(times['bare loop'])} interleaved rounds (median); × bare: against the bare loop, a method's row "
              f"against its own bare loop", head, "-" * len(head)]
     for name, values in times.items():
-        ratio = statistics.median(v / b for v, b in zip(values, times[baseline(name)]))
+        ratio = statistics.median(v / b for v, b in zip(values, times[sc.baseline(name)]))
         stage = int(name.split("ZeRO-")[1][0]) if "ZeRO-" in name else None
         goal = f"≤{GOALS[stage]:.2f}" if stage in GOALS else ""
         c = counts[name]

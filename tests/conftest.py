@@ -342,6 +342,11 @@ def one_process_group():
     os.environ.update(env)
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield
+    import torch
+
+    # a ZeRO-3 engine built in this process left DeepSpeed's memory-efficient linear in torch ("this will persist
+    # unless manually reset"): later modules' models get torch's own again
+    torch.nn.functional.linear = torch._C._nn.linear
     if "deepspeed.comm" in sys.modules and sys.modules["deepspeed.comm"].is_initialized():
         # DeepSpeed caches the groups it made from this one (its data-parallel group): destroyed through DeepSpeed,
         # they are forgotten too, and the next module's DeepSpeed does not look them up in a new group
