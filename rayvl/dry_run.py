@@ -316,7 +316,9 @@ def labellers_line(cfg: RayvlConfig) -> str:
         return (f"  one labeller in this process, no Ray ({cpus}"
                 + (", this machine's GPU" if x.gpus_per_actor else "") + ")")
     writing = pseudo_label.finisher_cpus(x.cpus_per_actor, x.gpus_per_actor)
-    return (f"  {x.actors} labelling actors of {{CPU: {x.cpus_per_actor - writing:g}"
+    who = (f"{x.actors or 1} labelling actors" if x.actors or not x.gpus_per_actor else
+           "labelling actors, as many as the cluster's GPUs hold when the job starts (pseudo_label.actors=0),")
+    return (f"  {who} of {{CPU: {x.cpus_per_actor - writing:g}"
             + (f", GPU: {x.gpus_per_actor:g}" if x.gpus_per_actor else "")
             + f"}}, each with an actor writing its shards of {{CPU: {writing:g}}}")
 

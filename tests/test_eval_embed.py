@@ -76,6 +76,9 @@ def test_rayvl_eval_prints_every_task_and_embeds_as_one_process(ray_local, check
     assert results["retrieval"]["retrieval_images"] == 64 and results["paraphrase"]["paraphrase_pairs"] == 64
     assert "skipped" not in results
     assert results["data"]["samples_seen"] == results["data"]["samples_kept"] == 64
+    speed = results["embedding"]  # the first actor's start-up (model loaded, warmed up) apart from the rate after
+    assert speed["images"] == 64 and 0 < speed["startup_s"] and speed["images_per_s_once_ready"] > 0
+    assert "== embedding ==" in printed
 
     model, config = load_model(checkpoint)
     tokenizer, max_tokens = str(assets.text_model_path("minilm-l6")), config["data"]["max_text_tokens"]
@@ -87,6 +90,43 @@ def test_rayvl_eval_prints_every_task_and_embeds_as_one_process(ray_local, check
     np.testing.assert_allclose(np.load(out / "image_embeddings.npy"), local.images(images), atol=1e-5)
     captions = [r["caption"] for r in rows]
     np.testing.assert_allclose(np.load(out / "caption_embeddings.npy"), local.texts(captions), atol=1e-5)
+
+
+def test_an_embedding_model_is_warmed_up_before_it_says_it_is_ready(checkpoint, tmp_path):
+    """Both towers run once on a tiny batch before ``ready_at`` is stamped: the first call's one-off costs are in the
+    start-up, not in the rate once running. A class-embedding model ([UniCL] eq. (4), loss.kind=ce) has no text
+    tower: its image tower warms up alone."""
+    import time
+
+    from rayvl.config import from_dict
+    from rayvl.eval.embed import EmbeddingActor
+
+    class Timed(EmbeddingActor):
+        calls: list[tuple[str, float]] = []
+
+        def on_device(self, columns):
+            self.calls.append(("image", time.time()))
+            return super().on_device(columns)
+
+        def texts(self, texts, batch_size):
+            self.calls.append(("text", time.time()))
+            return super().texts(texts, batch_size)
+
+    model = Timed(str(checkpoint), device=torch.device("cpu"))
+    assert [kind for kind, _ in Timed.calls] == ["image", "text"]
+    assert max(at for _, at in Timed.calls) <= model.ready()
+
+    config = json.loads((checkpoint / META_FILE).read_text())["config"]
+    config["model"].update(text_tower="class_embedding", num_classes=3)
+    config["loss"]["kind"], config["eval"]["tasks"] = "ce", []  # what a class-embedding run needs besides
+    config["image_label"].update(data="fashion-mnist", weight=1.0)
+    ce = tmp_path / "ce" / "checkpoint_000"
+    ce.mkdir(parents=True)
+    torch.save(build_model(from_dict(config).model, seed=5).state_dict(), ce / MODEL_FILE)
+    (ce / META_FILE).write_text(json.dumps({"step": 0, "config": config, "final": True}))
+    Timed.calls.clear()
+    assert Timed(str(ce), device=torch.device("cpu")).ready() >= max(at for _, at in Timed.calls)
+    assert [kind for kind, _ in Timed.calls] == ["image"]
 
 
 def test_imagefolder_and_fashion_mnist(ray_local, tmp_path):

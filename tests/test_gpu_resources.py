@@ -95,6 +95,17 @@ def test_an_actor_given_a_gpu_without_cuda_names_the_fix(demo_dir, tmp_path, cap
     try:
         assert pool_size(0, 1.0, 0.5) == 2 and pool_size(0, 0.5, 0.5) == 2  # 2 GPUs; 2 CPUs less 1 for reads
         assert pool_size(0, 0.0, 0.5) == 1 and pool_size(3, 1.0, 0.5) == 3
+        # `rayvl pseudo-label`'s labellers the same way: pseudo_label.actors=0 (the default) sized on the Ray
+        from rayvl.config import load_config
+        from rayvl.methods.bow.pseudo_label import sized
+
+        labellers = [sized(load_config(None, [f"pseudo_label.{k}" for k in given])).pseudo_label.actors
+                     for given in (["gpus_per_actor=1", "cpus_per_actor=0.5"], ["cpus_per_actor=0.5"],
+                                   ["gpus_per_actor=1", "actors=3"])]
+        assert labellers == [2, 1, 3]
+        # the same 2 CPUs as nodes of 1.5 and 0.5: the second labeller would leave no node a read task's CPU
+        two_nodes = load_config(None, ["pseudo_label.gpus_per_actor=1", "pseudo_label.cpus_per_actor=0.5"])
+        assert sized(two_nodes, node_cpus=[1.5, 0.5]).pseudo_label.actors == 1
         on = ray.remote(num_cpus=0)(actor_device)
         assert ray.get(on.remote()) == torch.device("cpu")  # no GPU asked: CPU, whatever CUDA the node has
         # the labelling actor, as `rayvl pseudo-label` starts it with pseudo_label.gpus_per_actor=1

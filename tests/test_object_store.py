@@ -273,6 +273,7 @@ def test_rayvl_eval_without_ray_reads_the_held_out_shards_from_the_store_through
                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
         assert run.returncode == 0 and "no Ray" in run.stderr, run.stderr[-3000:]
     store, files = (json.loads((outs[n] / "eval.json").read_text()) for n in ("store", "files"))
+    assert store.pop("embedding")["images"] == files.pop("embedding")["images"] == 64  # and each run's timings
     assert store["data"].pop("io_retries") >= 1 and store == {**files, "checkpoint": store["checkpoint"]}
     assert files["data"]["samples_kept"] == 64
     for name in ("keys.json", "image_embeddings.npy", "caption_embeddings.npy"):

@@ -430,6 +430,12 @@ def test_a_gpu_labeller_gives_one_of_its_cpus_to_its_writer_and_the_dry_run_says
                                    "{CPU: 1}")
     cpu = load_config(None, ["pseudo_label.actors=2", "pseudo_label.cpus_per_actor=2"])
     assert labellers_line(cpu) == "  2 labelling actors of {CPU: 2}, each with an actor writing its shards of {CPU: 0}"
+    # the default, pseudo_label.actors=0, on a cluster: as many labellers as its GPUs hold (pseudo_label.sized)
+    auto = load_config(None, ["pseudo_label.cpus_per_actor=7", "pseudo_label.gpus_per_actor=1", "ray_address=auto"])
+    assert auto.pseudo_label.actors == 0
+    assert labellers_line(auto) == ("  labelling actors, as many as the cluster's GPUs hold when the job starts "
+                                    "(pseudo_label.actors=0), of {CPU: 6, GPU: 1}, each with an actor writing its "
+                                    "shards of {CPU: 1}")
 
 
 def test_each_labellers_units_are_written_by_its_own_finisher_at_most_two_units_behind(ray_local, tmp_path):

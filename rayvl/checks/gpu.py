@@ -711,8 +711,6 @@ def pseudo_label_case(check: Check, case: Case, outcome: Outcome) -> None:
     note_syncs(outcome, sync_files_since(watched))  # a unit's, per "step"
 
 
-EMBEDDED = re.compile(r"eval: (\d+) images embedded \(([\d.]+) s(?:; the (?:first embedding actor|embedding model in "
-                      r"this process) ready ([\d.]+) s after its start, (\d+) images/s from then)?")
 GPU_ACTORS = re.compile(r"eval: (\d+) embedding actor\(s\) of ([\d.]+) GPU")
 ON_GPU_HERE = re.compile(r"eval: one model in this process on cuda")
 
@@ -737,18 +735,14 @@ def evaluate(check: Check, outcome: Outcome, joined: bool) -> None:
     proc = run_cli(check, ["eval", base_run(check), "--gpus", "1", "--out", str(out), *scale], joined=joined)
     if proc.returncode:
         raise CaseFailed(cli_failure(proc, "--gpus"))
-    embedded = EMBEDDED.search(proc.stderr)
     on_gpu = GPU_ACTORS.search(proc.stderr) if joined else ON_GPU_HERE.search(proc.stderr)
-    running = embedded and embedded.group(4)
-    if embedded:  # the rate once the model was ready (start-up apart), where the log gives it
-        outcome.samples_per_s = (float(running) if running else
-                                 int(embedded.group(1)) / max(float(embedded.group(2)), 1e-9))
     results = json.loads((out / "eval.json").read_text())
+    speed = results["embedding"]  # the rate once the model was ready (loaded and warmed up), start-up apart
+    outcome.samples_per_s = speed["images_per_s_once_ready"]
     top1 = results.get("zeroshot", {}).get("zeroshot_top1")
     model = "the first actor" if joined else "the model"
-    outcome.notes = (f"images/s {f'once {model} was ready' if running else 'of the embedding'} of "
-                     f"{embedded.group(1) if embedded else '?'} images"
-                     f"{f' (start-up {embedded.group(3)} s)' if running else ''}; " +
+    outcome.notes = (f"images/s once {model} was ready, of {speed['images']} images (start-up {speed['startup_s']:.1f} "
+                     f"s); " +
                      (f"{on_gpu.group(1) if on_gpu else 0} GPU actor(s)" if joined else
                       f"{'on the GPU' if on_gpu else 'not on a GPU'}, no Ray") +
                      (f"; zero-shot top-1 {round(top1, 1)}% (zero2's {check.steps} steps from random init)"

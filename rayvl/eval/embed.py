@@ -2,7 +2,8 @@
 
 - ``ModelEmbedder``: a model in this process. Inside a process group of ``world`` ranks every rank embeds an equal
   slice (padded) and the slices are all-gathered in order, so every rank runs the same forwards — which ZeRO-3
-  needs, since each forward all-gathers partitioned parameters.
+  needs, since each forward all-gathers partitioned parameters. On a GPU it embeds under the autocast dtype it is
+  given (training-time evaluation: the run's precision, ``inference``), else in the model's own dtype.
 - ``ActorEmbedder``: a pool of Ray actors, each loading the checkpoint once and embedding images (streamed to
   them by Ray Data) and texts; rows carry an ``index`` or ``key`` column so the result is put back in order.
   Actors given GPUs (``gpus_per_actor``) embed on theirs, in bf16 autocast; the others on CPU in fp32, as
@@ -14,6 +15,7 @@ All return float32 numpy arrays of L2-normalised embeddings, one row per input.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -45,22 +47,28 @@ def array_to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
 
 class ModelEmbedder:
     def __init__(self, model, tokenizer_path: str, max_tokens: int, batch_size: int = 128, rank: int = 0,
-                 world: int = 1):
+                 world: int = 1, autocast: torch.dtype | None = None):
+        """``autocast``: the dtype a GPU embeds in under torch.autocast (None: the model's own); a CPU embeds as
+        the model computes."""
         self.model, self.tokenizer_path, self.max_tokens = model, tokenizer_path, max_tokens
-        self.batch_size, self.rank, self.world = batch_size, rank, world
+        self.batch_size, self.rank, self.world, self.autocast = batch_size, rank, world, autocast
         self.device = next(model.parameters()).device
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return array_to_device(a, self.device)
 
+    # no_grad, not inference_mode: the model trains on after this (ZeRO-3 gathers its weights in these forwards)
     @torch.no_grad()
     def images(self, images: np.ndarray) -> np.ndarray:
-        return self._split(lambda j: self.model.encode_image(self._tensor(images[j])), len(images))
+        with inference(self.device, self.autocast):
+            return self._split(lambda j: self.model.encode_image(self._tensor(images[j])), len(images))
 
     @torch.no_grad()
     def texts(self, texts: list[str]) -> np.ndarray:
         ids, mask = tokenize(list(texts), self.tokenizer_path, self.max_tokens)
-        return self._split(lambda j: self.model.encode_text(self._tensor(ids[j]), self._tensor(mask[j])), len(ids))
+        with inference(self.device, self.autocast):
+            return self._split(lambda j: self.model.encode_text(self._tensor(ids[j]), self._tensor(mask[j])),
+                               len(ids))
 
     def _split(self, encode, n: int) -> np.ndarray:
         """This rank's rows (padded to an equal count with the last row), encoded in batches, gathered in order."""
@@ -113,9 +121,12 @@ def actor_device(off: str = EVAL_GPUS_OFF) -> torch.device:
     return torch.device("cuda")
 
 
-def inference(device: torch.device):
-    """bf16 autocast on a GPU (embeddings are returned in fp32); on CPU nothing changes, as training embeds."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+def inference(device: torch.device, dtype: torch.dtype | None = torch.bfloat16):
+    """``dtype`` (bf16) autocast on a GPU (embeddings are returned in fp32); on CPU, or with ``dtype`` None, nothing
+    changes, as training embeds."""
+    if device.type != "cuda" or dtype is None:
+        return contextlib.nullcontext()  # torch.autocast refuses some device types (meta) even when disabled
+    return torch.autocast("cuda", dtype=dtype)
 
 
 class EmbeddingActor:
@@ -130,7 +141,17 @@ class EmbeddingActor:
             self.model.to(self.device).vision.to_channels_last()
         self.tokenizer_path = str(assets.text_model_path(config["model"]["text"]))
         self.max_tokens = config["data"]["max_text_tokens"]
+        self.warm_up(config["data"]["image_size"])
         self.ready_at = time.time()
+
+    def warm_up(self, image_size: int) -> None:
+        """One forward of each tower on a tiny batch before the actor says it is ready: the first call's one-off
+        costs (CUDA's libraries and kernels loaded, cuDNN's and oneDNN's set-up) fall in the start-up, not in the
+        first batch the rate once running counts."""
+        warm = self.on_device({"image": np.zeros((2, 3, image_size, image_size), np.uint8)})[0]
+        if getattr(self.model, "text", None) is not None:  # not a class-embedding model ([UniCL] eq. (4))
+            self.texts(["a photo", "a photo of a dog"], 2)
+        warm.cpu()  # on a GPU: waits for the forwards
 
     def ready(self) -> float:
         """When this actor held its model (wall clock: the driver may be on another node, whose clock NTP keeps
@@ -140,7 +161,7 @@ class EmbeddingActor:
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return array_to_device(a, self.device)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def images(self, block) -> dict:
         """The embeddings of one Ray Data block of images, and the block's other columns (index, or key, caption
         and cls)."""
@@ -148,13 +169,13 @@ class EmbeddingActor:
 
         return self.embed(BlockAccessor.for_block(block).to_numpy())
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def embed(self, columns: dict[str, np.ndarray]) -> dict:
         """The embeddings of a batch's ``image`` column, and its other columns."""
         embedding, columns = self.on_device(columns)
         return {"embedding": embedding.cpu().numpy(), **columns}
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def on_device(self, columns: dict[str, np.ndarray]) -> tuple[torch.Tensor, dict]:
         """The embeddings of a batch's ``image`` column where they were computed (on a GPU: queued, not waited
         for), and the batch's other columns."""
@@ -170,7 +191,7 @@ class EmbeddingActor:
                                self._tensor)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def text_embeddings(model, texts: list[str], tokenizer_path: str, max_tokens: int, batch_size: int,
                     device: torch.device, tensor=None) -> np.ndarray:
     """strings → tokens (the tower's own fast tokenizer) → normalised text embeddings, float32 (n, d): an actor's

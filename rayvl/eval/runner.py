@@ -142,14 +142,14 @@ def run_eval(checkpoint: str, tasks: list[str] | None = None, sources: Sources |
             data = load_local(sources, config, pool.loader_workers, limit, pool.batch_size)
         else:
             data, report_name = load(sources, config, pool.cpus_per_actor, limit, pool.batch_size)
-        images, data, counts = embedded(embedder, data, sources, report_name)
+        images, data, counts, speed = embedded(embedder, data, sources, report_name)
         metrics, embeddings = evaluate(tasks, data, embedder, pool.paraphrase_k, images)
     finally:
         try:
             embedder.close()
         finally:
             release_reports([report_name] if report_name else [])
-    results = {**({"data": counts} if counts else {}), **metrics}
+    results = {**({"data": counts} if counts else {}), "embedding": speed, **metrics}
     skipped = [t for t in tasks if t not in metrics]
     if skipped:
         results["skipped"] = {t: SKIP_REASONS[t] for t in skipped}
@@ -172,25 +172,28 @@ def start_embedder(uri: str, pool: EvalConfig, without_ray: bool) -> LocalEmbedd
 
 
 def embedded(embedder, data: eval_data.EvalData, sources: Sources,
-             report_name: str) -> tuple[np.ndarray, eval_data.EvalData, dict]:
+             report_name: str) -> tuple[np.ndarray, eval_data.EvalData, dict, dict]:
     """(the images' embeddings, the set with what its streamed rows said, the counts of the samples its reading
-    dropped: shards only, else {})."""
+    dropped: shards only, else {}, the embedding's speed: eval.json's ``embedding``)."""
     started = time.time()
     images = embedder.images(data.images)
     ended, ready = time.time(), embedder.first_ready()
+    # the start-up (the model loaded and warmed up: EmbeddingActor) apart from the rate once running
+    speed = {"images": len(images), "seconds": round(ended - started, 3),
+             "startup_s": round(ready - embedder.started, 3),
+             "images_per_s_once_ready": round(len(images) / max(ended - ready, 1e-9), 1)}
     model = "embedding model in this process" if isinstance(embedder, LocalEmbedder) else "first embedding actor"
     log.info(f"eval: {len(images)} images embedded ({ended - started:.1f} s; the {model} ready "
-             f"{ready - embedder.started:.1f} s after its start, {len(images) / max(ended - ready, 1e-9):.0f} "
-             f"images/s from then)")
+             f"{speed['startup_s']:.1f} s after its start, {speed['images_per_s_once_ready']:.0f} images/s from then)")
     read_here = isinstance(data.images, local_read.Batches)  # a local loader counted its reading itself
     counts = data.images.counts if read_here else {}
     if not data.size:  # streamed: what the rows said came back with their embeddings
         data = data.with_rows(embedder.rows)
     if sources.kind == "shards":
-        return images, data, snapshot(report_name)["counts"] if report_name else dict(+counts)
+        return images, data, snapshot(report_name)["counts"] if report_name else dict(+counts), speed
     if counts.get("dropped_corrupt_image"):  # as load_imagefolder says it, before the embedding, on Ray
         print(f"rayvl eval: dropped {counts['dropped_corrupt_image']} undecodable images under {sources.data}")
-    return images, data, {}
+    return images, data, {}, speed
 
 
 def write_results(out: str, scored: dict, results: dict, embeddings: dict, keys: list[str]) -> None:
@@ -200,7 +203,7 @@ def write_results(out: str, scored: dict, results: dict, embeddings: dict, keys:
         np.save(buffer, array)
         storage.write_bytes(storage.join(out, f"{name}_embeddings.npy"), buffer.getvalue())
     for task, values in results.items():
-        if task not in ("data", "skipped"):
+        if task not in ("data", "embedding", "skipped"):
             storage.write_text(storage.join(out, f"{task}.json"), json.dumps(values, indent=2))
     if keys:  # the sample of each row of the embeddings (shards: sorted by key)
         storage.write_text(storage.join(out, "keys.json"), json.dumps(keys))

@@ -16,6 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def autocast_dtype(mode: str) -> torch.dtype | None:
+    """The dtype a run of precision ``mode`` (rayvl.config.precision: bf16, fp16, fp32) computes its forwards in;
+    None for fp32."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode)
+
+
 def keep_batchnorm_fp32(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
     """Every BatchNorm of ``model`` (torch's and timm's BatchNormAct2d) computes with fp32 weights and keeps fp32
     running statistics whatever ``dtype`` its parameters are cast to later; a BatchNorm of another kind, whose

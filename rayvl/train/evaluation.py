@@ -9,11 +9,12 @@ import time
 
 import torch
 
-from rayvl.config import RayvlConfig
+from rayvl.config import RayvlConfig, precision
 from rayvl.eval import knn
 from rayvl.eval.data import EvalData, from_batches
 from rayvl.eval.embed import ModelEmbedder
 from rayvl.eval.tasks import evaluate as evaluate_tasks
+from rayvl.models.precision import autocast_dtype
 
 
 def load_eval_data(shard, files: dict, cfg: RayvlConfig) -> EvalData:
@@ -32,7 +33,11 @@ def evaluate(model, data: EvalData, cfg: RayvlConfig, tokenizer_path: str, rank:
     was_training = model.training
     model.eval()
     knn.use_gpus(knn.device_gpus(next(model.parameters()).device))  # the GPU this rank computes on, or CPU
-    embedder = ModelEmbedder(model, tokenizer_path, cfg.data.max_text_tokens, cfg.eval.batch_size, rank, world)
+    # on a GPU, in the precision the run trains in: stage 0 keeps fp32 weights and trains them under autocast, which
+    # its evaluation (and TOnICS's refresh, which reads it) now shares; ZeRO's bf16 / fp16 weights compute in their
+    # dtype either way
+    embedder = ModelEmbedder(model, tokenizer_path, cfg.data.max_text_tokens, cfg.eval.batch_size, rank, world,
+                             autocast_dtype(precision(cfg.train)))
     results, _ = evaluate_tasks(tasks or cfg.eval.tasks, data, embedder, cfg.eval.paraphrase_k)
     model.train(was_training)
     return {"eval_images": data.size, **{k: v for metrics in results.values() for k, v in metrics.items()}}

@@ -96,10 +96,10 @@ def _check_pseudo_label(x) -> None:
             raise ConfigError(f"pseudo_label.rules[{i}]: unknown rule {rule!r} (known: {', '.join(RULES)})")
     if len(set(x.rules)) != len(x.rules):
         raise ConfigError(f"pseudo_label.rules: a rule is listed twice: {x.rules}")
-    for name in ("crops", "k", "words", "index_nprobe", "shard_size", "actors", "batch_size"):
+    for name in ("crops", "k", "words", "index_nprobe", "shard_size", "batch_size"):
         if getattr(x, name) < 1:
             raise ConfigError(f"pseudo_label.{name}: must be ≥ 1, got {getattr(x, name)}")
-    for name in ("top_t", "index_exact_max", "index_nlist", "recall_sample"):
+    for name in ("top_t", "index_exact_max", "index_nlist", "recall_sample", "actors"):
         if getattr(x, name) < 0:
             raise ConfigError(f"pseudo_label.{name}: must be ≥ 0, got {getattr(x, name)}")
     if not 0 < x.crop_scale_min <= 1:

@@ -87,9 +87,11 @@ class PseudoLabelConfig:
     """unaligned images whose crops measure an approximate index's recall@k against exact search."""
     shard_size: int = 1000
     """images per output shard when the unaligned set is a folder of images (a shard input keeps its shards)."""
-    actors: int = 1
-    """labelling actors (each loads the model and the index once). One, on a machine with no cluster named (no
-    GPU asked, or the machine's only GPU): the labeller runs in the command's process, with no Ray."""
+    actors: int = 0
+    """labelling actors (each loads the model and the index once); 0 = one on CPU, or with gpus_per_actor as many
+    as the cluster's GPUs hold when the job starts (GPUs ÷ gpus_per_actor, as eval.actors; fewer where their CPUs
+    would leave Ray Data's reads none). One, on a machine with no cluster named (no GPU asked, or the machine's only
+    GPU): the labeller runs in the command's process, with no Ray."""
     cpus_per_actor: float = 1.0
     """CPUs each labelling / caption-embedding actor reserves, with the actor that writes its units: on a GPU
     labeller from 2 up, one of them is that writer's and the rest crop (a labeller without Ray decodes and crops on

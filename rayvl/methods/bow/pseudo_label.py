@@ -43,7 +43,7 @@ import time
 import zlib
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache, partial
 from itertools import islice
 from pathlib import Path
@@ -501,22 +501,49 @@ def finished(out: Path, unit: Unit, rules: list[str]) -> bool:
     return all((out / rule / f"{unit.id:05d}_stats.json").is_file() for rule in rules)
 
 
+def sized(cfg: RayvlConfig, node_cpus: list[float] | None = None) -> RayvlConfig:
+    """``pseudo_label.actors`` 0 resolved on the connected Ray as `rayvl eval`'s pool is (rayvl.eval.runner.pool_size):
+    with gpus_per_actor, as many labellers as the cluster's GPUs hold now (GPUs ÷ gpus_per_actor), fewer where
+    their CPUs would leave no node a read task's (``leaves_reads``), at least one; one labeller on CPU."""
+    x = cfg.pseudo_label
+    if x.actors:
+        return cfg
+    from rayvl.eval.runner import pool_size
+
+    node_cpus = _node_cpus() if node_cpus is None else node_cpus
+    actors = pool_size(0, x.gpus_per_actor, x.cpus_per_actor)
+    while actors > 1 and not leaves_reads(node_cpus, actors, x.cpus_per_actor, cfg.data.read_cpus):
+        actors -= 1
+    log.info("pseudo-label: %d labeller(s) (pseudo_label.actors=0: %s)", actors,
+             "as many as the cluster's GPUs hold" if x.gpus_per_actor else "one on CPU")
+    return replace(cfg, pseudo_label=replace(x, actors=actors))
+
+
+def _node_cpus() -> list[float]:
+    return [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]]
+
+
+def leaves_reads(node_cpus: list[float], actors: int, cpus_per_actor: float, read_cpus: float) -> bool:
+    """Whether ``actors`` labellers placed as Ray packs them leave some node a read task's CPUs (``data.read_cpus``,
+    at least one)."""
+    from rayvl.session import place_workers
+
+    free = place_workers(node_cpus, actors, cpus_per_actor, "PACK")
+    return free is not None and place_workers(free, 1, max(1.0, read_cpus), "PACK") is not None
+
+
 def check_cluster(cfg: RayvlConfig, fixed_size: bool, node_cpus: list[float] | None = None) -> None:
     """The labellers, which live from the job's start, must leave a read task's CPUs (``data.read_cpus``, at least
     one) on some node for Ray Data's reads of S_a (its word statistics, its captions) and their repartitions: with
     pseudo_label.actors=2 × cpus_per_actor=1 on 2 CPUs the reads waited forever. An error on a Ray of fixed size, a
     warning on a cluster that may autoscale. Likewise GPUs the cluster cannot have."""
-    from rayvl.session import place_workers
-
     x = cfg.pseudo_label
     check_gpus(x.gpus_per_actor, f"pseudo_label.gpus_per_actor={x.gpus_per_actor:g}", "pseudo_label.gpus_per_actor=0",
                fixed_size)
-    if node_cpus is None:
-        node_cpus = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]]
-    free = place_workers(node_cpus, x.actors, x.cpus_per_actor, "PACK")
-    read = max(1.0, cfg.data.read_cpus)
-    if free is not None and place_workers(free, 1, read, "PACK") is not None:
+    node_cpus = _node_cpus() if node_cpus is None else node_cpus
+    if leaves_reads(node_cpus, x.actors, x.cpus_per_actor, cfg.data.read_cpus):
         return
+    read = max(1.0, cfg.data.read_cpus)
     problem = (f"pseudo_label.actors={x.actors} × pseudo_label.cpus_per_actor={x.cpus_per_actor:g} CPUs leave no "
                f"{read:g} free CPUs for Ray Data's read and repartition tasks on nodes with "
                f"{', '.join(f'{c:g}' for c in node_cpus)} CPUs: the job would wait forever. Lower pseudo_label.actors "
@@ -531,10 +558,11 @@ def run(cfg: RayvlConfig, fixed_size: bool = False, checked: tuple[str, list[Uni
     """Label ``pseudo_label.unaligned`` (Ray must be connected, unless ``without_ray``: one labeller in this process
     and local loaders, ``session.runs_without_ray``; ``fixed_size``: a Ray that cannot grow; ``checked``: what
     ``check(cfg)`` returned, if it ran already); the job's summary, also in <out>/summary.json."""
-    x = cfg.pseudo_label
     ckpt, units = checked or check(cfg)
     if not without_ray:
+        cfg = sized(cfg)
         check_cluster(cfg, fixed_size)
+    x = cfg.pseudo_label
     out = Path(x.out).expanduser()
     index_fp, labelling_fp = fingerprints(x, ckpt, units)
     claim(out, labelling_fp)

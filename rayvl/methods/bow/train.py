@@ -7,6 +7,7 @@ import torch
 from rayvl.config import RayvlConfig, precision
 from rayvl.losses import gather_features, label_aware_loss
 from rayvl.methods.bow.memory_bank import MemoryBank
+from rayvl.models.precision import autocast_dtype
 from rayvl.train.parts import TrainPart
 from rayvl.train.worker import Worker
 
@@ -25,8 +26,7 @@ class MemoryBankPart(TrainPart):
 
     def model_built(self, model) -> None:
         """The key encoders: a copy of the towers as built, before DeepSpeed casts or partitions them."""
-        mb, mode = self.cfg.memory_bank, precision(self.cfg.train)
-        autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode)
+        mb, autocast = self.cfg.memory_bank, autocast_dtype(precision(self.cfg.train))
         self.bank = MemoryBank(model, mb.size, self.cfg.model.embed_dim, mb.momentum, autocast).to(self.device)
 
     def components(self) -> dict:
