@@ -56,7 +56,7 @@ def test_collectives_run_on_the_workers_device(nccl_like):
     from rayvl.methods.tonics.sampler import SAMPLER_COUNTS, SamplerTotals
     from rayvl.eval.embed import ModelEmbedder
     from rayvl.losses import gather_features
-    from rayvl.train.engine import broadcast_buffers
+    from rayvl.train.step import broadcast_buffers
     from rayvl.methods.tonics.train import TonicsPart
     from rayvl.train.window import Window
 

@@ -199,7 +199,7 @@ def test_every_module_name_string_resolves():
     """What rayvl names as "module:name" — the methods' data parts and training parts (rayvl.methods), the jobs'
     after-run hooks (each trial imports it by that name) — imports and is a callable: a rename that misses one fails
     here, not in a worker or a sweep's last trial."""
-    import importlib
+    import importlib.util
     import re
 
     from rayvl import plugins
@@ -211,6 +211,18 @@ def test_every_module_name_string_resolves():
     for where in sorted(named):
         module, name = where.split(":")
         assert callable(getattr(importlib.import_module(module), name, None)), where
+    # the modules a resumed sweep's trials may still name by their old place (rayvl.sweeps.trials.MOVED)
+    from rayvl.sweeps.trials import MOVED
+
+    for old, new in MOVED.items():
+        importlib.import_module(new)
+        assert importlib.util.find_spec(old) is None, old  # moved: the old name must not shadow the new one
+    # a method's data-report module, named as a module: its statistics and its lines (rayvl.data.report)
+    reports = [m.report for m in plugins.methods() if m.report]
+    assert reports, [m.name for m in plugins.methods()]
+    for module in reports:
+        for name in ("statistics", "lines"):
+            assert callable(getattr(importlib.import_module(module), name, None)), f"{module}:{name}"
 
 
 def test_the_architecture_pages_test_map_names_every_test_file_and_only_those():

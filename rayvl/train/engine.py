@@ -18,6 +18,7 @@ from rayvl.config import RayvlConfig, TrainConfig, precision
 from rayvl.models.dual_encoder import param_groups
 from rayvl.models.precision import keep_batchnorm_fp32
 from rayvl.train import syncfree
+from rayvl.train.step import rayvl_clips
 
 
 def autocast_bf16(t: TrainConfig) -> bool:
@@ -26,12 +27,6 @@ def autocast_bf16(t: TrainConfig) -> bool:
     norms every gradient tensor on its own and reads each check back from the GPU. ZeRO ≥ 1 keeps DeepSpeed's bf16
     weights with fp32 master copies in the optimizer's partitions."""
     return precision(t) == "bf16" and t.zero_stage == 0
-
-
-def rayvl_clips(t: TrainConfig) -> bool:
-    """Whether rayvl clips the gradients itself (ZeRO-0 in fp32 or autocast: one foreach norm over the all-reduced
-    gradients, ``rayvl.train.loop``) rather than DeepSpeed (ZeRO ≥ 1, and fp16, whose gradients are loss-scaled)."""
-    return t.zero_stage == 0 and precision(t) != "fp16"
 
 
 def deepspeed_config(cfg: RayvlConfig, world_size: int, aligned: bool = True) -> dict:
@@ -173,22 +168,3 @@ def build_engine(model: torch.nn.Module, cfg: RayvlConfig, world_size: int, devi
         # one rank has nothing to all-reduce; DeepSpeed would still flatten and copy back every gradient
         engine.enable_backward_allreduce = False
     return engine
-
-
-@torch.no_grad()
-def broadcast_buffers(module: torch.nn.Module) -> None:
-    """Rank 0's buffers (BatchNorm running statistics) to every rank, coalesced per dtype. DeepSpeed, unlike DDP
-    (broadcast_buffers=True), leaves each rank's running statistics to drift with its own batches; evaluation,
-    the consolidated checkpoint (rank 0's) and the memory bank's EMA copy need the one model every rank holds."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    by_dtype: dict = {}
-    for b in module.buffers():
-        by_dtype.setdefault(b.dtype, []).append(b)
-    for buffers in by_dtype.values():
-        flat = torch._utils._flatten_dense_tensors(buffers)
-        dist.broadcast(flat, src=0)
-        for b, synced in zip(buffers, torch._utils._unflatten_dense_tensors(flat, buffers)):
-            b.copy_(synced)

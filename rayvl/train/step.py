@@ -23,9 +23,8 @@ import math
 
 import torch
 
-from rayvl.config import RayvlConfig
+from rayvl.config import RayvlConfig, TrainConfig, precision
 from rayvl.losses import clip_loss, label_aware_loss, siglip_loss
-from rayvl.train.engine import broadcast_buffers, rayvl_clips
 from rayvl.train.parts import TrainPart
 from rayvl.train.window import Window
 
@@ -106,3 +105,28 @@ def clip_and_step(engine, grad_clip: float | None) -> torch.Tensor | float | Non
     if norm is None and boundary:
         norm = engine.get_global_grad_norm()
     return norm
+
+
+def rayvl_clips(t: TrainConfig) -> bool:
+    """Whether rayvl clips the gradients itself (ZeRO-0 in fp32 or autocast: one foreach norm over the all-reduced
+    gradients, ``clip_and_step`` below) rather than DeepSpeed (ZeRO ≥ 1, and fp16, whose gradients are loss-scaled)."""
+    return t.zero_stage == 0 and precision(t) != "fp16"
+
+
+@torch.no_grad()
+def broadcast_buffers(module: torch.nn.Module) -> None:
+    """Rank 0's buffers (BatchNorm running statistics) to every rank, coalesced per dtype. DeepSpeed, unlike DDP
+    (broadcast_buffers=True), leaves each rank's running statistics to drift with its own batches; evaluation,
+    the consolidated checkpoint (rank 0's) and the memory bank's EMA copy need the one model every rank holds."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    by_dtype: dict = {}
+    for b in module.buffers():
+        by_dtype.setdefault(b.dtype, []).append(b)
+    for buffers in by_dtype.values():
+        flat = torch._utils._flatten_dense_tensors(buffers)
+        dist.broadcast(flat, src=0)
+        for b, synced in zip(buffers, torch._utils._unflatten_dense_tensors(flat, buffers)):
+            b.copy_(synced)
