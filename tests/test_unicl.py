@@ -145,6 +145,26 @@ def test_ce_baseline_trains_on_image_label_rows_only(ray_local, demo_dir, tmp_pa
     assert "eval" not in result.data_report  # the CE run reads no held-out split
 
 
+def test_a_class_embedding_model_gets_its_classes_from_the_data_and_no_part_rewrites_the_config():
+    """[UniCL] eq. (4)'s class embeddings: the driver sets model.num_classes from what a method's data part states
+    (DataPart.classes); a part has no hook that returns a changed config."""
+    from rayvl.config import load_config
+    from rayvl.data.parts import DataPart
+    from rayvl.methods.unicl.rows import UniclData
+    from rayvl.train.datasets import with_classes
+
+    class Ten(DataPart):
+        def classes(self) -> int:
+            return 10
+
+    ce = load_config(None, ["loss.kind=ce", "model.text_tower=class_embedding", "image_label.data=fashion-mnist",
+                            "image_label.weight=1.0", "eval.tasks=[]"])
+    assert with_classes(ce, [DataPart(), Ten()]).model.num_classes == 10
+    clip = load_config(None, [])
+    assert with_classes(clip, [Ten()]) is clip  # a text tower of its own: nothing to set
+    assert not any(hasattr(c, "run_config") for c in (DataPart, UniclData))
+
+
 def test_held_out_confusion_and_recall_against_a_loop():
     """rayvl.methods.unicl.class_split.confusion: choosing among the held-out classes only, each row the share of a true
     class's images predicted as each class."""

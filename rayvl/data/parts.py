@@ -88,9 +88,11 @@ class DataPart:
     """the extra streams it reads, each counted in its own data report "<the run's report>-<suffix>": {stream:
     suffix}."""
 
-    def run_config(self, cfg):
-        """The run's config as this part changes it (a value only the data gives)."""
-        return cfg
+    def classes(self) -> int:
+        """The classes its data gives a class-embedding text tower (one learned embedding a class), 0 for none: a
+        fact of the data the driver sets ``model.num_classes`` from (rayvl.train.datasets.with_classes) — a part
+        states it and never changes the config itself."""
+        return 0
 
     def batch_rows(self, cfg) -> int:
         """Rows of each micro-batch it fills from a stream of its own, not from the training shards."""

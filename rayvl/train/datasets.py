@@ -81,13 +81,20 @@ def plan(cfg: RayvlConfig, make_demo: bool = True) -> DataPlan:
     made = make_demo or bool(cfg.data.train)
     checks = check_inputs(cfg, train if made else "", evalset if made else cfg.data.eval)
     parts = plugins.data_parts(cfg, train, evalset)
-    cfg = evaluation_or_off(cfg, evalset)
-    for part in parts:
-        cfg = part.run_config(cfg)
+    cfg = with_classes(evaluation_or_off(cfg, evalset), parts)
     listed = {key: tuple(check.paths) for key, check in checks.items()}
     mix = training_mix(cfg, checks["data.train"]) if "data.train" in checks else None
     return DataPlan(cfg, train, evalset, files, parts, listed.get("data.train", ()), listed.get("data.eval", ()),
                     checks, mix)
+
+
+def with_classes(cfg: RayvlConfig, parts) -> RayvlConfig:
+    """A class-embedding text tower's ``model.num_classes``: the classes the methods' data gives
+    (DataPart.classes), set here on the driver before the config reaches the workers; other models as they are."""
+    given = [n for n in (part.classes() for part in parts) if n]
+    if cfg.model.text_tower != "class_embedding" or not given:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_classes=given[0]))
 
 
 def training_mix(cfg: RayvlConfig, check: specs.SpecCheck) -> Mix:

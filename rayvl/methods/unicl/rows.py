@@ -3,7 +3,6 @@ img2dataset shards whose JSON carries ``cls`` or from Fashion-MNIST — and the 
 beside (or instead of) the image-text one (App. B.2)."""
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -82,12 +81,9 @@ class UniclData(DataPart):
     def __init__(self, prompts: Prompts):
         self.prompts = prompts
 
-    def run_config(self, cfg):
-        if cfg.model.text_tower != "class_embedding":
-            return cfg
+    def classes(self) -> int:
         # [UniCL] eq. (4): one learned class embedding per class of the image-label source
-        model = dataclasses.replace(cfg.model, num_classes=len(self.prompts.classes))
-        return dataclasses.replace(cfg, model=model)
+        return len(self.prompts.classes)
 
     def batch_rows(self, cfg) -> int:
         return label_rows(cfg)
