@@ -10,7 +10,7 @@ import math
 from collections import Counter
 from itertools import islice
 
-from rayvl import storage
+from rayvl import plugins, storage
 from rayvl.assets import VISION_ASSETS
 from rayvl.config import ConfigError, RayvlConfig, precision
 from rayvl.data.images import decode
@@ -134,7 +134,7 @@ def describe(cfg: RayvlConfig, given: frozenset[str] = frozenset()) -> str:
               f"{global_batch:,} samples a step"
               + "".join(f" ({n} {stream} rows per micro-batch)" for stream, n in own.items()),
               f"  negatives per query: {t.num_workers * t.micro_batch_size:,} in the gathered batch"
-              + (f" + {cfg.memory_bank.size:,} in the memory bank" if cfg.memory_bank.size else "")]
+              + "".join(f" + {n:,} in {where}" for n, where in plugins.extra_negatives(cfg))]
     if per_pass and text_rows:  # (image-label only: the image-text shards are not read)
         steps = per_pass / (t.num_workers * text_rows * t.grad_accumulation)
         lines.append(f"  {steps:,.0f} steps a pass; train.max_steps={t.max_steps:,} is "

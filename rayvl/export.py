@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rayvl import assets, storage
+from rayvl import assets, plugins, storage
 from rayvl.checkpoints import METRICS_FILE, checkpoint_uri, load_weights, read_meta, resolve_checkpoint
 from rayvl.config import RayvlConfig, from_dict, precision
 from rayvl.data.images import crop
@@ -260,7 +260,7 @@ Exported by `rayvl export` from `{record["source"]}` (step {record["step"]} of {
     if m["text_strategy"] == "frozen_alignment" else ""},
   {m["pooling"]} pooling, {m["text_projection"]} projection; {d["max_text_tokens"]} tokens.
 - Embedding dimension {m["embed_dim"]}; loss `{c["loss"]["kind"]}`{
-    f", EMA memory bank of {c['memory_bank']['size']}" if c["memory_bank"]["size"] else ""}.
+    "".join(f", {n} negatives a query in {where}" for n, where in plugins.extra_negatives(from_dict(c)))}.
 - Training data: `{d["train"] or "the embedded demo dataset"}`; {t["num_workers"]} workers × micro-batch
   {t["micro_batch_size"]} × {t["grad_accumulation"]} accumulation, lr {t["lr"]}, {precision(from_dict(c).train)}, ZeRO-{
     t["zero_stage"]}, seed {t["seed"]}.

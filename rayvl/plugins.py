@@ -42,6 +42,9 @@ class Method:
     streams: Callable[[Any], int] | None = None
     """``streams(cfg)``: the Ray Data pipelines it reads beside the training stream (each needs a read task's CPUs
     beside the workers: rayvl.session.check_resources); torch-free."""
+    negatives: Callable[[Any], tuple[int, str]] | None = None
+    """``negatives(cfg)``: (the negatives a query gets beyond the gathered batch, where they come from), e.g. a queue
+    of keys; (0, ...) when the config leaves it off. The dry run and the model card say it; torch-free."""
     loss_kinds: tuple[str, ...] = ()
     """values of ``loss.kind`` it adds beside the core's clip and siglip (its training part gives their targets or
     loss)."""
@@ -64,6 +67,12 @@ def methods() -> tuple[Method, ...]:
     """Every registered method, in registration order."""
     importlib.import_module(PACKAGE)  # its __init__ registers each method, once
     return tuple(_registered.values())
+
+
+def extra_negatives(cfg) -> list[tuple[int, str]]:
+    """(count, where) of the negatives each enabled method adds beyond the gathered batch (Method.negatives)."""
+    found = [m.negatives(cfg) for m in methods() if m.negatives]
+    return [(n, where) for n, where in found if n]
 
 
 def config_sections() -> list[tuple[str, type]]:

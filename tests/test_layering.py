@@ -33,7 +33,8 @@ METHOD_WORDS = ("bow", "tonics", "unicl", "image_label", "ontology", "pseudo", "
 # the core that runs every method and names none of them: every module of these packages, and these modules — a
 # docstring may cite a paper (the style asks for it), the code may not name a method, its settings or its data
 METHOD_FREE_PACKAGES = ("rayvl.data", "rayvl.train", "rayvl.eval")
-METHOD_FREE_MODULES = ("rayvl.config", "rayvl.plugins", "rayvl.session", "rayvl.losses")
+METHOD_FREE_MODULES = ("rayvl.config", "rayvl.plugins", "rayvl.session", "rayvl.losses", "rayvl.export",
+                       "rayvl.annotated", "rayvl.plots", "rayvl.checkpoints", "rayvl.storage")
 
 
 @functools.lru_cache(maxsize=1)

@@ -125,3 +125,16 @@ def test_ema_steps_once_per_optimizer_step_under_grad_accumulation(ray_local, de
     for key in ("vision_proj.weight", "text_proj.0.weight"):
         assert not torch.equal(bank_1["ema"][key], theta_2[key])
         assert torch.allclose(bank_2["ema"][key], 0.5 * bank_1["ema"][key] + 0.5 * theta_2[key], atol=1e-6)
+
+
+def test_the_memory_banks_negatives_reach_the_model_card_through_its_registration():
+    """The core names no method: the bank's queue reaches the dry run's and the model card's lines through
+    ``Method.negatives`` (rayvl.plugins.extra_negatives)."""
+    from rayvl import plugins
+    from rayvl.export import model_card
+
+    cfg = load_config(None, ["memory_bank.size=64"])
+    assert plugins.extra_negatives(cfg) == [(64, "the EMA memory bank")]
+    assert plugins.extra_negatives(load_config(None, [])) == []
+    card = model_card({"config": cfg.to_dict(), "metrics": {}, "source": "runs/x", "step": 3, "final": True})
+    assert "loss `clip`, 64 negatives a query in the EMA memory bank." in card

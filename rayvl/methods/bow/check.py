@@ -56,6 +56,11 @@ def needs_stats(ops: list[BowOp]) -> bool:
     return any(op.name in ("limit_to_base_vocab", "rm_top_freq") for op in ops)
 
 
+def negatives(cfg) -> tuple[int, str]:
+    """The memory bank's queue: K keys a query is scored against beside the gathered batch ([BoW] eq. (1)–(2))."""
+    return cfg.memory_bank.size, "the EMA memory bank"
+
+
 def check(cfg) -> None:
     """The bow, memory_bank and pseudo_label sections, each error naming the key."""
     _check_ops(cfg.bow)
