@@ -42,6 +42,9 @@ class Method:
     streams: Callable[[Any], int] | None = None
     """``streams(cfg)``: the Ray Data pipelines it reads beside the training stream (each needs a read task's CPUs
     beside the workers: rayvl.session.check_resources); torch-free."""
+    commands: str = ""
+    """``"module:function"`` of ``add_commands(subparsers)``: the method's own `rayvl` commands, each parser naming
+    the function that runs it (``set_defaults(method_command=main)``); imported when the command line is parsed."""
     negatives: Callable[[Any], tuple[int, str]] | None = None
     """``negatives(cfg)``: (the negatives a query gets beyond the gathered batch, where they come from), e.g. a queue
     of keys; (0, ...) when the config leaves it off. The dry run and the model card say it; torch-free."""
@@ -127,6 +130,13 @@ def data_metric_prefixes() -> tuple[str, ...]:
 def extra_streams(cfg) -> int:
     """The Ray Data pipelines the enabled methods read beside the training stream."""
     return sum(m.streams(cfg) for m in methods() if m.streams is not None)
+
+
+def add_commands(subparsers) -> None:
+    """Every method's own commands on `rayvl`'s parser (Method.commands), in registration order."""
+    for m in methods():
+        if m.commands:
+            _named(m.commands)(subparsers)
 
 
 def train_part_classes() -> list[type]:

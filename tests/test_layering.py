@@ -34,7 +34,8 @@ METHOD_WORDS = ("bow", "tonics", "unicl", "image_label", "ontology", "pseudo", "
 # docstring may cite a paper (the style asks for it), the code may not name a method, its settings or its data
 METHOD_FREE_PACKAGES = ("rayvl.data", "rayvl.train", "rayvl.eval")
 METHOD_FREE_MODULES = ("rayvl.config", "rayvl.plugins", "rayvl.session", "rayvl.losses", "rayvl.export",
-                       "rayvl.annotated", "rayvl.plots", "rayvl.checkpoints", "rayvl.storage")
+                       "rayvl.annotated", "rayvl.plots", "rayvl.checkpoints", "rayvl.storage", "rayvl.dry_run",
+                       "rayvl.cli", "rayvl.cli.recipes")
 
 
 @functools.lru_cache(maxsize=1)

@@ -421,7 +421,7 @@ def test_bad_inputs_are_named_before_ray_starts(demo_dir, tmp_path, capsys):
 
 def test_a_gpu_labeller_gives_one_of_its_cpus_to_its_writer_and_the_dry_run_says_so():
     from rayvl.config import load_config
-    from rayvl.dry_run import labellers_line
+    from rayvl.methods.bow.commands import labellers_line
     from rayvl.methods.bow.pseudo_label import finisher_cpus
 
     assert [finisher_cpus(c, g) for c, g in ((7, 1), (2, 0.5), (1.5, 1), (8, 0), (0.5, 0))] == [1, 1, 0, 0, 0]

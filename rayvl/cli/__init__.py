@@ -6,10 +6,10 @@ from __future__ import annotations
 import sys
 
 import rayvl
-from rayvl.config import DataConfig, EvalConfig, load_config
-from rayvl.methods.bow.config import PseudoLabelConfig
-from rayvl.cli.recipes import (CONFIGS, USER_ERRORS, RayvlParser, add_train_args, config_from_args, data_cause,
-                           one_line, print_dry_run, train_command, user_error)
+from rayvl import plugins
+from rayvl.config import DataConfig, EvalConfig
+from rayvl.cli.recipes import (CONFIGS, USER_ERRORS, RayvlParser, add_train_args, config_from_args,
+                           gpu_errors_in_one_line, print_dry_run, train_command, user_error)
 
 # commands that start no distributed work: a missing file or a bad value they raise comes from the command line
 LOCAL_COMMANDS = ("plot", "export")
@@ -29,7 +29,6 @@ def build_parser() -> RayvlParser:
     _data_parser(sub)
     _config_parser(sub)
     _eval_parser(sub)
-    _bow_parser(sub)
     _tune_parser(sub)
     pl = sub.add_parser("plot", help="a run's dashboard PNG (also of a run still going); several runs: one "
                                       "dashboard with a line per run")
@@ -40,7 +39,7 @@ def build_parser() -> RayvlParser:
                                                 "(under ~/rayvl-runs, or wherever this machine started it), or "
                                                 "latest")
     ex.add_argument("--out", required=True, help="the export folder (rayvl.load reads it)")
-    _pseudo_label_parser(sub)
+    plugins.add_commands(sub)  # the methods' own: `rayvl bow`, `rayvl pseudo-label` ([BoW])
     a = sub.add_parser("assets", help="offline assets").add_subparsers(dest="assets_command", required=True,
                                                                        metavar="ACTION")
     a.add_parser("fetch", help="unpack Debian data packages (Fashion-MNIST) into the environment")
@@ -140,20 +139,6 @@ def _eval_parser(sub) -> None:
     e.add_argument("--verbose", action="store_true", help="show Ray's and the actors' own output")
 
 
-def _bow_parser(sub) -> None:
-    b = sub.add_parser("bow", help="Bag-of-Words caption deformation").add_subparsers(dest="bow_command",
-                                                                                         required=True,
-                                                                                         metavar="ACTION")
-    bp = b.add_parser("preview", help="print intact → deformed captions of the first N samples")
-    bp.add_argument("--data", default=None, help="img2dataset shards (default: the embedded demo's training split)")
-    bp.add_argument("-n", type=int, default=20, help="samples to show (default: 20)")
-    bp.add_argument("--config", default=str(CONFIGS / "bow_pretrain.yaml"),
-                    help="recipe with a bow section (default: bow_pretrain.yaml)")
-    bp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="e.g. --set 'bow.ops=[shuffle]'")
-    bp.add_argument("--stats", default=None, help="statistics artifact to reuse or write (default: computed, not "
-                                                  "saved)")
-
-
 def _tune_parser(sub) -> None:
     tu = sub.add_parser("tune", help="hyperparameter sweep over a tune_spaces/*.yaml search space (Ray Tune)")
     tu.add_argument("space", nargs="?", help="search-space YAML, e.g. tune_spaces/alignment_depth.yaml")
@@ -167,29 +152,6 @@ def _tune_parser(sub) -> None:
                                                            "the plan, without starting Ray")
 
 
-def _pseudo_label_parser(sub) -> None:
-    ps = sub.add_parser("pseudo-label", help="pseudo-BoW captions for images without captions ([BoW] §2.3): "
-                                              "new shards to train on beside the aligned ones")
-    ps.add_argument("run", nargs="?", default=None, metavar="RUN",
-                    help="the labelling model: a run directory, a checkpoint or an export; sets "
-                         "pseudo_label.checkpoint (default: the --config's)")
-    ps.add_argument("--aligned", default=None, help="S_a: the aligned shards whose captions are retrieved; sets "
-                                                    "pseudo_label.aligned")
-    ps.add_argument("--unaligned", default=None, help="the images to label: shards or a folder of image files; "
-                                                      "sets pseudo_label.unaligned")
-    ps.add_argument("--out", default=None, help="output folder: <out>/<rule>/ shards, <out>/index/; sets "
-                                                "pseudo_label.out")
-    ps.add_argument("--rules", default=None, help="comma list of max_count, rm_top_max_count, rm_top_rand, "
-                                                  "weighted_count (default: pseudo_label.rules, "
-                                                  f"{','.join(PseudoLabelConfig().rules)})")
-    ps.add_argument("--config", default=None, help="a YAML with a pseudo_label section (optional)")
-    ps.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="any config field, e.g. --set pseudo_label.crops=10 --set pseudo_label.k=5")
-    ps.add_argument("--verbose", action="store_true", help="show Ray's and the actors' own output")
-    ps.add_argument("--dry-run", action="store_true", help="check the inputs and print the plan, without "
-                                                           "starting Ray")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["check"] and argv[1:2] and argv[1] in CHECKS:  # the check parses its own options
@@ -198,11 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     from rayvl.session import setup_logging
 
     setup_logging(verbose=args.command == "tune" or getattr(args, "verbose", False))  # a sweep shows Tune's table
-    commands = {"train": train_command, "eval": eval_main, "bow": bow_main, "data": data_main, "config": config_main,
-                "assets": assets_main, "tune": tune_main, "plot": plot_main, "export": export_main,
-                "pseudo-label": pseudo_label_main}
+    commands = {"train": train_command, "eval": eval_main, "data": data_main, "config": config_main,
+                "assets": assets_main, "tune": tune_main, "plot": plot_main, "export": export_main}
     try:
-        return commands[args.command](args)
+        return (commands.get(args.command) or args.method_command)(args)
     except USER_ERRORS as e:  # a config key, a data spec, a missing asset: one line naming it, before Ray starts
         return user_error(e)
     except (FileNotFoundError, ValueError) as e:  # elsewhere these may be bugs: their traceback is kept
@@ -243,7 +204,7 @@ def eval_main(args) -> int:
             check_gpus(gpus, f"--gpus {gpus:g}", "--gpus 0", fixed_size=started)
     except (FileNotFoundError, ValueError) as e:
         return user_error(e)
-    results = _gpu_errors_in_one_line(lambda: run_eval(
+    results = gpu_errors_in_one_line(lambda: run_eval(
         ckpt, tasks, sources, args.out or None, actors=pool.actors, cpus_per_actor=pool.cpus_per_actor,
         batch_size=pool.batch_size, k=pool.paraphrase_k, limit=args.limit, gpus_per_actor=gpus,
         without_ray=without_ray, loader_workers=pool.loader_workers))
@@ -290,27 +251,6 @@ def _check_pool(pool: EvalConfig) -> None:
     if pool.actors < 0 or pool.batch_size < 1 or pool.cpus_per_actor < 0 or pool.loader_workers < 0:
         raise ValueError("--actors, --cpus-per-actor, --workers (eval.actors, eval.cpus_per_actor, "
                          "eval.loader_workers) must be ≥ 0 and --batch-size (eval.batch_size) ≥ 1")
-
-
-def _gpu_errors_in_one_line(job):
-    """``job()``, or None after printing in one line why an actor given a GPU could not use it (NoCudaError)."""
-    from rayvl.eval.embed import no_cuda_cause
-
-    try:
-        return job()
-    except Exception as e:  # anything else is re-raised as it was
-        cause = no_cuda_cause(e)
-        if cause is None:
-            raise
-        print(f"rayvl: error: {one_line(cause)}", file=sys.stderr)
-        return None
-
-
-def bow_main(args) -> int:
-    from rayvl.methods.bow.preview import preview
-
-    preview(load_config(args.config, list(args.set)), args.data or "", args.n, args.stats or "")
-    return 0
 
 
 def tune_main(args) -> int:
@@ -368,41 +308,6 @@ def export_main(args) -> int:
     args.run = find_run(args.run)
     out = export(args.run, args.out)
     print(f"exported {args.run} → {out} (load it with rayvl.load({str(out)!r}))")
-    return 0
-
-
-def pseudo_label_main(args) -> int:
-    from rayvl import session
-    from rayvl.methods.bow import pseudo_label
-
-    flags = {"checkpoint": args.run, "aligned": args.aligned, "unaligned": args.unaligned, "out": args.out}
-    overrides = list(args.set) + [f"pseudo_label.{k}={v}" for k, v in flags.items() if v is not None]
-    if args.rules:
-        overrides.append(f"pseudo_label.rules=[{args.rules}]")
-    if args.dry_run:
-        from rayvl import dry_run
-
-        return print_dry_run(lambda: dry_run.describe_pseudo_label(load_config(args.config, overrides)))
-    cfg = load_config(args.config, overrides)
-    checked = pseudo_label.check(cfg)  # every path named by its key before Ray starts
-    x = cfg.pseudo_label
-    without_ray = session.runs_without_ray(x.actors, x.gpus_per_actor, cfg.ray_address)
-    started = not without_ray and session.connect(cfg.ray_address, cfg.local_num_cpus, verbose=args.verbose,
-                                                  include_dashboard=False)
-    try:
-        summary = _gpu_errors_in_one_line(lambda: pseudo_label.run(cfg, fixed_size=started, checked=checked,
-                                                                   without_ray=without_ray))
-    except Exception as e:  # an unreadable shard (or another data failure) in one line, not an actor's traceback
-        cause = data_cause(e)
-        if cause is None:
-            raise
-        print(f"rayvl: error: {one_line(cause)}", file=sys.stderr)
-        return 1
-    if summary is None:  # an actor given a GPU that torch cannot use, said in one line
-        return 1
-    print(pseudo_label.format_summary(summary))
-    print(f"train on them beside the aligned shards: --data {cfg.pseudo_label.aligned},"
-          f"{summary['rules'][cfg.pseudo_label.rules[0]]['shards']}")
     return 0
 
 

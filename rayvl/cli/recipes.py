@@ -165,3 +165,16 @@ def data_cause(error: BaseException) -> DataPlaneError | None:
             stack += [e.__cause__, e.__context__, *getattr(e, "worker_failures", {}).values()]
     return None
 
+
+def gpu_errors_in_one_line(job):
+    """``job()``, or None after printing in one line why an actor given a GPU could not use it (NoCudaError)."""
+    from rayvl.eval.embed import no_cuda_cause
+
+    try:
+        return job()
+    except Exception as e:  # anything else is re-raised as it was
+        cause = no_cuda_cause(e)
+        if cause is None:
+            raise
+        print(f"rayvl: error: {one_line(cause)}", file=sys.stderr)
+        return None

@@ -31,6 +31,7 @@ from rayvl.plugins import Method, register
 register(Method("paraphrase", paraphrase.check))
 register(Method("bow", bow.check, "rayvl.methods.bow.rows:data_part", "rayvl.methods.bow.train:MemoryBankPart",
                 report="rayvl.methods.bow.report", data_metrics=("bow_",), negatives=bow.negatives,
+                commands="rayvl.methods.bow.commands:add_commands",
                 sections=(("bow", BowConfig), ("memory_bank", MemoryBankConfig), ("pseudo_label", PseudoLabelConfig))))
 register(Method("tonics", tonics.check, "rayvl.methods.tonics.rows:data_part", "rayvl.methods.tonics.train:TonicsPart",
                 report="rayvl.methods.tonics.report", data_metrics=("tonics_rows",),
