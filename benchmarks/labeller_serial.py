@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # pseudo_label_through
 from pseudo_label_throughput import pool_captions  # noqa: E402
 
 from rayvl.checks.gpu import demo_halves  # noqa: E402
-from rayvl.data import roi_crops  # noqa: E402
+from rayvl.methods.bow import roi_crops  # noqa: E402
 from rayvl.data.images import random_resized_crop_box, random_resized_crop_boxes  # noqa: E402
 from rayvl.data.tar import write_img2dataset_shard  # noqa: E402
 from rayvl.methods.bow.config import PseudoLabelConfig  # noqa: E402

@@ -1,5 +1,5 @@
-"""The pseudo-labeller's crops (rayvl/data/roi_crops.py): the boxes Pillow's path drew, images decoded at a reduced
-JPEG scale and downscaled once, crops cut by Pillow on a CPU or by one grid_sample on a GPU (run here on CPU
+"""The pseudo-labeller's crops (rayvl/methods/bow/roi_crops.py): the boxes Pillow's path drew, images decoded at a
+reduced JPEG scale and downscaled once, crops cut by Pillow on a CPU or by one grid_sample on a GPU (run here on CPU
 tensors) — exact on a linear image, and within the stated tolerance of the crops Pillow cut from the full image."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from conftest import untrained_checkpoint
-from rayvl.data import roi_crops
+from rayvl.methods.bow import roi_crops
 from rayvl.data.images import decode, random_resized_crop_box, random_resized_crop_boxes, resized
 from rayvl.data.tar import iter_tar_samples
 

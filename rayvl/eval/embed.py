@@ -31,15 +31,25 @@ import torch.distributed as dist
 from rayvl import assets
 from rayvl.checkpoints import load_model
 from rayvl.config import ConfigError
-from rayvl.data.roi_crops import to_device
 from rayvl.data.text import tokenize
 
 log = logging.getLogger("rayvl")
 DEVICE_EMBEDDINGS_BYTES = 256 << 20  # a local evaluation's image embeddings held on its device between copies back
 
 
+def to_device(tensor, device):
+    """A CPU ``tensor`` on ``device``: to a GPU from pinned memory, without blocking — a copy from pageable memory
+    waits for the GPU's stream, which would make the labeller wait on the GPU once a chunk (and an embedding loop
+    once a batch): the pseudo-labeller's crops (rayvl.methods.bow.roi_crops) and the embedding loops' batches."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def array_to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on ``device`` (roi_crops.to_device: to a GPU without blocking)."""
+    """A host array on ``device`` (``to_device``: to a GPU without blocking)."""
     with warnings.catch_warnings():  # Ray's zero-copy batches are read-only; nothing here writes into them
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return to_device(torch.from_numpy(np.ascontiguousarray(a)), device)

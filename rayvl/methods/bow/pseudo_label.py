@@ -12,7 +12,7 @@
 3. Labelling: one labeller call per unit — an input shard, or ``shard_size`` image files — each unit to the next
    free labeller (``labelled``). A labeller holds the model from its start and loads the index at its
    first unit; per image c random resized crops (seeded by the image key;
-   ``rayvl.data.roi_crops``: decoded at a reduced JPEG scale, downscaled once, cut by Pillow on a CPU actor's
+   ``rayvl.methods.bow.roi_crops``: decoded at a reduced JPEG scale, downscaled once, cut by Pillow on a CPU actor's
    threads or on its GPU), the top-k captions of each crop; NN_i keeps all k·c retrievals ordered by similarity (a
    caption found by several crops counts once per crop); each rule of ``data.word_rank`` keeps p words. A GPU
    labeller searches an exact index on its GPU (``knn.DeviceIndex``: matmul + top-k, a unit's retrievals read back
@@ -58,7 +58,7 @@ from ray.util import ActorPool
 from rayvl.checkpoints import checkpoint_uri, read_meta
 from rayvl.config import ConfigError, RayvlConfig
 from rayvl.data import artifacts
-from rayvl.data import roi_crops
+from rayvl.methods.bow import roi_crops
 from rayvl.data.report import DataPlaneError
 from rayvl.data.shards import Reading, ShardStream, read, sum_over_shards
 from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
@@ -81,7 +81,7 @@ META, INDEX_DIR, FORMAT = PSEUDO_MARKER, "index", 1
 WORD_STATS = "aligned_word_stats.json"  # S_a's word statistics, in INDEX_DIR
 CAPTIONS_SPLIT_KEPT = 1 << 20  # pool captions a labeller keeps split into words (a bound on its memory)
 GPUS_OFF = "pseudo_label.gpus_per_actor=0"  # what runs the labelling without GPUs, named where CUDA cannot be used
-# rayvl.data.roi_crops: decoded reduced, an image's boxes drawn at once, downscaled once, cut by Pillow or grid_sample
+# roi_crops: decoded reduced, an image's boxes drawn at once, downscaled once, cut by Pillow or grid_sample
 CROPS_CUT = "reduced-3"
 
 
@@ -126,7 +126,7 @@ def fingerprints(x: PseudoLabelConfig, ckpt: str, units: list[Unit]) -> tuple[di
              "format": FORMAT}
     labelling = {"index": index, "units": [asdict(u) for u in units], "crops": x.crops,
                  "crop_scale_min": x.crop_scale_min, "k": x.k, "words": x.words, "top_t": x.top_t, "seed": x.seed,
-                 # how crops are cut (rayvl.data.roi_crops): a labelling is never finished with other crops
+                 # how crops are cut (rayvl.methods.bow.roi_crops): a labelling is never finished with other crops
                  "crops_cut": f"{CROPS_CUT}-{'gpu' if x.gpus_per_actor else 'cpu'}"}
     return index, labelling
 

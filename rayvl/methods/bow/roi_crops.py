@@ -25,6 +25,7 @@ import numpy as np
 from PIL import Image
 
 from rayvl.data.images import chw, decode, random_resized_crop_boxes, resized
+from rayvl.eval.embed import to_device
 
 
 @dataclass
@@ -125,17 +126,6 @@ def cut(sources: list[CropSource], size: int, device="cpu"):
     back = torch.empty(len(order), dtype=torch.long)
     back[torch.tensor(order)] = torch.arange(len(order))
     return out[to_device(back, out.device)].reshape(-1, 3, size, size)
-
-
-def to_device(tensor, device):
-    """A CPU ``tensor`` on ``device``: to a GPU from pinned memory, without blocking — a copy from pageable memory
-    waits for the GPU's stream, which would make the labeller wait on the GPU once a chunk (and an embedding loop
-    once a batch: rayvl.eval.embed copies its batches here too)."""
-    import torch
-
-    if torch.device(device).type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _samples(source: CropSource, size: int) -> int:
