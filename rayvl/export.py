@@ -239,7 +239,7 @@ def _last_evaluation(ckpt: str) -> dict:
 
 def model_card(record: dict) -> str:
     c = record["config"]
-    m, t, d = c["model"], c["train"], c["data"]
+    m, t, d, cfg = c["model"], c["train"], c["data"], from_dict(c)
     rows = "\n".join(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |"
                      for k, v in record["metrics"].items()) or "| (no evaluation ran) | |"
     return f"""---
@@ -260,9 +260,9 @@ Exported by `rayvl export` from `{record["source"]}` (step {record["step"]} of {
     if m["text_strategy"] == "frozen_alignment" else ""},
   {m["pooling"]} pooling, {m["text_projection"]} projection; {d["max_text_tokens"]} tokens.
 - Embedding dimension {m["embed_dim"]}; loss `{c["loss"]["kind"]}`{
-    "".join(f", {n} negatives a query in {where}" for n, where in plugins.extra_negatives(from_dict(c)))}.
+    "".join(f", {n} negatives a query in {where}" for n, where in plugins.extra_negatives(cfg))}.
 - Training data: `{d["train"] or "the embedded demo dataset"}`; {t["num_workers"]} workers × micro-batch
-  {t["micro_batch_size"]} × {t["grad_accumulation"]} accumulation, lr {t["lr"]}, {precision(from_dict(c).train)}, ZeRO-{
+  {t["micro_batch_size"]} × {t["grad_accumulation"]} accumulation, lr {t["lr"]}, {precision(cfg.train)}, ZeRO-{
     t["zero_stage"]}, seed {t["seed"]}.
 
 ## Evaluation (held-out split, during training)

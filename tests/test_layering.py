@@ -105,6 +105,12 @@ def test_no_forbidden_arrows():
     bad = [f"{m} → {t}" for m, targets in _graph().items() for t in targets
            for src, dst in FORBIDDEN if (m == src or m.startswith(src + ".")) and (t == dst or t.startswith(dst + "."))]
     assert not bad, "layering broken: " + ", ".join(sorted(bad))
+    # a method reaches the wiring (the CLI's helpers, the dry run's lines) only from its own commands module
+    wiring = ("rayvl.cli", "rayvl.dry_run")
+    up = [f"{m} → {t}" for m, targets in _graph().items() if m.startswith("rayvl.methods.")
+          and not fnmatch.fnmatchcase(m, "rayvl.methods.*.commands")
+          for t in targets if any(t == w or t.startswith(w + ".") for w in wiring)]
+    assert not up, "a method module other than its commands imports the wiring: " + ", ".join(sorted(up))
 
 
 def test_data_plane_imports_no_torch_models_or_training():

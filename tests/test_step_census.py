@@ -121,10 +121,9 @@ def test_device_side_norm_and_clip_step_as_deepspeeds_own_and_a_non_finite_step_
     engine.module.logit_scale.register_hook(lambda g: g * math.nan)
     from rayvl.train.resume import TrainedRows
     from rayvl.train.step import Step
-    from rayvl.train.window import Window
 
     batch = sc.batch()
-    Step(engine, [], cfg, TrainedRows())(lambda s, m: (batch, 0.0), 4, Window())
+    Step(engine, [], cfg, TrainedRows())(lambda s, m: (batch, 0.0), 4)
     assert not math.isfinite(float(engine.get_global_grad_norm()))
     assert all(torch.isfinite(p).all() for p in _weights(engine).values())
 
@@ -136,7 +135,6 @@ def test_a_step_of_non_finite_gradients_leaves_the_weights_finite_with_and_witho
     clips then): the step takes zero gradients, so AdamW moves the weights by momentum and decay only."""
     from rayvl.train.resume import TrainedRows
     from rayvl.train.step import Step
-    from rayvl.train.window import Window
 
     cfg = sc.config(stage, "bf16", [f"train.grad_clip={clip}"])
     step, engine = sc.rayvl_step(cfg)
@@ -145,7 +143,7 @@ def test_a_step_of_non_finite_gradients_leaves_the_weights_finite_with_and_witho
     moments = {k: v.clone() for k, v in engine.optimizer.state_dict()["state"][0].items()} if stage == 0 else {}
     hook = engine.module.logit_scale.register_hook(lambda g: g * math.nan)
     batch = sc.batch()
-    Step(engine, [], cfg, TrainedRows())(lambda s, m: (batch, 0.0), 2, Window())
+    Step(engine, [], cfg, TrainedRows())(lambda s, m: (batch, 0.0), 2)
     after = _masters(engine) if stage else [p.detach().clone() for p in engine.module.parameters()]
     assert all(torch.isfinite(t).all() for t in after)
     if stage:  # zero gradients: the same move as a step whose gradients are all 0
@@ -172,13 +170,12 @@ def test_a_checkpoint_resumes_in_the_buffer_padding_it_was_written_with(sc, tmp_
     from rayvl.train.engine import build_engine
     from rayvl.train.resume import ALIGNED, TrainedRows, aligned_buffers
     from rayvl.train.step import Step
-    from rayvl.train.window import Window
 
     cfg = sc.config(2, "bf16")
     batch = sc.batch()
 
     def step(engine):
-        Step(engine, [], cfg, TrainedRows())(lambda s, m: (batch, 0.0), 4, Window())
+        Step(engine, [], cfg, TrainedRows())(lambda s, m: (batch, 0.0), 4)
 
     old = build_engine(sc.small_model(cfg), cfg, 1, aligned=False)  # as rayvl built it before
     step(old)

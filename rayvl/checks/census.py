@@ -287,7 +287,8 @@ def rayvl_step(cfg, next_batch=None):
 
     def step():
         state["step"] += 1
-        train_step(next_batch, state["step"], Window(first_step=state["step"]))
+        train_step.window = Window(first_step=state["step"])
+        train_step(next_batch, state["step"])
         for part in parts:
             part.after_step(engine, state["step"])
         rows.parts.clear()  # flushed at checkpoints in a run: not a cost of the step

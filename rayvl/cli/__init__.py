@@ -1,4 +1,5 @@
-"""`rayvl ...` subcommands: one argparse parser per command, built once; the work lives in the modules named here.
+"""`rayvl ...` subcommands: one argparse parser per command, built once; the work lives in the modules named here
+(a method's own commands in its ``commands`` module: ``plugins.add_commands``).
 An option that sets a config field defaults to None, so that the config's own default applies (the help shows it);
 every mistake a user can fix ends as ``rayvl: error: <one line>`` with exit status 2."""
 from __future__ import annotations
@@ -163,13 +164,21 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"train": train_command, "eval": eval_main, "data": data_main, "config": config_main,
                 "assets": assets_main, "tune": tune_main, "plot": plot_main, "export": export_main}
     try:
-        return (commands.get(args.command) or args.method_command)(args)
+        return (commands.get(args.command) or method_command(args))(args)
     except USER_ERRORS as e:  # a config key, a data spec, a missing asset: one line naming it, before Ray starts
         return user_error(e)
     except (FileNotFoundError, ValueError) as e:  # elsewhere these may be bugs: their traceback is kept
         if args.command not in LOCAL_COMMANDS:
             raise
         return user_error(e)
+
+
+def method_command(args):
+    """The main a method's parser named (Method.commands: ``set_defaults(method_command=main)``)."""
+    found = getattr(args, "method_command", None)
+    if found is None:
+        raise RuntimeError(f"rayvl {args.command}: its method's parser names no main (set_defaults(method_command=))")
+    return found
 
 
 def check_main(name: str, argv: list[str]) -> int:

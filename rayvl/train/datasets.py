@@ -91,10 +91,12 @@ def plan(cfg: RayvlConfig, make_demo: bool = True) -> DataPlan:
 def with_classes(cfg: RayvlConfig, parts) -> RayvlConfig:
     """A class-embedding text tower's ``model.num_classes``: the classes the methods' data gives
     (DataPart.classes), set here on the driver before the config reaches the workers; other models as they are."""
-    given = [n for n in (part.classes() for part in parts) if n]
+    given = {part.name: part.classes() for part in parts if part.classes()}
     if cfg.model.text_tower != "class_embedding" or not given:
         return cfg
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_classes=given[0]))
+    if len(set(given.values())) > 1:
+        raise ConfigError(f"model.num_classes: the methods' data give different class counts ({given})")
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_classes=next(iter(given.values()))))
 
 
 def training_mix(cfg: RayvlConfig, check: specs.SpecCheck) -> Mix:

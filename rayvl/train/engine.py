@@ -18,7 +18,6 @@ from rayvl.config import RayvlConfig, TrainConfig, precision
 from rayvl.models.dual_encoder import param_groups
 from rayvl.models.precision import keep_batchnorm_fp32
 from rayvl.train import syncfree
-from rayvl.train.step import rayvl_clips
 
 
 def autocast_bf16(t: TrainConfig) -> bool:
@@ -30,6 +29,8 @@ def autocast_bf16(t: TrainConfig) -> bool:
 
 
 def deepspeed_config(cfg: RayvlConfig, world_size: int, aligned: bool = True) -> dict:
+    from rayvl.train.step import rayvl_clips  # here: the step's module brings the report window's Ray with it
+
     t = cfg.train
     if t.zero_stage == "auto":
         raise ValueError("train.zero_stage=auto reached the engine: rayvl.train.layout.resolve decides it before the "

@@ -50,20 +50,19 @@ def train_loop_per_worker(config: dict) -> None:
     if resume.restore(engine, state, saved):
         state.progress.resumed_at.append(state.progress.step)
     startup.mark("restore")
-    t, train_step = cfg.train, Step(engine, parts, cfg, data_resume, rank, world)
     # a restart record: the first window after a resume says which checkpoint step the group continued from
-    progress = state.progress
+    t, progress = cfg.train, state.progress
     window = Window(first_step=progress.step + 1,
                     resumed_from=progress.resumed_at[-1] if progress.resumed_at else None, **speed)
+    train_step = Step(engine, parts, cfg, data_resume, rank, world, window)
 
     end = t.end_step  # a stop ends this invocation as the last step would
     profiler = StepProfiler.from_env(rank)
     while progress.step < end:
         profiler.before(progress.step + 1)
-        train_step(next_batch, progress.step + 1, window)  # rayvl.train.step: the whole step, in one file
+        train_step(next_batch, progress.step + 1)  # rayvl.train.step: the whole step, in one file
         progress.step = step = progress.step + 1
         profiler.after(step)
-        window.steps += 1
         if startup is not None:  # the first step of this start: its report says where the time before it went
             startup.mark("first_step")
             window.startup, startup = startup.metrics(window.wait), None
@@ -87,7 +86,8 @@ def train_loop_per_worker(config: dict) -> None:
                 ray.train.report(metrics, checkpoint=ckpt)
         else:
             ray.train.report(metrics)
-        window = Window(first_step=step + 1, start=window.end + metrics.get("evaluation_s", 0.0), **speed)
+        window = train_step.window = Window(first_step=step + 1, start=window.end + metrics.get("evaluation_s", 0.0),
+                                            **speed)
 
 
 def _train_state(parts, data_resume: DataResume) -> TrainState:

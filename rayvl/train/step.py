@@ -64,20 +64,25 @@ class Objective:
 
 
 class Step:
-    """This worker's optimizer step: the engine, the objective, the row ledger and who clips, held once; called
-    with where batches come from, the step's number and the report window it adds to."""
+    """This worker's optimizer step: the engine, the objective, the row ledger, who clips and the report window its
+    steps add to (the loop starts a new one after each report), held once; called with where batches come from
+    and the step's number."""
 
-    def __init__(self, engine, parts: list[TrainPart], cfg: RayvlConfig, rows, rank: int = 0, world: int = 1):
+    def __init__(self, engine, parts: list[TrainPart], cfg: RayvlConfig, rows, rank: int = 0, world: int = 1,
+                 window: Window | None = None):
         t = cfg.train
         self.engine, self.rows, self.rank, self.world = engine, rows, rank, world
+        self.window = window or Window()
         self.objective = Objective(parts, cfg.loss.gather_with_grad, cfg.loss.kind == "siglip")
         self.accumulation = t.grad_accumulation
         # the max norm where rayvl clips (0 = no clip, the non-finite guard still on); None: DeepSpeed clips
         self.grad_clip = t.grad_clip if rayvl_clips(t) else None
 
-    def __call__(self, next_batch, step: int, window: Window) -> None:
+    def __call__(self, next_batch, step: int) -> None:
         """Optimizer step ``step``: ``next_batch(step, micro)`` → (batch on the device, seconds waited) for each
-        micro-batch, forward, backward and ``clip_and_step`` (whose optimizer step happens at the last)."""
+        micro-batch, forward, backward and ``clip_and_step`` (whose optimizer step happens at the last); what the
+        report needs, added to ``window``."""
+        window = self.window
         for micro in range(self.accumulation):
             batch, waited = next_batch(step, micro)
             self.rows.add(batch)
@@ -87,6 +92,7 @@ class Step:
             norm = clip_and_step(self.engine, self.grad_clip)
             window.add(loss.detach() / self.accumulation, waited, batch, self.world, grad_norm=norm)
         broadcast_buffers(self.engine.module)  # one set of BatchNorm statistics, as DDP keeps it
+        window.steps += 1
 
 
 def clip_and_step(engine, grad_clip: float | None) -> torch.Tensor | float | None:
@@ -109,7 +115,8 @@ def clip_and_step(engine, grad_clip: float | None) -> torch.Tensor | float | Non
 
 def rayvl_clips(t: TrainConfig) -> bool:
     """Whether rayvl clips the gradients itself (ZeRO-0 in fp32 or autocast: one foreach norm over the all-reduced
-    gradients, ``clip_and_step`` below) rather than DeepSpeed (ZeRO ≥ 1, and fp16, whose gradients are loss-scaled)."""
+    gradients, ``clip_and_step`` above) rather than DeepSpeed (ZeRO ≥ 1, and fp16, whose gradients are
+    loss-scaled: engine.deepspeed_config then gives it the max norm)."""
     return t.zero_stage == 0 and precision(t) != "fp16"
 
 
