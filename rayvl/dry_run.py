@@ -108,12 +108,12 @@ def _data_section(d, planned, policy: ReadPolicy, read: dict) -> tuple[list[str]
 
 
 def describe(cfg: RayvlConfig, given: frozenset[str] = frozenset()) -> str:
-    """The plan of one training run (``--dry-run``); raises ConfigError for what would fail. ``given``: the dotted
-    keys the command line set (no demo-budget warning for them)."""
+    """What one training run would do (``--dry-run``'s report); raises ConfigError for what would fail. ``given``:
+    the dotted keys the command line set (no demo-budget warning for them)."""
     from rayvl.train.run_plan import plan_run
 
     d, t = cfg.data, cfg.train
-    # the plan a run would make (each enabled method's data part on the demo's paths when no data is given), with
+    # the run plan a run would make (each enabled method's data part on the demo's paths when no data is given), with
     # nothing written: its checks, parts, pass size and paths are what the lines below print
     planned = plan_run(cfg, finished_ok=False, dry=True)
     if cfg.train.max_passes:  # the budget's steps, as the run resolves them
@@ -290,7 +290,7 @@ def check_data(spec: str, samples: int, policy: ReadPolicy = ReadPolicy()) -> st
 
 
 def describe_sweep(sweep) -> str:
-    """The plan of a sweep (``rayvl tune --dry-run``): its trials, and one trial's run plan."""
+    """What a sweep would do (``rayvl tune --dry-run``'s report): its trials, and one trial's run plan."""
     from rayvl.sweeps.spaces import trial_config
 
     grid = [len(v["grid"]) for v in sweep.space.values() if "grid" in v]

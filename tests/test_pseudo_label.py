@@ -271,7 +271,7 @@ def test_pseudo_label_job_writes_shards_that_train_reads_and_resumes_after_a_kil
     from dataclasses import asdict
 
     from rayvl.data.shard_io import ReadPolicy, ShardIOError
-    from rayvl.methods.bow.pseudo_label import INDEX_DIR, Labeler, Unit, finished, format_summary, plan_units, summarize
+    from rayvl.methods.bow.pseudo_label import INDEX_DIR, Labeler, Unit, finished, format_summary, units_of, summarize
 
     broken = Unit(7, "tar", [f"pipe:head -c 9000 {unaligned / '00001.tar'}; exit 3"])
     df = json.loads((out / INDEX_DIR / "aligned_word_stats.json").read_text())["df"]
@@ -283,7 +283,7 @@ def test_pseudo_label_job_writes_shards_that_train_reads_and_resumes_after_a_kil
     labeler.io = ReadPolicy(**fast, unreadable="skip")
     assert "exited with status 3" in labeler.label(broken)["unreadable_shard"]
     assert not (tmp_path / "again").exists() and not finished(tmp_path / "again", broken, cfg.pseudo_label.rules)
-    summary = summarize(out, cfg.pseudo_label.rules, [*plan_units(str(unaligned), 1000), broken], summary["index"],
+    summary = summarize(out, cfg.pseudo_label.rules, [*units_of(str(unaligned), 1000), broken], summary["index"],
                         0, 1.0)
     assert summary["not_labelled"] == broken.paths and "a rerun tries them again" in format_summary(summary)
 
@@ -539,7 +539,7 @@ def test_a_folder_of_image_files_is_labelled_in_shards_of_shard_size(demo_dir, t
     from rayvl.data.tar import iter_tar_samples
     from rayvl.eval import knn
     from rayvl.export import load
-    from rayvl.methods.bow.pseudo_label import Labeler, plan_units
+    from rayvl.methods.bow.pseudo_label import Labeler, units_of
 
     ckpt = untrained_checkpoint(demo_dir, tmp_path)
     with open(demo_dir / "train" / "00000.tar", "rb") as f:
@@ -551,7 +551,7 @@ def test_a_folder_of_image_files_is_labelled_in_shards_of_shard_size(demo_dir, t
         (photos / ("cats" if i < 2 else "dogs") / f"{i}.jpg").write_bytes(s["img"])
     (photos / "dogs" / "broken.JPG").write_bytes(b"not an image")
     (photos / "dogs" / "notes.txt").write_text("not an image file: ignored")
-    units = plan_units(str(photos), shard_size=2)
+    units = units_of(str(photos), shard_size=2)
     assert [(u.kind, [Path(p).name for p in u.paths]) for u in units] == [
         ("files", ["0.jpg", "1.jpg"]), ("files", ["2.jpg", "broken.JPG"])]
     captions = [s["txt"].decode() for s in samples]

@@ -374,12 +374,12 @@ def test_without_held_out_shards_a_run_trains_unevaluated_and_tonics_is_refused(
 
     cfg = small_config(demo_dir, tmp_path, "data.eval=")
     with caplog.at_level(logging.WARNING, logger="rayvl"):
-        off = datasets.evaluation_or_off(cfg, datasets.plan(cfg).eval)
+        off = datasets.evaluation_or_off(cfg, datasets.resolve(cfg).eval)
     assert cfg.eval.tasks and off.eval.tasks == [] and "training without evaluation" in caplog.text
     assert datasets.evaluation_or_off(cfg, str(demo_dir / "eval")) is cfg
     tonics = load_config(REPO / "configs" / "tonics.yaml", [f"data.train={demo_dir / 'train'}", "data.eval="])
     with pytest.raises(ConfigError, match="data.eval: the TOnICS curriculum refresh needs held-out shards"):
-        datasets.plan(tonics)
+        datasets.resolve(tonics)
 
 
 def test_cli_mistakes_name_the_way_out(demo_dir, tmp_path, capsys, monkeypatch):

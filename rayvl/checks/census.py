@@ -267,14 +267,14 @@ def rayvl_step(cfg, next_batch=None):
     from rayvl.train.resume import TrainedRows
     from rayvl.train.step import Step
     from rayvl.train.window import Window
-    from rayvl.train.worker import Worker, WorkerPlan
+    from rayvl.train.worker import Worker, WorkerSetup
 
     on_gpu = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, use_gpu=True))
     if deepspeed_config(on_gpu, 1) != deepspeed_config(cfg, 1):
         raise AssertionError("a one-GPU run would get another DeepSpeed config than the census measures")
     ensure_process_group()
     model = small_model(cfg)
-    parts = train_parts(Worker(WorkerPlan(cfg), cfg, 0, 1, torch.device("cpu"), None, None))
+    parts = train_parts(Worker(WorkerSetup(cfg), cfg, 0, 1, torch.device("cpu"), None, None))
     for part in parts:
         part.model_built(model)
     torch.nn.functional.linear = torch._C._nn.linear  # what this layout's build installs, from torch's own

@@ -150,7 +150,7 @@ def _tune_parser(sub) -> None:
     tu.add_argument("--report", default="", metavar="DIR", help="only print and write the report of a sweep "
                                                                  "directory (finished or interrupted)")
     tu.add_argument("--dry-run", action="store_true", help="check the space, the config and the data and print "
-                                                           "the plan, without starting Ray")
+                                                           "what it would do, without starting Ray")
 
 
 def main(argv: list[str] | None = None) -> int:

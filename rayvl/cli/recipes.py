@@ -63,7 +63,7 @@ def add_train_args(p: argparse.ArgumentParser, default_config: str | None) -> No
     p.add_argument("--verbose", action="store_true", help="show Ray's and the workers' own output")
     p.add_argument("--dry-run", action="store_true",
                    help="check the config and the data (shard counts, the first 32 samples of the first and last "
-                        "shard, pass size) and print the plan, without starting Ray or training")
+                        "shard, pass size) and print what the run would do, without starting Ray or training")
 
 
 def config_from_args(args, extra: list[str] = ()) -> RayvlConfig:

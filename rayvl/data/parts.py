@@ -56,7 +56,7 @@ class RunData:
     """What a method's data part is built for, once Ray is up."""
 
     cfg: Any
-    """the run's config (``rayvl.config.RayvlConfig``, as the data plan adjusted it)."""
+    """the run's config (``rayvl.config.RayvlConfig``, as the run plan resolved it)."""
     train: str
     """the training shards' spec (for messages)."""
     train_shards: tuple[str, ...]
@@ -81,7 +81,7 @@ class Contribution:
 
 class DataPart:
     """A method's part of a run's data on the driver: made from the config before Ray starts (its ``rows.py``'s
-    ``plan``; a problem is a ConfigError naming the key) and built once Ray is up (``build``)."""
+    ``data_part``; a problem is a ConfigError naming the key) and built once Ray is up (``build``)."""
 
     name: str = ""
     streams: dict[str, str] = {}

@@ -234,7 +234,7 @@ class Comparison:
         p.add_argument("--report", default="", metavar="DIR", help="only print and write the report of a "
                                                                     "comparison directory (finished or interrupted)")
         p.add_argument("--dry-run", action="store_true", help="check the grid, the config and the data and print "
-                                                               "the plan, without starting Ray")
+                                                               "what it would do, without starting Ray")
         self.add_arguments(p)
         return p
 

@@ -84,7 +84,7 @@ def _metric_report(metric: str):
     class MetricReport(TuneReportCallback):
         def after_report(self, run_context, metrics, checkpoint):
             if metrics and metric in metrics[0]:
-                end = run_context.train_loop_config["plan"].config.train.end_step
+                end = run_context.train_loop_config["setup"].config.train.end_step
                 metrics = [{**metrics[0], LAST_STEP: end}, *metrics[1:]]
                 super().after_report(run_context, metrics, checkpoint)
 

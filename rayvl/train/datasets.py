@@ -1,4 +1,4 @@
-"""A run's data, in two steps: ``plan`` before Ray starts (demo data, files, the checks a typo fails, each enabled
+"""A run's data, in two steps: ``resolve`` before Ray starts (demo data, files, the checks a typo fails, each enabled
 method's data part — rayvl.plugins.data_parts) and ``build`` once Ray is up (the methods' corpus passes and the Ray
 Datasets the run trains and evaluates on). Methods enter only through their data parts: this module names none."""
 from __future__ import annotations
@@ -28,7 +28,7 @@ EVAL_FILES = {"classes_file": "classes", "paraphrases_file": "paraphrases", "sts
 
 
 @dataclass(frozen=True)
-class DataPlan:
+class ResolvedData:
     """What a run reads, resolved before Ray starts."""
 
     cfg: RayvlConfig
@@ -73,7 +73,7 @@ class Built:
     """what each method's training part needs on the workers, by method name."""
 
 
-def plan(cfg: RayvlConfig, make_demo: bool = True) -> DataPlan:
+def resolve(cfg: RayvlConfig, make_demo: bool = True) -> ResolvedData:
     """Everything about a run's data that can be wrong, found before Ray starts (ConfigError naming the key).
     ``make_demo=False`` (the dry run): with no data given, the demo dataset is not written — its shards are neither
     checked nor listed, its methods' parts planned on its paths."""
@@ -84,7 +84,7 @@ def plan(cfg: RayvlConfig, make_demo: bool = True) -> DataPlan:
     cfg = with_classes(evaluation_or_off(cfg, evalset), parts)
     listed = {key: tuple(check.paths) for key, check in checks.items()}
     mix = training_mix(cfg, checks["data.train"]) if "data.train" in checks else None
-    return DataPlan(cfg, train, evalset, files, parts, listed.get("data.train", ()), listed.get("data.eval", ()),
+    return ResolvedData(cfg, train, evalset, files, parts, listed.get("data.train", ()), listed.get("data.eval", ()),
                     checks, mix)
 
 
@@ -124,16 +124,16 @@ def mix_of(cfg: RayvlConfig, sizes) -> Mix:
     return mix
 
 
-def build(plan: DataPlan, run_dir: str, report_name: str, passes: int) -> Built:
+def build(data: ResolvedData, run_dir: str, report_name: str, passes: int) -> Built:
     """The run's Ray Datasets — ``passes`` passes over the training shards (rayvl.train.run_plan) — and the methods'
     worker inputs; the methods' corpus passes (Ray Data) run here, their artifacts under ``run_dir``, over the shards
-    the plan listed. The data reports ``plan.reports(report_name)`` names must exist."""
-    cfg = plan.cfg
-    run = RunData(cfg, plan.train, plan.train_shards, run_dir, plan.reports(report_name))
-    made = {part.name: part.build(run) for part in plan.parts}
+    ``resolve`` listed. The data reports ``data.reports(report_name)`` names must exist."""
+    cfg = data.cfg
+    run = RunData(cfg, data.train, data.train_shards, run_dir, data.reports(report_name))
+    made = {part.name: part.build(run) for part in data.parts}
     transforms = tuple(c.transform for c in made.values() if c.transform is not None)
-    sets = shard_datasets(cfg, plan.train_shards, plan.eval_shards, report_name, transforms, passes,
-                          plan.train_mix)
+    sets = shard_datasets(cfg, data.train_shards, data.eval_shards, report_name, transforms, passes,
+                          data.train_mix)
     for contribution in made.values():
         sets.update(contribution.datasets)
     return Built(sets, {name: c.worker for name, c in made.items() if c.worker})
@@ -187,28 +187,28 @@ def resolve_data(cfg: RayvlConfig, make_demo: bool = True) -> tuple[str, str, di
     return train, evalset, {k: str(Path(v).expanduser()) if v else "" for k, v in files.items()}
 
 
-def rows_needed(plan: DataPlan) -> int:
+def rows_needed(data: ResolvedData) -> int:
     """Rows of the training shards the run trains on: each micro-batch takes from them what the methods' own
     streams do not fill."""
-    cfg = plan.cfg
+    cfg = data.cfg
     t = cfg.train
-    rows = t.micro_batch_size - sum(part.batch_rows(cfg) for part in plan.parts)
+    rows = t.micro_batch_size - sum(part.batch_rows(cfg) for part in data.parts)
     return t.max_steps * t.grad_accumulation * t.num_workers * rows
 
 
-def read_ahead_bytes(plan: DataPlan) -> int:
+def read_ahead_bytes(data: ResolvedData) -> int:
     """The training stream's object-store budget: the bytes of the rows the run trains on, plus 5% for dropped
     samples and a transform batch per worker. Ray Data decodes ahead until its budget is full — by default a share of
     the cluster's object store, which on small images holds many passes — so a short run stops decoding near what it
     trains on; a long run's rows exceed Ray's default, and the smaller of the two applies (resource_limits)."""
-    cfg = plan.cfg
-    rows = rows_needed(plan) * 21 // 20 + cfg.train.num_workers * cfg.data.transform_batch_size
+    cfg = data.cfg
+    rows = rows_needed(data) * 21 // 20 + cfg.train.num_workers * cfg.data.transform_batch_size
     return rows * shards.row_bytes(Rows.of(cfg, True))
 
 
-def train_passes(plan: DataPlan, samples_per_pass: int | None, shard_count: int) -> int:
+def train_passes(data: ResolvedData, samples_per_pass: int | None, shard_count: int) -> int:
     """Passes over the training shards one Ray Data execution lists (shards.passes_needed)."""
-    return shards.passes_needed(rows_needed(plan), samples_per_pass, shard_count)
+    return shards.passes_needed(rows_needed(data), samples_per_pass, shard_count)
 
 
 def shard_datasets(cfg: RayvlConfig, train: str | Sequence[str], evalset: str | Sequence[str], report_name: str,

@@ -30,21 +30,21 @@ from rayvl.train.worker import Worker
 
 
 def train_loop_per_worker(config: dict) -> None:
-    entered, plan = time.time(), config["plan"]
-    cfg, ctx = plan.config, ray.train.get_context()
+    entered, setup = time.time(), config["setup"]
+    cfg, ctx = setup.config, ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     startup_profile = StartupProfile.from_env(rank)  # where the start's time goes, by function (RAYVL_PROFILE_STARTUP)
     device = _device(cfg)
     # the data position first (read tasks plan from it); the held-out set, then the batch source, beside the engine
-    data_resume = DataResume(plan, rank, world)
+    data_resume = DataResume(setup, rank, world)
     saved, begin = data_resume.restore()
-    startup = Startup.on_worker(plan.startup, entered, resumed=saved is not None)
-    evaluation = Evaluation(cfg, plan.eval_files, plan.tokenizer_path, rank, world)
-    parts = train_parts(Worker(plan, cfg, rank, world, device, begin, evaluation))
+    startup = Startup.on_worker(setup.startup, entered, resumed=saved is not None)
+    evaluation = Evaluation(cfg, setup.eval_files, setup.tokenizer_path, rank, world)
+    parts = train_parts(Worker(setup, cfg, rank, world, device, begin, evaluation))
     data = _in_thread(_data_sources, parts, cfg, rank, begin, device, evaluation)
     startup.mark("setup")
-    _register_placement_group(plan.placement_registry if rank == 0 else "", cfg.train.run_name)  # before any wait
-    engine, speed = _engine(cfg, world, plan.init_from if saved is None else "", device, parts, startup)
+    _register_placement_group(setup.placement_registry if rank == 0 else "", cfg.train.run_name)  # before any wait
+    engine, speed = _engine(cfg, world, setup.init_from if saved is None else "", device, parts, startup)
     next_batch = data.result()  # raises what the thread raised; the parts' sources (and their state) exist now
     state = _train_state(parts, data_resume)
     if resume.restore(engine, state, saved):
@@ -74,7 +74,7 @@ def train_loop_per_worker(config: dict) -> None:
         do_eval, do_ckpt = evaluation.due(step, last), last or step % t.checkpoint_every == 0
         if not (do_eval or do_ckpt or any(noted) or step % t.log_every == 0):
             continue
-        metrics = window.metrics(step, engine, plan.report_name or None)
+        metrics = window.metrics(step, engine, setup.report_name or None)
         for part in parts:
             metrics.update(part.metrics(engine.device))
         if do_eval:

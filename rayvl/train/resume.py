@@ -28,7 +28,7 @@ from rayvl.data.report import report_actor
 from rayvl.train.faults import fail_here
 from rayvl.train.state import TrainState
 from rayvl.train.batches import ROW
-from rayvl.train.worker import WorkerPlan
+from rayvl.train.worker import WorkerSetup
 
 
 def consolidated_state_dict(engine) -> dict | None:
@@ -127,9 +127,9 @@ class TrainedRows:
 class DataResume:
     """The data position of one worker and what it exchanges with the run's data report."""
 
-    def __init__(self, plan: WorkerPlan, rank: int, world: int):
-        self.plan, self.rank, self.world = plan, rank, world
-        self.position = DataPosition(plan.train_shards, plan.train_mix)
+    def __init__(self, setup: WorkerSetup, rank: int, world: int):
+        self.setup, self.rank, self.world = setup, rank, world
+        self.position = DataPosition(setup.train_shards, setup.train_mix)
         self.rows = TrainedRows()
 
     def restore(self):
@@ -144,12 +144,12 @@ class DataResume:
         restored = saved.get("data_position") if saved is not None else None
         if restored is not None:
             self.position.load_state_dict(restored)
-        if not self.plan.report_name:
+        if not self.setup.report_name:
             return saved, None
-        actor, token = report_actor(self.plan.report_name), uuid.uuid4().hex
+        actor, token = report_actor(self.setup.report_name), uuid.uuid4().hex
         if self.rank == 0:  # a new token per worker group: what the lost group's reads counted is dropped
             ray.get(actor.restore.remote(token, restored, self.position.n_shards, self.position.mix))
-            for report in self.plan.stream_reports.values():  # no position: read again from the start, from 0
+            for report in self.setup.stream_reports.values():  # no position: read again from the start, from 0
                 ray.get(report_actor(report).restore.remote(token, None, 0))
         if dist.is_initialized():
             dist.barrier()
@@ -170,8 +170,8 @@ class DataResume:
         if dist.is_initialized():
             parts = [None] * self.world if self.rank == 0 else None
             dist.gather_object(mine, parts, dst=0)
-        if self.rank == 0 and self.plan.report_name:
-            actor = report_actor(self.plan.report_name)
+        if self.rank == 0 and self.setup.report_name:
+            actor = report_actor(self.setup.report_name)
             self.position.merge(*parts)
             done = self.position.settle(ray.get(actor.unit_rows.remote(list(self.position.partial))))
             self.position.report, self.position.execution = ray.get(

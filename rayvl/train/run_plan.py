@@ -1,4 +1,4 @@
-"""A run's plan, made once before Ray starts: what it reads (its data plan — each shard spec listed once, the
+"""A run's plan, made once before Ray starts: what it reads (its resolved data — each shard spec listed once, the
 methods' data parts), how much (samples a pass, the passes one Ray Data execution lists, the read-ahead budget),
 where it goes (storage, run name, the checkpoint a resume continues) and what it starts from (train.init_from).
 ``--dry-run`` prints it (rayvl.dry_run); the trainer executes it without resolving any of it again."""
@@ -15,14 +15,14 @@ from rayvl.config import ConfigError, RayvlConfig, validate
 from rayvl.data import shards
 from rayvl.data.demo import DEMO_SHARD_SIZE
 from rayvl.train import datasets
-from rayvl.train.datasets import DataPlan
+from rayvl.train.datasets import ResolvedData
 from rayvl.train.layout import Layout, resolve
 from rayvl.train.run_dir import refuse_finished, run_paths
 
 
 @dataclass(frozen=True)
 class RunPlan:
-    data: DataPlan
+    data: ResolvedData
     storage: str
     """train.storage_path, normalised."""
     name: str
@@ -45,7 +45,7 @@ class RunPlan:
 
     @property
     def cfg(self) -> RayvlConfig:
-        """the run's config, as its data adjusts it (rayvl.train.datasets.plan)."""
+        """the run's config, as its data adjusts it (rayvl.train.datasets.resolve)."""
         return self.data.cfg
 
     @property
@@ -58,7 +58,7 @@ def plan_run(cfg: RayvlConfig, finished_ok: bool = True, dry: bool = False) -> R
     ``finished_ok=False``: a resume of a run that reached train.max_steps is refused (a user's ``--resume``; a sweep's
     restored trial may resume its own finished run). ``dry``: as the dry run sees it — the demo dataset is not
     written, so its shards are not listed and its pass holds data.demo_samples."""
-    data = datasets.plan(cfg, make_demo=not dry)
+    data = datasets.resolve(cfg, make_demo=not dry)
     if data.train_shards:
         pass_size, how = shards.samples_per_pass(cfg.data.samples_per_pass, list(data.train_shards), data.train_mix)
     else:  # the dry run of the demo: one source of its shards, as the run will write them

@@ -24,7 +24,7 @@ from rayvl.train.run_dir import RunResult, continue_records, failed, finish, log
 from rayvl.train.run_log import RunLog
 from rayvl.train.run_plan import plan_run
 from rayvl.train.startup import Startup
-from rayvl.train.worker import WorkerPlan
+from rayvl.train.worker import WorkerSetup
 
 
 def _say_what_runs(cfg: RayvlConfig, layout) -> None:
@@ -88,12 +88,12 @@ def _run(cfg: RayvlConfig, planned, startup: Startup, reports: dict[str, str], c
     run_log = RunLog(str(logs), run_record(cfg, run_dir, name), cfg.train.report_to,
                      mlflow_uri(cfg, logs) if "mlflow" in cfg.train.report_to else "", cfg.train.sync_every_s)
     streams = {stream: name for stream, name in reports.items() if stream not in ("train", "eval")}
-    plan = WorkerPlan(cfg, report_name=report_name, stream_reports=streams,
-                      tokenizer_path=str(assets.text_model_path(cfg.model.text)), train_shards=data.train_slots,
-                      train_mix=data.train_mix.signature, init_from=planned.init_from, eval_files=data.files,
-                      placement_registry=placement_registry, method_inputs=built.worker_inputs, startup=startup)
-    startup.mark("fit")  # before the trainer, which may serialize its plan
-    trainer = _trainer(cfg, storage, name, sets, [run_log, *callbacks], plan, planned.read_ahead_bytes)
+    setup = WorkerSetup(cfg, report_name=report_name, stream_reports=streams,
+                        tokenizer_path=str(assets.text_model_path(cfg.model.text)), train_shards=data.train_slots,
+                        train_mix=data.train_mix.signature, init_from=planned.init_from, eval_files=data.files,
+                        placement_registry=placement_registry, method_inputs=built.worker_inputs, startup=startup)
+    startup.mark("fit")  # before the trainer, which may serialize its setup
+    trainer = _trainer(cfg, storage, name, sets, [run_log, *callbacks], setup, planned.read_ahead_bytes)
     try:
         with _sigint_restored(), session.report_polls():
             result = _fit(trainer, logs, cfg) if progress else trainer.fit()
@@ -148,11 +148,11 @@ def _fit(trainer: TorchTrainer, logs, cfg: RayvlConfig):
 
 
 def _trainer(cfg: RayvlConfig, storage: str, name: str, sets: dict, callbacks: list,
-             plan: WorkerPlan, read_ahead_bytes: int | None = None) -> TorchTrainer:
+             setup: WorkerSetup, read_ahead_bytes: int | None = None) -> TorchTrainer:
     t = cfg.train
     fs, inner = store.filesystem(storage, patient=True)  # Ray Train's checkpoints: a blip is waited out
     return TorchTrainer(
-        train_loop_per_worker, train_loop_config={"plan": plan},
+        train_loop_per_worker, train_loop_config={"setup": setup},
         scaling_config=ScalingConfig(
             num_workers=t.num_workers, use_gpu=t.use_gpu, placement_strategy=t.placement_strategy,
             resources_per_worker={"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {})}),

@@ -1,4 +1,4 @@
-"""What every training worker gets from the driver (``WorkerPlan``, frozen, typed) and what it knows of itself once
+"""What every training worker gets from the driver (``WorkerSetup``, frozen, typed) and what it knows of itself once
 started (``Worker``): the two things a method's training part is built from."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from rayvl.train.startup import Startup
 
 
 @dataclass(frozen=True)
-class WorkerPlan:
-    """The driver's plan for a run's workers, beside the Ray Datasets it hands them.
+class WorkerSetup:
+    """What the driver hands a run's workers beside the Ray Datasets (their setup).
 
     ``config``: the validated config tree, typed (the driver checked it before Ray started); ``report_name``:
     the run's training data report (rayvl.data.report), ``stream_reports`` those of the streams the methods' data
@@ -41,10 +41,10 @@ class WorkerPlan:
 
 @dataclass
 class Worker:
-    """One training worker of a run: its plan, config, place in the group and device, ``begin`` (the callback that
+    """One training worker of a run: its setup, config, place in the group and device, ``begin`` (the callback that
     numbers the passes of a further Ray Data execution, rayvl.train.resume) and the held-out evaluation."""
 
-    plan: WorkerPlan
+    setup: WorkerSetup
     cfg: RayvlConfig
     rank: int
     world: int
@@ -53,5 +53,5 @@ class Worker:
     evaluation: object  # rayvl.train.evaluation.Evaluation
 
     def inputs(self, method: str) -> dict:
-        """What the driver resolved for ``method`` (WorkerPlan.method_inputs)."""
-        return self.plan.method_inputs.get(method, {})
+        """What the driver resolved for ``method`` (WorkerSetup.method_inputs)."""
+        return self.setup.method_inputs.get(method, {})

@@ -53,7 +53,7 @@ def _pseudo_label_parser(sub) -> None:
     ps.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="any config field, e.g. --set pseudo_label.crops=10 --set pseudo_label.k=5")
     ps.add_argument("--verbose", action="store_true", help="show Ray's and the actors' own output")
-    ps.add_argument("--dry-run", action="store_true", help="check the inputs and print the plan, without "
+    ps.add_argument("--dry-run", action="store_true", help="check the inputs and print what the job would do, without "
                                                            "starting Ray")
     ps.set_defaults(method_command=pseudo_label_main)
 
@@ -117,7 +117,7 @@ def labellers_line(cfg: RayvlConfig) -> str:
 
 
 def describe_pseudo_label(cfg: RayvlConfig) -> str:
-    """The plan of a labelling job (``rayvl pseudo-label --dry-run``)."""
+    """What a labelling job would do (``rayvl pseudo-label --dry-run``'s report)."""
     from rayvl.data.specs import check
     from rayvl.methods.bow import pseudo_label
 

@@ -94,7 +94,7 @@ class Unit:
     paths: list[str]
 
 
-def plan_units(spec: str, shard_size: int) -> list[Unit]:
+def units_of(spec: str, shard_size: int) -> list[Unit]:
     local = os.path.expanduser(spec)
     if os.path.isdir(local) and not glob.glob(os.path.join(local, "*.tar")):
         files = sorted(str(p) for p in Path(local).rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS)
@@ -115,7 +115,7 @@ def check(cfg: RayvlConfig) -> tuple[str, list[Unit]]:
     except FileNotFoundError as e:
         raise ConfigError(f"pseudo_label.checkpoint: {e}") from None
     specs.checked("pseudo_label.aligned", x.aligned)
-    return ckpt, plan_units(x.unaligned, x.shard_size)
+    return ckpt, units_of(x.unaligned, x.shard_size)
 
 
 def fingerprints(x: PseudoLabelConfig, ckpt: str, units: list[Unit]) -> tuple[dict, dict]:
