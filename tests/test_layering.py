@@ -32,7 +32,7 @@ HEAVY = ("rayvl.models", "rayvl.train", "rayvl.losses", "rayvl.eval")
 METHOD_WORDS = ("bow", "tonics", "unicl", "image_label", "ontology", "pseudo", "memory_bank")
 # the core that runs every method and names none of them: every module of these packages, and these modules — a
 # docstring may cite a paper (the style asks for it), the code may not name a method, its settings or its data
-METHOD_FREE_PACKAGES = ("rayvl.data", "rayvl.train", "rayvl.eval")
+METHOD_FREE_PACKAGES = ("rayvl.data", "rayvl.train", "rayvl.eval", "rayvl.sweeps")
 METHOD_FREE_MODULES = ("rayvl.config", "rayvl.plugins", "rayvl.session", "rayvl.losses", "rayvl.export",
                        "rayvl.annotated", "rayvl.plots", "rayvl.checkpoints", "rayvl.storage", "rayvl.dry_run",
                        "rayvl.cli", "rayvl.cli.recipes")
@@ -219,12 +219,19 @@ def test_every_module_name_string_resolves():
     for where in sorted(named):
         module, name = where.split(":")
         assert callable(getattr(importlib.import_module(module), name, None)), where
-    # the modules a resumed sweep's trials may still name by their old place (rayvl.sweeps.trials.MOVED)
-    from rayvl.sweeps.trials import MOVED
+    # the after-run hooks a resumed sweep's trials may still name by their place in the core before a method took
+    # them (rayvl.sweeps.trials.moved): each old name finds the method's module
+    from rayvl.sweeps.trials import hook, moved
 
-    for old, new in MOVED.items():
-        importlib.import_module(new)
-        assert importlib.util.find_spec(old) is None, old  # moved: the old name must not shadow the new one
+    for old, new in (("rayvl.eval.pseudo_captions", "rayvl.methods.bow.pseudo_captions"),
+                     ("rayvl.eval.contextual", "rayvl.methods.tonics.contextual"),
+                     ("rayvl.eval.class_split", "rayvl.methods.unicl.class_split")):
+        assert importlib.util.find_spec(old) is None and moved(old) == new, old
+        name = next(n for n, v in vars(importlib.import_module(new)).items()
+                    if callable(v) and not n.startswith("_") and getattr(v, "__module__", "") == new)
+        assert hook(f"{old}:{name}") is hook(f"{new}:{name}"), old
+    with pytest.raises(ModuleNotFoundError):
+        hook("rayvl.nowhere.module:f")
     # a method's data-report module, named as a module: its statistics and its lines (rayvl.data.report)
     reports = [m.report for m in plugins.methods() if m.report]
     assert reports, [m.name for m in plugins.methods()]

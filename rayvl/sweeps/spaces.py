@@ -98,7 +98,7 @@ def _variants(path: str, raw: dict) -> dict[str, list[str]]:
     variants = raw.get("variants") or {}
     if not isinstance(variants, dict) or not all(isinstance(v, dict) or v is None for v in variants.values()):
         raise SweepError(f"{path}: variants: a mapping of names to config overrides, e.g. "
-                         f"{{tonics: {{tonics.enabled: true}}, random: {{tonics.enabled: false}}}}")
+                         f"{{warm: {{train.warmup_steps: 500}}, cold: {{train.warmup_steps: 0}}}}")
     return {str(name): [f"{k}={as_yaml(v)}" for k, v in (overrides or {}).items()]
             for name, overrides in variants.items()}
 

@@ -43,19 +43,36 @@ def trial(config: dict) -> None:
     write_final_metrics(result, variant, config["set"], after)
 
 
-# modules that moved, as a trial's config may still name them: Tune restores a resumed sweep's trials with the
-# configs they started with
-MOVED = {"rayvl.eval.pseudo_captions": "rayvl.methods.bow.pseudo_captions",
-         "rayvl.eval.contextual": "rayvl.methods.tonics.contextual",
-         "rayvl.eval.class_split": "rayvl.methods.unicl.class_split"}
-
-
 def hook(spec: str):
-    """The function a "module:function" name names."""
+    """The function a "module:function" name names — in a module the core once held and a method holds now
+    (``moved``) if the name is no longer there."""
     import importlib
 
     module, function = spec.split(":")
-    return getattr(importlib.import_module(MOVED.get(module, module)), function)
+    return getattr(importlib.import_module(module if _exists(module) else moved(module)), function)
+
+
+def _exists(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its package is gone too
+        return False
+
+
+def moved(module: str) -> str:
+    """Where a module of the core went when a method took it (``rayvl.eval.<name>`` →
+    ``rayvl.methods.<method>.<name>``): a trial's config may still name the old place, as Tune restores a resumed
+    sweep's trials with the configs they started with."""
+    from rayvl import plugins
+
+    name = module.rsplit(".", 1)[-1]
+    for method in plugins.methods():
+        candidate = f"{plugins.PACKAGE}.{method.name}.{name}"
+        if _exists(candidate):
+            return candidate
+    return module  # importing it says what is missing
 
 
 def write_final_metrics(result, variant: str, values: dict, after: After = After()) -> dict:
