@@ -232,6 +232,8 @@ def test_every_module_name_string_resolves():
         assert hook(f"{old}:{name}") is hook(f"{new}:{name}"), old
     with pytest.raises(ModuleNotFoundError):
         hook("rayvl.nowhere.module:f")
+    # only a module of the old core, and only where one method holds its name
+    assert moved("rayvl.eval.rows") == "rayvl.eval.rows" and moved("mine.contextual") == "mine.contextual"
     # a method's data-report module, named as a module: its statistics and its lines (rayvl.data.report)
     reports = [m.report for m in plugins.methods() if m.report]
     assert reports, [m.name for m in plugins.methods()]

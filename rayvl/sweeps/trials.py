@@ -61,18 +61,20 @@ def _exists(module: str) -> bool:
         return False
 
 
+CORE_BEFORE = "rayvl.eval."  # where the modules the methods took (pseudo captions, contexts, class splits) were
+
+
 def moved(module: str) -> str:
     """Where a module of the core went when a method took it (``rayvl.eval.<name>`` →
     ``rayvl.methods.<method>.<name>``): a trial's config may still name the old place, as Tune restores a resumed
     sweep's trials with the configs they started with."""
     from rayvl import plugins
 
-    name = module.rsplit(".", 1)[-1]
-    for method in plugins.methods():
-        candidate = f"{plugins.PACKAGE}.{method.name}.{name}"
-        if _exists(candidate):
-            return candidate
-    return module  # importing it says what is missing
+    if not module.startswith(CORE_BEFORE):  # another module that is not there: importing it says so
+        return module
+    name = module[len(CORE_BEFORE):]
+    found = [c for c in (f"{plugins.PACKAGE}.{m.name}.{name}" for m in plugins.methods()) if _exists(c)]
+    return found[0] if len(found) == 1 else module  # a name several methods use was never the core's
 
 
 def write_final_metrics(result, variant: str, values: dict, after: After = After()) -> dict:
