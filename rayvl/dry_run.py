@@ -1,8 +1,7 @@
 """What a run or a sweep would do, found out without doing it (``--dry-run``; a labelling job's: the [BoW]
-method's commands), and what a shard
-spec holds (``rayvl data check``): the config validated, every data spec resolved and checked as far as is cheap,
-the first sample of the first and the last shard read, the batch arithmetic, the storage and the resources the
-cluster is asked for. No Ray is started."""
+method's commands), and what a shard spec holds (``rayvl data check``): the config validated, every data spec
+resolved and checked as far as is cheap, the first sample of the first and the last shard read, the batch
+arithmetic, the storage and the resources the cluster is asked for. No Ray is started."""
 from __future__ import annotations
 
 import dataclasses

@@ -41,8 +41,6 @@ def to_device(tensor, device):
     """A CPU ``tensor`` on ``device``: to a GPU from pinned memory, without blocking — a copy from pageable memory
     waits for the GPU's stream, which would make the labeller wait on the GPU once a chunk (and an embedding loop
     once a batch): the pseudo-labeller's crops (rayvl.methods.bow.roi_crops) and the embedding loops' batches."""
-    import torch
-
     if torch.device(device).type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)

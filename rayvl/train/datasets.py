@@ -91,7 +91,7 @@ def resolve(cfg: RayvlConfig, make_demo: bool = True) -> ResolvedData:
 def with_classes(cfg: RayvlConfig, parts) -> RayvlConfig:
     """A class-embedding text tower's ``model.num_classes``: the classes the methods' data gives
     (DataPart.classes), set here on the driver before the config reaches the workers; other models as they are."""
-    given = {part.name: part.classes() for part in parts if part.classes()}
+    given = {part.name: n for part in parts if (n := part.classes())}
     if cfg.model.text_tower != "class_embedding" or not given:
         return cfg
     if len(set(given.values())) > 1:
