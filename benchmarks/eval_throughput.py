@@ -94,15 +94,15 @@ def tiny_text_tower(out: Path) -> Path:
     return out
 
 
-def tiny_config(text_dir: Path):
+def tiny_config(text_dir: Path, image_size: int = IMAGE_SIZE):
     from rayvl.config import load_config
 
     return load_config(REPO / "configs" / "laion_adapt.yaml", [
         f"model.vision={VISION}", f"model.text={text_dir}", "model.alignment_layers=1",
-        f"model.embed_dim={EMBED_DIM}", f"data.image_size={IMAGE_SIZE}", f"data.max_text_tokens={TOKENS}"])
+        f"model.embed_dim={EMBED_DIM}", f"data.image_size={image_size}", f"data.max_text_tokens={TOKENS}"])
 
 
-def tiny_checkpoint(out: Path, seed: int = 0) -> Path:
+def tiny_checkpoint(out: Path, seed: int = 0, image_size: int = IMAGE_SIZE) -> Path:
     """``out/run/checkpoint_000000``: an untrained tiny model's consolidated weights and config, the layout a final
     checkpoint has (tests/conftest.py's ``untrained_checkpoint``)."""
     import torch
@@ -110,7 +110,7 @@ def tiny_checkpoint(out: Path, seed: int = 0) -> Path:
     from rayvl.checkpoints import META_FILE, MODEL_FILE
     from rayvl.models.dual_encoder import build_model
 
-    cfg = tiny_config(tiny_text_tower(out / "text"))
+    cfg = tiny_config(tiny_text_tower(out / "text"), image_size)
     ckpt = out / "run" / "checkpoint_000000"
     ckpt.mkdir(parents=True)
     torch.save(build_model(cfg.model, seed=seed).state_dict(), ckpt / MODEL_FILE)

@@ -74,3 +74,44 @@ def test_the_plain_loop_scores_as_rayvl_eval(ray_local, demo_dir, tmp_path, capl
     written = [json.loads((tmp_path / side / "eval.json").read_text()) for side in ("local", "rayvl")]
     assert written[0]["retrieval"] == written[1]["retrieval"] and written[0]["data"] == written[1]["data"]
     assert written[0]["data"]["samples_kept"] == 64
+
+
+# a Ray of its own with an object store smaller than the held-out set (decoded), `rayvl eval`'s actor pool on it:
+# argv = checkpoint, shards, out; prints eval.json's counts and the store's spilled bytes as JSON
+SMALL_STORE = r"""
+import json, sys
+import ray
+ray.init(num_cpus=2, object_store_memory=80 << 20, include_dashboard=False)
+from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+from rayvl.eval.runner import Sources, run_eval
+out = run_eval(sys.argv[1], ["retrieval"], Sources(sys.argv[2], "shards"), out=sys.argv[3], actors=1,
+               cpus_per_actor=0.5, batch_size=16)
+stats = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address)).store_stats
+print(json.dumps({"images": out["embedding"]["images"], "retrieval_images": out["retrieval"]["retrieval_images"],
+                  "kept": out["data"]["samples_kept"], "spilled_bytes": stats.spilled_bytes_total}))
+"""
+
+
+@pytest.mark.ray
+def test_a_held_out_set_larger_than_the_object_store_streams_through_it(demo_dir, tmp_path):
+    """700 held-out images at 224 px are ~105 MB decoded; a Ray of 80 MiB of object store evaluates them all with
+    nothing spilled: the driver holds a bounded share of the blocks in flight and Ray Data, told so, holds its
+    reading (rayvl.eval.embed.BlockStream). Before, Ray Data read the whole set while the one actor started (it
+    then spilled 68 MB of it; ``iter_internal_ref_bundles`` names no consumer, so Ray Data's liveness
+    rule reads on past its budget)."""
+    import subprocess
+    import sys
+
+    from rayvl.checks.gpu import copied_shards
+
+    bench = benchmark_module()
+    checkpoint = bench.tiny_checkpoint(tmp_path, image_size=224)
+    shards = copied_shards(sorted(str(p) for p in (demo_dir / "eval").glob("*.tar")), 700, tmp_path / "shards",
+                           shard_size=350)
+    run = subprocess.run([sys.executable, "-c", SMALL_STORE, str(checkpoint), shards, str(tmp_path / "out")],
+                         env=bench.child_env(), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    said = json.loads(run.stdout.strip().splitlines()[-1])
+    assert said["images"] == said["retrieval_images"] == said["kept"] == 700
+    assert len(set(json.loads((tmp_path / "out" / "keys.json").read_text()))) == 700
+    assert said["spilled_bytes"] == 0

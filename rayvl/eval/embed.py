@@ -257,6 +257,45 @@ def pool_options(actors: int, cpus_per_actor: float, gpus_per_actor: float = 0.0
 
 TEXT_BATCH = 4  # texts embed in batches this many times an image batch: a text costs a fraction of an image
 IN_FLIGHT_BYTES = 512 << 20  # decoded images read ahead of the actors: what an eval holds, however large its set
+STORE_SHARE_IN_FLIGHT = 4  # ... and at most this fraction of the object store: Ray Data reads within the rest
+
+
+def in_flight_bytes() -> int:
+    """The bytes of blocks the driver keeps sent to the actors and not yet embedded: ``IN_FLIGHT_BYTES``, or a
+    quarter of the cluster's object store where that is less (Ray Data's own budget is half of it)."""
+    store = ray.cluster_resources().get("object_store_memory", 0)
+    return int(min(IN_FLIGHT_BYTES, store / STORE_SHARE_IN_FLIGHT)) if store else IN_FLIGHT_BYTES
+
+
+class BlockStream:
+    """The blocks of a Ray Dataset as (reference, bytes), read as they are iterated, with Ray Data told what the
+    caller still holds (``hold`` / ``release``). Ray Data's ``iter_internal_ref_bundles`` names no consumer, and
+    Ray Data then reads a pipeline's last operator on whatever its budget says, as it does for a write: the whole
+    set went through the object store, and spilled, while the actors started. ``iter_batches`` and
+    ``streaming_split`` tell the executor the bytes their consumer holds; this does the same for the references a
+    driver hands to its actors (Ray 2.60: ``StreamingExecutor.set_external_consumer_bytes``)."""
+
+    def __init__(self, ds: ray.data.Dataset):
+        self.bundles, _, self.executor = ds._execute_to_iterator(capture_executor=False)
+        self.held = 0
+        self._tell()
+
+    def __iter__(self):
+        for bundle in self.bundles:
+            for block in bundle.blocks:
+                yield block.ref, block.metadata.size_bytes or 0
+
+    def hold(self, size: int) -> None:
+        self.held += size
+        self._tell()
+
+    def release(self, size: int) -> None:
+        self.held -= size
+        self._tell()
+
+    def _tell(self) -> None:
+        if self.executor is not None:  # None: a materialised set, read already
+            self.executor.set_external_consumer_bytes(max(0, self.held))
 
 
 def in_order(parts: list[dict]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -294,24 +333,21 @@ class ActorEmbedder:
         """Embeddings of every row of ``images``, ordered by its ``index`` column (0..N-1) or else by ``key``;
         the rows' other columns, in the same order, in ``rows``. The driver hands the blocks' references (never
         their data) to the actors in turn as Ray Data makes them — the reading starts at once, beside the actors'
-        start — and keeps at most ``IN_FLIGHT_BYTES`` of decoded images in flight: past that it waits for an
-        actor, and Ray Data's backpressure holds the reading."""
-        pending, parts, sent, in_flight = [], [], 0, self.in_flight_blocks(images)
-        for bundle in images.iter_internal_ref_bundles():
-            for ref in bundle.block_refs:
-                if len(pending) >= in_flight:
-                    done, pending = ray.wait(pending, num_returns=1)
-                    parts += ray.get(done)
-                pending.append(self.actors[sent % len(self.actors)].images.remote(ref))
-                sent += 1
-        embeddings, self.rows = in_order(parts + ray.get(pending))
+        start — and holds at most ``in_flight_bytes`` of blocks sent and not yet embedded (one block an actor at
+        least): past that it waits for an actor, and Ray Data, told what it holds (``BlockStream``), holds the
+        reading within its own budget, so a set larger than the object store streams through it."""
+        stream, parts, pending, sent = BlockStream(images), [], {}, 0
+        budget = in_flight_bytes()
+        for ref, size in stream:
+            while len(pending) >= len(self.actors) and stream.held + size > budget:
+                done, _ = ray.wait(list(pending), num_returns=1)
+                parts += ray.get(done)
+                stream.release(pending.pop(done[0]))
+            pending[self.actors[sent % len(self.actors)].images.remote(ref)] = size
+            stream.hold(size)
+            sent += 1
+        embeddings, self.rows = in_order(parts + ray.get(list(pending)))
         return embeddings
-
-    def in_flight_blocks(self, images: ray.data.Dataset) -> int:
-        """Blocks in flight: ``IN_FLIGHT_BYTES`` of them (a shard block holds ``batch_size`` rows, load_shards),
-        at least two an actor."""
-        size = images.context.target_max_block_size or 0
-        return max(2 * len(self.actors), IN_FLIGHT_BYTES // size if size else 0)
 
     def texts(self, texts: list[str]) -> np.ndarray:
         size = self.batch_size * TEXT_BATCH
