@@ -205,3 +205,36 @@ def test_a_local_evaluation_copies_its_image_embeddings_back_once(monkeypatch, d
     together = embed.copied_back(held)
     assert [len(p["embedding"]) for p in together] == [16, 0] and together[1]["embedding"].dtype == np.float32
     assert np.array_equal(together[0]["embedding"], local.model().embed(first)["embedding"])
+
+
+def test_ray_datas_readers_of_one_shard_take_turns_by_batch(ray_local, bad_shard, demo_dir):  # noqa: F811
+    """A held-out set of fewer shards than its CPUs is read by several read tasks a shard (``readers_per_shard``),
+    each transforming every n-th batch: the same rows as one reader a shard, none read twice, the same counts, the
+    damaged shard counted and named once. How many readers: as many as fill the CPUs, files only."""
+    from rayvl.data.shard_read import readers_per_shard
+
+    whole = (demo_dir / "train" / "00002.tar").read_bytes()
+    (bad_shard / "00001.tar").write_bytes(whole[: len(whole) // 2 + 777])
+    paths = resolve_shards(str(bad_shard))
+    rows = Rows(image_size=32, crop_scale_min=0.5, train=False, max_tokens=16,
+                tokenizer_path=str(assets.text_model_path("minilm-l6")))
+    read = {}
+    for readers in (1, 3):
+        name = f"test-readers-{readers}"
+        report = create_report(name)
+        try:
+            reading = Reading(read_cpus=0.5, batch_size=4, report_name=name, readers_per_shard=readers)
+            keys = [r["key"] for r in shards.read_shards(paths, rows, reading, ["key", "image"]).take_all()]
+            read[readers] = (Counter(keys), ray.get(report.snapshot.remote()))
+            assert len(shards.ShardStream(paths, reading).get_read_tasks(0)) == 2 * readers
+        finally:
+            release_reports([name])
+    (one, one_report), (three, three_report) = read[1], read[3]
+    assert max(three.values()) == 1 and three == one and sum(one.values()) > 50
+    assert three_report["counts"] == one_report["counts"] and three_report["counts"]["truncated_shards"] == 1
+    assert three_report["bad_shards"] == one_report["bad_shards"]
+    assert readers_per_shard(paths, 0.5, 16) == 8 and readers_per_shard(paths, 0.5, 2) == 2
+    assert readers_per_shard(paths * 10, 0.5, 16) == 1
+    assert readers_per_shard(["s3://b/0.tar"], 0.5, 16) == readers_per_shard(["pipe:cat 0.tar"], 0.5, 16) == 1
+    with pytest.raises(ValueError, match="one pass"):
+        shards.ShardStream(paths, Reading(readers_per_shard=2, passes=2))

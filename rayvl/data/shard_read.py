@@ -48,6 +48,9 @@ class Reading:
     holds (data/position.py); other streams (held-out, image-label) are counted as a whole."""
     report_name: str | None = None
     """the data report the stream's counts go to (rayvl.data.report; None = not counted)."""
+    readers_per_shard: int = 1
+    """read tasks of each shard, each transforming every n-th batch of it (``readers_per_shard``): a held-out set of
+    fewer shards than its CPUs decodes on all of them. One pass, not positioned, shards that are files only."""
 
     @classmethod
     def of(cls, cfg: RayvlConfig, report_name: str | None, **changes) -> Reading:
@@ -57,6 +60,22 @@ class Reading:
                            io=ReadPolicy.of(d), shuffle=d.shuffle_files, seed=cfg.train.seed,
                            report_name=report_name), **changes)
 
+
+
+MAX_READERS_PER_SHARD = 8  # each reader parses the whole tar (it decodes only its batches): a bounded repeat
+
+
+def readers_per_shard(paths: list[str], read_cpus: float, cpus: float) -> int:
+    """Read tasks of each of ``paths`` for one pass over them on ``cpus`` CPUs: as many as fill the CPUs with
+    tasks of ``read_cpus`` where there are fewer shards than that (at most MAX_READERS_PER_SHARD), every shard a
+    file — reading a file again costs a page-cache read; a shard on object storage or behind ``pipe:`` would be
+    fetched once per reader —, else 1."""
+    from rayvl import storage
+    from rayvl.data.specs import is_pipe
+
+    if not paths or any(storage.is_url(p) or is_pipe(p) for p in paths) or read_cpus <= 0:
+        return 1
+    return max(1, min(MAX_READERS_PER_SHARD, int(cpus / read_cpus + 1e-9) // len(paths)))
 
 
 def raw_batches(path: str, reading: Reading, columns: tuple[str, ...], bad: list,

@@ -60,6 +60,9 @@ class ShardStream(Datasource):
         self.slots = self.mix.n_slots
         self.report_name = reading.report_name
         self.positioned = reading.positioned and reading.report_name is not None
+        self.parts = reading.readers_per_shard  # read tasks a shard, each transforming every parts-th batch
+        if self.parts > 1 and (reading.passes > 1 or reading.positioned or self.mix.upsampled):
+            raise ValueError("readers_per_shard > 1 reads one pass of a stream that is not positioned, each shard once")
 
     def order(self, epoch: int) -> list[int]:
         """Slots of pass ``epoch`` in reading order (without upsampling a slot is its shard): a permutation drawn
@@ -80,26 +83,35 @@ class ShardStream(Datasource):
 
     @property
     def num_tasks(self) -> int:
-        """Read tasks of all passes: each pass in at most MAX_TASKS_PER_PASS groups of consecutive shards."""
+        """Read tasks of all passes: each pass in at most MAX_TASKS_PER_PASS groups of consecutive shards — or, with
+        ``readers_per_shard``, that many tasks of each shard."""
+        if self.parts > 1:
+            return self.slots * self.parts
         return self.reading.passes * min(self.slots, MAX_TASKS_PER_PASS)
 
     def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
                        data_context=None) -> list[ReadTask]:
         # ``parallelism`` is num_tasks (read() asks for it): fewer tasks than Ray's default of 200 would make Ray
         # split every block into tiny ones (SplitBlocks), each paying Ray Data's per-block costs
+        if self.parts > 1:
+            return [ReadTask(partial(self._read, 0, [shard], part), self._meta([shard], 0),
+                             per_task_row_limit=per_task_row_limit)
+                    for shard in self.order(0) for part in range(self.parts)]
         groups = min(self.slots, MAX_TASKS_PER_PASS)
         tasks = []
         for epoch in range(self.reading.passes):
             order = self.order(epoch)
             for g in range(groups):
                 part = order[g * len(order) // groups:(g + 1) * len(order) // groups]
-                meta = BlockMetadata(num_rows=None, size_bytes=None,
-                                     input_files=[self.shard_of(epoch, i)[0] for i in part],
-                                     exec_stats=None)
-                tasks.append(ReadTask(partial(self._read, epoch, part), meta, per_task_row_limit=per_task_row_limit))
+                tasks.append(ReadTask(partial(self._read, epoch, part), self._meta(part, epoch),
+                                      per_task_row_limit=per_task_row_limit))
         return tasks
 
-    def _read(self, listed_pass: int, shards: list[int]) -> Iterator[pa.Table]:
+    def _meta(self, shards: list[int], epoch: int) -> BlockMetadata:
+        return BlockMetadata(num_rows=None, size_bytes=None, exec_stats=None,
+                             input_files=[self.shard_of(epoch, i)[0] for i in shards])
+
+    def _read(self, listed_pass: int, shards: list[int], part: int = 0) -> Iterator[pa.Table]:
         # the run's data position (data/position.py): finished shards are skipped unopened, rows of a shard
         # trained on before a restore are dropped after decoding
         token, pass_, skip, trained = ray.get(report_actor(self.report_name).read_task.remote(
@@ -109,15 +121,15 @@ class ShardStream(Datasource):
             if shard not in skip:
                 # a positioned stream counts per (pass, shard) read attempt (DataReport.add)
                 unit = (token, uuid.uuid4().hex, pass_, shard) if self.positioned else None
-                yield from self._read_shard(shard, pass_, unit, trained.get(shard), token)
+                yield from self._read_shard(shard, pass_, unit, trained.get(shard), token, part)
 
     def _read_shard(self, shard: int, pass_: int, unit: tuple | None, trained: set | None,
-                    token: str | None) -> Iterator[pa.Table]:
+                    token: str | None, part: int = 0) -> Iterator[pa.Table]:
         counts: Counter = Counter()
         io_counts: Counter = Counter()  # retries, counted by the reader as they happen
         bad: list[tuple[str, str, str]] = []  # (path, reason counted, why)
         pending, produced = None, 0
-        for out, batch_counts in self._transformed_ahead(shard, pass_, bad, io_counts):
+        for out, batch_counts in self._transformed_ahead(shard, pass_, bad, io_counts, part):
             counts.update(batch_counts)
             produced += _length(out)
             if pending is not None:
@@ -129,6 +141,7 @@ class ShardStream(Datasource):
                 yield pending
             pending = _block(_untrained(out, trained) if trained else out)
         counts.update(_drain(io_counts))
+        bad = bad if part == 0 else []  # every reader of a shard meets its early end: the first one counts it
         counts.update(reason for _, reason, _ in bad)
         # the shard's counts (and the rows it produced) are recorded before its last block is emitted (one round
         # trip per shard, not per batch): whoever has consumed a whole pass also sees all of its counts
@@ -138,10 +151,11 @@ class ShardStream(Datasource):
         if pending is not None:
             yield pending
 
-    def _transformed_ahead(self, shard: int, pass_: int, bad: list,
-                           io_counts: Counter) -> Iterator[tuple[dict | pa.Table, Counter]]:
+    def _transformed_ahead(self, shard: int, pass_: int, bad: list, io_counts: Counter,
+                           part: int = 0) -> Iterator[tuple[dict | pa.Table, Counter]]:
         """(transformed batch, its counts) in shard order, ``reading.threads`` of them made side by side
-        (shard_read.transformed_ahead); a damaged or unreadable shard ends early, noted in ``bad``."""
+        (shard_read.transformed_ahead) — of a shard's ``parts`` readers, reader ``part`` every parts-th batch from
+        its part-th —; a damaged or unreadable shard ends early, noted in ``bad``."""
         path, cycle = self.shard_of(pass_, shard)
 
         def transform(first: int, rows: list[dict]):
@@ -150,7 +164,8 @@ class ShardStream(Datasource):
             return self._transformed(rows, ids, batch_counts, cycle), batch_counts
 
         raw = raw_batches(path, self.reading, self.columns, bad, io_counts)
-        yield from transformed_ahead(raw, transform, self.reading.threads if self.transform else 1)
+        mine = (batch for i, batch in enumerate(raw) if i % self.parts == part)
+        yield from transformed_ahead(mine, transform, self.reading.threads if self.transform else 1)
 
     def _transformed(self, rows: list[dict], ids: np.ndarray, counts: Counter, cycle: int) -> dict | pa.Table:
         batch = {c: [r.get(c) for r in rows] for c in self.columns}

@@ -22,6 +22,7 @@ from rayvl.data import fashion_mnist
 from rayvl.data.images import decode_and_crop
 from rayvl.data.prompts import read_class_file, templates
 from rayvl.data.pipeline import Rows
+from rayvl.data.shard_read import readers_per_shard
 from rayvl.data.shards import Reading, read_shards
 from rayvl.data.specs import resolve_shards
 from rayvl.eval import local_read
@@ -101,10 +102,14 @@ def load_shards(spec: str, image_size: int, tokenizer_path: str, max_tokens: int
                 report_name: str | None = None, threads: int = 1, batch_size: int = 64) -> EvalData:
     """The held-out shards as a stream of decoded rows (columns key, caption, cls, image), read as they are
     embedded and never held whole: its size, labels, captions and keys come with the rows' embeddings
-    (``with_rows``), in blocks of ``batch_size`` rows. Dropped samples are counted in the DataReport
+    (``with_rows``), in blocks of ``batch_size`` rows. Fewer shards than the cluster's CPUs hold read tasks are
+    read by several tasks each (``shard_read.readers_per_shard``). Dropped samples are counted in the DataReport
     ``report_name`` (created by the caller)."""
-    reading = Reading(read_cpus=read_cpus, batch_size=batch_size, threads=threads, report_name=report_name)
-    ds = read_shards(spec, Rows(image_size, 1.0, False, tokenizer_path, max_tokens), reading, SHARD_COLUMNS)
+    paths = resolve_shards(spec)
+    readers = readers_per_shard(paths, read_cpus, ray.cluster_resources().get("CPU", 1.0))
+    reading = Reading(read_cpus=read_cpus, batch_size=batch_size, threads=threads, report_name=report_name,
+                      readers_per_shard=readers)
+    ds = read_shards(paths, Rows(image_size, 1.0, False, tokenizer_path, max_tokens), reading, SHARD_COLUMNS)
     return EvalData(ds, 0, np.zeros(0, np.int64))
 
 

@@ -188,7 +188,7 @@ class EmbeddingActor:
         """The embeddings of a batch's ``image`` column where they were computed (on a GPU: queued, not waited
         for), and the batch's other columns."""
         columns = dict(columns)
-        images = columns.pop("image")
+        images = columns.pop("image", ())  # none: the empty block of a read task that kept no row
         if not len(images):
             return torch.zeros((0, self.model.cfg.embed_dim), dtype=torch.float32, device=self.device), columns
         with inference(self.device):
