@@ -422,12 +422,17 @@ def test_bad_inputs_are_named_before_ray_starts(demo_dir, tmp_path, capsys):
 def test_a_gpu_labeller_gives_one_of_its_cpus_to_its_writer_and_the_dry_run_says_so():
     from rayvl.config import load_config
     from rayvl.methods.bow.commands import labellers_line
-    from rayvl.methods.bow.pseudo_label import finisher_cpus
+    from rayvl.methods.bow.pseudo_label import finisher_cpus, finishers_per_labeller
 
     assert [finisher_cpus(c, g) for c, g in ((7, 1), (2, 0.5), (1.5, 1), (8, 0), (0.5, 0))] == [1, 1, 0, 0, 0]
+    # one writer for each 6 CPUs of a GPU labeller: a writer's one interpreter bounds the images a second it writes
+    assert [finishers_per_labeller(c, g) for c, g in ((2, 1), (11, 1), (15, 1), (24, 1), (15, 0))] == [1, 1, 2, 4, 1]
     gpu = load_config(None, ["pseudo_label.actors=2", "pseudo_label.cpus_per_actor=7", "pseudo_label.gpus_per_actor=1"])
     assert labellers_line(gpu) == ("  2 labelling actors of {CPU: 6, GPU: 1}, each with an actor writing its shards of "
                                    "{CPU: 1}")
+    node = load_config(None, ["pseudo_label.cpus_per_actor=15", "pseudo_label.gpus_per_actor=1", "ray_address=auto"])
+    assert labellers_line(node).endswith("of {CPU: 13, GPU: 1}, each with 2 actors writing its shards in turn, of "
+                                         "{CPU: 1} each")
     cpu = load_config(None, ["pseudo_label.actors=2", "pseudo_label.cpus_per_actor=2"])
     assert labellers_line(cpu) == "  2 labelling actors of {CPU: 2}, each with an actor writing its shards of {CPU: 0}"
     # the default, pseudo_label.actors=0, on a cluster: as many labellers as its GPUs hold (pseudo_label.sized)
@@ -478,14 +483,24 @@ def test_each_labellers_units_are_written_by_its_own_finisher_at_most_two_units_
         def log(self):
             return self.ended
 
-    finds, writes = [Finds.remote(n) for n in "ab"], [Writes.remote(n) for n in "ab"]
+    finds, writes = [Finds.remote(n) for n in "ab"], [[Writes.remote(n)] for n in "ab"]
     counts = list(labelled([Unit(i, "tar", [f"{i}.tar"]) for i in range(9)], finds, writes))
     assert sorted(c["unit"] for c in counts) == list(range(9))
     assert all(c["found_by"] == c["written_by"] for c in counts)
-    for f, w in zip(finds, writes):
+    for f, (w,) in zip(finds, writes):
         started, ended = ray.get(f.log.remote()), ray.get(w.log.remote())
         # the n-th unit (from 0) starts once at least n − WRITES_AHEAD + 1 of the labeller's units are written
         assert all(sum(e < t for e in ended) >= n - WRITES_AHEAD + 1 for n, t in enumerate(started)), (started, ended)
+    # a labeller of two finishers (a GPU labeller of 12 CPUs or more): its units written by both in turn, and it
+    # runs up to WRITES_AHEAD units ahead of each
+    two = [Writes.remote("a1"), Writes.remote("a2")]
+    counts = list(labelled([Unit(i, "tar", [f"{i}.tar"]) for i in range(8)], finds[:1], [two]))
+    assert sorted(c["unit"] for c in counts) == list(range(8))
+    assert Counter(c["written_by"] for c in counts) == {"a1": 4, "a2": 4}
+    started = ray.get(finds[0].log.remote())[-8:]
+    ended = sorted(ray.get(two[0].log.remote()) + ray.get(two[1].log.remote()))
+    assert all(sum(e < t for e in ended) >= n - 2 * WRITES_AHEAD + 1 for n, t in enumerate(started)), (started, ended)
+    assert sum(t < ended[0] for t in started) == 2 * WRITES_AHEAD  # four found before the first was written
     # a labeller's failure fails the job (its write gets the error), not a wait
     with pytest.raises(ValueError, match="unit -1 cannot be read"):
         list(labelled([Unit(i, "tar", [f"{i}.tar"]) for i in (0, -1, 2)], finds, writes))

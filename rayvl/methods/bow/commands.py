@@ -109,11 +109,13 @@ def labellers_line(cfg: RayvlConfig) -> str:
         return (f"  one labeller in this process, no Ray ({cpus}"
                 + (", this machine's GPU" if x.gpus_per_actor else "") + ")")
     writing = pseudo_label.finisher_cpus(x.cpus_per_actor, x.gpus_per_actor)
+    writers = pseudo_label.finishers_per_labeller(x.cpus_per_actor, x.gpus_per_actor)
     who = (f"{x.actors or 1} labelling actors" if x.actors or not x.gpus_per_actor else
            "labelling actors, as many as the cluster's GPUs hold when the job starts (pseudo_label.actors=0),")
-    return (f"  {who} of {{CPU: {x.cpus_per_actor - writing:g}"
+    return (f"  {who} of {{CPU: {x.cpus_per_actor - writing * writers:g}"
             + (f", GPU: {x.gpus_per_actor:g}" if x.gpus_per_actor else "")
-            + f"}}, each with an actor writing its shards of {{CPU: {writing:g}}}")
+            + (f"}}, each with an actor writing its shards of {{CPU: {writing:g}}}" if writers == 1 else
+               f"}}, each with {writers} actors writing its shards in turn, of {{CPU: {writing:g}}} each"))
 
 
 def describe_pseudo_label(cfg: RayvlConfig) -> str:

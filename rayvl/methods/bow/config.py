@@ -93,9 +93,10 @@ class PseudoLabelConfig:
     would leave Ray Data's reads none). One, on a machine with no cluster named (no GPU asked, or the machine's only
     GPU): the labeller runs in the command's process, with no Ray."""
     cpus_per_actor: float = 1.0
-    """CPUs each labelling / caption-embedding actor reserves, with the actor that writes its units: on a GPU
-    labeller from 2 up, one of them is that writer's and the rest crop (a labeller without Ray decodes and crops on
-    the machine's CPUs, local_num_cpus if set, and writes in its process)."""
+    """CPUs each labelling / caption-embedding actor reserves, with the actors that write its units: on a GPU
+    labeller from 2 up, one in six of them (at least one) is a writer's, each writer an actor of one CPU, and the rest
+    crop (a labeller without Ray decodes and crops on the machine's CPUs, local_num_cpus if set, and writes in its
+    process)."""
     gpus_per_actor: float = 0.0
     """GPUs each labelling actor reserves (the model, its exact caption index and a faiss-gpu index then use
     CUDA)."""

@@ -593,18 +593,35 @@ def labeller_cpus(cfg: RayvlConfig) -> int:
 
 
 def finisher_cpus(cpus_per_actor: float, gpus_per_actor: float) -> float:
-    """The CPUs of a labeller's share (``pseudo_label.cpus_per_actor``) its finisher actor holds: one where a GPU
-    labeller holds two or more (its crop threads take the rest: it feeds a GPU from one interpreter), else none —
-    a CPU labeller's model runs on its CPUs (torch's threads: as many as the CPUs Ray gives it), and its finisher's
-    work is a small part of its own."""
+    """The CPUs of a labeller's share (``pseudo_label.cpus_per_actor``) each of its finisher actors holds: one where
+    a GPU labeller holds two or more (its crop threads take the rest: it feeds a GPU from one interpreter), else
+    none — a CPU labeller's model runs on its CPUs (torch's threads: as many as the CPUs Ray gives it), and its
+    finisher's work is a small part of its own."""
     return 1.0 if gpus_per_actor and cpus_per_actor >= 2 else 0.0
+
+
+# a GPU labeller's CPUs a finisher of its own serves. A finisher writes in one interpreter (the words of an image's
+# retrievals counted and ranked, its rows and shard written: Python throughout), which bounds the images a second it
+# writes below what one GPU labeller finds (docs/benchmarks.md, "What one labeller's Python costs an image"); the
+# labeller's crop threads, which decode, need the other CPUs
+CPUS_PER_FINISHER = 6
+
+
+def finishers_per_labeller(cpus_per_actor: float, gpus_per_actor: float) -> int:
+    """How many finisher actors write a labeller's units: on a GPU labeller one for each CPUS_PER_FINISHER of its
+    CPUs — a finisher's one interpreter writes a bounded number of images a second, whatever the GPU labels —
+    else one."""
+    if not finisher_cpus(cpus_per_actor, gpus_per_actor):
+        return 1
+    return max(1, int(cpus_per_actor // CPUS_PER_FINISHER))
 
 
 class Labellers:
     """The job's labellers: ``pseudo_label.actors`` Ray actors, started at once — they load their model while the
     driver reads the aligned set twice (its word statistics, its captions), then each embeds its share of the
-    caption pool and finds units' retrievals, one in flight, which as many ``Finisher`` actors write (one of a GPU
-    labeller's CPUs from 2 up, else none: ``finisher_cpus``) — or (``without_ray``) one ``Labeler`` in this process,
+    caption pool and finds units' retrievals, one in flight, which ``Finisher`` actors of its own write (on a GPU
+    labeller one for each CPUS_PER_FINISHER of its CPUs, each holding one of them, ``finishers_per_labeller``; else
+    one of no CPU: ``finisher_cpus``) — or (``without_ray``) one ``Labeler`` in this process,
     decoding and cropping on the machine's CPUs (``local_num_cpus`` caps them), loaded where it is first needed:
     after the local loaders (``loader_workers`` processes) have read S_a, so that they are forked from a process
     that holds no model and runs no thread."""
@@ -622,13 +639,15 @@ class Labellers:
             self.loader_workers = max(1, cpus - 1)
             return
         writing = finisher_cpus(x.cpus_per_actor, x.gpus_per_actor)
+        writers = finishers_per_labeller(x.cpus_per_actor, x.gpus_per_actor)
+        crops = x.cpus_per_actor - writing * writers  # the labeller's crop threads
         # a unit is found, or written whole, or not at all: safe to redo
-        actor = ray.remote(Labeler).options(num_cpus=x.cpus_per_actor - writing, num_gpus=x.gpus_per_actor,
-                                            max_restarts=1, max_task_retries=1)
+        actor = ray.remote(Labeler).options(num_cpus=crops, num_gpus=x.gpus_per_actor, max_restarts=1,
+                                            max_task_retries=1)
         finisher = ray.remote(Finisher).options(num_cpus=writing, max_restarts=1, max_task_retries=1)
-        settings = {**asdict(x), "cpus_per_actor": x.cpus_per_actor - writing}  # the labeller's crop threads
+        settings = {**asdict(x), "cpus_per_actor": crops}
         self.actors = [actor.remote(ckpt, self.args[1], settings, *self.args[3:]) for _ in range(x.actors)]
-        self.finishers = [finisher.remote(*self.args[1:5]) for _ in range(x.actors)]
+        self.finishers = [[finisher.remote(*self.args[1:5]) for _ in range(writers)] for _ in range(x.actors)]
         self.pool = ActorPool(self.actors)
 
     def labeler(self) -> Labeler:
@@ -650,34 +669,34 @@ class Labellers:
         return labelled(todo, self.actors, self.finishers)
 
     def close(self) -> None:
-        for a in self.actors + self.finishers:
+        for a in self.actors + [f for own in self.finishers for f in own]:
             ray.kill(a)
         if self.here is not None:  # a unit that failed half-way leaves crops being cut: not waited for
             self.here.threads.shutdown(wait=False, cancel_futures=True)
         self.actors, self.finishers, self.here = [], [], None
 
 
-WRITES_AHEAD = 2  # units a labeller may have found beyond those its finisher has written
+WRITES_AHEAD = 2  # units a labeller may have found beyond those each of its finishers has written
 
 
-def labelled(todo: list[Unit], labellers: list, finishers: list, ahead: int = WRITES_AHEAD):
+def labelled(todo: list[Unit], labellers: list, finishers: list[list], ahead: int = WRITES_AHEAD):
     """Each unit's counts as its finisher ends it. Labeller i finds one unit's samples and retrievals at a time
-    (``Labeler.retrieve``, the next unit as soon as it is free) and finisher i writes them (``Finisher.write``),
-    reading what the labeller returned from Ray's object store: the driver passes the reference on, so a unit's
-    images never pass through it, and it owns every result — a write outlives the labeller that found its unit, and
-    Ray redoes a write whose finisher died. A labeller with ``ahead`` units unwritten waits for its finisher, so
-    the object store holds at most that many units' images a labeller."""
+    (``Labeler.retrieve``, the next unit as soon as it is free) and its finishers (``finishers[i]``) write them in
+    turn (``Finisher.write``), reading what the labeller returned from Ray's object store: the driver passes the
+    reference on, so a unit's images never pass through it, and it owns every result — a write outlives the
+    labeller that found its unit, and Ray redoes a write whose finisher died. A labeller with ``ahead`` units
+    unwritten a finisher waits for them, so the object store holds at most that many units' images a finisher."""
     units = iter(todo)
     finding: dict = {}  # a retrieve's result → its labeller
     writing: dict = {}  # a write's result → its labeller
-    unwritten, waiting = [0] * len(labellers), set()
+    unwritten, waiting, handed = [0] * len(labellers), set(), [0] * len(labellers)
 
     def find(i: int) -> None:
         unit = next(units, None)
         if unit is not None:
             finding[labellers[i].retrieve.remote(unit)] = i
 
-    for finisher in finishers:
+    for finisher in (f for own in finishers for f in own):
         finisher.load.remote()  # an actor's calls run in order: before its first write, while the labellers find
     for i in range(len(labellers)):
         find(i)
@@ -686,9 +705,12 @@ def labelled(todo: list[Unit], labellers: list, finishers: list, ahead: int = WR
         (done,), _ = ray.wait([*finding, *writing], num_returns=1, fetch_local=False)
         if done in finding:
             i = finding.pop(done)
-            writing[finishers[i].write.remote(done)] = i  # resolved in the finisher, never fetched here
+            own = finishers[i]
+            # resolved in the finisher, never fetched here
+            writing[own[handed[i] % len(own)].write.remote(done)] = i
+            handed[i] += 1
             unwritten[i] += 1
-            if unwritten[i] < ahead:
+            if unwritten[i] < ahead * len(own):
                 find(i)
             else:
                 waiting.add(i)
