@@ -165,12 +165,13 @@ def plain_eval(checkpoint: str, data: str, results: str, workers: int) -> dict:
     from rayvl.checkpoints import load_model
     from rayvl.data.pipeline import Rows
     from rayvl.data.specs import resolve_shards
+    from rayvl.eval.embed import batch_size
     from rayvl.eval.retrieval import retrieval_metrics
 
     model, config = load_model(checkpoint)
     rows = Rows(config["data"]["image_size"], 1.0, False, str(assets.text_model_path(config["model"]["text"])),
                 config["data"]["max_text_tokens"])
-    loader = plain_loader(resolve_shards(data), rows, config["eval"]["batch_size"], workers)
+    loader = plain_loader(resolve_shards(data), rows, batch_size(config["eval"]["batch_size"], gpu=False), workers)
     say(f"plain: reading {data} with {workers} loader worker(s)")
     start = time.perf_counter()
     images, captions, keys = [], [], []

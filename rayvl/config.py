@@ -333,6 +333,9 @@ class TrainConfig:
         return self.stop_at_step or self.max_steps
 
 
+EVAL_GPU_BATCH, EVAL_CPU_BATCH = 1024, 128  # eval.batch_size=0: images a forward on a GPU (enough to fill it), on CPU
+
+
 @dataclass
 class EvalConfig:
     every_steps: int = 0
@@ -341,8 +344,9 @@ class EvalConfig:
     """evaluation tasks run in training (the linear probe runs in `rayvl eval`)."""
     paraphrase_k: int = 10
     """k of AO@k / JS@k ([Paraphrase] §3 uses 10)."""
-    batch_size: int = 128
-    """images/texts per forward pass during evaluation (and per `rayvl eval` actor call)."""
+    batch_size: int = 0
+    """images per forward pass during evaluation (and per `rayvl eval` actor call; texts: 4× as many). 0 = by the
+    device: 1,024 on a GPU (in training, the rank's micro_batch_size within 128–1,024), 128 on CPU."""
     checkpoint_tasks: list[str] = field(
         default_factory=lambda: ["zeroshot", "retrieval", "paraphrase", "sts", "linear_probe"])
     """tasks `rayvl eval` runs on a checkpoint unless --tasks names others (the linear probe too)."""
@@ -721,6 +725,8 @@ def validate(cfg: RayvlConfig) -> None:
                               f"not inside training")
         if task not in EVAL_TASKS:
             raise ConfigError(f"eval.tasks[{i}]: unknown task {task!r} (known: {', '.join(EVAL_TASKS)})")
+    if cfg.eval.batch_size < 0:
+        raise ConfigError(f"eval.batch_size: must be ≥ 0 (0: by the device), got {cfg.eval.batch_size}")
     if cfg.eval.every_steps < 0:
         raise ConfigError(f"eval.every_steps: must be ≥ 0, got {cfg.eval.every_steps}")
     if (cfg.tune.driver_cpus or 0.0) < 0 or any(v <= 0 for v in cfg.tune.driver_resources.values()):

@@ -169,3 +169,23 @@ def test_imagefolder_and_fashion_mnist(ray_local, tmp_path):
     local, images, _ = streamed(datasets.local_fashion_mnist(str(root), 32, workers=2, batch_size=8, limit=20))
     assert local.size == 20 and list(local.labels) == list(fm.labels) and local.classes == fm.classes
     assert np.array_equal(images[0], row["image"])
+
+
+def test_the_eval_batch_follows_the_device_unless_set():
+    """eval.batch_size=0 (the default): 1,024 images a forward on a GPU — a `rayvl eval` actor's, or in training
+    the rank's micro-batch within 128–1,024 — and 128 on CPU; a size set is kept everywhere. Checked before Ray."""
+    from rayvl.config import ConfigError, RayvlConfig, validate
+    from rayvl.eval.embed import batch_size
+    from rayvl.eval.runner import settings
+
+    assert [batch_size(0, False), batch_size(0, True), batch_size(0, True, 32), batch_size(0, True, 512),
+            batch_size(0, True, 4096), batch_size(64, True, 512), batch_size(64, False)] == [
+        128, 1024, 128, 512, 1024, 64, 64]
+    config = RayvlConfig().to_dict()
+    assert config["eval"]["batch_size"] == 0
+    assert settings(config).batch_size == 128 and settings(config, gpus_per_actor=1.0).batch_size == 1024
+    assert settings(config, gpus_per_actor=0.5, batch_size=256).batch_size == 256
+    cfg = RayvlConfig()
+    cfg.eval.batch_size = -1
+    with pytest.raises(ConfigError, match=r"eval\.batch_size: must be ≥ 0"):
+        validate(cfg)

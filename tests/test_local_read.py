@@ -167,14 +167,16 @@ def test_one_model_on_a_machine_of_its_own_runs_without_ray(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_local_evaluation_copies_its_image_embeddings_back_once(monkeypatch, demo_dir, tmp_path):
-    """`rayvl eval` without Ray (LocalEmbedder) keeps each batch's image embeddings on the model's device and copies
-    them to the host once (once every DEVICE_EMBEDDINGS_BYTES): on a GPU each copy waits for the device, and a copy
-    a batch kept this process from queueing the next batch while the GPU ran one. Counted here on CPU tensors: the
-    same code. The embeddings, in key order, are those embedded batch by batch."""
+def test_an_evaluation_copies_its_image_embeddings_back_once(monkeypatch, demo_dir, tmp_path):
+    """`rayvl eval` without Ray (LocalEmbedder), and each embedding actor on Ray (its ``images`` call a Ray Data
+    block, then ``collect``), keeps each batch's image embeddings on the model's device and copies them to the host
+    once (once every DEVICE_EMBEDDINGS_BYTES): on a GPU each copy waits for the device, and a copy a batch kept the
+    process from queueing the next batch while the GPU ran one. Counted here on CPU tensors: the same code. The
+    embeddings, in key order, are those embedded batch by batch."""
     from collections import Counter
 
     import torch
+    from ray.data.block import BlockAccessor
 
     from conftest import untrained_checkpoint
     from rayvl.eval import embed
@@ -194,6 +196,13 @@ def test_a_local_evaluation_copies_its_image_embeddings_back_once(monkeypatch, d
     once = local.images(batches())
     assert read_back["cpu"] == 1 and len(once) == 64
     assert np.array_equal(once, by_batch) and list(local.rows["key"]) == list(by_batch_rows["key"])
+    actor = local.model()  # an actor's calls, on the blocks Ray Data would hand it
+    read_back.clear()
+    assert [actor.images(BlockAccessor.batch_to_block(dict(b))) for b in batches()] == [16] * 4
+    assert read_back["cpu"] == 0 and len(actor.held) == 4
+    collected, collected_rows = embed.in_order(actor.collect())
+    assert read_back["cpu"] == 1 and not actor.held and actor.collect() == []
+    assert np.array_equal(collected, by_batch) and list(collected_rows["key"]) == list(by_batch_rows["key"])
     monkeypatch.setattr(embed, "DEVICE_EMBEDDINGS_BYTES", 16 * 64 * 4)  # one batch's 16 embeddings of 64 floats
     read_back.clear()
     assert np.array_equal(local.images(batches()), once) and read_back["cpu"] == 4

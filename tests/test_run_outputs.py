@@ -342,16 +342,16 @@ def test_rayvl_eval_refuses_unknown_tasks_and_pool_settings_naming_them(demo_dir
     (folder / "rayvl.json").write_text(json.dumps({"step": 1, "config": cfg.to_dict(), "final": False}))
     was_running = ray.is_initialized()
     capsys.readouterr()
-    sizes = ("rayvl: error: --actors, --cpus-per-actor, --workers (eval.actors, eval.cpus_per_actor, "
-             "eval.loader_workers) must be ≥ 0 and --batch-size (eval.batch_size) ≥ 1")
+    sizes = ("rayvl: error: --actors, --cpus-per-actor, --workers, --batch-size (eval.actors, eval.cpus_per_actor, "
+             "eval.loader_workers, eval.batch_size) must be ≥ 0 (--batch-size 0: by the device)")
     for flags, message in (
             (["--tasks", "zeroshot,bogus"], "rayvl: error: --tasks: unknown ['bogus'] (known: zeroshot, retrieval, "
                                             "paraphrase, sts, linear_probe)"),
             (["--gpus", "2"], "rayvl: error: --gpus 2 (eval.gpus_per_actor): GPUs per embedding actor, from 0 to 1 "
                               "(more GPUs: more --actors)"),
-            (["--batch-size", "0"], sizes), (["--workers", "-1"], sizes),
+            (["--batch-size", "-1"], sizes), (["--workers", "-1"], sizes),
             # --set takes the checkpoint's eval.* settings (issue 56, defect 8), checked as the flags are
-            (["--set", "eval.batch_size=0"], sizes),
+            (["--set", "eval.batch_size=-1"], "rayvl: error: eval.batch_size: must be ≥ 0 (0: by the device), got -1"),
             (["--set", "eval.checkpoint_tasks=[zeroshot, bogus]"], "rayvl: error: eval.checkpoint_tasks: unknown "
                                                                    "['bogus'] (known: zeroshot, retrieval, paraphrase, "
                                                                    "sts, linear_probe)"),

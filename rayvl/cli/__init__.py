@@ -8,7 +8,7 @@ import sys
 
 import rayvl
 from rayvl import plugins
-from rayvl.config import DataConfig, EvalConfig
+from rayvl.config import EVAL_CPU_BATCH, EVAL_GPU_BATCH, DataConfig, EvalConfig
 from rayvl.cli.recipes import (CONFIGS, USER_ERRORS, RayvlParser, add_train_args, config_from_args,
                            gpu_errors_in_one_line, print_dry_run, train_command, user_error)
 
@@ -133,7 +133,8 @@ def _eval_parser(sub) -> None:
                    help="without Ray (see --actors): the loader processes that read and decode (0: this machine's "
                         f"CPUs − 1; default: eval.loader_workers, {d.loader_workers})")
     e.add_argument("--batch-size", type=int, default=None,
-                   help=f"images or texts per actor call (default: eval.batch_size, {d.batch_size})")
+                   help=f"images per actor call, texts 4× as many (0: {EVAL_GPU_BATCH:,} on a GPU, {EVAL_CPU_BATCH} on CPU; "
+                        f"default: eval.batch_size, {d.batch_size})")
     e.add_argument("--k", type=int, default=None, help=f"k of AO@k / JS@k (default: eval.paraphrase_k, "
                                                        f"{d.paraphrase_k})")
     e.add_argument("--limit", type=int, default=0, help="use only the first N Fashion-MNIST images (default: all)")
@@ -258,8 +259,8 @@ def _check_pool(pool: EvalConfig) -> None:
         raise ValueError(f"--gpus {pool.gpus_per_actor:g} (eval.gpus_per_actor): GPUs per embedding actor, from 0 "
                          f"to 1 (more GPUs: more --actors)")
     if pool.actors < 0 or pool.batch_size < 1 or pool.cpus_per_actor < 0 or pool.loader_workers < 0:
-        raise ValueError("--actors, --cpus-per-actor, --workers (eval.actors, eval.cpus_per_actor, "
-                         "eval.loader_workers) must be ≥ 0 and --batch-size (eval.batch_size) ≥ 1")
+        raise ValueError("--actors, --cpus-per-actor, --workers, --batch-size (eval.actors, eval.cpus_per_actor, "
+                         "eval.loader_workers, eval.batch_size) must be ≥ 0 (--batch-size 0: by the device)")
 
 
 def tune_main(args) -> int:

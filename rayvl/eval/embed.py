@@ -30,11 +30,24 @@ import torch.distributed as dist
 
 from rayvl import assets
 from rayvl.checkpoints import load_model
-from rayvl.config import ConfigError
+from rayvl.config import EVAL_CPU_BATCH, EVAL_GPU_BATCH, ConfigError
 from rayvl.data.text import tokenize
 
 log = logging.getLogger("rayvl")
-DEVICE_EMBEDDINGS_BYTES = 256 << 20  # a local evaluation's image embeddings held on its device between copies back
+DEVICE_EMBEDDINGS_BYTES = 256 << 20  # an embedding model's image embeddings held on its device between copies back
+QUEUED_BATCHES = 2  # batches a GPU model may have queued and not finished: the host prepares the next meanwhile
+
+
+def batch_size(setting: int, gpu: bool, train_batch: int = 0) -> int:
+    """``eval.batch_size``, or where it is 0 (the default): ``EVAL_GPU_BATCH`` images a forward on a GPU and
+    ``EVAL_CPU_BATCH`` on a CPU — in training on a GPU, its rank's micro-batch, within those bounds (it held that
+    batch's activations for the backward: an inference forward of as many holds a fraction; open_clip evaluates
+    at its training batch)."""
+    if setting:
+        return setting
+    if not gpu:
+        return EVAL_CPU_BATCH
+    return max(EVAL_CPU_BATCH, min(EVAL_GPU_BATCH, train_batch)) if train_batch else EVAL_GPU_BATCH
 
 
 def to_device(tensor, device):
@@ -140,7 +153,10 @@ def inference(device: torch.device, dtype: torch.dtype | None = torch.bfloat16):
 class EmbeddingActor:
     """One warm model, reused for every image and every text of an evaluation: the checkpoint's model (built without
     a random init, rayvl.models.meta_init) on this actor's device — on a GPU: NHWC image tower, bf16 autocast,
-    batches copied from pinned memory without blocking, embeddings kept on the GPU and copied back once a call."""
+    batches copied from pinned memory without blocking (PyTorch's caching host allocator reuses the pinned blocks
+    once their copies are done), at most ``QUEUED_BATCHES`` forwards queued; the images' embeddings kept on the GPU
+    (``hold``) and copied back once every ``DEVICE_EMBEDDINGS_BYTES`` and at the end (``collect``), so the host never
+    waits for a batch and prepares the next one while the GPU runs this one."""
 
     def __init__(self, checkpoint: str, off: str = EVAL_GPUS_OFF, device: torch.device | None = None):
         self.device = device or actor_device(off)  # ``device``: a model in a process Ray did not start
@@ -149,6 +165,9 @@ class EmbeddingActor:
             self.model.to(self.device).vision.to_channels_last()
         self.tokenizer_path = str(assets.text_model_path(config["model"]["text"]))
         self.max_tokens = config["data"]["max_text_tokens"]
+        self.held: list[tuple[torch.Tensor, dict]] = []  # embeddings on the device and their rows' other columns
+        self.kept, self.back = 0, []  # the bytes held; what was copied back
+        self.queued: list = []  # a GPU's events, one a forward queued and maybe not finished
         self.warm_up(config["data"]["image_size"])
         self.ready_at = time.time()
 
@@ -170,12 +189,35 @@ class EmbeddingActor:
         return array_to_device(a, self.device)
 
     @torch.inference_mode()
-    def images(self, block) -> dict:
-        """The embeddings of one Ray Data block of images, and the block's other columns (index, or key, caption
-        and cls)."""
+    def images(self, block) -> int:
+        """One Ray Data block of images embedded and held (``hold``) with its other columns (index, or key,
+        caption and cls): its row count (``collect`` returns the embeddings)."""
         from ray.data.block import BlockAccessor
 
-        return self.embed(BlockAccessor.for_block(block).to_numpy())
+        embedding, columns = self.on_device(BlockAccessor.for_block(block).to_numpy())
+        self.hold(embedding, columns)
+        return len(embedding)
+
+    def hold(self, embedding: torch.Tensor, columns: dict) -> None:
+        """A batch's embeddings kept where they were computed, copied back with the others held once they hold
+        ``DEVICE_EMBEDDINGS_BYTES``; on a GPU, the host waits only for the batch ``QUEUED_BATCHES`` before it."""
+        self.held.append((embedding, columns))
+        self.kept += embedding.numel() * embedding.element_size()
+        if self.device.type == "cuda":
+            self.queued.append(torch.cuda.Event())
+            self.queued[-1].record()
+            if len(self.queued) > QUEUED_BATCHES:
+                self.queued.pop(0).synchronize()
+        if self.kept >= DEVICE_EMBEDDINGS_BYTES:
+            self.back += copied_back(self.held)
+            self.held, self.kept = [], 0
+
+    def collect(self) -> list[dict]:
+        """Every batch held since the last call, in the order held, as ``embed`` returns one: the embeddings
+        still on the device copied back in one copy."""
+        out, self.back = self.back + copied_back(self.held), []
+        self.held, self.kept, self.queued = [], 0, []
+        return out
 
     @torch.inference_mode()
     def embed(self, columns: dict[str, np.ndarray]) -> dict:
@@ -335,18 +377,21 @@ class ActorEmbedder:
         their data) to the actors in turn as Ray Data makes them — the reading starts at once, beside the actors'
         start — and holds at most ``in_flight_bytes`` of blocks sent and not yet embedded (one block an actor at
         least): past that it waits for an actor, and Ray Data, told what it holds (``BlockStream``), holds the
-        reading within its own budget, so a set larger than the object store streams through it."""
-        stream, parts, pending, sent = BlockStream(images), [], {}, 0
+        reading within its own budget, so a set larger than the object store streams through it. The actors keep
+        the embeddings (``EmbeddingActor.hold``) and return them all at the end, a copy back each."""
+        stream, pending, sent = BlockStream(images), {}, 0
         budget = in_flight_bytes()
         for ref, size in stream:
             while len(pending) >= len(self.actors) and stream.held + size > budget:
                 done, _ = ray.wait(list(pending), num_returns=1)
-                parts += ray.get(done)
+                ray.get(done)  # an actor's error, raised here
                 stream.release(pending.pop(done[0]))
             pending[self.actors[sent % len(self.actors)].images.remote(ref)] = size
             stream.hold(size)
             sent += 1
-        embeddings, self.rows = in_order(parts + ray.get(list(pending)))
+        ray.get(list(pending))
+        parts = [part for held in ray.get([a.collect.remote() for a in self.actors]) for part in held]
+        embeddings, self.rows = in_order(parts)
         return embeddings
 
     def texts(self, texts: list[str]) -> np.ndarray:
@@ -396,19 +441,13 @@ class LocalEmbedder:
     def images(self, batches) -> np.ndarray:
         """As ``ActorEmbedder.images``, of ``batches`` (a local_read.Batches): every row embedded, in order; the
         rows' other columns in ``rows``. The embeddings stay on the model's device and are copied back once every
-        ``DEVICE_EMBEDDINGS_BYTES``: on a GPU this process never waits for a batch's forward, and queues the next
-        batch's copy and forward while the GPU runs this one."""
+        ``DEVICE_EMBEDDINGS_BYTES`` (``EmbeddingActor.hold``): on a GPU this process never waits for a batch's
+        forward, and queues the next batch's copy and forward while the GPU runs this one."""
         reading = iter(batches)  # the loader's workers start here, before the model loads
         model = self.model()
-        parts, held, kept = [], [], 0
         for batch in reading:
-            embedding, columns = model.on_device(batch)
-            held.append((embedding, columns))
-            kept += embedding.numel() * embedding.element_size()
-            if kept >= DEVICE_EMBEDDINGS_BYTES:
-                parts += copied_back(held)
-                held, kept = [], 0
-        embeddings, self.rows = in_order(parts + copied_back(held))
+            model.hold(*model.on_device(batch))
+        embeddings, self.rows = in_order(model.collect())
         return embeddings
 
     def texts(self, texts: list[str]) -> np.ndarray:

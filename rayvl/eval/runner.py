@@ -26,6 +26,7 @@ from rayvl.data.report import create_report, release_reports, snapshot
 from rayvl.eval import data as eval_data
 from rayvl.eval import local_read
 from rayvl.eval.embed import ActorEmbedder, LocalEmbedder
+from rayvl.eval.embed import batch_size as embed_batch
 from rayvl.eval.tasks import SKIP_REASONS, evaluate
 
 log = logging.getLogger("rayvl")
@@ -113,8 +114,10 @@ def pool_size(actors: int, gpus_per_actor: float, cpus_per_actor: float) -> int:
 def settings(config: dict, **given) -> EvalConfig:
     """The checkpoint's ``eval`` section (the config's defaults where its run set nothing), with each value given
     (not None) in its place: ``actors``, ``cpus_per_actor``, ``gpus_per_actor``, ``batch_size``,
-    ``paraphrase_k``, ``loader_workers``."""
-    return replace(from_dict(config).eval, **{k: v for k, v in given.items() if v is not None})
+    ``paraphrase_k``, ``loader_workers`` — and the batch size by the actors' device where it is 0
+    (``embed.batch_size``)."""
+    pool = replace(from_dict(config).eval, **{k: v for k, v in given.items() if v is not None})
+    return replace(pool, batch_size=embed_batch(pool.batch_size, pool.gpus_per_actor > 0))
 
 
 def run_eval(checkpoint: str, tasks: list[str] | None = None, sources: Sources | None = None,
@@ -162,12 +165,13 @@ def start_embedder(uri: str, pool: EvalConfig, without_ray: bool) -> LocalEmbedd
     read), or the pool's actors (loading their model while the reading is planned and starts)."""
     if without_ray:
         embedder = LocalEmbedder(uri, pool.batch_size, torch.device("cuda" if pool.gpus_per_actor else "cpu"))
-        log.info(f"eval: one model in this process on {embedder.device.type}, "
+        log.info(f"eval: one model in this process on {embedder.device.type} ({pool.batch_size} images a forward), "
                  f"{local_read.loader_workers(pool.loader_workers)} loader worker(s) reading; no Ray")
         return embedder
     actors = pool_size(pool.actors, pool.gpus_per_actor, pool.cpus_per_actor)
     if pool.gpus_per_actor:
-        log.info(f"eval: {actors} embedding actor(s) of {pool.gpus_per_actor:g} GPU(s) each")
+        log.info(f"eval: {actors} embedding actor(s) of {pool.gpus_per_actor:g} GPU(s) each, "
+                 f"{pool.batch_size} images a forward")
     return ActorEmbedder(uri, actors, pool.cpus_per_actor, pool.batch_size, pool.gpus_per_actor)
 
 

@@ -12,7 +12,7 @@ import torch
 from rayvl.config import RayvlConfig, precision
 from rayvl.eval import knn
 from rayvl.eval.data import EvalData, from_batches
-from rayvl.eval.embed import ModelEmbedder
+from rayvl.eval.embed import ModelEmbedder, batch_size
 from rayvl.eval.tasks import evaluate as evaluate_tasks
 from rayvl.models.precision import autocast_dtype
 
@@ -36,7 +36,9 @@ def evaluate(model, data: EvalData, cfg: RayvlConfig, tokenizer_path: str, rank:
     # on a GPU, in the precision the run trains in: stage 0 keeps fp32 weights and trains them under autocast, which
     # its evaluation (and TOnICS's refresh, which reads it) now shares; ZeRO's bf16 / fp16 weights compute in their
     # dtype either way
-    embedder = ModelEmbedder(model, tokenizer_path, cfg.data.max_text_tokens, cfg.eval.batch_size, rank, world,
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    embedder = ModelEmbedder(model, tokenizer_path, cfg.data.max_text_tokens,
+                             batch_size(cfg.eval.batch_size, on_gpu, cfg.train.micro_batch_size), rank, world,
                              autocast_dtype(precision(cfg.train)))
     results, _ = evaluate_tasks(tasks or cfg.eval.tasks, data, embedder, cfg.eval.paraphrase_k)
     model.train(was_training)
