@@ -198,10 +198,16 @@ def test_an_evaluation_copies_its_image_embeddings_back_once(monkeypatch, demo_d
     assert np.array_equal(once, by_batch) and list(local.rows["key"]) == list(by_batch_rows["key"])
     actor = local.model()  # an actor's calls, on the blocks Ray Data would hand it
     read_back.clear()
-    assert [actor.images(BlockAccessor.batch_to_block(dict(b))) for b in batches()] == [16] * 4
+    blocks = [BlockAccessor.batch_to_block({**b, "cls": np.arange(len(b["key"]))}) for b in batches()]
+    assert [actor.images(block) for block in blocks] == [16] * 4
     assert read_back["cpu"] == 0 and len(actor.held) == 4
+    # what it holds is its own (a view of a block would keep the block, images and all, in Ray's object store)
+    assert all(values.flags.owndata for _, columns in actor.held for values in columns.values())
     collected, collected_rows = embed.in_order(actor.collect())
     assert read_back["cpu"] == 1 and not actor.held and actor.collect() == []
+    actor.images(BlockAccessor.batch_to_block(dict(next(iter(batches())))))
+    actor.drop()  # a pass that failed half-way: nothing of it in the next
+    assert actor.collect() == []
     assert np.array_equal(collected, by_batch) and list(collected_rows["key"]) == list(by_batch_rows["key"])
     monkeypatch.setattr(embed, "DEVICE_EMBEDDINGS_BYTES", 16 * 64 * 4)  # one batch's 16 embeddings of 64 floats
     read_back.clear()

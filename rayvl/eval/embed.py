@@ -35,7 +35,7 @@ from rayvl.data.text import tokenize
 
 log = logging.getLogger("rayvl")
 DEVICE_EMBEDDINGS_BYTES = 256 << 20  # an embedding model's image embeddings held on its device between copies back
-QUEUED_BATCHES = 2  # batches a GPU model may have queued and not finished: the host prepares the next meanwhile
+QUEUED_BATCHES = 2  # forwards a GPU model keeps queued before the host waits for the oldest: it prepares the next
 
 
 def batch_size(setting: int, gpu: bool, train_batch: int = 0) -> int:
@@ -154,9 +154,9 @@ class EmbeddingActor:
     """One warm model, reused for every image and every text of an evaluation: the checkpoint's model (built without
     a random init, rayvl.models.meta_init) on this actor's device — on a GPU: NHWC image tower, bf16 autocast,
     batches copied from pinned memory without blocking (PyTorch's caching host allocator reuses the pinned blocks
-    once their copies are done), at most ``QUEUED_BATCHES`` forwards queued; the images' embeddings kept on the GPU
-    (``hold``) and copied back once every ``DEVICE_EMBEDDINGS_BYTES`` and at the end (``collect``), so the host never
-    waits for a batch and prepares the next one while the GPU runs this one."""
+    once their copies are done); the images' embeddings kept on the GPU (``hold``) and copied back once every
+    ``DEVICE_EMBEDDINGS_BYTES`` and at the end (``collect``), so the host never waits for the batch it queued: it
+    prepares the next one while the GPU runs it, and waits only for the forward ``QUEUED_BATCHES`` before."""
 
     def __init__(self, checkpoint: str, off: str = EVAL_GPUS_OFF, device: torch.device | None = None):
         self.device = device or actor_device(off)  # ``device``: a model in a process Ray did not start
@@ -195,7 +195,9 @@ class EmbeddingActor:
         from ray.data.block import BlockAccessor
 
         embedding, columns = self.on_device(BlockAccessor.for_block(block).to_numpy())
-        self.hold(embedding, columns)
+        # copies: a column read from the block is a view of its memory in the object store, which Ray then keeps,
+        # the images with it, for as long as the view lives
+        self.hold(embedding, {name: np.array(values) for name, values in columns.items()})
         return len(embedding)
 
     def hold(self, embedding: torch.Tensor, columns: dict) -> None:
@@ -204,13 +206,17 @@ class EmbeddingActor:
         self.held.append((embedding, columns))
         self.kept += embedding.numel() * embedding.element_size()
         if self.device.type == "cuda":
-            self.queued.append(torch.cuda.Event())
+            self.queued.append(torch.cuda.Event(blocking=True))  # a wait that sleeps: the read tasks share the CPUs
             self.queued[-1].record()
             if len(self.queued) > QUEUED_BATCHES:
                 self.queued.pop(0).synchronize()
         if self.kept >= DEVICE_EMBEDDINGS_BYTES:
             self.back += copied_back(self.held)
             self.held, self.kept = [], 0
+
+    def drop(self) -> None:
+        """Forget what is held: an embedding pass that failed half-way leaves none of its rows to the next."""
+        self.held, self.kept, self.back, self.queued = [], 0, [], []
 
     def collect(self) -> list[dict]:
         """Every batch held since the last call, in the order held, as ``embed`` returns one: the embeddings
@@ -300,6 +306,7 @@ def pool_options(actors: int, cpus_per_actor: float, gpus_per_actor: float = 0.0
 TEXT_BATCH = 4  # texts embed in batches this many times an image batch: a text costs a fraction of an image
 IN_FLIGHT_BYTES = 512 << 20  # decoded images read ahead of the actors: what an eval holds, however large its set
 STORE_SHARE_IN_FLIGHT = 4  # ... and at most this fraction of the object store: Ray Data reads within the rest
+BLOCKS_AHEAD = 2  # blocks an actor has sent whatever their bytes: the next is there when it ends one
 
 
 def in_flight_bytes() -> int:
@@ -375,14 +382,15 @@ class ActorEmbedder:
         """Embeddings of every row of ``images``, ordered by its ``index`` column (0..N-1) or else by ``key``;
         the rows' other columns, in the same order, in ``rows``. The driver hands the blocks' references (never
         their data) to the actors in turn as Ray Data makes them — the reading starts at once, beside the actors'
-        start — and holds at most ``in_flight_bytes`` of blocks sent and not yet embedded (one block an actor at
-        least): past that it waits for an actor, and Ray Data, told what it holds (``BlockStream``), holds the
+        start — and holds at most ``in_flight_bytes`` of blocks sent and not yet embedded (``BLOCKS_AHEAD``
+        blocks an actor at least, the next one there while it embeds one): past that it waits for an actor, and Ray Data, told what it holds (``BlockStream``), holds the
         reading within its own budget, so a set larger than the object store streams through it. The actors keep
         the embeddings (``EmbeddingActor.hold``) and return them all at the end, a copy back each."""
+        ray.get([a.drop.remote() for a in self.actors])
         stream, pending, sent = BlockStream(images), {}, 0
         budget = in_flight_bytes()
         for ref, size in stream:
-            while len(pending) >= len(self.actors) and stream.held + size > budget:
+            while len(pending) >= BLOCKS_AHEAD * len(self.actors) and stream.held + size > budget:
                 done, _ = ray.wait(list(pending), num_returns=1)
                 ray.get(done)  # an actor's error, raised here
                 stream.release(pending.pop(done[0]))
@@ -441,10 +449,11 @@ class LocalEmbedder:
     def images(self, batches) -> np.ndarray:
         """As ``ActorEmbedder.images``, of ``batches`` (a local_read.Batches): every row embedded, in order; the
         rows' other columns in ``rows``. The embeddings stay on the model's device and are copied back once every
-        ``DEVICE_EMBEDDINGS_BYTES`` (``EmbeddingActor.hold``): on a GPU this process never waits for a batch's
-        forward, and queues the next batch's copy and forward while the GPU runs this one."""
+        ``DEVICE_EMBEDDINGS_BYTES`` (``EmbeddingActor.hold``): on a GPU this process does not wait for the forward
+        it queued, and queues the next batch's copy and forward while the GPU runs it."""
         reading = iter(batches)  # the loader's workers start here, before the model loads
         model = self.model()
+        model.drop()
         for batch in reading:
             model.hold(*model.on_device(batch))
         embeddings, self.rows = in_order(model.collect())

@@ -170,8 +170,7 @@ def start_embedder(uri: str, pool: EvalConfig, without_ray: bool) -> LocalEmbedd
         return embedder
     actors = pool_size(pool.actors, pool.gpus_per_actor, pool.cpus_per_actor)
     if pool.gpus_per_actor:
-        log.info(f"eval: {actors} embedding actor(s) of {pool.gpus_per_actor:g} GPU(s) each, "
-                 f"{pool.batch_size} images a forward")
+        log.info(f"eval: {actors} embedding actor(s) of {pool.gpus_per_actor:g} GPU(s) each")
     return ActorEmbedder(uri, actors, pool.cpus_per_actor, pool.batch_size, pool.gpus_per_actor)
 
 

@@ -19,8 +19,8 @@
    once), faiss every other index and on CPU.
 4. Output: per rule one img2dataset-layout shard per unit, ``<out>/<rule>/<unit>.tar|.parquet|_stats.json``,
    caption in ``txt``, rule, words, neighbours' keys and scores in ``json`` (with ``"pseudo_bow": true``, so a
-   BoW run trains on the pseudo caption as it is). Written by the labeller's finisher (``Finisher``: an actor of
-   its own on Ray, ``labelled``), stats file last:
+   BoW run trains on the pseudo caption as it is). Written by the labeller's finishers (``Finisher``: actors of
+   its own on Ray, one for each six CPUs of a GPU labeller, ``labelled``), stats file last:
    not a Ray Datasink, whose write tasks get blocks without regard to input shards — resuming at shard
    granularity needs a shard to be one unit of work, written whole or not at all. A rerun skips units whose
    every rule's stats file exists; ``<out>/pseudo_label.json`` holds the job's fingerprint, and a rerun with
@@ -434,8 +434,8 @@ class Labeler:
 class Finisher:
     """Writes a labelled unit ([BoW] §2.3): each decodable image's retrieved captions' words counted, ranked by each
     rule of ``data.word_rank``, and one img2dataset shard written per rule, its stats file last. In the labeller's
-    process where it labels alone (``Labeler.label``: without Ray); on Ray an actor of its own for each labeller
-    (``Labellers``), so that the labeller's one interpreter — whose lock its crop threads share — only reads,
+    process where it labels alone (``Labeler.label``: without Ray); on Ray actors of the labeller's own
+    (``Labellers``, ``finishers_per_labeller``), so that the labeller's one interpreter — whose lock its crop threads share — only reads,
     prepares, embeds and searches while its units before are written here. Loads the caption pool and S_a's
     document frequencies (``df``, None: ``index_dir``'s word statistics) from ``index_dir`` at its first unit."""
 
@@ -676,20 +676,23 @@ class Labellers:
         self.actors, self.finishers, self.here = [], [], None
 
 
-WRITES_AHEAD = 2  # units a labeller may have found beyond those each of its finishers has written
+WRITES_AHEAD = 2  # units a labeller's finisher may hold handed and not yet written
 
 
 def labelled(todo: list[Unit], labellers: list, finishers: list[list], ahead: int = WRITES_AHEAD):
     """Each unit's counts as its finisher ends it. Labeller i finds one unit's samples and retrievals at a time
-    (``Labeler.retrieve``, the next unit as soon as it is free) and its finishers (``finishers[i]``) write them in
-    turn (``Finisher.write``), reading what the labeller returned from Ray's object store: the driver passes the
-    reference on, so a unit's images never pass through it, and it owns every result — a write outlives the
-    labeller that found its unit, and Ray redoes a write whose finisher died. A labeller with ``ahead`` units
-    unwritten a finisher waits for them, so the object store holds at most that many units' images a finisher."""
+    (``Labeler.retrieve``, the next unit as soon as it is free) and its finishers (``finishers[i]``) write them
+    (``Finisher.write``), each unit handed to the one with the fewest units unwritten (ties in turn: units are
+    shards of uneven size, and a finisher on a large one takes no more meanwhile), reading what the labeller
+    returned from Ray's object store: the driver passes the reference on, so a unit's images never pass through it,
+    and it owns every result — a write outlives the labeller that found its unit, and Ray redoes a write whose
+    finisher died. A labeller whose every finisher holds ``ahead`` units unwritten waits for one, so the object
+    store holds at most that many units' images a finisher."""
     units = iter(todo)
     finding: dict = {}  # a retrieve's result → its labeller
-    writing: dict = {}  # a write's result → its labeller
-    unwritten, waiting, handed = [0] * len(labellers), set(), [0] * len(labellers)
+    writing: dict = {}  # a write's result → (its labeller, its finisher's place among the labeller's)
+    load = [[0] * len(own) for own in finishers]  # each finisher's units handed and not yet written
+    waiting, handed = set(), [0] * len(labellers)
 
     def find(i: int) -> None:
         unit = next(units, None)
@@ -705,18 +708,19 @@ def labelled(todo: list[Unit], labellers: list, finishers: list[list], ahead: in
         (done,), _ = ray.wait([*finding, *writing], num_returns=1, fetch_local=False)
         if done in finding:
             i = finding.pop(done)
-            own = finishers[i]
-            # resolved in the finisher, never fetched here
-            writing[own[handed[i] % len(own)].write.remote(done)] = i
+            n = len(finishers[i])
+            j = min(range(n), key=lambda j: (load[i][j], (j - handed[i]) % n))
+            writing[finishers[i][j].write.remote(done)] = (i, j)  # resolved in the finisher, never fetched here
             handed[i] += 1
-            unwritten[i] += 1
-            if unwritten[i] < ahead * len(own):
+            load[i][j] += 1
+            # each unit went to a least loaded finisher, so none holds more than ``ahead``: all do at the total
+            if sum(load[i]) < ahead * n:
                 find(i)
             else:
                 waiting.add(i)
         else:
-            i = writing.pop(done)
-            unwritten[i] -= 1
+            i, j = writing.pop(done)
+            load[i][j] -= 1
             if i in waiting:
                 waiting.discard(i)
                 find(i)
