@@ -431,7 +431,7 @@ def test_a_gpu_labeller_gives_one_of_its_cpus_to_its_writer_and_the_dry_run_says
     assert labellers_line(gpu) == ("  2 labelling actors of {CPU: 6, GPU: 1}, each with an actor writing its shards of "
                                    "{CPU: 1}")
     node = load_config(None, ["pseudo_label.cpus_per_actor=15", "pseudo_label.gpus_per_actor=1", "ray_address=auto"])
-    assert labellers_line(node).endswith("of {CPU: 13, GPU: 1}, each with 2 actors writing its shards in turn, of "
+    assert labellers_line(node).endswith("of {CPU: 13, GPU: 1}, each with 2 actors writing its shards, of "
                                          "{CPU: 1} each")
     cpu = load_config(None, ["pseudo_label.actors=2", "pseudo_label.cpus_per_actor=2"])
     assert labellers_line(cpu) == "  2 labelling actors of {CPU: 2}, each with an actor writing its shards of {CPU: 0}"

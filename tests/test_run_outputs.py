@@ -351,7 +351,8 @@ def test_rayvl_eval_refuses_unknown_tasks_and_pool_settings_naming_them(demo_dir
                               "(more GPUs: more --actors)"),
             (["--batch-size", "-1"], sizes), (["--workers", "-1"], sizes),
             # --set takes the checkpoint's eval.* settings (issue 56, defect 8), checked as the flags are
-            (["--set", "eval.batch_size=-1"], "rayvl: error: eval.batch_size: must be ≥ 0 (0: by the device), got -1"),
+            (["--set", "eval.batch_size=-1"],
+             "rayvl: error: eval.batch_size: must be ≥ 0 (0: by the device), got -1"),
             (["--set", "eval.checkpoint_tasks=[zeroshot, bogus]"], "rayvl: error: eval.checkpoint_tasks: unknown "
                                                                    "['bogus'] (known: zeroshot, retrieval, paraphrase, "
                                                                    "sts, linear_probe)"),

@@ -133,8 +133,8 @@ def _eval_parser(sub) -> None:
                    help="without Ray (see --actors): the loader processes that read and decode (0: this machine's "
                         f"CPUs − 1; default: eval.loader_workers, {d.loader_workers})")
     e.add_argument("--batch-size", type=int, default=None,
-                   help=f"images per actor call, texts 4× as many (0: {EVAL_GPU_BATCH:,} on a GPU, {EVAL_CPU_BATCH} on CPU; "
-                        f"default: eval.batch_size, {d.batch_size})")
+                   help=f"images per actor call, texts 4× as many (0: {EVAL_GPU_BATCH:,} on a GPU, "
+                        f"{EVAL_CPU_BATCH} on CPU; default: eval.batch_size, {d.batch_size})")
     e.add_argument("--k", type=int, default=None, help=f"k of AO@k / JS@k (default: eval.paraphrase_k, "
                                                        f"{d.paraphrase_k})")
     e.add_argument("--limit", type=int, default=0, help="use only the first N Fashion-MNIST images (default: all)")

@@ -221,8 +221,8 @@ class EmbeddingActor:
     def collect(self) -> list[dict]:
         """Every batch held since the last call, in the order held, as ``embed`` returns one: the embeddings
         still on the device copied back in one copy."""
-        out, self.back = self.back + copied_back(self.held), []
-        self.held, self.kept, self.queued = [], 0, []
+        out = self.back + copied_back(self.held)
+        self.drop()
         return out
 
     @torch.inference_mode()
@@ -383,9 +383,10 @@ class ActorEmbedder:
         the rows' other columns, in the same order, in ``rows``. The driver hands the blocks' references (never
         their data) to the actors in turn as Ray Data makes them — the reading starts at once, beside the actors'
         start — and holds at most ``in_flight_bytes`` of blocks sent and not yet embedded (``BLOCKS_AHEAD``
-        blocks an actor at least, the next one there while it embeds one): past that it waits for an actor, and Ray Data, told what it holds (``BlockStream``), holds the
-        reading within its own budget, so a set larger than the object store streams through it. The actors keep
-        the embeddings (``EmbeddingActor.hold``) and return them all at the end, a copy back each."""
+        blocks an actor at least, the next one there while it embeds one): past that it waits for an actor, and
+        Ray Data, told what it holds (``BlockStream``), holds the reading within its own budget, so a set larger
+        than the object store streams through it. The actors keep the embeddings (``EmbeddingActor.hold``) and
+        return them all at the end, a copy back each."""
         ray.get([a.drop.remote() for a in self.actors])
         stream, pending, sent = BlockStream(images), {}, 0
         budget = in_flight_bytes()

@@ -115,7 +115,7 @@ def labellers_line(cfg: RayvlConfig) -> str:
     return (f"  {who} of {{CPU: {x.cpus_per_actor - writing * writers:g}"
             + (f", GPU: {x.gpus_per_actor:g}" if x.gpus_per_actor else "")
             + (f"}}, each with an actor writing its shards of {{CPU: {writing:g}}}" if writers == 1 else
-               f"}}, each with {writers} actors writing its shards in turn, of {{CPU: {writing:g}}} each"))
+               f"}}, each with {writers} actors writing its shards, of {{CPU: {writing:g}}} each"))
 
 
 def describe_pseudo_label(cfg: RayvlConfig) -> str:
