@@ -149,11 +149,20 @@ def describe(cfg: RayvlConfig, given: frozenset[str] = frozenset()) -> str:
               f"  engine: {engine_line(planned.layout, t.zero_stage)}",
               f"  Ray Data read tasks of data.read_cpus={d.read_cpus:g} CPU each, {d.read_threads} transform threads, "
               f"I/O: {d.io_retries} retries, unreadable shards: {d.unreadable_shards}",
+              f"  images decoded {decode_words(d.decode, t.use_gpu)} (data.decode={d.decode})",
               "storage:",
               f"  run directory {storage.join(store, name)}"
               + (" (continued from its latest checkpoint)" if t.resume else ""),
               f"  checkpoint every {t.checkpoint_every:,} steps, {t.checkpoints_to_keep} kept"]
     return "\n".join(lines)
+
+
+def decode_words(decode: str, gpu: bool) -> str:
+    """Where the training images are decoded, said in the dry run."""
+    if decode == "cpu":
+        return "and cropped in the read tasks"
+    where = "each worker's GPU (nvJPEG)" if gpu else "each worker (Pillow: no GPU)"
+    return f"by {where}: the read tasks send JPEGs' bytes with their crop boxes, other formats decoded"
 
 
 def engine_line(layout, stage) -> str:

@@ -203,11 +203,12 @@ def test_an_evaluation_copies_its_image_embeddings_back_once(monkeypatch, demo_d
     assert read_back["cpu"] == 0 and len(actor.held) == 4
     # what it holds is its own (a view of a block would keep the block, images and all, in Ray's object store)
     assert all(values.flags.owndata for _, columns in actor.held for values in columns.values())
-    collected, collected_rows = embed.in_order(actor.collect())
-    assert read_back["cpu"] == 1 and not actor.held and actor.collect() == []
+    held, dropped = actor.collect()
+    collected, collected_rows = embed.in_order(held)
+    assert read_back["cpu"] == 1 and not actor.held and not dropped and actor.collect() == ([], {})
     actor.images(BlockAccessor.batch_to_block(dict(next(iter(batches())))))
     actor.drop()  # a pass that failed half-way: nothing of it in the next
-    assert actor.collect() == []
+    assert actor.collect() == ([], {})
     assert np.array_equal(collected, by_batch) and list(collected_rows["key"]) == list(by_batch_rows["key"])
     monkeypatch.setattr(embed, "DEVICE_EMBEDDINGS_BYTES", 16 * 64 * 4)  # one batch's 16 embeddings of 64 floats
     read_back.clear()

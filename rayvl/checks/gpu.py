@@ -23,6 +23,9 @@ Every training case is a short run on the embedded demo dataset at 224 px with a
   keys until there are that many) with zero2's model, its actors on GPUs, its exact caption index searched there;
 - eval: ``rayvl eval --gpus 1`` of zero2's run joined to the check's Ray (as on a cluster: GPU actors fed by Ray
   Data), retrieval over ``--eval-images`` held-out images (copied likewise): images/s once running, not start-up;
+  its actors decode the JPEGs on their GPU (eval.decode: auto);
+- eval_cpu_decode: the same with ``--decode cpu`` (Ray Data's read tasks decode), its retrieval metrics within 1
+  point of the eval case's where that ran;
 - eval_here: the same command with no cluster named (one model in the command's process fed by a local loader, no
   Ray: what one machine runs);
 - compile: zero2 through ``torch.compile`` (inductor), not in the default cases;
@@ -726,12 +729,34 @@ def eval_here_case(check: Check, case: Case, outcome: Outcome) -> None:
     evaluate(check, outcome, joined=False)
 
 
-def evaluate(check: Check, outcome: Outcome, joined: bool) -> None:
-    out = check.storage / ("eval" if joined else "eval-here")
+def eval_cpu_decode_case(check: Check, case: Case, outcome: Outcome) -> None:
+    """`rayvl eval --gpus 1 --decode cpu` joined to the check's Ray: Ray Data's read tasks decode the JPEGs, as
+    before eval.decode; with the eval case's results beside it, its retrieval metrics within a point of those of
+    the JPEGs the GPU decoded (the tolerance docs/concepts.md states)."""
+    evaluate(check, outcome, joined=True, decode="cpu")
+    gpu_decoded = check.storage / "eval" / "eval.json"
+    if not gpu_decoded.exists():
+        return
+    theirs = json.loads(gpu_decoded.read_text()).get("retrieval", {})
+    ours = json.loads((check.storage / "eval-decode-cpu" / "eval.json").read_text()).get("retrieval", {})
+    apart = max((abs(ours[k] - v) for k, v in theirs.items() if k in ours and isinstance(v, float)), default=0.0)
+    outcome.notes += f"; retrieval metrics at most {apart:.2f} points from the eval case's (decoded by its GPU)"
+    if apart > DECODE_TOLERANCE_POINTS:
+        raise CaseFailed(f"retrieval {apart:.2f} points from the GPU-decoded eval's (tolerance "
+                         f"{DECODE_TOLERANCE_POINTS:g})")
+
+
+DECODE_TOLERANCE_POINTS = 1.0  # retrieval R@k, in points, between JPEGs decoded by the GPU and by Pillow
+DECODED_BY = re.compile(r"JPEGs were decoded by (.+)")
+
+
+def evaluate(check: Check, outcome: Outcome, joined: bool, decode: str = "") -> None:
+    out = check.storage / (("eval" if joined else "eval-here") + (f"-decode-{decode}" if decode else ""))
     scale = []
     if check.args.eval_images:  # retrieval over that many held-out images: the embedding's rate once running
         data = copied_shards(demo_shards("eval"), check.args.eval_images, check.storage / "eval-images")
         scale = ["--data", data, "--kind", "shards", "--tasks", "retrieval"]
+    scale += ["--decode", decode] if decode else []
     proc = run_cli(check, ["eval", base_run(check), "--gpus", "1", "--out", str(out), *scale], joined=joined)
     if proc.returncode:
         raise CaseFailed(cli_failure(proc, "--gpus"))
@@ -747,6 +772,8 @@ def evaluate(check: Check, outcome: Outcome, joined: bool) -> None:
                       f"{'on the GPU' if on_gpu else 'not on a GPU'}, no Ray") +
                      (f"; zero-shot top-1 {round(top1, 1)}% (zero2's {check.steps} steps from random init)"
                       if top1 is not None else ""))
+    decoded_by = DECODED_BY.search(proc.stderr)
+    outcome.notes += f"; JPEGs decoded by {decoded_by.group(1)}" if decoded_by else "; JPEGs decoded by the read tasks"
     outcome.run_dir = str(out)
     if not on_gpu:
         raise CaseFailed("evaluated, but no embedding actor reported a GPU" if joined else
@@ -774,6 +801,8 @@ CASES = [
          lambda c: ["train.zero_stage=0", "memory_bank.size=8192", NO_EVAL]),
     Case("pseudo_label", "rayvl pseudo-label, GPU actors searching the caption pool on their GPU", pseudo_label_case),
     Case("eval", "rayvl eval --gpus 1 of zero2's run, joined to a Ray: GPU actors", eval_case),
+    Case("eval_cpu_decode", "rayvl eval --gpus 1 --decode cpu, joined: the read tasks decode the JPEGs",
+         eval_cpu_decode_case),
     Case("eval_here", "rayvl eval --gpus 1 of zero2's run on this machine: one model in its process, no Ray",
          eval_here_case),
     Case("compile", "zero2 through torch.compile (inductor)", train_case, "laion_adapt",
@@ -808,7 +837,7 @@ def run_case(check: Check, case: Case) -> Outcome:
     return outcome
 
 
-NOT_TRAINING = ("eval", "eval_here", "pseudo_label")  # cases whose rate is images embedded or labelled
+NOT_TRAINING = ("eval", "eval_cpu_decode", "eval_here", "pseudo_label")  # cases whose rate is images embedded or labelled
 
 
 def compare_to_bare(outcomes: list[Outcome]) -> None:

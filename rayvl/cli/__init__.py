@@ -135,6 +135,10 @@ def _eval_parser(sub) -> None:
     e.add_argument("--batch-size", type=int, default=None,
                    help=f"images per actor call, texts 4× as many (0: {EVAL_GPU_BATCH:,} on a GPU, "
                         f"{EVAL_CPU_BATCH} on CPU; default: eval.batch_size, {d.batch_size})")
+    e.add_argument("--decode", default=None, choices=["auto", "cpu", "device"],
+                   help="where held-out shards' JPEGs are decoded: cpu (Ray Data's read tasks, or the loader's "
+                        "workers), device (the embedding model's GPU, by nvJPEG: the read tasks keep them encoded), "
+                        f"auto (the device where the model has a GPU; default: eval.decode, {d.decode})")
     e.add_argument("--k", type=int, default=None, help=f"k of AO@k / JS@k (default: eval.paraphrase_k, "
                                                        f"{d.paraphrase_k})")
     e.add_argument("--limit", type=int, default=0, help="use only the first N Fashion-MNIST images (default: all)")
@@ -202,7 +206,8 @@ def eval_main(args) -> int:
         ckpt = checkpoint_uri(find_run(args.run))  # a path or a URL (s3://, gs://, ...), a run's name, latest
         config = read_meta(ckpt)["config"]
         flags = dict(actors=args.actors, cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus,
-                     batch_size=args.batch_size, paraphrase_k=args.k, loader_workers=args.workers)
+                     batch_size=args.batch_size, paraphrase_k=args.k, loader_workers=args.workers,
+                     decode=args.decode)
         pool = settings(config, **{**_eval_sets(args.set), **{k: v for k, v in flags.items() if v is not None}})
         tasks = _tasks(args.tasks, pool)
         _check_pool(pool)
@@ -217,7 +222,7 @@ def eval_main(args) -> int:
     results = gpu_errors_in_one_line(lambda: run_eval(
         ckpt, tasks, sources, args.out or None, actors=pool.actors, cpus_per_actor=pool.cpus_per_actor,
         batch_size=pool.batch_size, k=pool.paraphrase_k, limit=args.limit, gpus_per_actor=gpus,
-        without_ray=without_ray, loader_workers=pool.loader_workers))
+        without_ray=without_ray, loader_workers=pool.loader_workers, decode=pool.decode))
     if results is None:
         return 1
     print(f"checkpoint {ckpt}\ndata {sources.data} ({sources.kind})")

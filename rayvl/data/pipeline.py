@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rayvl import assets
+from rayvl.data import encoded_jpegs
+from rayvl.data.encoded_jpegs import PIXELS
 from rayvl.data.images import decode_and_crop
 from rayvl.data.parts import RowTransform, Sample
 from rayvl.data.position import unit_of
@@ -24,7 +26,7 @@ from rayvl.data.text import tokenize, validate_caption
 if TYPE_CHECKING:
     from rayvl.config import RayvlConfig
 
-# the model inputs a training iterator takes (keys and captions are strings and stay behind)
+# the model inputs a training step takes (keys and captions are strings and stay behind)
 TRAIN_COLUMNS = ["image", "input_ids", "attention_mask", "label"]
 UNLABELLED = -1  # the label of a row no transform labels: the training loop gives each such row a unique one
 FORMATS = {"jpeg": "jpg"}  # image member extensions counted as another's format
@@ -48,13 +50,17 @@ class Rows:
     """with the row's key and pass, the seed of its crop and of every draw a transform makes (data/seeding.py)."""
     transforms: tuple[RowTransform, ...] = ()
     """the enabled methods' row transforms, in the order they apply."""
+    decode: str = "cpu"
+    """where images are decoded: "cpu" here, into ``image``; "device" where they are used — a JPEG the device
+    takes kept encoded with its crop box, in ``image_bytes`` and ``image_box`` (data/encoded_jpegs.py, rayvl/device_decode.py)."""
 
     @classmethod
     def of(cls, cfg: RayvlConfig, train: bool, transforms: tuple[RowTransform, ...] = ()) -> Rows:
         """The rows ``cfg``'s data settings make, with ``transforms``."""
         d = cfg.data
+        # the held-out rows of a training run are embedded by ModelEmbedder, which takes decoded images
         return cls(d.image_size, d.crop_scale_min, train, str(assets.text_model_path(cfg.model.text)),
-                   d.max_text_tokens, cfg.train.seed, tuple(transforms))
+                   d.max_text_tokens, cfg.train.seed, tuple(transforms), d.decode if train else "cpu")
 
     @property
     def columns(self) -> dict[str, int]:
@@ -95,7 +101,7 @@ def preprocess(batch: dict, counts: Counter, rows: Rows) -> dict:
         text, reason = _caption(rows, txt, sample, counts)
         image = None
         if not reason:
-            image, reason = _image(img, rows.image_size, rows.crop_scale_min if rows.train else None, sample.rng)
+            image, reason = _image(img, rows, sample.rng)
         if reason:
             counts[reason] += 1
             continue
@@ -118,12 +124,35 @@ def preprocess_columns(batch: dict, counts: Counter, rows: Rows, columns: list[s
 
 
 def model_inputs(images: list, captions: list[str], keys: list[str], rows: Rows) -> dict:
-    """Stacked uint8 images, fixed-length token ids and mask, keys and captions (no label: the caller's column)."""
+    """Stacked uint8 images (or, decoded on the device, their bytes and boxes: ``image_columns``), fixed-length
+    token ids and mask, keys and captions (no label: the caller's column)."""
     ids, mask = tokenize(captions, rows.tokenizer_path, rows.max_tokens)
-    size = rows.image_size
-    return {"image": np.stack(images) if images else np.zeros((0, 3, size, size), np.uint8),
-            "input_ids": ids, "attention_mask": mask, "key": np.array(keys, dtype=object),
+    return {**image_columns(images, rows), "input_ids": ids, "attention_mask": mask, "key": np.array(keys, dtype=object),
             "caption": np.array(captions, dtype=object)}
+
+
+def image_columns(images: list, rows: Rows) -> dict:
+    """The image columns of rows: ``image``, uint8 (n, 3, S, S); decoded on the device, ``image_bytes`` and
+    ``image_box`` (encoded_jpegs.prepare's pairs; an image decoded already, as a method's stream makes them,
+    travels as its pixels)."""
+    if rows.decode == "device":
+        pairs = [(i.tobytes(), (PIXELS,) * 4) if isinstance(i, np.ndarray) else i for i in images]
+        data = np.empty(len(pairs), dtype=object)  # bytes a row: np.array would make one fixed-width string array
+        data[:] = [d for d, _ in pairs]
+        return {"image_bytes": data, "image_box": np.array([b for _, b in pairs], np.int64).reshape(-1, 4)}
+    size = rows.image_size
+    return {"image": np.stack(images) if images else np.zeros((0, 3, size, size), np.uint8)}
+
+
+def image_column_names(rows: Rows) -> list[str]:
+    """The columns ``image_columns`` makes."""
+    return read_columns(rows.decode)[:-3]
+
+
+def read_columns(decode: str) -> list[str]:
+    """The model inputs a training iterator takes from the read tasks: ``TRAIN_COLUMNS``, the image as ``decode``
+    (data.decode) has it — the device decodes it into ``image`` (rayvl.train.batches.DeviceCopy)."""
+    return (list(encoded_jpegs.COLUMNS) if decode == "device" else ["image"]) + TRAIN_COLUMNS[1:]
 
 
 def _caption(rows: Rows, raw, sample: Sample, counts: Counter) -> tuple[str, str | None]:
@@ -151,11 +180,14 @@ def _expanded(rows: Rows, text: str, sample: Sample, counts: Counter) -> list[di
     return values
 
 
-def _image(img: bytes | None, size: int, scale_min: float | None,
-           rng: np.random.Generator | None) -> tuple[np.ndarray | None, str | None]:
+def _image(img: bytes | None, rows: Rows, rng: np.random.Generator | None) -> tuple[object, str | None]:
+    """The row's image — its uint8 crop, or for the device its bytes and crop box (encoded_jpegs.prepare) —, or
+    None and the reason it is dropped."""
     if img is None:
         return None, "dropped_missing_image"
-    image = decode_and_crop(img, size, scale_min, rng)
+    scale_min = rows.crop_scale_min if rows.train else None
+    prepare = encoded_jpegs.prepare if rows.decode == "device" else decode_and_crop
+    image = prepare(img, rows.image_size, scale_min, rng)
     return image, None if image is not None else "dropped_corrupt_image"
 
 

@@ -21,7 +21,7 @@ import ray
 from rayvl.data import fashion_mnist
 from rayvl.data.images import decode_and_crop
 from rayvl.data.prompts import read_class_file, templates
-from rayvl.data.pipeline import Rows
+from rayvl.data.pipeline import Rows, image_column_names
 from rayvl.data.shard_read import readers_per_shard
 from rayvl.data.shards import Reading, read_shards
 from rayvl.data.specs import resolve_shards
@@ -95,32 +95,36 @@ def from_batches(batches: list[dict]) -> EvalData:
     return EvalData(cols["image"][order], 0, np.zeros(0, np.int64)).with_rows({c: cols[c][order] for c in cols})
 
 
-SHARD_COLUMNS = ["key", "caption", "cls", "image"]
+SHARD_COLUMNS = ["key", "caption", "cls"]  # and the image's (pipeline.image_column_names)
 
 
 def load_shards(spec: str, image_size: int, tokenizer_path: str, max_tokens: int, read_cpus: float,
-                report_name: str | None = None, threads: int = 1, batch_size: int = 64) -> EvalData:
-    """The held-out shards as a stream of decoded rows (columns key, caption, cls, image), read as they are
-    embedded and never held whole: its size, labels, captions and keys come with the rows' embeddings
-    (``with_rows``), in blocks of ``batch_size`` rows. Fewer shards than the cluster's CPUs hold read tasks are
-    read by several tasks each (``shard_read.readers_per_shard``). Dropped samples are counted in the DataReport
-    ``report_name`` (created by the caller)."""
+                report_name: str | None = None, threads: int = 1, batch_size: int = 64,
+                decode: str = "cpu") -> EvalData:
+    """The held-out shards as a stream of rows (columns key, caption, cls and the image: decoded, or for
+    ``decode`` "device" a JPEG's bytes and box), read as they are embedded and never held whole: its size,
+    labels, captions and keys come with the rows' embeddings (``with_rows``), in blocks of ``batch_size`` rows.
+    Fewer shards than the cluster's CPUs hold read tasks are read by several tasks each
+    (``shard_read.readers_per_shard``). Dropped samples are counted in the DataReport ``report_name`` (created by
+    the caller)."""
     paths = resolve_shards(spec)
     readers = readers_per_shard(paths, read_cpus, ray.cluster_resources().get("CPU", 1.0))
     reading = Reading(read_cpus=read_cpus, batch_size=batch_size, threads=threads, report_name=report_name,
                       readers_per_shard=readers)
-    ds = read_shards(paths, Rows(image_size, 1.0, False, tokenizer_path, max_tokens), reading, SHARD_COLUMNS)
+    rows = Rows(image_size, 1.0, False, tokenizer_path, max_tokens, decode=decode)
+    ds = read_shards(paths, rows, reading, SHARD_COLUMNS + image_column_names(rows))
     return EvalData(ds, 0, np.zeros(0, np.int64))
 
 
 def local_shards(spec: str, image_size: int, tokenizer_path: str, max_tokens: int, workers: int = 0,
-                 batch_size: int = 64) -> EvalData:
+                 batch_size: int = 64, decode: str = "cpu") -> EvalData:
     """``load_shards`` without Ray: the held-out shards streamed by a local loader's ``workers`` processes
     (rayvl.eval.local_read; 0 = CPUs − 1, one thread each: the processes fill the CPUs), the samples they drop
     counted in ``images.counts``."""
-    rows = Rows(image_size, 1.0, False, tokenizer_path, max_tokens)
+    rows = Rows(image_size, 1.0, False, tokenizer_path, max_tokens, decode=decode)
     reading = Reading(batch_size=batch_size)
-    images = local_read.shard_batches(resolve_shards(spec), rows, reading, SHARD_COLUMNS, workers)
+    images = local_read.shard_batches(resolve_shards(spec), rows, reading, SHARD_COLUMNS + image_column_names(rows),
+                                      workers)
     return EvalData(images, 0, np.zeros(0, np.int64))
 
 

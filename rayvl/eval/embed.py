@@ -22,6 +22,7 @@ import os
 import re
 import time
 import warnings
+from collections import Counter
 
 import numpy as np
 import ray
@@ -31,6 +32,8 @@ import torch.distributed as dist
 from rayvl import assets
 from rayvl.checkpoints import load_model
 from rayvl.config import EVAL_CPU_BATCH, EVAL_GPU_BATCH, ConfigError
+from rayvl import device_decode
+from rayvl.data import encoded_jpegs
 from rayvl.data.text import tokenize
 
 log = logging.getLogger("rayvl")
@@ -168,7 +171,9 @@ class EmbeddingActor:
         self.held: list[tuple[torch.Tensor, dict]] = []  # embeddings on the device and their rows' other columns
         self.kept, self.back = 0, []  # the bytes held; what was copied back
         self.queued: list = []  # a GPU's events, one a forward queued and maybe not finished
-        self.warm_up(config["data"]["image_size"])
+        self.image_size = config["data"]["image_size"]
+        self.dropped: Counter = Counter()  # the read counts' change for rows no decoder here decodes (left out)
+        self.warm_up(self.image_size)
         self.ready_at = time.time()
 
     def warm_up(self, image_size: int) -> None:
@@ -176,9 +181,15 @@ class EmbeddingActor:
         costs (CUDA's libraries and kernels loaded, cuDNN's and oneDNN's set-up) fall in the start-up, not in the
         first batch the rate once running counts."""
         warm = self.on_device({"image": np.zeros((2, 3, image_size, image_size), np.uint8)})[0]
+        if self.device.type == "cuda":  # nvJPEG's set-up too (a device-decoded evaluation's first batch met it)
+            device_decode.decoded(*warm_up_jpegs(image_size), image_size, self.device)
         if getattr(self.model, "text", None) is not None:  # not a class-embedding model ([UniCL] eq. (4))
             self.texts(["a photo", "a photo of a dog"], 2)
         warm.cpu()  # on a GPU: waits for the forwards
+
+    def decoding(self) -> str:
+        """What decodes the JPEGs of device-decoded rows here (device_decode.device_decoding)."""
+        return device_decode.device_decoding(self.device)
 
     def ready(self) -> float:
         """When this actor held its model (wall clock: the driver may be on another node, whose clock NTP keeps
@@ -216,14 +227,15 @@ class EmbeddingActor:
 
     def drop(self) -> None:
         """Forget what is held: an embedding pass that failed half-way leaves none of its rows to the next."""
-        self.held, self.kept, self.back, self.queued = [], 0, [], []
+        self.held, self.kept, self.back, self.queued, self.dropped = [], 0, [], [], Counter()
 
-    def collect(self) -> list[dict]:
-        """Every batch held since the last call, in the order held, as ``embed`` returns one: the embeddings
-        still on the device copied back in one copy."""
-        out = self.back + copied_back(self.held)
+    def collect(self) -> tuple[list[dict], Counter]:
+        """(every batch held since the last call, in the order held, as ``embed`` returns one — the embeddings
+        still on the device copied back in one copy —, the change to the read counts of the rows left out since
+        as undecodable: ``decoded``)."""
+        out, dropped = self.back + copied_back(self.held), self.dropped
         self.drop()
-        return out
+        return out, dropped
 
     @torch.inference_mode()
     def embed(self, columns: dict[str, np.ndarray]) -> dict:
@@ -236,15 +248,47 @@ class EmbeddingActor:
         """The embeddings of a batch's ``image`` column where they were computed (on a GPU: queued, not waited
         for), and the batch's other columns."""
         columns = dict(columns)
-        images = columns.pop("image", ())  # none: the empty block of a read task that kept no row
+        if "image_bytes" in columns:  # JPEGs decoded here (device_decode): on a GPU, by it
+            columns, images = self.decoded(columns)
+        else:
+            images = columns.pop("image", ())  # none: the empty block of a read task that kept no row
+            images = self._tensor(images) if len(images) else ()
         if not len(images):
             return torch.zeros((0, self.model.cfg.embed_dim), dtype=torch.float32, device=self.device), columns
         with inference(self.device):
-            return self.model.encode_image(self._tensor(images)).float(), columns
+            return self.model.encode_image(images).float(), columns
+
+    def decoded(self, columns: dict) -> tuple[dict, torch.Tensor]:
+        """(the other columns of the rows that decode, their crops on the device) of a batch's ``image_bytes`` and
+        ``image_box``. The rows no decoder takes are left out, and ``dropped`` moves them from the read task's kept
+        samples (and their caption's words) to its corrupt images, as the CPU path counts them."""
+        images, ok = device_decode.decoded(columns.pop("image_bytes"), columns.pop("image_box"), self.image_size,
+                                           self.device)
+        if not ok.all():
+            left_out = int((~ok).sum())
+            words = sum(len(str(c).split()) for c in np.asarray(columns.get("caption", []))[~ok])
+            self.dropped.update({"dropped_corrupt_image": left_out, "samples_kept": -left_out,
+                                 "caption_words": -words})
+            columns = {name: np.asarray(values)[ok] for name, values in columns.items()}
+        return columns, images
 
     def texts(self, texts: list[str], batch_size: int) -> np.ndarray:
         return text_embeddings(self.model, texts, self.tokenizer_path, self.max_tokens, batch_size, self.device,
                                self._tensor)
+
+
+def warm_up_jpegs(image_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two small JPEGs' bytes and boxes, as a device-decoded batch has them (device_decode)."""
+    from io import BytesIO
+
+    from PIL import Image
+
+    encoded = BytesIO()
+    Image.new("RGB", (image_size + 8, image_size), (90, 120, 150)).save(encoded, "JPEG")
+    data = np.empty(2, dtype=object)
+    data[:] = [encoded.getvalue()] * 2
+    boxes = np.array([encoded_jpegs.prepare(d, image_size, None, None)[1] for d in data], np.int64)
+    return data, boxes
 
 
 @torch.inference_mode()
@@ -372,6 +416,7 @@ class ActorEmbedder:
         self.ready = [a.ready.remote() for a in self.actors]  # answered once each actor holds its model
         self.batch_size = batch_size
         self.rows: dict[str, np.ndarray] = {}  # the other columns of the last images() call's rows, in its order
+        self.dropped: Counter = Counter()  # the last images() call's read counts' change (EmbeddingActor.decoded)
 
     def first_ready(self) -> float:
         """When (wall clock) the first actor held its model: the pool's start-up ends there, and the rate once
@@ -399,9 +444,15 @@ class ActorEmbedder:
             stream.hold(size)
             sent += 1
         ray.get(list(pending))
-        parts = [part for held in ray.get([a.collect.remote() for a in self.actors]) for part in held]
-        embeddings, self.rows = in_order(parts)
+        collected = ray.get([a.collect.remote() for a in self.actors])
+        self.dropped = Counter()
+        for _, dropped in collected:
+            self.dropped.update(dropped)  # update, not +: + keeps only the positive counts
+        embeddings, self.rows = in_order([part for held, _ in collected for part in held])
         return embeddings
+
+    def decoding(self) -> str:
+        return ray.get(self.actors[0].decoding.remote())
 
     def texts(self, texts: list[str]) -> np.ndarray:
         size = self.batch_size * TEXT_BATCH
@@ -438,6 +489,7 @@ class LocalEmbedder:
         self.started = time.time()
         self._model: EmbeddingActor | None = None
         self.rows: dict[str, np.ndarray] = {}
+        self.dropped: Counter = Counter()
 
     def model(self) -> EmbeddingActor:
         if self._model is None:
@@ -446,6 +498,9 @@ class LocalEmbedder:
 
     def first_ready(self) -> float:
         return self.model().ready()
+
+    def decoding(self) -> str:
+        return self.model().decoding()
 
     def images(self, batches) -> np.ndarray:
         """As ``ActorEmbedder.images``, of ``batches`` (a local_read.Batches): every row embedded, in order; the
@@ -457,7 +512,8 @@ class LocalEmbedder:
         model.drop()
         for batch in reading:
             model.hold(*model.on_device(batch))
-        embeddings, self.rows = in_order(model.collect())
+        held, self.dropped = model.collect()
+        embeddings, self.rows = in_order(held)
         return embeddings
 
     def texts(self, texts: list[str]) -> np.ndarray:

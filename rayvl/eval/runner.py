@@ -12,6 +12,7 @@ import json
 import logging
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -63,14 +64,14 @@ def default_sources(config: dict, data: str = "", kind: str = "auto", classes: s
 
 
 def load_local(sources: Sources, config: dict, workers: int = 0, limit: int = 0,
-               batch_size: int = 64) -> eval_data.EvalData:
+               batch_size: int = 64, decode: str = "cpu") -> eval_data.EvalData:
     """``load`` without Ray: the evaluation set streamed by a local loader's ``workers`` processes (0 = CPUs − 1),
     with its text sets; the samples its reading drops are counted in ``images.counts``."""
     cfg = from_dict(config)
     size = cfg.data.image_size
     if sources.kind == "shards":
         data = eval_data.local_shards(sources.data, size, str(assets.text_model_path(cfg.model.text)),
-                                      cfg.data.max_text_tokens, workers, batch_size)
+                                      cfg.data.max_text_tokens, workers, batch_size, decode)
     elif sources.kind == "imagefolder":
         data = eval_data.local_imagefolder(sources.data, size, workers, batch_size)
     else:
@@ -79,9 +80,10 @@ def load_local(sources: Sources, config: dict, workers: int = 0, limit: int = 0,
 
 
 def load(sources: Sources, config: dict, read_cpus: float, limit: int = 0,
-         batch_size: int = 64) -> tuple[eval_data.EvalData, str]:
-    """(the evaluation set with its text sets — shards: a stream, read as it is embedded —, the name of the data
-    report counting the samples its reading drops: shards only, else '')."""
+         batch_size: int = 64, decode: str = "cpu") -> tuple[eval_data.EvalData, str]:
+    """(the evaluation set with its text sets — shards: a stream, read as it is embedded, their JPEGs decoded where
+    ``decode`` says —, the name of the data report counting the samples its reading drops: shards only, else
+    '')."""
     cfg = from_dict(config)
     size, report_name = cfg.data.image_size, ""
     try:
@@ -90,7 +92,7 @@ def load(sources: Sources, config: dict, read_cpus: float, limit: int = 0,
             create_report(report_name)  # owned by this driver; counts the samples dropped while reading
             data = eval_data.load_shards(sources.data, size, str(assets.text_model_path(cfg.model.text)),
                                          cfg.data.max_text_tokens, read_cpus, report_name, cfg.data.read_threads,
-                                         batch_size)
+                                         batch_size, decode)
         elif sources.kind == "imagefolder":
             data = eval_data.load_imagefolder(sources.data, size, read_cpus)
         else:
@@ -114,17 +116,18 @@ def pool_size(actors: int, gpus_per_actor: float, cpus_per_actor: float) -> int:
 def settings(config: dict, **given) -> EvalConfig:
     """The checkpoint's ``eval`` section (the config's defaults where its run set nothing), with each value given
     (not None) in its place: ``actors``, ``cpus_per_actor``, ``gpus_per_actor``, ``batch_size``,
-    ``paraphrase_k``, ``loader_workers`` — and the batch size by the actors' device where it is 0
-    (``embed.batch_size``)."""
+    ``paraphrase_k``, ``loader_workers``, ``decode`` — and the batch size and the decoding by the actors' device
+    where they are 0 and "auto" (``embed.batch_size``, ``EvalConfig.decode_on``)."""
     pool = replace(from_dict(config).eval, **{k: v for k, v in given.items() if v is not None})
-    return replace(pool, batch_size=embed_batch(pool.batch_size, pool.gpus_per_actor > 0))
+    gpu = pool.gpus_per_actor > 0
+    return replace(pool, batch_size=embed_batch(pool.batch_size, gpu), decode=pool.decode_on(gpu))
 
 
 def run_eval(checkpoint: str, tasks: list[str] | None = None, sources: Sources | None = None,
              out: str | Path | None = None, actors: int | None = None, cpus_per_actor: float | None = None,
              batch_size: int | None = None, k: int | None = None, limit: int = 0,
              gpus_per_actor: float | None = None, without_ray: bool = False,
-             loader_workers: int | None = None) -> dict:
+             loader_workers: int | None = None, decode: str | None = None) -> dict:
     """Every task of ``tasks`` on a checkpoint; ``tasks`` and the actor pool's settings left None come from its
     config (``eval.checkpoint_tasks``, ``settings``). ``without_ray``: the model embeds in this process, fed by a
     local loader of ``loader_workers`` processes (``LocalEmbedder``, ``load_local``; ``session.runs_without_ray``
@@ -135,17 +138,19 @@ def run_eval(checkpoint: str, tasks: list[str] | None = None, sources: Sources |
     sources = sources or default_sources(config)
     out = storage.normalize(out) if out else default_out(uri)
     pool = settings(config, actors=actors, cpus_per_actor=cpus_per_actor, gpus_per_actor=gpus_per_actor,
-                    batch_size=batch_size, paraphrase_k=k, loader_workers=loader_workers)
+                    batch_size=batch_size, paraphrase_k=k, loader_workers=loader_workers, decode=decode)
     tasks = pool.checkpoint_tasks if tasks is None else tasks
     embedder = start_embedder(uri, pool, without_ray)
     report_name = ""
     try:
         log.info(f"eval: reading {sources.data} ({sources.kind}) for {', '.join(tasks)}")
         if without_ray:
-            data = load_local(sources, config, pool.loader_workers, limit, pool.batch_size)
+            data = load_local(sources, config, pool.loader_workers, limit, pool.batch_size, pool.decode)
         else:
-            data, report_name = load(sources, config, pool.cpus_per_actor, limit, pool.batch_size)
+            data, report_name = load(sources, config, pool.cpus_per_actor, limit, pool.batch_size, pool.decode)
         images, data, counts, speed = embedded(embedder, data, sources, report_name)
+        if pool.decode == "device" and sources.kind == "shards":
+            log.info(f"eval: the images' JPEGs were decoded by {embedder.decoding()}")
         metrics, embeddings = evaluate(tasks, data, embedder, pool.paraphrase_k, images)
     finally:
         try:
@@ -193,10 +198,19 @@ def embedded(embedder, data: eval_data.EvalData, sources: Sources,
     if not data.size:  # streamed: what the rows said came back with their embeddings
         data = data.with_rows(embedder.rows)
     if sources.kind == "shards":
-        return images, data, snapshot(report_name)["counts"] if report_name else dict(+counts), speed
+        read = snapshot(report_name)["counts"] if report_name else dict(+counts)
+        return images, data, with_dropped(read, embedder.dropped), speed
     if counts.get("dropped_corrupt_image"):  # as load_imagefolder says it, before the embedding, on Ray
         print(f"rayvl eval: dropped {counts['dropped_corrupt_image']} undecodable images under {sources.data}")
     return images, data, {}, speed
+
+
+def with_dropped(counts: dict, dropped: dict) -> dict:
+    """A shard read's ``counts`` with the change ``dropped`` of the rows its read tasks kept and the embedding
+    model could not decode (device_decode: a JPEG whose header was whole), counted as the CPU path counts them."""
+    total = Counter(counts)
+    total.update(dropped)
+    return dict(+total)
 
 
 def write_results(out: str, scored: dict, results: dict, embeddings: dict, keys: list[str]) -> None:

@@ -5,26 +5,34 @@ thread iterates the shard epoch after epoch; the training thread waits at most `
 batch and then fails with an error that says what to change, instead of hanging. On a GPU the batches arrive on
 the worker's own device (rayvl.train.devices), copied from pinned host memory on a CUDA stream of the producer's
 own, so that the copy overlaps the step (on the device's default stream, where Ray Data's own thread would copy, it
-waits for the step's kernels and they for it); the training thread's stream waits for each batch's copy only.
+waits for the step's kernels and they for it); the training thread's stream waits for each batch's copy only. With
+``data.decode: device`` the batches carry JPEG bytes and crop boxes, decoded into ``image`` on that stream
+(rayvl.device_decode: nvJPEG on a GPU).
 """
 from __future__ import annotations
 
 import itertools
 import queue
 import threading
+import logging
 import time
 from typing import Iterator
 
+import numpy as np
 import torch
+from ray.data.collate_fn import NumpyBatchCollateFn
 
+from rayvl import device_decode
 from rayvl.config import RayvlConfig
-from rayvl.data.pipeline import TRAIN_COLUMNS
+from rayvl.data.pipeline import TRAIN_COLUMNS, read_columns
 from rayvl.data.report import DataPlaneError
 from rayvl.data.seeding import shuffle_seed
 from rayvl.train import devices
 
 ROW = "row"  # the row id of the data position (data/position.py); training shards carry it, image-label data not
 _END = object()
+COLUMNS = list(dict.fromkeys(read_columns("device") + TRAIN_COLUMNS + [ROW]))  # a batch's, as the read tasks make it
+log = logging.getLogger("rayvl")
 
 
 CPU = torch.device("cpu")
@@ -39,13 +47,16 @@ def batch_stream(shard, cfg: RayvlConfig, size: int | None = None, begin=None, r
     t = cfg.train
     seeds = shuffle_seeds(cfg, rank, stream)
 
+    # JPEG bytes stay a list (Ray Data's collation makes tensors of every column)
+    collate = {"collate_fn": EncodedImages(device.type == "cuda")} if cfg.data.decode == "device" else {}
+
     def batches():
         for batch in epochs(lambda: shard.iter_torch_batches(  # pinned host tensors: the copy is prefetched's
                 batch_size=t.micro_batch_size if size is None else size, drop_last=True,
                 prefetch_batches=cfg.data.prefetch_batches, local_shuffle_seed=next(seeds),
                 local_shuffle_buffer_size=cfg.data.local_shuffle_buffer or None, device=CPU,
-                pin_memory=device.type == "cuda"), begin):
-            yield {k: batch[k] for k in TRAIN_COLUMNS + [ROW] if k in batch}
+                pin_memory=device.type == "cuda" and not collate, **collate), begin):
+            yield {k: batch[k] for k in COLUMNS if k in batch}
 
     return prefetched(batches, cfg, device, copy=True)
 
@@ -82,7 +93,7 @@ def prefetched(make, cfg: RayvlConfig, device: torch.device = CPU, copy: bool = 
     where ``device`` is a GPU, which the producer copies there on a stream of its own (DeviceCopy)."""
     q: queue.Queue = queue.Queue(maxsize=max(1, cfg.data.prefetch_batches))
     failure: list[BaseException] = []
-    copies = DeviceCopy(device) if copy else None
+    copies = DeviceCopy(device, cfg.data.image_size) if copy else None
 
     def produce():
         try:
@@ -97,25 +108,65 @@ def prefetched(make, cfg: RayvlConfig, device: torch.device = CPU, copy: bool = 
     return _consume(q, failure, cfg.data.stall_timeout_s if watched else None, copies)
 
 
+class EncodedImages(NumpyBatchCollateFn):
+    """A Ray Data collate function (numpy batches) for batches whose images travel encoded (data.decode: device):
+    every column a host tensor — pinned for a GPU — but the JPEG bytes, a list."""
+
+    def __init__(self, pin: bool):
+        super().__init__()
+        self.pin = pin
+
+    def __call__(self, batch: dict) -> dict:
+        out = {}
+        for name, values in batch.items():
+            if name == "image_bytes":
+                out[name] = list(values)
+            elif np.asarray(values).dtype != object:  # keys and captions stay behind, as without a collate
+                tensor = torch.from_numpy(np.ascontiguousarray(values))
+                out[name] = tensor.pin_memory() if self.pin else tensor
+        return out
+
+
 class DeviceCopy:
     """Host-to-GPU copies of batches on a CUDA stream of their own: ``send`` (in the producer thread) queues a
-    batch's non-blocking copies there and marks their end with an event; ``receive`` (in the training thread)
-    makes the training stream wait for that event — on the GPU, not the host — and tells the caching allocator
-    that the training stream uses the tensors (their memory came from the copy stream). On a CPU both pass the
-    batch through."""
+    batch's non-blocking copies there — and the decoding of its JPEGs, where they travel encoded (``decoded``) —
+    and marks their end with an event; ``receive`` (in the training thread) makes the training stream wait for that
+    event — on the GPU, not the host — and tells the caching allocator that the training stream uses the tensors
+    (their memory came from the copy stream). On a CPU both pass the batch through, its JPEGs decoded."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, image_size: int = 0):
+        self.device, self.image_size = device, image_size
         self.stream = None  # made in the producer thread, on its bound device
+        self.blank = 0  # rows whose JPEG no decoder here took, trained on as blank images
 
     def send(self, batch: dict) -> tuple[dict, object]:
         if self.device.type != "cuda":
-            return batch, None
+            return self.decoded(batch), None
         if self.stream is None:
             self.stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(self.stream):
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            # the boxes stay on the host, where the decoder reads them
+            batch = self.decoded({k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) and k != "image_box"
+                                  else v for k, v in batch.items()})
             return batch, self.stream.record_event()
+
+    def decoded(self, batch: dict) -> dict:
+        """``batch`` with its JPEG bytes and boxes (data.decode: device) decoded into ``image`` on the device. A
+        row no decoder takes — its read task found its header whole — keeps its place in the micro-batch (every
+        rank steps on as many rows) as a blank image, and is said in the log with the count so far."""
+        if "image_bytes" not in batch:
+            return batch
+        batch = dict(batch)
+        data, boxes = batch.pop("image_bytes"), batch.pop("image_box")
+        crops, ok = device_decode.decoded(data, boxes.cpu().numpy(), self.image_size, self.device)
+        if ok.all():
+            return {"image": crops, **batch}
+        image = torch.zeros((len(ok), 3, self.image_size, self.image_size), dtype=torch.uint8, device=self.device)
+        image[torch.as_tensor(np.flatnonzero(ok), device=self.device)] = crops
+        self.blank += int((~ok).sum())
+        log.warning(f"data.decode=device: {self.blank} training row(s) so far whose JPEG neither the device's "
+                    f"decoder nor Pillow decodes (their headers were whole), trained on as blank images")
+        return {"image": image, **batch}
 
     def receive(self, batch: dict, copied) -> dict:
         if copied is None:

@@ -18,7 +18,7 @@ from rayvl.data import shards, specs
 from rayvl.data.demo import DEMO_SEED, ensure_demo
 from rayvl.data.mix import Mix
 from rayvl.data.parts import DataPart, RowTransform, RunData
-from rayvl.data.pipeline import TRAIN_COLUMNS, Rows
+from rayvl.data.pipeline import Rows, read_columns
 from rayvl.data.position import MAX_SHARDS
 from rayvl.data.shards import Reading
 from rayvl.train.batches import ROW
@@ -217,7 +217,7 @@ def shard_datasets(cfg: RayvlConfig, train: str | Sequence[str], evalset: str | 
     changed by ``transforms``, "eval": … (the held-out rows as they are, counted in their own report
     "<report_name>-eval"); each a spec or its shards."""
     # only tensor columns go to the training iterator (keys and captions are strings)
-    columns = list(dict.fromkeys(TRAIN_COLUMNS + [ROW] + [c for t in transforms for c in t.columns]))
+    columns = list(dict.fromkeys(read_columns(cfg.data.decode) + [ROW] + [c for t in transforms for c in t.columns]))
     reading = Reading.of(cfg, report_name)
     datasets = {"train": shards.read_shards(train, Rows.of(cfg, True, transforms),
                                             dataclasses.replace(reading, passes=passes, positioned=True), columns,

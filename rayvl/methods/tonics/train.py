@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from rayvl.config import RayvlConfig
-from rayvl.data.pipeline import TRAIN_COLUMNS
+from rayvl.data.pipeline import read_columns
 from rayvl.methods.tonics.sampler import SAMPLER_COUNTS, BucketSampler, Curriculum, SamplerTotals
 from rayvl.train.batches import CPU, ROW, epochs, prefetched, shuffle_seeds
 from rayvl.train.parts import TrainPart
@@ -39,7 +39,7 @@ class TonicsBatches:
             batch_size=t.micro_batch_size, batch_format="numpy", prefetch_batches=cfg.data.prefetch_batches,
             local_shuffle_buffer_size=cfg.data.local_shuffle_buffer or None, local_shuffle_seed=next(seeds)),
             begin), cfg)
-        self.sampler = BucketSampler((item for item, _ in rows), TRAIN_COLUMNS + ["object", ROW],
+        self.sampler = BucketSampler((item for item, _ in rows), read_columns(cfg.data.decode) + ["object", ROW],
                                      t.micro_batch_size, x.buffer_rows, x.max_wait_rows, t.seed, rank)
         self.decided_through = 0  # the last step whose refresh the training loop decided
         self.changed = threading.Condition()
@@ -82,10 +82,13 @@ class TonicsBatches:
         # the loop asks for none after its last step: this reaches the training thread only if it does
         raise RuntimeError(f"TOnICS batches: none after step {self.cfg.train.end_step} (train.end_step)")
 
-    def _stack(self, rows: list) -> torch.Tensor:
+    def _stack(self, rows: list) -> torch.Tensor | list:
         """One column of the micro-batch as a host tensor — for a GPU stacked straight into pinned memory (torch's
         caching host allocator: reused once its copy is done), which the drawing thread then copies on a stream of
-        its own (batches.DeviceCopy): one host copy of the images."""
+        its own (batches.DeviceCopy): one host copy of the images. JPEG bytes (data.decode: device) stay a list,
+        which the copy decodes."""
+        if isinstance(rows[0], bytes):
+            return list(rows)
         if self.device.type != "cuda":
             return torch.from_numpy(np.stack(rows))
         first = np.asarray(rows[0])  # a column's rows share its dtype (one Ray Data column)

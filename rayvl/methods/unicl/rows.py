@@ -11,7 +11,7 @@ import numpy as np
 from rayvl import assets
 from rayvl.data import fashion_mnist, shards
 from rayvl.data.parts import Contribution, DataPart, RowTransform, RunData, Sample
-from rayvl.data.pipeline import TRAIN_COLUMNS, UNLABELLED, Rows, model_inputs
+from rayvl.data.pipeline import UNLABELLED, Rows, model_inputs, read_columns
 from rayvl.methods.unicl.prompts import Prompts, load_prompts
 from rayvl.data.report import current_token, record
 from rayvl.data.seeding import row_rng
@@ -128,7 +128,7 @@ def labeled_dataset(cfg, prompts: Prompts, report_name: str | None) -> ray.data.
     d, il, t = cfg.data, cfg.image_label, cfg.train
     if not fashion_mnist.is_fashion_mnist(il.data):
         rows = Rows.of(cfg, True, (Prompted(prompts),))
-        return shards.read_shards(il.data, rows, shards.Reading.of(cfg, report_name), TRAIN_COLUMNS)
+        return shards.read_shards(il.data, rows, shards.Reading.of(cfg, report_name), read_columns(rows.decode))
     pixels, labels = fashion_mnist.read(il.data, limit=il.limit)
     # the rows the run trains on (+ one micro-batch per rank of slack): without a limit the stream runs through its
     # whole epoch ahead of training, as fast as the object store takes it, on CPUs the training workers need
@@ -140,5 +140,6 @@ def labeled_dataset(cfg, prompts: Prompts, report_name: str | None) -> ray.data.
         prompt_batch, batch_size=d.transform_batch_size, batch_format="numpy", num_cpus=d.read_cpus,
         fn_kwargs=dict(prompts=prompts, seed=t.seed, image_size=rows.image_size, crop_scale_min=rows.crop_scale_min,
                        tokenizer_path=rows.tokenizer_path, max_tokens=rows.max_tokens, report_name=report_name))
-    # given the map's CPUs, the column selection fuses into its tasks (alone it would ask for a whole CPU)
-    return ds.select_columns(TRAIN_COLUMNS, num_cpus=d.read_cpus).limit(needed)
+    # given the map's CPUs, the column selection fuses into its tasks (alone it would ask for a whole CPU); the
+    # photos are decoded already (prompt_batch's rows are the CPU's)
+    return ds.select_columns(read_columns("cpu"), num_cpus=d.read_cpus).limit(needed)

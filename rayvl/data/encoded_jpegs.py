@@ -1,0 +1,52 @@
+"""Which images travel encoded to the device that decodes them (``data.decode`` / ``eval.decode`` "device";
+rayvl.device_decode decodes them there), for nodes whose CPUs cannot decode as fast as their GPUs eat.
+
+In a Ray Data read task or a local loader's worker (``prepare``): a JPEG the GPU's decoder takes — baseline, RGB or
+greyscale, its bytes ending in the end-of-image marker — stays encoded, with its crop box drawn from its header's
+size by the same call and generator as the CPU path's crop (``images.crop``), so a row's crop is the same box
+either way. Any other image (PNG, WebP, CMYK, progressive, a JPEG cut short) is decoded and cropped here as on the
+CPU path and travels as its pixels; bytes that are no image are dropped and counted here, as before.
+"""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from rayvl.data.images import center_crop_box, decode_and_crop, random_resized_crop_box
+
+COLUMNS = ["image_bytes", "image_box"]  # what a row carries for its image in place of ``image``
+PIXELS = -1  # a box of these: the row's bytes are its crop's pixels, decoded on the CPU
+DECODES = ("cpu", "device")
+EOI_WITHIN = 64  # bytes from the end holding a whole JPEG's end-of-image marker (some carry trailing bytes)
+
+
+def prepare(data: bytes, size: int, scale_min: float | None, rng: np.random.Generator | None
+            ) -> tuple[bytes, tuple[int, int, int, int]] | None:
+    """(bytes, crop box x0, y0, x1, y1) for the device to decode (``decoded``), or None when ``data`` is not a
+    decodable image. A JPEG the device takes keeps its bytes; any other image's centre crop (``scale_min`` None)
+    or random resized crop from ``rng`` is cut here, its pixels the bytes and its box ``PIXELS``."""
+    size_of = jpeg_size(data)
+    if size_of is None:
+        image = decode_and_crop(data, size, scale_min, rng)
+        return None if image is None else (image.tobytes(), (PIXELS,) * 4)
+    width, height = size_of
+    if scale_min is None:
+        return data, center_crop_box(width, height)
+    if rng is None:
+        raise ValueError("a random resized crop needs a generator (data/seeding.row_rng)")
+    return data, random_resized_crop_box(width, height, scale_min, rng)
+
+
+def jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """The (width, height) of a JPEG that nvJPEG decodes whole, read from its header alone; None for anything else."""
+    if data[:2] != b"\xff\xd8" or data.rfind(b"\xff\xd9", max(0, len(data) - EOI_WITHIN)) < 0:
+        return None
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            if img.format not in ("JPEG", "MPO") or img.mode not in ("RGB", "L") or img.info.get("progressive"):
+                return None
+            return img.size if min(img.size) >= 2 else None
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError, SyntaxError):
+        return None

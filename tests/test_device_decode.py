@@ -1,0 +1,202 @@
+"""Decoding on the device (rayvl.data.encoded_jpegs, rayvl.device_decode; data.decode / eval.decode): the same crop
+boxes as the CPU path, pixels within the stated tolerance of it, what the device cannot take decoded on the CPU as
+before, a JPEG no decoder takes left out and counted — and `rayvl eval --decode device`, on Ray and without, scoring the held-out
+set as `--decode cpu` does, its counts exact."""
+import io
+import json
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from rayvl import device_decode
+from rayvl.data import encoded_jpegs
+from rayvl.data.images import decode_and_crop
+
+CPU = torch.device("cpu")
+# the stated tolerance (docs/concepts.md): against Pillow's decode and bicubic resize, in uint8 levels
+MEAN_LEVELS, P999_LEVELS = 0.5, 4
+
+
+def demo_jpegs(demo_dir, n: int = 24) -> list[bytes]:
+    with tarfile.open(demo_dir / "eval" / "00000.tar") as tar:
+        return [tar.extractfile(m).read() for m in tar if m.name.endswith(".jpg")][:n]
+
+
+def encoded(img: Image.Image, fmt: str, **options) -> bytes:
+    out = io.BytesIO()
+    img.save(out, fmt, **options)
+    return out.getvalue()
+
+
+def no_scan(jpeg: bytes) -> bytes:
+    """A JPEG whose header is whole and whose scan is gone: its size reads, no decoder decodes it."""
+    return jpeg[:jpeg.index(b"\xff\xda")] + b"\xff\xd9"
+
+
+@pytest.fixture(scope="module")
+def images(demo_dir):
+    """The demo's JPEGs, and the other kinds a LAION shard holds: larger and greyscale JPEGs (decoded on the
+    device), PNG, WebP, CMYK and progressive JPEGs (decoded on the CPU)."""
+    base = [Image.open(io.BytesIO(d)).convert("RGB") for d in demo_jpegs(demo_dir, 6)]
+    device = demo_jpegs(demo_dir) + [encoded(b.resize((300, 220)), "JPEG", quality=90) for b in base]
+    device.append(encoded(base[0].convert("L").resize((90, 130)), "JPEG"))
+    cpu = [encoded(base[1], "PNG"), encoded(base[2], "WEBP"), encoded(base[3].convert("CMYK"), "JPEG"),
+           encoded(base[4].resize((200, 150)), "JPEG", progressive=True)]
+    return device, cpu
+
+
+@pytest.mark.parametrize("size,scale_min", [(32, None), (64, None), (224, None), (32, 0.3), (64, 0.6)])
+def test_device_crops_are_the_cpu_paths_boxes_within_the_tolerance(images, size, scale_min):
+    """Each row's box is drawn by the CPU path's call from the same generator (the generator is left where the CPU
+    path leaves it: a row's later draws are the same too); decoded and resized on the device path's tensors, the
+    crops differ from Pillow's by at most the stated levels; what the device cannot take is the CPU path's crop,
+    bit for bit."""
+    device, cpu = images
+    rows = device + cpu
+    reference, prepared = [], []
+    for i, data in enumerate(rows):
+        a, b = np.random.default_rng(i), np.random.default_rng(i)
+        reference.append(decode_and_crop(data, size, scale_min, a if scale_min else None))
+        prepared.append(encoded_jpegs.prepare(data, size, scale_min, b if scale_min else None))
+        assert a.random() == b.random()
+    boxes = np.array([box for _, box in prepared])
+    assert (boxes[:len(device), 0] != encoded_jpegs.PIXELS).all(), "a JPEG the device takes was decoded here"
+    assert (boxes[len(device):] == encoded_jpegs.PIXELS).all()
+    crops, ok = device_decode.decoded([d for d, _ in prepared], boxes, size, CPU)
+    assert ok.all() and crops.shape == (len(rows), 3, size, size) and crops.dtype == torch.uint8
+    diff = np.abs(crops.numpy().astype(int) - np.stack(reference).astype(int))
+    assert diff[:len(device)].mean() <= MEAN_LEVELS and np.percentile(diff[:len(device)], 99.9) <= P999_LEVELS
+    assert not diff[len(device):].any()
+    assert 0 < diff[:len(device)].mean()  # decoded apart, not the CPU path's crop again
+
+
+def test_a_jpeg_no_decoder_takes_is_left_out_and_the_rest_kept_in_order(demo_dir):
+    """A JPEG whose header reads and whose data no decoder takes passes the read task (its size is known) and is
+    left out by the device, which keeps the others' crops in order; bytes that are no image never leave the read
+    task."""
+    jpegs = demo_jpegs(demo_dir, 5)
+    broken = no_scan(jpegs[2])
+    assert encoded_jpegs.jpeg_size(broken) is not None and decode_and_crop(broken, 32, None) is None
+    assert encoded_jpegs.prepare(b"not an image", 32, None, None) is None
+    rows = [encoded_jpegs.prepare(d, 32, None, None) for d in jpegs[:2] + [broken] + jpegs[3:]]
+    crops, ok = device_decode.decoded([d for d, _ in rows], [b for _, b in rows], 32, CPU)
+    assert ok.tolist() == [True, True, False, True, True] and len(crops) == 4
+    alone = [device_decode.decoded([d], [b], 32, CPU)[0][0] for d, b in rows[:2] + rows[3:]]
+    assert torch.equal(crops, torch.stack(alone))
+
+
+def test_rows_carry_bytes_and_boxes_for_the_device(demo_dir):
+    """A read task's rows for the device: the JPEG's own bytes and its box, no decoded image; counts as the CPU
+    path's."""
+    from collections import Counter
+
+    from rayvl import assets
+    from rayvl.data.pipeline import Rows, preprocess
+
+    jpegs = demo_jpegs(demo_dir, 4)
+    batch = {"key": np.array(["a", "b", "c", "d"], dtype=object), "img": jpegs[:3] + [b"junk"],
+             "txt": ["a red square", "a blue circle", "a green triangle", "a cat"], "json": [b"{}"] * 4}
+    tokenizer = str(assets.text_model_path("minilm-l6"))
+    counts = {d: Counter() for d in encoded_jpegs.DECODES}
+    out = {d: preprocess(batch, counts[d], Rows(32, 1.0, False, tokenizer, 16, decode=d)) for d in counts}
+    assert counts["cpu"] == counts["device"] and counts["cpu"]["dropped_corrupt_image"] == 1
+    assert "image" not in out["device"] and list(out["device"]["image_bytes"]) == jpegs[:3]
+    assert out["device"]["image_box"].tolist() == [[0, 0, 112, 112]] * 3
+    assert np.array_equal(out["cpu"]["input_ids"], out["device"]["input_ids"])
+
+
+@pytest.fixture(scope="module")
+def shards_with_a_broken_jpeg(demo_dir, tmp_path_factory):
+    """The demo's held-out shard with one more sample, a JPEG whose header is whole and whose scan is gone."""
+    out = tmp_path_factory.mktemp("broken") / "00000.tar"
+    with tarfile.open(demo_dir / "eval" / "00000.tar") as src, tarfile.open(out, "w") as dst:
+        members = [(m, src.extractfile(m).read()) for m in src if m.isfile()]
+        for m, data in members:
+            dst.addfile(m, io.BytesIO(data))
+        broken = no_scan(next(d for m, d in members if m.name.endswith(".jpg")))
+        for name, data in (("zz_broken.jpg", broken), ("zz_broken.txt", b"a picture"), ("zz_broken.json", b"{}")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            dst.addfile(info, io.BytesIO(data))
+    return out.parent
+
+
+def test_rayvl_eval_decoded_on_the_device_scores_as_on_the_cpu_without_ray(checkpoint_dir, shards_with_a_broken_jpeg,
+                                                                           tmp_path):
+    """`rayvl eval --decode device` with the model in its own process, fed by a local loader."""
+    same_as_on_the_cpu(checkpoint_dir, shards_with_a_broken_jpeg, tmp_path, actors=1, without_ray=True)
+
+
+def test_rayvl_eval_decoded_on_the_device_scores_as_on_the_cpu_on_two_actors(ray_local, checkpoint_dir,
+                                                                             shards_with_a_broken_jpeg, tmp_path):
+    """`rayvl eval --decode device` on two embedding actors fed by Ray Data's read tasks."""
+    same_as_on_the_cpu(checkpoint_dir, shards_with_a_broken_jpeg, tmp_path, actors=2, without_ray=False)
+
+
+def same_as_on_the_cpu(checkpoint_dir, shards, tmp_path, **pool) -> None:
+    """`rayvl eval --decode device` (Pillow here, the device path's crops): the same rows in the same order, the
+    same counts — the JPEG its read task passed, counted dropped by the model that could not decode it —, image
+    embeddings close to the CPU path's and the retrieval metrics within a point of it."""
+    from rayvl.eval.runner import Sources, run_eval
+
+    sources = Sources(str(shards), "shards")
+    results = {d: run_eval(str(checkpoint_dir), ["retrieval"], sources, tmp_path / d, decode=d, cpus_per_actor=0.5,
+                           batch_size=16, **pool) for d in encoded_jpegs.DECODES}
+    assert results["cpu"]["data"] == results["device"]["data"]
+    assert results["cpu"]["data"]["dropped_corrupt_image"] == 1 and results["cpu"]["data"]["samples_kept"] == 64
+    keys = {d: json.loads((tmp_path / d / "keys.json").read_text()) for d in results}
+    assert keys["cpu"] == keys["device"] and len(keys["cpu"]) == 64
+    embedded = {d: np.load(tmp_path / d / "image_embeddings.npy") for d in results}
+    assert np.median((embedded["cpu"] * embedded["device"]).sum(1)) > 0.99
+    for metric, value in results["cpu"]["retrieval"].items():
+        assert results["device"]["retrieval"][metric] == pytest.approx(value, abs=1.0 + 1e-9), metric
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(demo_dir, tmp_path_factory):
+    from conftest import untrained_checkpoint
+
+    return untrained_checkpoint(demo_dir, tmp_path_factory.mktemp("ckpt")) / "checkpoint_000000"
+
+
+def test_training_batches_decoded_on_the_device_are_the_cpu_paths_rows(ray_local, demo_dir, tmp_path):
+    """data.decode=device: the training stream's read tasks send the JPEGs' bytes and boxes, the batch stream
+    decodes them into ``image`` (Pillow here, the device path's crops): the same rows in the same order with the same
+    tokens and labels as data.decode=cpu, their random resized crops within the stated tolerance."""
+    import uuid
+
+    import ray
+
+    from conftest import small_config
+    from rayvl.data.report import create_report, release_reports
+    from rayvl.train.batches import batch_stream
+    from rayvl.train.datasets import shard_datasets
+
+    streams, reports = {}, []
+    for decode in encoded_jpegs.DECODES:
+        cfg = small_config(demo_dir, tmp_path, f"data.decode={decode}", "data.deterministic=true",
+                           "data.local_shuffle_buffer=0", "eval.tasks=[]")
+        reports.append(f"device-decode-{uuid.uuid4().hex[:6]}")
+        shards = sorted(str(p) for p in (demo_dir / "train").glob("*.tar"))
+        ray.get(create_report(reports[-1]).restore.remote(uuid.uuid4().hex, None, len(shards)))
+        train = shard_datasets(cfg, shards, "", reports[-1])["train"]
+        if decode == "device":
+            assert {"image_bytes", "image_box"} <= set(train.schema().names) and "image" not in train.schema().names
+        stream, rows = batch_stream(train.iterator(), cfg), {}
+        while len(rows) < 384:  # the demo's pass (3 shards of 128); the streams' orders differ, the rows not
+            batch = next(stream)[0]
+            assert batch["image"].dtype == torch.uint8 and "image_bytes" not in batch
+            rows.update({int(r): {k: batch[k][i] for k in ("image", "input_ids", "attention_mask", "label")}
+                         for i, r in enumerate(batch["row"])})
+        streams[decode] = rows
+    release_reports(reports)
+    cpu, device = streams["cpu"], streams["device"]
+    assert set(cpu) == set(device)
+    for row in cpu:
+        for name in ("input_ids", "attention_mask", "label"):
+            assert torch.equal(cpu[row][name], device[row][name]), name
+    diff = torch.stack([(cpu[r]["image"].int() - device[r]["image"].int()).abs().float() for r in cpu])
+    assert diff.mean() <= MEAN_LEVELS and torch.quantile(diff.flatten(), 0.999) <= P999_LEVELS
