@@ -61,7 +61,7 @@ class DataConfig:
     decode: Literal["cpu", "device"] = "cpu"
     """where training images are decoded: "cpu" in the read tasks; "device" on each worker's GPU (nvJPEG): the read
     tasks keep a JPEG encoded with its crop box, for nodes whose CPUs cannot decode what their GPUs train on (the
-    same crops either way; other formats are decoded in the read tasks)."""
+    same crop boxes either way; other formats are decoded in the read tasks)."""
     max_text_tokens: int = 24
     """captions are padded/truncated to this many tokens."""
     read_cpus: float = 0.5
@@ -366,9 +366,10 @@ class EvalConfig:
     loader_workers: int = 0
     """processes that read and decode the images when `rayvl eval` runs on one machine without Ray (a torch
     DataLoader's workers; 0 = this machine's CPUs less the one the model runs on)."""
-    decode: Literal["auto", "cpu", "device"] = "auto"
+    decode: Literal["auto", "cpu", "device"] = "cpu"
     """where `rayvl eval` decodes held-out shards' JPEGs: "cpu" in the read tasks; "device" by the embedding model's
-    GPU (nvJPEG); "auto": the device where the model has a GPU."""
+    GPU (nvJPEG); "auto": the device where the model has a GPU. "cpu" until a GPU check has held the device's
+    metrics to the CPU's (docs/gpu.md)."""
 
     def decode_on(self, gpu: bool) -> str:
         """Where the images of an evaluation whose model is on a GPU (``gpu``) or not are decoded."""

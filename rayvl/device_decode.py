@@ -1,14 +1,17 @@
 """Decode where it is cheapest: the JPEGs a read task kept encoded (rayvl.data.encoded_jpegs) decoded by the GPU
 that embeds or trains on them.
 
-A batch's JPEGs go in one ``torchvision.io.decode_jpeg`` call on the GPU (nvJPEG); each crop box is cut and resized
-bicubic with antialias (torch's antialiased kernel is PIL's, a = -0.5), the crops of one shape in one call. A JPEG
-nvJPEG refuses is decoded by Pillow on the host; one neither decodes is left out and counted by the caller. Without
-CUDA the JPEGs are decoded by Pillow and cut by the same tensor code: what the tests compare with the CPU path.
+A batch's JPEGs go in one ``torchvision.io.decode_jpeg`` call on the GPU (nvJPEG), on a CUDA stream of this
+thread's own; each crop box is cut and resized bicubic with antialias (torch's antialiased kernel is PIL's, a =
+-0.5), the crops of one shape in one call, and the crops put in row order with one gather: no host synchronisation.
+A JPEG nvJPEG refuses is decoded by Pillow on the host; one neither decodes is left out and counted by the caller.
+Without CUDA the JPEGs are decoded by Pillow and cut by the same tensor code: what the tests compare with the CPU
+path.
 """
 from __future__ import annotations
 
-import warnings
+import io
+import threading
 from collections import defaultdict
 
 import numpy as np
@@ -23,13 +26,12 @@ def decoded(data, boxes: np.ndarray, size: int, device: torch.device) -> tuple[t
     """(uint8 (k, 3, size, size) on ``device``: the crops of the rows that decode, in order; a bool mask of those k
     among the n rows) of ``prepare``'s bytes and boxes."""
     boxes = np.asarray(boxes, np.int64).reshape(-1, 4)
-    n = len(boxes)
-    out = torch.empty((n, 3, size, size), dtype=torch.uint8, device=device)
-    ok = np.ones(n, bool)
+    ok = np.ones(len(boxes), bool)
+    parts: list[tuple[list[int], torch.Tensor]] = []  # (rows, their crops on the device)
     pixels = np.flatnonzero(boxes[:, 0] == PIXELS)
     if len(pixels):
         cut = np.stack([np.frombuffer(data[i], np.uint8) for i in pixels]).reshape(-1, 3, size, size)
-        out[_index(pixels, device)] = _to_device(torch.from_numpy(cut), device)
+        parts.append((pixels.tolist(), _to_device(torch.from_numpy(cut), device)))
     jpegs = np.flatnonzero(boxes[:, 0] != PIXELS)
     shapes: dict[tuple[int, int], list] = defaultdict(list)
     for i, frame in zip(jpegs, frames([data[i] for i in jpegs], device)):
@@ -37,10 +39,16 @@ def decoded(data, boxes: np.ndarray, size: int, device: torch.device) -> tuple[t
         if frame is None or x1 > frame.shape[2] or y1 > frame.shape[1]:
             ok[i] = False
             continue
-        shapes[(y1 - y0, x1 - x0)].append((i, frame[:, y0:y1, x0:x1]))
-    for shape, crops in shapes.items():
-        out[_index([i for i, _ in crops], device)] = resized(torch.stack([c for _, c in crops]), size)
-    return (out if ok.all() else out[_index(np.flatnonzero(ok), device)]), ok
+        shapes[(y1 - y0, x1 - x0)].append((int(i), frame[:, y0:y1, x0:x1]))
+    parts += [([i for i, _ in crops], resized(torch.stack([c for _, c in crops]), size)) for crops in shapes.values()]
+    if not parts:
+        return torch.empty((0, 3, size, size), dtype=torch.uint8, device=device), ok
+    rows = np.concatenate([np.asarray(r, np.int64) for r, _ in parts])
+    crops = torch.cat([c for _, c in parts]) if len(parts) > 1 else parts[0][1]
+    order = np.argsort(rows, kind="stable")  # the kept rows in their order
+    if (order == np.arange(len(order))).all():
+        return crops, ok
+    return crops[_to_device(torch.from_numpy(order), device)], ok
 
 
 def resized(crops: torch.Tensor, size: int) -> torch.Tensor:
@@ -54,56 +62,89 @@ def resized(crops: torch.Tensor, size: int) -> torch.Tensor:
 
 def frames(data: list[bytes], device: torch.device) -> list[torch.Tensor | None]:
     """Each JPEG's uint8 (3, H, W) frame on ``device`` (None: undecodable): on a GPU all in one nvJPEG call
-    (each apart, then Pillow, for a batch it refuses), on a CPU by Pillow."""
-    decode_jpeg = gpu_decoder() if device.type == "cuda" else None
+    (``decoded_by``), on a CPU by Pillow."""
+    decode_jpeg = gpu_decoder(device) if device.type == "cuda" else None
     if decode_jpeg is None:
         return [_pillow(d, device) for d in data]
     return decoded_by(decode_jpeg, data, device)
 
 
+_threads = threading.local()  # each thread's own decoding stream, by device
+
+
 def decoded_by(decode_jpeg, data: list[bytes], device: torch.device) -> list[torch.Tensor | None]:
-    """``frames`` by torchvision's ``decode_jpeg``: the whole list in one call; for a list it refuses (one bad JPEG
-    fails the call), each apart, and Pillow for those it refuses alone."""
+    """``frames`` by torchvision's ``decode_jpeg``: the whole list in one call; a list it refuses (one bad JPEG
+    fails the call) halved until the JPEGs it refuses are alone, those decoded by Pillow. On a GPU the decoder
+    runs on a stream of this thread's own, and the caller's stream waits for it: torchvision's CUDA decoder
+    allocates its frames on the current stream and writes them from a stream of its own that does not wait for it,
+    so on the caller's stream it could be handed memory a kernel queued there still reads (pytorch/vision#9606)."""
+    if not data:
+        return []
+    encoded = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in data]  # a copy: bytes are read-only
+    if device.type != "cuda":
+        return _halved(decode_jpeg, encoded, data, device)
+    streams = getattr(_threads, "streams", None) or {}
+    _threads.streams = streams
+    side = streams.setdefault(device, torch.cuda.Stream(device))
+    caller = torch.cuda.current_stream(device)
+    with torch.cuda.stream(side):
+        out = _halved(decode_jpeg, encoded, data, device)
+    caller.wait_stream(side)
+    for frame in out:
+        if frame is not None:
+            frame.record_stream(caller)  # freed, their memory waits for the caller's kernels, not the side stream's
+    return out
+
+
+def _halved(decode_jpeg, encoded: list[torch.Tensor], data: list[bytes], device) -> list[torch.Tensor | None]:
     from torchvision.io import ImageReadMode
 
-    encoded = [_bytes_tensor(d) for d in data]
     try:
         return list(decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device))
     except RuntimeError:
-        out = []
-        for tensor, d in zip(encoded, data):
-            try:
-                out.append(decode_jpeg(tensor, mode=ImageReadMode.RGB, device=device))
-            except RuntimeError:
-                out.append(_pillow(d, device))
-        return out
+        if len(encoded) == 1:
+            return [_pillow(data[0], device)]
+        half = len(encoded) // 2
+        return (_halved(decode_jpeg, encoded[:half], data[:half], device)
+                + _halved(decode_jpeg, encoded[half:], data[half:], device))
 
 
-_decoder: list = []
+_decoder: dict = {}
 
 
-def gpu_decoder():
-    """torchvision.io.decode_jpeg where it can decode on this process's GPU, else None (a torchvision without its
-    image extension, or none: the JPEGs are then decoded by Pillow on the host, which ``device_decoding`` says)."""
-    if not _decoder:
+def gpu_decoder(device: torch.device):
+    """torchvision.io.decode_jpeg where it decodes on this process's GPU, else None — no torchvision, one without
+    its image extension, or one built without nvJPEG (its CUDA op is there and raises when called): the JPEGs are
+    then decoded by Pillow on the host, which ``device_decoding`` says. Tried once on a tiny JPEG."""
+    if "decode_jpeg" not in _decoder:
+        _decoder["decode_jpeg"] = None
         try:
             from rayvl.compat import ensure_torchvision_importable
 
             ensure_torchvision_importable()
-            from torchvision.io import decode_jpeg
+            from torchvision.io import ImageReadMode, decode_jpeg
 
-            torch.ops.image.decode_jpegs_cuda  # noqa: B018 - raises where the extension has no CUDA decoder
-            _decoder.append(decode_jpeg)
+            decode_jpeg(torch.frombuffer(bytearray(tiny_jpeg()), dtype=torch.uint8), mode=ImageReadMode.RGB,
+                        device=device)
+            _decoder["decode_jpeg"] = decode_jpeg
         except (ImportError, AttributeError, RuntimeError, OSError):
-            _decoder.append(None)
-    return _decoder[0]
+            pass
+    return _decoder["decode_jpeg"]
+
+
+def tiny_jpeg() -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (16, 16), (90, 120, 150)).save(out, "JPEG")
+    return out.getvalue()
 
 
 def device_decoding(device: torch.device) -> str:
     """What decodes a device-decoded row's JPEG on ``device``, said in the run's and the evaluation's log."""
     if device.type != "cuda":
         return "Pillow on the CPU (no GPU here), cut by the device path's code"
-    if gpu_decoder() is None:
+    if gpu_decoder(device) is None:
         return "Pillow on the host: this torchvision has no CUDA JPEG decoder (install torchvision's CUDA build)"
     return "nvJPEG on the GPU (torchvision.io.decode_jpeg)"
 
@@ -113,17 +154,8 @@ def _pillow(data: bytes, device: torch.device) -> torch.Tensor | None:
     return None if img is None else _to_device(torch.from_numpy(chw(img).copy()), device)
 
 
-def _bytes_tensor(data: bytes) -> torch.Tensor:
-    with warnings.catch_warnings():  # read only: the decoder never writes into its input
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(data, dtype=torch.uint8)
-
-
-def _index(rows, device: torch.device) -> torch.Tensor:
-    return torch.as_tensor(np.asarray(rows, np.int64), device=device)
-
-
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``: to a GPU from pinned memory without blocking (a pageable copy waits)."""
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)

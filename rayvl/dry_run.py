@@ -161,7 +161,7 @@ def decode_words(decode: str, gpu: bool) -> str:
     """Where the training images are decoded, said in the dry run."""
     if decode == "cpu":
         return "and cropped in the read tasks"
-    where = "each worker's GPU (nvJPEG)" if gpu else "each worker (Pillow: no GPU)"
+    where = "each worker's GPU (nvJPEG, where its torchvision has it)" if gpu else "each worker (Pillow: no GPU)"
     return f"by {where}: the read tasks send JPEGs' bytes with their crop boxes, other formats decoded"
 
 

@@ -86,6 +86,13 @@ def test_a_jpeg_no_decoder_takes_is_left_out_and_the_rest_kept_in_order(demo_dir
     assert ok.tolist() == [True, True, False, True, True] and len(crops) == 4
     alone = [device_decode.decoded([d], [b], 32, CPU)[0][0] for d, b in rows[:2] + rows[3:]]
     assert torch.equal(crops, torch.stack(alone))
+    # a batch of no JPEG (every row decoded in its read task, or none kept): its pixels, or nothing
+    png = encoded(Image.open(io.BytesIO(jpegs[0])), "PNG")
+    data, box = encoded_jpegs.prepare(png, 32, None, None)
+    pixels, ok = device_decode.decoded([data], [box], 32, CPU)
+    assert ok.tolist() == [True] and torch.equal(pixels[0], torch.from_numpy(decode_and_crop(png, 32, None)))
+    none, ok = device_decode.decoded([], np.zeros((0, 4), np.int64), 32, CPU)
+    assert none.shape == (0, 3, 32, 32) and len(ok) == 0
 
 
 def test_rows_carry_bytes_and_boxes_for_the_device(demo_dir):
@@ -140,6 +147,7 @@ def same_as_on_the_cpu(checkpoint_dir, shards, tmp_path, **pool) -> None:
     """`rayvl eval --decode device` (Pillow here, the device path's crops): the same rows in the same order, the
     same counts — the JPEG its read task passed, counted dropped by the model that could not decode it —, image
     embeddings close to the CPU path's and the retrieval metrics within a point of it."""
+    from rayvl.checks.gpu import decode_agreement
     from rayvl.eval.runner import Sources, run_eval
 
     sources = Sources(str(shards), "shards")
@@ -153,6 +161,8 @@ def same_as_on_the_cpu(checkpoint_dir, shards, tmp_path, **pool) -> None:
     assert np.median((embedded["cpu"] * embedded["device"]).sum(1)) > 0.99
     for metric, value in results["cpu"]["retrieval"].items():
         assert results["device"]["retrieval"][metric] == pytest.approx(value, abs=1.0 + 1e-9), metric
+    said, failure = decode_agreement(tmp_path / "device", tmp_path / "cpu")  # what gpu_check holds a GPU to
+    assert failure == "" and said.startswith("same counts and rows")
 
 
 @pytest.fixture(scope="module")

@@ -223,8 +223,8 @@ def test_every_training_case_of_the_gpu_check_has_a_valid_config(tmp_path):
     gc = _gpu_check()
     check = _check(gc, tmp_path, quick=True)
     trained = [c for c in gc.CASES if c.recipe]
-    assert [c.name for c in trained] == ["zero0", "zero1", "zero2", "zero3", "tonics", "memory_bank", "compile",
-                                         "kill_resume"]
+    assert [c.name for c in trained] == ["zero0", "zero0_decode", "zero1", "zero2", "zero3", "tonics", "memory_bank",
+                                         "compile", "kill_resume"]
     for case in trained:
         cfg = gc.train_config(check, case)
         t = cfg.train
@@ -232,8 +232,9 @@ def test_every_training_case_of_the_gpu_check_has_a_valid_config(tmp_path):
             (True, 1, "bf16", 224, "vit_base_patch32_224")
         assert t.max_steps == 30 and t.run_name == f"gpu-check-{case.name}"
     zero = {c.name: gc.train_config(check, c).train.zero_stage for c in trained}
-    assert zero == {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "tonics": 0, "memory_bank": 0, "compile": 2,
-                    "kill_resume": 2}
+    assert zero == {"zero0": 0, "zero0_decode": 0, "zero1": 1, "zero2": 2, "zero3": 3, "tonics": 0, "memory_bank": 0,
+                    "compile": 2, "kill_resume": 2}
+    assert gc.train_config(check, gc.CASES_BY_NAME["zero0_decode"]).data.decode == "device"
     # each layout at every --batches entry, beside the bare loop; by default every case but compile
     assert [c.name for c in gc.CASES if c.per_batch] == ["bare", "zero0", "zero1", "zero2", "zero3"]
     assert gc.parse_args([]).cases.split(",") == [c.name for c in gc.CASES if c.name != "compile"]

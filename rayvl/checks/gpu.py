@@ -23,7 +23,8 @@ Every training case is a short run on the embedded demo dataset at 224 px with a
   keys until there are that many) with zero2's model, its actors on GPUs, its exact caption index searched there;
 - eval: ``rayvl eval --gpus 1`` of zero2's run joined to the check's Ray (as on a cluster: GPU actors fed by Ray
   Data), retrieval over ``--eval-images`` held-out images (copied likewise): images/s once running, not start-up;
-  its actors decode the JPEGs on their GPU (eval.decode: auto);
+  its actors decode the JPEGs on their GPU (``--decode device``);
+- zero0_decode: zero0 with ``data.decode=device`` (the workers' GPUs decode the JPEGs the read tasks keep encoded);
 - eval_cpu_decode: the same with ``--decode cpu`` (Ray Data's read tasks decode), its retrieval metrics within 1
   point of the eval case's where that ran;
 - eval_here: the same command with no cluster named (one model in the command's process fed by a local loader, no
@@ -720,7 +721,7 @@ ON_GPU_HERE = re.compile(r"eval: one model in this process on cuda")
 
 def eval_case(check: Check, case: Case, outcome: Outcome) -> None:
     """`rayvl eval --gpus 1` joined to the check's Ray, as on a cluster: a pool of GPU actors fed by Ray Data."""
-    evaluate(check, outcome, joined=True)
+    evaluate(check, outcome, joined=True, decode="device")
 
 
 def eval_here_case(check: Check, case: Case, outcome: Outcome) -> None:
@@ -730,28 +731,50 @@ def eval_here_case(check: Check, case: Case, outcome: Outcome) -> None:
 
 
 def eval_cpu_decode_case(check: Check, case: Case, outcome: Outcome) -> None:
-    """`rayvl eval --gpus 1 --decode cpu` joined to the check's Ray: Ray Data's read tasks decode the JPEGs, as
-    before eval.decode; with the eval case's results beside it, its retrieval metrics within a point of those of
-    the JPEGs the GPU decoded (the tolerance docs/concepts.md states)."""
+    """`rayvl eval --gpus 1 --decode cpu` joined to the check's Ray: Ray Data's read tasks decode the JPEGs; with the
+    eval case's results beside it (its GPU decoded them), the same counts, each image's embedding close to its
+    (median and lowest cosine) and the retrieval metrics within a point (the tolerance docs/concepts.md states)."""
     evaluate(check, outcome, joined=True, decode="cpu")
-    gpu_decoded = check.storage / "eval" / "eval.json"
-    if not gpu_decoded.exists():
+    gpu, cpu = check.storage / "eval", check.storage / "eval-decode-cpu"
+    if not (gpu / "eval.json").exists():
+        outcome.notes += "; not compared: no eval case's results (run --cases eval,eval_cpu_decode)"
         return
-    theirs = json.loads(gpu_decoded.read_text()).get("retrieval", {})
-    ours = json.loads((check.storage / "eval-decode-cpu" / "eval.json").read_text()).get("retrieval", {})
-    apart = max((abs(ours[k] - v) for k, v in theirs.items() if k in ours and isinstance(v, float)), default=0.0)
-    outcome.notes += f"; retrieval metrics at most {apart:.2f} points from the eval case's (decoded by its GPU)"
-    if apart > DECODE_TOLERANCE_POINTS:
-        raise CaseFailed(f"retrieval {apart:.2f} points from the GPU-decoded eval's (tolerance "
-                         f"{DECODE_TOLERANCE_POINTS:g})")
+    agreed, failure = decode_agreement(gpu, cpu)
+    outcome.notes += "; against the eval case's (its GPU decoded): " + agreed
+    if failure:
+        raise CaseFailed(failure)
+
+
+def decode_agreement(gpu: Path, cpu: Path) -> tuple[str, str]:
+    """(what agrees, '' or why it fails) between two `rayvl eval` outputs of the same images, decoded by the GPU and
+    by the read tasks."""
+    import numpy as np
+
+    theirs, ours = (json.loads((d / "eval.json").read_text()) for d in (gpu, cpu))
+    if theirs.get("data") != ours.get("data"):
+        return "counts differ", f"counts differ: {theirs.get('data')} (GPU) against {ours.get('data')} (read tasks)"
+    keys = [json.loads((d / "keys.json").read_text()) for d in (gpu, cpu)]
+    if keys[0] != keys[1]:
+        return "rows differ", "the two evaluations kept different rows"
+    a, b = (np.load(d / "image_embeddings.npy") for d in (gpu, cpu))
+    cosine = (a * b).sum(1)
+    r1, r2 = theirs.get("retrieval", {}), ours.get("retrieval", {})
+    apart = max((abs(r2[k] - v) for k, v in r1.items() if k in r2 and isinstance(v, float)), default=0.0)
+    said = (f"same counts and rows, image embeddings' cosine median {np.median(cosine):.4f}, lowest "
+            f"{cosine.min():.4f}, retrieval at most {apart:.2f} points apart")
+    if apart > DECODE_TOLERANCE_POINTS or np.median(cosine) < DECODE_MEDIAN_COSINE:
+        return said, (f"decoded by the GPU: {said} (tolerance {DECODE_TOLERANCE_POINTS:g} points, median cosine "
+                      f"{DECODE_MEDIAN_COSINE})")
+    return said, ""
 
 
 DECODE_TOLERANCE_POINTS = 1.0  # retrieval R@k, in points, between JPEGs decoded by the GPU and by Pillow
+DECODE_MEDIAN_COSINE = 0.99  # the images' embeddings, GPU-decoded against Pillow-decoded (the CPU test's bound)
 DECODED_BY = re.compile(r"JPEGs were decoded by (.+)")
 
 
 def evaluate(check: Check, outcome: Outcome, joined: bool, decode: str = "") -> None:
-    out = check.storage / (("eval" if joined else "eval-here") + (f"-decode-{decode}" if decode else ""))
+    out = check.storage / (("eval" if joined else "eval-here") + ("-decode-cpu" if decode == "cpu" else ""))
     scale = []
     if check.args.eval_images:  # retrieval over that many held-out images: the embedding's rate once running
         data = copied_shards(demo_shards("eval"), check.args.eval_images, check.storage / "eval-images")
@@ -785,6 +808,8 @@ CASES = [
          bare_case, per_batch=True),
     Case("zero0", "stage 0: bf16 autocast over fp32 weights, no ZeRO hooks (zero_stage=auto's pick on one GPU)",
          train_case, "laion_adapt", lambda c: ["train.zero_stage=0", NO_EVAL], per_batch=True),
+    Case("zero0_decode", "stage 0 with data.decode=device: each worker's GPU decodes its JPEGs (nvJPEG)", train_case,
+         "laion_adapt", lambda c: ["train.zero_stage=0", NO_EVAL, "data.decode=device"]),
     Case("zero1", "ZeRO-1, bf16", train_case, "laion_adapt", lambda c: ["train.zero_stage=1", NO_EVAL],
          per_batch=True),
     Case("zero2", "ZeRO-2, bf16", train_case, "laion_adapt", lambda c: ["train.zero_stage=2", NO_EVAL],
@@ -800,7 +825,8 @@ CASES = [
     Case("memory_bank", "EMA memory bank (K 8192), stage 0", train_case, "laion_adapt",
          lambda c: ["train.zero_stage=0", "memory_bank.size=8192", NO_EVAL]),
     Case("pseudo_label", "rayvl pseudo-label, GPU actors searching the caption pool on their GPU", pseudo_label_case),
-    Case("eval", "rayvl eval --gpus 1 of zero2's run, joined to a Ray: GPU actors", eval_case),
+    Case("eval", "rayvl eval --gpus 1 --decode device of zero2's run, joined to a Ray: GPU actors decoding the JPEGs",
+         eval_case),
     Case("eval_cpu_decode", "rayvl eval --gpus 1 --decode cpu, joined: the read tasks decode the JPEGs",
          eval_cpu_decode_case),
     Case("eval_here", "rayvl eval --gpus 1 of zero2's run on this machine: one model in its process, no Ray",

@@ -138,7 +138,7 @@ def _eval_parser(sub) -> None:
     e.add_argument("--decode", default=None, choices=["auto", "cpu", "device"],
                    help="where held-out shards' JPEGs are decoded: cpu (Ray Data's read tasks, or the loader's "
                         "workers), device (the embedding model's GPU, by nvJPEG: the read tasks keep them encoded), "
-                        f"auto (the device where the model has a GPU; default: eval.decode, {d.decode})")
+                        f"auto (the device where the model has a GPU); default: eval.decode, {d.decode}")
     e.add_argument("--k", type=int, default=None, help=f"k of AO@k / JS@k (default: eval.paraphrase_k, "
                                                        f"{d.paraphrase_k})")
     e.add_argument("--limit", type=int, default=0, help="use only the first N Fashion-MNIST images (default: all)")

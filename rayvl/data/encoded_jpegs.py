@@ -2,10 +2,11 @@
 rayvl.device_decode decodes them there), for nodes whose CPUs cannot decode as fast as their GPUs eat.
 
 In a Ray Data read task or a local loader's worker (``prepare``): a JPEG the GPU's decoder takes — baseline, RGB or
-greyscale, its bytes ending in the end-of-image marker — stays encoded, with its crop box drawn from its header's
-size by the same call and generator as the CPU path's crop (``images.crop``), so a row's crop is the same box
-either way. Any other image (PNG, WebP, CMYK, progressive, a JPEG cut short) is decoded and cropped here as on the
-CPU path and travels as its pixels; bytes that are no image are dropped and counted here, as before.
+greyscale, its bytes ending in the end-of-image marker, at most ``DEVICE_MAX_PIXELS`` — stays encoded, with its crop
+box drawn from its header's size by the same call and generator as the CPU path's crop (``images.crop``), so a row's
+crop is the same box either way. Any other image (PNG, WebP, CMYK, progressive, a JPEG cut short or larger) is
+decoded and cropped here as on the CPU path and travels as its pixels; bytes that are no image are dropped and
+counted here, as before.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from rayvl.data.images import center_crop_box, decode_and_crop, random_resized_c
 COLUMNS = ["image_bytes", "image_box"]  # what a row carries for its image in place of ``image``
 PIXELS = -1  # a box of these: the row's bytes are its crop's pixels, decoded on the CPU
 DECODES = ("cpu", "device")
+DEVICE_MAX_PIXELS = 4096 * 4096  # larger JPEGs decode here: a frame of float32 pixels for the resize takes GBs
 EOI_WITHIN = 64  # bytes from the end holding a whole JPEG's end-of-image marker (some carry trailing bytes)
 
 
@@ -47,6 +49,7 @@ def jpeg_size(data: bytes) -> tuple[int, int] | None:
         with Image.open(io.BytesIO(data)) as img:
             if img.format not in ("JPEG", "MPO") or img.mode not in ("RGB", "L") or img.info.get("progressive"):
                 return None
-            return img.size if min(img.size) >= 2 else None
+            width, height = img.size
+            return img.size if min(img.size) >= 2 and width * height <= DEVICE_MAX_PIXELS else None
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError, SyntaxError):
         return None

@@ -16,6 +16,7 @@ import queue
 import threading
 import logging
 import time
+import warnings
 from typing import Iterator
 
 import numpy as np
@@ -118,12 +119,14 @@ class EncodedImages(NumpyBatchCollateFn):
 
     def __call__(self, batch: dict) -> dict:
         out = {}
-        for name, values in batch.items():
-            if name == "image_bytes":
-                out[name] = list(values)
-            elif np.asarray(values).dtype != object:  # keys and captions stay behind, as without a collate
-                tensor = torch.from_numpy(np.ascontiguousarray(values))
-                out[name] = tensor.pin_memory() if self.pin else tensor
+        with warnings.catch_warnings():  # Ray's zero-copy columns are read-only; nothing here writes into them
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            for name, values in batch.items():
+                if name == "image_bytes":
+                    out[name] = list(values)
+                elif np.asarray(values).dtype != object:  # keys and captions stay behind, as without a collate
+                    tensor = torch.from_numpy(np.ascontiguousarray(values))
+                    out[name] = tensor.pin_memory() if self.pin else tensor
         return out
 
 
@@ -138,6 +141,7 @@ class DeviceCopy:
         self.device, self.image_size = device, image_size
         self.stream = None  # made in the producer thread, on its bound device
         self.blank = 0  # rows whose JPEG no decoder here took, trained on as blank images
+        self.said = False  # the log named the decoder
 
     def send(self, batch: dict) -> tuple[dict, object]:
         if self.device.type != "cuda":
@@ -156,13 +160,16 @@ class DeviceCopy:
         rank steps on as many rows) as a blank image, and is said in the log with the count so far."""
         if "image_bytes" not in batch:
             return batch
+        if not self.said:
+            self.said = True
+            log.info(f"data.decode=device: the training JPEGs decoded by {device_decode.device_decoding(self.device)}")
         batch = dict(batch)
         data, boxes = batch.pop("image_bytes"), batch.pop("image_box")
         crops, ok = device_decode.decoded(data, boxes.cpu().numpy(), self.image_size, self.device)
         if ok.all():
             return {"image": crops, **batch}
         image = torch.zeros((len(ok), 3, self.image_size, self.image_size), dtype=torch.uint8, device=self.device)
-        image[torch.as_tensor(np.flatnonzero(ok), device=self.device)] = crops
+        image[torch.from_numpy(np.flatnonzero(ok)).to(self.device)] = crops  # rare: a pageable copy will do
         self.blank += int((~ok).sum())
         log.warning(f"data.decode=device: {self.blank} training row(s) so far whose JPEG neither the device's "
                     f"decoder nor Pillow decodes (their headers were whole), trained on as blank images")
