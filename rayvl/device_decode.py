@@ -83,9 +83,12 @@ def decoded_by(decode_jpeg, data: list[bytes], device: torch.device) -> list[tor
     encoded = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in data]  # a copy: bytes are read-only
     if device.type != "cuda":
         return _halved(decode_jpeg, encoded, data, device)
-    streams = getattr(_threads, "streams", None) or {}
-    _threads.streams = streams
-    side = streams.setdefault(device, torch.cuda.Stream(device))
+    streams = getattr(_threads, "streams", None)
+    if streams is None:
+        streams = _threads.streams = {}
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device)
+    side = streams[device]
     caller = torch.cuda.current_stream(device)
     with torch.cuda.stream(side):
         out = _halved(decode_jpeg, encoded, data, device)
