@@ -3,7 +3,9 @@ that embeds or trains on them.
 
 A batch's JPEGs go in one ``torchvision.io.decode_jpeg`` call on the GPU (nvJPEG), on a CUDA stream of this
 thread's own; each crop box is cut and resized bicubic with antialias (torch's antialiased kernel is PIL's, a =
--0.5), the crops of one shape in one call, and the crops put in row order with one gather: no host synchronisation.
+-0.5), the crops of one shape in one call, and the crops put in row order with one gather: no host synchronisation
+of rayvl's (torchvision's decoder waits for its own stream). A batch is decoded ``DECODE_CHUNK`` JPEGs at a time,
+so its full-size frames never all lie on the device at once.
 A JPEG nvJPEG refuses is decoded by Pillow on the host; one neither decodes is left out and counted by the caller.
 Without CUDA the JPEGs are decoded by Pillow and cut by the same tensor code: what the tests compare with the CPU
 path.
@@ -11,6 +13,7 @@ path.
 from __future__ import annotations
 
 import io
+import logging
 import threading
 from collections import defaultdict
 
@@ -20,6 +23,10 @@ import torch.nn.functional as F
 
 from rayvl.data.encoded_jpegs import PIXELS
 from rayvl.data.images import chw, decode
+
+DECODE_CHUNK = 64  # JPEGs a decoder call: their frames (full size) are freed before the next chunk's
+RESIZE_BYTES = 512 << 20  # float32 input of one resize call at most: a batch of one crop shape is split past it
+log = logging.getLogger("rayvl")
 
 
 def decoded(data, boxes: np.ndarray, size: int, device: torch.device) -> tuple[torch.Tensor, np.ndarray]:
@@ -33,14 +40,20 @@ def decoded(data, boxes: np.ndarray, size: int, device: torch.device) -> tuple[t
         cut = np.stack([np.frombuffer(data[i], np.uint8) for i in pixels]).reshape(-1, 3, size, size)
         parts.append((pixels.tolist(), _to_device(torch.from_numpy(cut), device)))
     jpegs = np.flatnonzero(boxes[:, 0] != PIXELS)
-    shapes: dict[tuple[int, int], list] = defaultdict(list)
-    for i, frame in zip(jpegs, frames([data[i] for i in jpegs], device)):
-        x0, y0, x1, y1 = (int(v) for v in boxes[i])
-        if frame is None or x1 > frame.shape[2] or y1 > frame.shape[1]:
-            ok[i] = False
-            continue
-        shapes[(y1 - y0, x1 - x0)].append((int(i), frame[:, y0:y1, x0:x1]))
-    parts += [([i for i, _ in crops], resized(torch.stack([c for _, c in crops]), size)) for crops in shapes.values()]
+    for at in range(0, len(jpegs), DECODE_CHUNK):
+        chunk = jpegs[at:at + DECODE_CHUNK]
+        shapes: dict[tuple[int, int], list] = defaultdict(list)
+        for i, frame in zip(chunk, frames([data[i] for i in chunk], device)):
+            x0, y0, x1, y1 = (int(v) for v in boxes[i])
+            if frame is None or x1 > frame.shape[2] or y1 > frame.shape[1]:
+                ok[i] = False
+                continue
+            shapes[(y1 - y0, x1 - x0)].append((int(i), frame[:, y0:y1, x0:x1]))
+        for (h, w), crops in shapes.items():
+            per_call = max(1, RESIZE_BYTES // (3 * h * w * 4))
+            for first in range(0, len(crops), per_call):
+                some = crops[first:first + per_call]
+                parts.append(([i for i, _ in some], resized(torch.stack([c for _, c in some]), size)))
     if not parts:
         return torch.empty((0, 3, size, size), dtype=torch.uint8, device=device), ok
     rows = np.concatenate([np.asarray(r, np.int64) for r, _ in parts])
@@ -83,13 +96,7 @@ def decoded_by(decode_jpeg, data: list[bytes], device: torch.device) -> list[tor
     encoded = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in data]  # a copy: bytes are read-only
     if device.type != "cuda":
         return _halved(decode_jpeg, encoded, data, device)
-    streams = getattr(_threads, "streams", None)
-    if streams is None:
-        streams = _threads.streams = {}
-    if device not in streams:
-        streams[device] = torch.cuda.Stream(device)
-    side = streams[device]
-    caller = torch.cuda.current_stream(device)
+    side, caller = side_stream(device), torch.cuda.current_stream(device)
     with torch.cuda.stream(side):
         out = _halved(decode_jpeg, encoded, data, device)
     caller.wait_stream(side)
@@ -99,13 +106,36 @@ def decoded_by(decode_jpeg, data: list[bytes], device: torch.device) -> list[tor
     return out
 
 
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """This thread's decoding stream on ``device``, made once — never its current stream (torch hands streams out
+    from a pool of 32 in turn, so a new one can be one in use)."""
+    streams = getattr(_threads, "streams", None)
+    if streams is None:
+        streams = _threads.streams = {}
+    if device not in streams:
+        side = torch.cuda.Stream(device)
+        while side == torch.cuda.current_stream(device):
+            side = torch.cuda.Stream(device)
+        streams[device] = side
+    return streams[device]
+
+
+_fallbacks = [0]  # JPEGs the device's decoder refused and Pillow decoded on the host, in this process
+
+
 def _halved(decode_jpeg, encoded: list[torch.Tensor], data: list[bytes], device) -> list[torch.Tensor | None]:
     from torchvision.io import ImageReadMode
 
     try:
         return list(decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device))
     except RuntimeError:
+        if device.type == "cuda":  # a failed call may have left writes queued on its stream: none into what follows
+            torch.cuda.synchronize(device)
         if len(encoded) == 1:
+            _fallbacks[0] += 1
+            if str(_fallbacks[0]).strip("0") == "1":  # 1, 10, 100, ...: said, not at every image
+                log.warning(f"data decode: {_fallbacks[0]} JPEG(s) so far the device's decoder refused, handed to "
+                            f"Pillow on the host")
             return [_pillow(data[0], device)]
         half = len(encoded) // 2
         return (_halved(decode_jpeg, encoded[:half], data[:half], device)
@@ -120,18 +150,24 @@ def gpu_decoder(device: torch.device):
     its image extension, or one built without nvJPEG (its CUDA op is there and raises when called): the JPEGs are
     then decoded by Pillow on the host, which ``device_decoding`` says. Tried once on a tiny JPEG."""
     if "decode_jpeg" not in _decoder:
-        _decoder["decode_jpeg"] = None
         try:
             from rayvl.compat import ensure_torchvision_importable
 
             ensure_torchvision_importable()
             from torchvision.io import ImageReadMode, decode_jpeg
 
-            decode_jpeg(torch.frombuffer(bytearray(tiny_jpeg()), dtype=torch.uint8), mode=ImageReadMode.RGB,
-                        device=device)
+            with torch.cuda.stream(side_stream(device)):  # as every decode runs (decoded_by)
+                decode_jpeg(torch.frombuffer(bytearray(tiny_jpeg()), dtype=torch.uint8), mode=ImageReadMode.RGB,
+                            device=device)
             _decoder["decode_jpeg"] = decode_jpeg
-        except (ImportError, AttributeError, RuntimeError, OSError):
-            pass
+        except (ImportError, AttributeError, OSError):
+            _decoder["decode_jpeg"] = None
+        except RuntimeError as e:  # a build without the decoder says so; anything else may pass: tried again later
+            if "compiled" in str(e) or "nvjpeg" in str(e).lower() or "extension" in str(e):
+                _decoder["decode_jpeg"] = None
+            else:
+                log.warning(f"data decode: the GPU's JPEG decoder failed its trial ({e}); Pillow for now")
+                return None
     return _decoder["decode_jpeg"]
 
 

@@ -73,6 +73,31 @@ def test_device_crops_are_the_cpu_paths_boxes_within_the_tolerance(images, size,
     assert 0 < diff[:len(device)].mean()  # decoded apart, not the CPU path's crop again
 
 
+def test_a_crop_far_larger_than_its_output_is_cut_in_the_read_task(demo_dir):
+    """A crop over DEVICE_MAX_DOWNSCALE times the output side (torch's CUDA antialiased resize has no shared memory
+    for its filter there) is cut in the read task, from the box drawn already: the CPU path's crop, bit for bit."""
+    big = encoded(Image.open(io.BytesIO(demo_jpegs(demo_dir, 1)[0])).convert("RGB").resize((1400, 1100)), "JPEG")
+    for size, on_device in ((32, False), (64, True)):
+        a, b = np.random.default_rng(7), np.random.default_rng(7)
+        data, box = encoded_jpegs.prepare(big, size, None, None)
+        assert (box[0] != encoded_jpegs.PIXELS) == on_device  # centre crop 1100 px: over 32 × 32, under 32 × 64
+        if not on_device:
+            assert data == decode_and_crop(big, size, None).tobytes()
+        data, box = encoded_jpegs.prepare(big, 16, 0.9, a)
+        assert box[0] == encoded_jpegs.PIXELS and data == decode_and_crop(big, 16, 0.9, b).tobytes()
+
+
+def test_a_batch_decoded_in_chunks_and_split_resizes_is_the_same(demo_dir, monkeypatch):
+    """A batch decoded DECODE_CHUNK JPEGs at a time, its resizes split by RESIZE_BYTES (bounded device memory for
+    an evaluation block of full-size photos), gives the crops of one call, in order."""
+    rows = [encoded_jpegs.prepare(d, 32, None, None) for d in demo_jpegs(demo_dir)]
+    whole, _ = device_decode.decoded([d for d, _ in rows], [b for _, b in rows], 32, CPU)
+    monkeypatch.setattr(device_decode, "DECODE_CHUNK", 5)
+    monkeypatch.setattr(device_decode, "RESIZE_BYTES", 3 * 112 * 112 * 4 * 2)  # two demo crops a resize
+    chunked, ok = device_decode.decoded([d for d, _ in rows], [b for _, b in rows], 32, CPU)
+    assert ok.all() and torch.equal(whole, chunked)
+
+
 def test_a_jpeg_no_decoder_takes_is_left_out_and_the_rest_kept_in_order(demo_dir):
     """A JPEG whose header reads and whose data no decoder takes passes the read task (its size is known) and is
     left out by the device, which keeps the others' crops in order; bytes that are no image never leave the read
