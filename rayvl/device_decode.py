@@ -38,7 +38,7 @@ def decoded(data, boxes: np.ndarray, size: int, device: torch.device) -> tuple[t
     pixels = np.flatnonzero(boxes[:, 0] == PIXELS)
     if len(pixels):
         cut = np.stack([np.frombuffer(data[i], np.uint8) for i in pixels]).reshape(-1, 3, size, size)
-        parts.append((pixels.tolist(), _to_device(torch.from_numpy(cut), device)))
+        parts.append((pixels.tolist(), to_device(torch.from_numpy(cut), device)))
     jpegs = np.flatnonzero(boxes[:, 0] != PIXELS)
     for at in range(0, len(jpegs), DECODE_CHUNK):
         chunk = jpegs[at:at + DECODE_CHUNK]
@@ -61,7 +61,7 @@ def decoded(data, boxes: np.ndarray, size: int, device: torch.device) -> tuple[t
     order = np.argsort(rows, kind="stable")  # the kept rows in their order
     if (order == np.arange(len(order))).all():
         return crops, ok
-    return crops[_to_device(torch.from_numpy(order), device)], ok
+    return crops[to_device(torch.from_numpy(order), device)], ok
 
 
 def resized(crops: torch.Tensor, size: int) -> torch.Tensor:
@@ -190,11 +190,14 @@ def device_decoding(device: torch.device) -> str:
 
 def _pillow(data: bytes, device: torch.device) -> torch.Tensor | None:
     img = decode(data)
-    return None if img is None else _to_device(torch.from_numpy(chw(img).copy()), device)
+    return None if img is None else to_device(torch.from_numpy(chw(img).copy()), device)
 
 
-def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``: to a GPU from pinned memory without blocking (a pageable copy waits)."""
-    if device.type != "cuda":
+def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """A CPU ``tensor`` on ``device``: to a GPU from pinned memory, without blocking — a copy from pageable memory
+    waits for the GPU's stream, which would make the labeller wait on the GPU once a chunk (and an embedding loop
+    once a batch, a decoder once a batch): the pseudo-labeller's crops (rayvl.methods.bow.roi_crops), the embedding
+    loops' batches (rayvl.eval.embed) and the decoded crops here."""
+    if torch.device(device).type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)

@@ -1,7 +1,7 @@
 """Decoding on the device (rayvl.data.encoded_jpegs, rayvl.device_decode; data.decode / eval.decode): the same crop
 boxes as the CPU path, pixels within the stated tolerance of it, what the device cannot take decoded on the CPU as
-before, a JPEG no decoder takes left out and counted — and `rayvl eval --decode device`, on Ray and without, scoring the held-out
-set as `--decode cpu` does, its counts exact."""
+before, a JPEG no decoder takes left out and counted — and `rayvl eval --decode device`, on Ray and without,
+scoring the held-out set as `--decode cpu` does, its counts exact."""
 import io
 import json
 import tarfile

@@ -863,7 +863,8 @@ def run_case(check: Check, case: Case) -> Outcome:
     return outcome
 
 
-NOT_TRAINING = ("eval", "eval_cpu_decode", "eval_here", "pseudo_label")  # cases whose rate is images embedded or labelled
+# cases whose rate is images embedded or labelled
+NOT_TRAINING = ("eval", "eval_cpu_decode", "eval_here", "pseudo_label")
 
 
 def compare_to_bare(outcomes: list[Outcome]) -> None:

@@ -4,9 +4,9 @@ rayvl.device_decode decodes them there), for nodes whose CPUs cannot decode as f
 In a Ray Data read task or a local loader's worker (``prepare``): a JPEG the GPU's decoder takes — baseline, RGB or
 greyscale, its bytes ending in the end-of-image marker, at most ``DEVICE_MAX_PIXELS`` — stays encoded, with its crop
 box drawn from its header's size by the same call and generator as the CPU path's crop (``images.crop``), so a row's
-crop is the same box either way. Any other image (PNG, WebP, CMYK, progressive, a JPEG cut short or larger, a
-crop over ``DEVICE_MAX_DOWNSCALE`` times the output side) is decoded and cropped here as on the CPU path and travels as its pixels; bytes that are no image are dropped and
-counted here, as before.
+crop is the same box either way (``images.crop_box``). Any other image (PNG, WebP, CMYK, progressive, a JPEG cut
+short or larger, a crop over ``DEVICE_MAX_DOWNSCALE`` times the output side) is decoded and cropped here as on the
+CPU path and travels as its pixels; bytes that are no image are dropped and counted here, as before.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import io
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from rayvl.data.images import center_crop_box, decode, decode_and_crop, random_resized_crop_box, resized
+from rayvl.data.images import crop_box, decode, decode_and_crop, resized
 
 COLUMNS = ["image_bytes", "image_box"]  # what a row carries for its image in place of ``image``
 PIXELS = -1  # a box of these: the row's bytes are its crop's pixels, decoded on the CPU
@@ -36,13 +36,7 @@ def prepare(data: bytes, size: int, scale_min: float | None, rng: np.random.Gene
     if size_of is None:
         image = decode_and_crop(data, size, scale_min, rng)
         return None if image is None else (image.tobytes(), (PIXELS,) * 4)
-    width, height = size_of
-    if scale_min is None:
-        box = center_crop_box(width, height)
-    elif rng is None:
-        raise ValueError("a random resized crop needs a generator (data/seeding.row_rng)")
-    else:
-        box = random_resized_crop_box(width, height, scale_min, rng)
+    box = crop_box(*size_of, scale_min, rng)
     if max(box[2] - box[0], box[3] - box[1]) <= DEVICE_MAX_DOWNSCALE * size:
         return data, box
     img = decode(data)  # the box drawn already: cut here, as the CPU path cuts it

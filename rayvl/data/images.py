@@ -93,13 +93,18 @@ def decode(data: bytes, draft=None) -> Image.Image | None:
 def crop(img: Image.Image, size: int, scale_min: float | None, rng: np.random.Generator | None = None) -> np.ndarray:
     """An RGB PIL image → uint8 (3, size, size): centre crop (``scale_min`` None) or random resized crop drawn from
     ``rng``."""
+    return resized(img, crop_box(*img.size, scale_min, rng), size).copy()
+
+
+def crop_box(width: int, height: int, scale_min: float | None, rng: np.random.Generator | None = None):
+    """The crop box of an image of that size: its centre square (``scale_min`` None) or a random resized crop drawn
+    from ``rng`` — where a crop is cut on the CPU (``crop``) and where its JPEG travels to the device
+    (data/encoded_jpegs.py), the same box."""
     if scale_min is None:
-        box = center_crop_box(*img.size)
-    elif rng is None:  # an unseeded default here made runs of one train.seed differ (data/seeding.py)
+        return center_crop_box(width, height)
+    if rng is None:  # an unseeded default here made runs of one train.seed differ (data/seeding.py)
         raise ValueError("a random resized crop needs a generator (data/seeding.row_rng)")
-    else:
-        box = random_resized_crop_box(*img.size, scale_min, rng)
-    return resized(img, box, size).copy()
+    return random_resized_crop_box(width, height, scale_min, rng)
 
 
 def resized(img: Image.Image, box, size: int) -> np.ndarray:

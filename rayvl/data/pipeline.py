@@ -52,7 +52,8 @@ class Rows:
     """the enabled methods' row transforms, in the order they apply."""
     decode: str = "cpu"
     """where images are decoded: "cpu" here, into ``image``; "device" where they are used — a JPEG the device
-    takes kept encoded with its crop box, in ``image_bytes`` and ``image_box`` (data/encoded_jpegs.py, rayvl/device_decode.py)."""
+    takes kept encoded with its crop box, in ``image_bytes`` and ``image_box`` (data/encoded_jpegs.py,
+    rayvl/device_decode.py)."""
 
     @classmethod
     def of(cls, cfg: RayvlConfig, train: bool, transforms: tuple[RowTransform, ...] = ()) -> Rows:
@@ -127,8 +128,8 @@ def model_inputs(images: list, captions: list[str], keys: list[str], rows: Rows)
     """Stacked uint8 images (or, decoded on the device, their bytes and boxes: ``image_columns``), fixed-length
     token ids and mask, keys and captions (no label: the caller's column)."""
     ids, mask = tokenize(captions, rows.tokenizer_path, rows.max_tokens)
-    return {**image_columns(images, rows), "input_ids": ids, "attention_mask": mask, "key": np.array(keys, dtype=object),
-            "caption": np.array(captions, dtype=object)}
+    return {**image_columns(images, rows), "input_ids": ids, "attention_mask": mask,
+            "key": np.array(keys, dtype=object), "caption": np.array(captions, dtype=object)}
 
 
 def image_columns(images: list, rows: Rows) -> dict:
@@ -144,15 +145,15 @@ def image_columns(images: list, rows: Rows) -> dict:
     return {"image": np.stack(images) if images else np.zeros((0, 3, size, size), np.uint8)}
 
 
-def image_column_names(rows: Rows) -> list[str]:
-    """The columns ``image_columns`` makes."""
-    return read_columns(rows.decode)[:-3]
+def image_column_names(decode: str) -> list[str]:
+    """The columns ``image_columns`` makes where images are decoded as ``decode`` says (Rows.decode)."""
+    return list(encoded_jpegs.COLUMNS) if decode == "device" else ["image"]
 
 
 def read_columns(decode: str) -> list[str]:
     """The model inputs a training iterator takes from the read tasks: ``TRAIN_COLUMNS``, the image as ``decode``
     (data.decode) has it — the device decodes it into ``image`` (rayvl.train.batches.DeviceCopy)."""
-    return (list(encoded_jpegs.COLUMNS) if decode == "device" else ["image"]) + TRAIN_COLUMNS[1:]
+    return image_column_names(decode) + TRAIN_COLUMNS[1:]
 
 
 def _caption(rows: Rows, raw, sample: Sample, counts: Counter) -> tuple[str, str | None]:

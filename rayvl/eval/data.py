@@ -112,7 +112,7 @@ def load_shards(spec: str, image_size: int, tokenizer_path: str, max_tokens: int
     reading = Reading(read_cpus=read_cpus, batch_size=batch_size, threads=threads, report_name=report_name,
                       readers_per_shard=readers)
     rows = Rows(image_size, 1.0, False, tokenizer_path, max_tokens, decode=decode)
-    ds = read_shards(paths, rows, reading, SHARD_COLUMNS + image_column_names(rows))
+    ds = read_shards(paths, rows, reading, SHARD_COLUMNS + image_column_names(decode))
     return EvalData(ds, 0, np.zeros(0, np.int64))
 
 
@@ -123,7 +123,7 @@ def local_shards(spec: str, image_size: int, tokenizer_path: str, max_tokens: in
     counted in ``images.counts``."""
     rows = Rows(image_size, 1.0, False, tokenizer_path, max_tokens, decode=decode)
     reading = Reading(batch_size=batch_size)
-    images = local_read.shard_batches(resolve_shards(spec), rows, reading, SHARD_COLUMNS + image_column_names(rows),
+    images = local_read.shard_batches(resolve_shards(spec), rows, reading, SHARD_COLUMNS + image_column_names(decode),
                                       workers)
     return EvalData(images, 0, np.zeros(0, np.int64))
 

@@ -29,10 +29,9 @@ import ray
 import torch
 import torch.distributed as dist
 
-from rayvl import assets
+from rayvl import assets, device_decode
 from rayvl.checkpoints import load_model
 from rayvl.config import EVAL_CPU_BATCH, EVAL_GPU_BATCH, ConfigError
-from rayvl import device_decode
 from rayvl.data import encoded_jpegs
 from rayvl.data.text import tokenize
 
@@ -53,20 +52,11 @@ def batch_size(setting: int, gpu: bool, train_batch: int = 0) -> int:
     return max(EVAL_CPU_BATCH, min(EVAL_GPU_BATCH, train_batch)) if train_batch else EVAL_GPU_BATCH
 
 
-def to_device(tensor, device):
-    """A CPU ``tensor`` on ``device``: to a GPU from pinned memory, without blocking — a copy from pageable memory
-    waits for the GPU's stream, which would make the labeller wait on the GPU once a chunk (and an embedding loop
-    once a batch): the pseudo-labeller's crops (rayvl.methods.bow.roi_crops) and the embedding loops' batches."""
-    if torch.device(device).type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
 def array_to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on ``device`` (``to_device``: to a GPU without blocking)."""
+    """A host array on ``device`` (``device_decode.to_device``: to a GPU without blocking)."""
     with warnings.catch_warnings():  # Ray's zero-copy batches are read-only; nothing here writes into them
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return to_device(torch.from_numpy(np.ascontiguousarray(a)), device)
+        return device_decode.to_device(torch.from_numpy(np.ascontiguousarray(a)), device)
 
 
 class ModelEmbedder:
@@ -182,7 +172,8 @@ class EmbeddingActor:
         first batch the rate once running counts."""
         warm = self.on_device({"image": np.zeros((2, 3, image_size, image_size), np.uint8)})[0]
         if self.device.type == "cuda":  # nvJPEG's set-up too (a device-decoded evaluation's first batch met it)
-            device_decode.decoded(*warm_up_jpegs(image_size), image_size, self.device)
+            data, box = encoded_jpegs.prepare(device_decode.tiny_jpeg(), image_size, None, None)
+            device_decode.decoded([data, data], [box, box], image_size, self.device)
         if getattr(self.model, "text", None) is not None:  # not a class-embedding model ([UniCL] eq. (4))
             self.texts(["a photo", "a photo of a dog"], 2)
         warm.cpu()  # on a GPU: waits for the forwards
@@ -275,20 +266,6 @@ class EmbeddingActor:
     def texts(self, texts: list[str], batch_size: int) -> np.ndarray:
         return text_embeddings(self.model, texts, self.tokenizer_path, self.max_tokens, batch_size, self.device,
                                self._tensor)
-
-
-def warm_up_jpegs(image_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Two small JPEGs' bytes and boxes, as a device-decoded batch has them (device_decode)."""
-    from io import BytesIO
-
-    from PIL import Image
-
-    encoded = BytesIO()
-    Image.new("RGB", (image_size + 8, image_size), (90, 120, 150)).save(encoded, "JPEG")
-    data = np.empty(2, dtype=object)
-    data[:] = [encoded.getvalue()] * 2
-    boxes = np.array([encoded_jpegs.prepare(d, image_size, None, None)[1] for d in data], np.int64)
-    return data, boxes
 
 
 @torch.inference_mode()

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import itertools
 import queue
-import threading
 import logging
+import threading
 import time
 import warnings
 from typing import Iterator

@@ -436,8 +436,9 @@ class Finisher:
     rule of ``data.word_rank``, and one img2dataset shard written per rule, its stats file last. In the labeller's
     process where it labels alone (``Labeler.label``: without Ray); on Ray actors of the labeller's own
     (``Labellers``, ``finishers_per_labeller``), so that the labeller's one interpreter — whose lock its crop
-    threads share — only reads, prepares, embeds and searches while its units before are written here. Loads the caption pool and S_a's
-    document frequencies (``df``, None: ``index_dir``'s word statistics) from ``index_dir`` at its first unit."""
+    threads share — only reads, prepares, embeds and searches while its units before are written here. Loads the
+    caption pool and S_a's document frequencies (``df``, None: ``index_dir``'s word statistics) from ``index_dir``
+    at its first unit."""
 
     def __init__(self, index_dir: str, settings: dict, df: dict | None, out: str):
         self.x = PseudoLabelConfig(**settings)

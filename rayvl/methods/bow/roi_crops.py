@@ -25,7 +25,7 @@ import numpy as np
 from PIL import Image
 
 from rayvl.data.images import chw, decode, random_resized_crop_boxes, resized
-from rayvl.eval.embed import to_device
+from rayvl.device_decode import to_device
 
 
 @dataclass
