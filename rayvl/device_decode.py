@@ -3,9 +3,9 @@ that embeds or trains on them.
 
 A batch's JPEGs go in one ``torchvision.io.decode_jpeg`` call on the GPU (nvJPEG), on a CUDA stream of this
 thread's own; each crop box is cut and resized bicubic with antialias (torch's antialiased kernel is PIL's, a =
--0.5), the crops of one shape in one call, and the crops put in row order with one gather: no host synchronisation
-of rayvl's (torchvision's decoder waits for its own stream). A batch is decoded ``DECODE_CHUNK`` JPEGs at a time,
-so its full-size frames never all lie on the device at once.
+-0.5), the crops of one shape in one call, rounded to uint8 together, and put in row order with one gather: no host
+synchronisation of rayvl's (torchvision's decoder waits for its own stream). A batch is decoded ``DECODE_CHUNK``
+JPEGs at a time, so its full-size frames never all lie on the device at once.
 A JPEG nvJPEG refuses is decoded by Pillow on the host; one neither decodes is left out and counted by the caller.
 Without CUDA the JPEGs are decoded by Pillow and cut by the same tensor code: what the tests compare with the CPU
 path.
@@ -49,11 +49,7 @@ def decoded(data, boxes: np.ndarray, size: int, device: torch.device) -> tuple[t
                 ok[i] = False
                 continue
             shapes[(y1 - y0, x1 - x0)].append((int(i), frame[:, y0:y1, x0:x1]))
-        for (h, w), crops in shapes.items():
-            per_call = max(1, RESIZE_BYTES // (3 * h * w * 4))
-            for first in range(0, len(crops), per_call):
-                some = crops[first:first + per_call]
-                parts.append(([i for i, _ in some], resized(torch.stack([c for _, c in some]), size)))
+        parts += resized(shapes, size)
     if not parts:
         return torch.empty((0, 3, size, size), dtype=torch.uint8, device=device), ok
     rows = np.concatenate([np.asarray(r, np.int64) for r, _ in parts])
@@ -64,13 +60,29 @@ def decoded(data, boxes: np.ndarray, size: int, device: torch.device) -> tuple[t
     return crops[to_device(torch.from_numpy(order), device)], ok
 
 
-def resized(crops: torch.Tensor, size: int) -> torch.Tensor:
-    """uint8 (k, 3, h, w) crops of one shape → uint8 (k, 3, size, size), bicubic with antialias (PIL's filter, as
-    ``images.resized`` resizes on the CPU); a crop of the size already is kept as it is."""
-    if crops.shape[-2:] == (size, size):
-        return crops
-    out = F.interpolate(crops.float(), size=(size, size), mode="bicubic", antialias=True, align_corners=False)
-    return out.round_().clamp_(0, 255).to(torch.uint8)
+def resized(shapes: dict[tuple[int, int], list[tuple[int, torch.Tensor]]], size: int
+            ) -> list[tuple[list[int], torch.Tensor]]:
+    """One chunk's crops, {(h, w): [(row, uint8 (3, h, w) crop)]} → [(rows, uint8 (k, 3, size, size))], bicubic with
+    antialias (PIL's filter, as ``images.resized`` resizes on the CPU); a crop of the size already is kept as it is.
+    The crops of one shape go in one call; the float outputs of every shape are rounded to uint8 together. A random
+    crop's shape is nearly always its own, so a row costs two kernels (its float copy, its resize) and the chunk
+    three more: a batch's launches, which its copy thread makes beside the training step's, stay near one for each
+    row's crop, not one for each elementwise op of it."""
+    done, rows, floats = [], [], []
+    for (h, w), crops in shapes.items():
+        if (h, w) == (size, size):
+            done.append(([i for i, _ in crops], torch.stack([c for _, c in crops])))
+            continue
+        per_call = max(1, RESIZE_BYTES // (3 * h * w * 4))
+        for first in range(0, len(crops), per_call):
+            some = crops[first:first + per_call]
+            x = some[0][1][None].float() if len(some) == 1 else torch.stack([c for _, c in some]).float()
+            rows += [i for i, _ in some]
+            floats.append(F.interpolate(x, size=(size, size), mode="bicubic", antialias=True, align_corners=False))
+    if floats:
+        out = torch.cat(floats) if len(floats) > 1 else floats[0]
+        done.append((rows, out.round_().clamp_(0, 255).to(torch.uint8)))
+    return done
 
 
 def frames(data: list[bytes], device: torch.device) -> list[torch.Tensor | None]:

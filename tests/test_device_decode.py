@@ -5,6 +5,7 @@ scoring the held-out set as `--decode cpu` does, its counts exact."""
 import io
 import json
 import tarfile
+from functools import partial
 
 import numpy as np
 import pytest
@@ -96,6 +97,25 @@ def test_a_batch_decoded_in_chunks_and_split_resizes_is_the_same(demo_dir, monke
     monkeypatch.setattr(device_decode, "RESIZE_BYTES", 3 * 112 * 112 * 4 * 2)  # two demo crops a resize
     chunked, ok = device_decode.decoded([d for d, _ in rows], [b for _, b in rows], 32, CPU)
     assert ok.all() and torch.equal(whole, chunked)
+
+
+def test_a_batch_of_random_crops_costs_two_kernels_a_row(demo_dir):
+    """Random crops have shapes of their own, so each is resized alone: a row costs its float copy and its resize,
+    the rest (rounding to uint8, the batch's order) is once a chunk. What a training batch's copy thread launches on
+    a GPU beside the step's own kernels (each elementwise op a row's was six a row)."""
+    from rayvl.checks.census import Census
+
+    jpegs = demo_jpegs(demo_dir)
+    rows = [encoded_jpegs.prepare(d, 32, 0.3, np.random.default_rng(i)) for i, d in enumerate(jpegs)]
+    boxes = np.array([b for _, b in rows])
+    assert len({(y1 - y0, x1 - x0) for x0, y0, x1, y1 in boxes}) == len(rows)  # a shape a row
+    census = Census()
+    with census:
+        crops, ok = device_decode.decoded([d for d, _ in rows], boxes, 32, CPU)
+    assert ok.all() and len(crops) == len(rows)
+    by_op = census.counts.by_op
+    assert by_op["aten._upsample_bicubic2d_aa"] == len(rows) and by_op["aten.round_"] == 1
+    assert census.counts.kernels <= 2 * len(rows) + 6, by_op
 
 
 def test_a_jpeg_no_decoder_takes_is_left_out_and_the_rest_kept_in_order(demo_dir):
@@ -235,3 +255,43 @@ def test_training_batches_decoded_on_the_device_are_the_cpu_paths_rows(ray_local
             assert torch.equal(cpu[row][name], device[row][name]), name
     diff = torch.stack([(cpu[r]["image"].int() - device[r]["image"].int()).abs().float() for r in cpu])
     assert diff.mean() <= MEAN_LEVELS and torch.quantile(diff.flatten(), 0.999) <= P999_LEVELS
+
+
+def test_tonics_micro_batches_keep_the_jpegs_for_the_copy_to_decode(demo_dir):
+    """data.decode=device under TOnICS: the bucket sampler's micro-batch keeps each row's JPEG bytes as they came
+    (TonicsBatches._stack: a list, not a stacked array), and the batch copy decodes them — each row's crop the one
+    its bytes and box give alone, a row no decoder takes a blank image, counted."""
+    from types import SimpleNamespace
+
+    from rayvl.methods.tonics.sampler import ROOT, BucketSampler
+    from rayvl.methods.tonics.train import TonicsBatches
+    from rayvl.train.batches import DeviceCopy
+
+    jpegs = demo_jpegs(demo_dir, 16)
+    jpegs[5] = no_scan(jpegs[5])
+    rows = [encoded_jpegs.prepare(d, 32, 0.5, np.random.default_rng(i)) for i, d in enumerate(jpegs)]
+
+    def stream():  # batches of 4 rows as Ray Data's numpy batches hold them (the bytes an object column), row r
+        for at in range(0, 64, 4):  # made of rows[r % 16]
+            some = [rows[r % 16] for r in range(at, at + 4)]
+            yield {"image_bytes": np.array([d for d, _ in some], dtype=object),
+                   "image_box": np.stack([b for _, b in some]), "object": np.arange(at, at + 4) % 2,
+                   "row": np.arange(at, at + 4)}
+
+    sampler = BucketSampler(stream(), ["image_bytes", "image_box", "object", "row"], micro_batch=8, buffer_rows=16,
+                            max_wait_rows=0, seed=0, rank=0)
+    copy = DeviceCopy(CPU, 32)
+    stack = partial(TonicsBatches._stack, SimpleNamespace(device=CPU))
+    seen = []
+    for node in (2, ROOT):  # object 1's bucket, then a root draw
+        batch = sampler.batch(node, step=1, stack=stack)
+        assert isinstance(batch["image_bytes"], list) and all(isinstance(d, bytes) for d in batch["image_bytes"])
+        decoded = copy.decoded(batch)
+        assert "image_bytes" not in decoded and decoded["image"].shape == (8, 3, 32, 32)
+        for i, r in enumerate(decoded["row"].tolist()):
+            alone, ok = device_decode.decoded([rows[r % 16][0]], np.array([rows[r % 16][1]]), 32, CPU)
+            expected = alone[0] if ok.all() else torch.zeros((3, 32, 32), dtype=torch.uint8)
+            assert torch.equal(decoded["image"][i], expected), r
+        seen += decoded["row"].tolist()
+    assert len(set(seen)) == 16 and copy.blank == sum(r % 16 == 5 for r in seen) >= 1
+    assert {r % 2 for r in seen[:8]} == {1}  # object 1's bucket
