@@ -37,7 +37,7 @@ from rayvl.methods.bow import roi_crops  # noqa: E402
 from rayvl.data.images import random_resized_crop_box, random_resized_crop_boxes  # noqa: E402
 from rayvl.data.tar import write_img2dataset_shard  # noqa: E402
 from rayvl.methods.bow.config import PseudoLabelConfig  # noqa: E402
-from rayvl.methods.bow.pseudo_label import Finisher, Unit, unit_samples  # noqa: E402
+from rayvl.methods.bow.pseudo_label import Finisher, Unit, mapped_pool, unit_samples, write_pool  # noqa: E402
 from rayvl.methods.bow.word_rank import WordRanker, caption_words, count_words, neighbour_counts  # noqa: E402
 
 SIZE = 224  # the crops' side at ViT-B/32's 224 px
@@ -62,8 +62,10 @@ def main() -> None:
     rng = np.random.default_rng(0)
     ids = [rng.integers(0, len(captions), retrieved) for _ in range(n)]
     df = Counter(w for c in captions for w in caption_words(c))  # document frequencies: each word once a caption
-    finisher = Finisher.__new__(Finisher)  # the row code alone: no index folder
-    finisher.x, finisher.captions, finisher.keys = x, captions, keys
+    out = Path(tempfile.mkdtemp(prefix="labeller-serial-"))
+    write_pool(out, keys, captions)
+    finisher = Finisher.__new__(Finisher)  # the row code alone: the pool mapped as a finisher maps it, no index
+    finisher.x, (finisher.keys, finisher.captions) = x, mapped_pool(out)
     finisher.ranker = WordRanker(df, x.words, x.top_t, x.seed)
     side = roi_crops.source_side(SIZE, x.crop_scale_min)
 
@@ -97,7 +99,6 @@ def main() -> None:
                    for s, i, f in zip(samples, ids, found)]
 
     build()
-    out = Path(tempfile.mkdtemp(prefix="labeller-serial-"))
     phases = {
         "decode at a reduced scale (Pillow; its C work releases the lock)": decode,
         "draw 10 crop boxes one by one (before)": boxes_one_by_one,

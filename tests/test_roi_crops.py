@@ -168,13 +168,11 @@ def test_the_gpu_paths_labels_are_the_cpu_paths(demo_dir, tmp_path, monkeypatch)
     image's key): each image's retrievals are merged from its own crops, and a crop cut in one op scores within
     the resampling difference of the perfect score its Pillow twin gets."""
     import faiss
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
     from rayvl.methods.bow.config import PseudoLabelConfig
     from rayvl.eval import knn
     from rayvl.export import load
-    from rayvl.methods.bow.pseudo_label import Labeler, Unit, crops, unit_samples
+    from rayvl.methods.bow.pseudo_label import Labeler, Unit, crops, unit_samples, write_pool
 
     ckpt = untrained_checkpoint(demo_dir, tmp_path)
     model = load(ckpt)
@@ -185,8 +183,7 @@ def test_the_gpu_paths_labels_are_the_cpu_paths(demo_dir, tmp_path, monkeypatch)
                               for key, data, *_ in samples])
     (tmp_path / "index").mkdir()
     faiss.write_index(knn.build_index(vectors, "flat"), str(tmp_path / "index" / "index.faiss"))
-    pq.write_table(pa.table({"key": [key for key, *_ in samples for _ in range(4)], "caption": ["a"] * 96}),
-                   tmp_path / "index" / "captions.parquet")
+    write_pool(tmp_path / "index", [key for key, *_ in samples for _ in range(4)], ["a"] * 96)
     labeler = Labeler(str(next(ckpt.iterdir())), str(tmp_path / "index"), asdict(x), {}, str(tmp_path / "out"))
     on_cpu = labeler.neighbours(samples, model.image_size)
     labeler.cut_on_cpu = False  # the GPU's code on CPU tensors: the crops cut in one op, the exact pool searched

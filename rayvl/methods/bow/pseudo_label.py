@@ -80,6 +80,9 @@ log = logging.getLogger("rayvl")
 META, INDEX_DIR, FORMAT = PSEUDO_MARKER, "index", 1
 WORD_STATS = "aligned_word_stats.json"  # S_a's word statistics, in INDEX_DIR
 CAPTIONS_SPLIT_KEPT = 1 << 20  # pool captions a labeller keeps split into words (a bound on its memory)
+# the caption pool's keys and captions, in INDEX_DIR: an uncompressed Arrow file, which each finisher maps instead of
+# holding a copy of its own (the pages are the node's page cache, shared by every finisher on it)
+POOL_FILE = "captions.arrow"
 GPUS_OFF = "pseudo_label.gpus_per_actor=0"  # what runs the labelling without GPUs, named where CUDA cannot be used
 # roi_crops: decoded reduced, an image's boxes drawn at once, downscaled once, cut by Pillow or grid_sample
 CROPS_CUT = "reduced-3"
@@ -173,10 +176,13 @@ def valid_captions(batch: dict, counts: Counter | None = None) -> dict:
 
 
 def reusable_index(folder: Path, expected: dict) -> dict | None:
-    """The metadata of the index in ``folder`` when its fingerprint is ``expected``, else None."""
+    """The metadata of the index in ``folder`` when its fingerprint is ``expected``, else None — also for an index
+    made before its pool was a POOL_FILE (a parquet file then), which is made again from the same checkpoint and pool
+    (its fingerprint unchanged: a labelling in progress resumes)."""
     meta_path = folder / "index.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else None
-    return meta if meta is not None and meta["fingerprint"] == expected else None
+    fits = meta is not None and meta["fingerprint"] == expected and (folder / POOL_FILE).is_file()
+    return meta if fits else None
 
 
 def build_index(cfg: RayvlConfig, ckpt: str, folder: Path, expected: dict, units: list[Unit], embed_texts,
@@ -203,13 +209,27 @@ def build_index(cfg: RayvlConfig, ckpt: str, folder: Path, expected: dict, units
         recall = knn.recall(index, vectors, queries, x.k) if len(queries) else None  # no image decodes: no recall
     folder.mkdir(parents=True, exist_ok=True)
     faiss.write_index(index, str(folder / "index.faiss"))
-    pq.write_table(pa.table({"key": keys, "caption": captions}), folder / "captions.parquet")
+    write_pool(folder, keys, captions)
     meta = {"fingerprint": expected, "captions": len(captions), "kind": kind, "dim": int(vectors.shape[1]),
             f"recall_at_{x.k}": recall, "seconds": round(time.time() - started, 1)}
     (folder / "index.json").write_text(json.dumps(meta, indent=1))
     log.info("caption index: %s over %d captions%s (%.0f s)", kind, len(captions),
              "" if recall is None else f", recall@{x.k} {recall:.3f} vs exact on real crops", meta["seconds"])
     return meta
+
+
+def write_pool(folder: Path, keys: list[str], captions: list[str]) -> None:
+    """The caption pool in ``folder``'s POOL_FILE, one record batch (so one array a column when mapped), 64-bit
+    offsets (a pool's captions may pass 2 GiB)."""
+    table = pa.table({"key": pa.array(keys, pa.large_string()), "caption": pa.array(captions, pa.large_string())})
+    with pa.OSFile(str(folder / POOL_FILE), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=max(1, len(table)))
+
+
+def mapped_pool(folder: Path) -> tuple[pa.Array, pa.Array]:
+    """(keys, captions) of ``folder``'s caption pool, their buffers the file's pages mapped: nothing copied."""
+    table = pa.ipc.open_file(pa.memory_map(str(folder / POOL_FILE))).read_all()
+    return tuple(c.chunk(0) if c.num_chunks == 1 else c.combine_chunks() for c in (table["key"], table["caption"]))
 
 
 def _sample_queries(cfg: RayvlConfig, ckpt: str, units: list[Unit]) -> np.ndarray:
@@ -436,28 +456,28 @@ class Finisher:
     rule of ``data.word_rank``, and one img2dataset shard written per rule, its stats file last. In the labeller's
     process where it labels alone (``Labeler.label``: without Ray); on Ray actors of the labeller's own
     (``Labellers``, ``finishers_per_labeller``), so that the labeller's one interpreter — whose lock its crop
-    threads share — only reads, prepares, embeds and searches while its units before are written here. Loads the
-    caption pool and S_a's document frequencies (``df``, None: ``index_dir``'s word statistics) from ``index_dir``
-    at its first unit."""
+    threads share — only reads, prepares, embeds and searches while its units before are written here. Maps the
+    caption pool (``mapped_pool``: a node's finishers share its pages, none holds a copy) and reads S_a's document
+    frequencies (``df``, None: ``index_dir``'s word statistics) from ``index_dir`` at its first unit."""
 
     def __init__(self, index_dir: str, settings: dict, df: dict | None, out: str):
         self.x = PseudoLabelConfig(**settings)
         self.index_dir, self.df, self.out = Path(index_dir), df, Path(out)
-        self.keys: list[str] | None = None
+        self.keys: pa.Array | None = None
 
     def load(self) -> None:
         """The caption pool, S_a's document frequencies and the word filters, read before the first unit comes (on
         Ray the job asks for it as labelling starts: the first write then waits for nothing)."""
         if self.keys is not None:
             return
-        pool = pq.read_table(self.index_dir / "captions.parquet")
-        self.keys, self.captions = pool["key"].to_pylist(), pool["caption"].to_pylist()
+        self.keys, self.captions = mapped_pool(self.index_dir)
         if self.df is None:
             self.df = json.loads((self.index_dir / WORD_STATS).read_text())["df"]
         self.ranker = WordRanker(self.df, self.x.words, self.x.top_t, self.x.seed)
         # a pool caption is retrieved for many crops: split into its words once, not k·c times an image
-        self.caption_words = lru_cache(maxsize=CAPTIONS_SPLIT_KEPT)(lambda j: caption_words(self.captions[j]))
-        if self.captions:
+        self.caption_words = lru_cache(maxsize=CAPTIONS_SPLIT_KEPT)(
+            lambda j: caption_words(self.captions[j].as_py()))
+        if len(self.captions):
             self.caption_words(0)  # the word filters' first use loads their lists
 
     def write(self, found: Retrieved | dict) -> dict:
@@ -489,7 +509,7 @@ class Finisher:
             return {**row, "status": "failed_to_decode", "error_message": "not a decodable image"}
         ids, scores, (word_counts, first) = found
         ws = self.ranker.ranked(rule, word_counts, first, key)
-        row.update(words=ws, neighbours=[self.keys[j] for j in ids], scores=[round(float(s), 4) for s in scores])
+        row.update(words=ws, neighbours=self.keys.take(ids).to_pylist(), scores=[round(float(s), 4) for s in scores])
         if not ws:
             counts[f"{rule}_empty"] += 1
             return {**row, "status": "empty_pseudo_caption", "error_message": "every retrieved word filtered out"}
