@@ -66,7 +66,7 @@ def resized(shapes: dict[tuple[int, int], list[tuple[int, torch.Tensor]]], size:
     antialias (PIL's filter, as ``images.resized`` resizes on the CPU); a crop of the size already is kept as it is.
     The crops of one shape go in one call; the float outputs of every shape are rounded to uint8 together. A random
     crop's shape is nearly always its own, so a row costs two kernels (its float copy, its resize) and the chunk
-    three more: a batch's launches, which its copy thread makes beside the training step's, stay near one for each
+    four more: a batch's launches, which its copy thread makes beside the training step's, stay near one for each
     row's crop, not one for each elementwise op of it."""
     done, rows, floats = [], [], []
     for (h, w), crops in shapes.items():
@@ -76,9 +76,11 @@ def resized(shapes: dict[tuple[int, int], list[tuple[int, torch.Tensor]]], size:
         per_call = max(1, RESIZE_BYTES // (3 * h * w * 4))
         for first in range(0, len(crops), per_call):
             some = crops[first:first + per_call]
-            x = some[0][1][None].float() if len(some) == 1 else torch.stack([c for _, c in some]).float()
             rows += [i for i, _ in some]
-            floats.append(F.interpolate(x, size=(size, size), mode="bicubic", antialias=True, align_corners=False))
+            # the float input a temporary of the call: one call's RESIZE_BYTES on the device at a time
+            floats.append(F.interpolate(some[0][1][None].float() if len(some) == 1 else
+                                        torch.stack([c for _, c in some]).float(),
+                                        size=(size, size), mode="bicubic", antialias=True, align_corners=False))
     if floats:
         out = torch.cat(floats) if len(floats) > 1 else floats[0]
         done.append((rows, out.round_().clamp_(0, 255).to(torch.uint8)))

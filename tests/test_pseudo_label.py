@@ -517,15 +517,16 @@ def test_each_labellers_units_are_written_by_its_own_finisher_at_most_two_units_
 def test_a_finisher_maps_the_caption_pool_and_copies_none_of_it(tmp_path):
     """Each finisher maps the one pool file (a node's finishers share its pages): loading a pool of 200,000 captions
     allocates neither Python objects nor Arrow buffers of the pool's size (the lists it made before were ~2.6× the
-    file), and a row's neighbours and words are the pool's. An index whose pool is not such a file (one made before)
-    is made again."""
+    file), and a row's neighbours and words are the pool's. The file is written under another name and renamed, so a
+    write killed half-way leaves the whole one; an index whose pool is not such a file (one made before) is made
+    again."""
     import tracemalloc
     from dataclasses import asdict
 
     import pyarrow as pa
 
     from rayvl.methods.bow.config import PseudoLabelConfig
-    from rayvl.methods.bow.pseudo_label import POOL_FILE, Finisher, reusable_index, write_pool
+    from rayvl.methods.bow.pseudo_label import POOL_FILE, Finisher, mapped_pool, replaced, reusable_index, write_pool
     from rayvl.methods.bow.word_rank import caption_words
 
     n = 200_000
@@ -544,6 +545,14 @@ def test_a_finisher_maps_the_caption_pool_and_copies_none_of_it(tmp_path):
     assert [finisher.caption_words(j) for j in (0, 7, n - 1)] == [caption_words(captions[j]) for j in (0, 7, n - 1)]
     (tmp_path / "index.json").write_text(json.dumps({"fingerprint": {"a": 1}}))
     assert reusable_index(tmp_path, {"a": 1}) is not None and reusable_index(tmp_path, {"a": 2}) is None
+
+    def killed(path):  # a write that dies half-way (a kill, a full disk)
+        path.write_bytes(b"ARROW1 half")
+        raise OSError("No space left on device")
+
+    with pytest.raises(OSError):
+        replaced(tmp_path / POOL_FILE, killed)
+    assert len(mapped_pool(tmp_path)[1]) == n  # the pool under its name is still the whole one
     (tmp_path / POOL_FILE).unlink()
     assert reusable_index(tmp_path, {"a": 1}) is None
 

@@ -196,6 +196,7 @@ def build_index(cfg: RayvlConfig, ckpt: str, folder: Path, expected: dict, units
     if (meta := reusable_index(folder, expected)) is not None:
         log.info("caption index reused from %s (%d captions, %s)", folder, meta["captions"], meta["kind"])
         return meta
+    (folder / "index.json").unlink(missing_ok=True)  # reusable again only once all of it is written (index.json last)
     started = time.time()
     keys, captions = read_pool(x.aligned, cfg.data.read_cpus, ReadPolicy.of(cfg.data), here)
     log.info("caption pool: embedding %d captions of %s", len(captions), x.aligned)
@@ -212,7 +213,7 @@ def build_index(cfg: RayvlConfig, ckpt: str, folder: Path, expected: dict, units
     write_pool(folder, keys, captions)
     meta = {"fingerprint": expected, "captions": len(captions), "kind": kind, "dim": int(vectors.shape[1]),
             f"recall_at_{x.k}": recall, "seconds": round(time.time() - started, 1)}
-    (folder / "index.json").write_text(json.dumps(meta, indent=1))
+    replaced(folder / "index.json", lambda path: path.write_text(json.dumps(meta, indent=1)))
     log.info("caption index: %s over %d captions%s (%.0f s)", kind, len(captions),
              "" if recall is None else f", recall@{x.k} {recall:.3f} vs exact on real crops", meta["seconds"])
     return meta
@@ -222,8 +223,20 @@ def write_pool(folder: Path, keys: list[str], captions: list[str]) -> None:
     """The caption pool in ``folder``'s POOL_FILE, one record batch (so one array a column when mapped), 64-bit
     offsets (a pool's captions may pass 2 GiB)."""
     table = pa.table({"key": pa.array(keys, pa.large_string()), "caption": pa.array(captions, pa.large_string())})
-    with pa.OSFile(str(folder / POOL_FILE), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table, max_chunksize=max(1, len(table)))
+
+    def write(path: Path) -> None:
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table, max_chunksize=max(1, len(table)))
+
+    replaced(folder / POOL_FILE, write)
+
+
+def replaced(path: Path, write) -> None:
+    """``write(a temporary path)``, then renamed to ``path``: a kill leaves no half-written file under its name, and
+    a process that maps the file before keeps the old one whole (overwritten in place, its pages would change)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
 
 
 def mapped_pool(folder: Path) -> tuple[pa.Array, pa.Array]:
