@@ -10,6 +10,7 @@ import hashlib
 import os
 import posixpath
 from pathlib import Path
+from typing import Callable
 
 import pyarrow.fs as pafs
 
@@ -108,6 +109,15 @@ def write_bytes(path: str, data: bytes) -> None:
 
 def write_text(path: str, text: str) -> None:
     write_bytes(path, text.encode())
+
+
+def replaced(path: Path, write: Callable[[Path], None]) -> None:
+    """A local file written whole by ``write(a temporary path)`` and renamed to ``path`` — for files too large to
+    hold as bytes (``write_bytes``): a kill leaves no half-written file under its name, and a process that reads or
+    maps the file before keeps the old one whole (overwritten in place, its pages would change)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
 
 
 def list_files(spec: str, suffix: str) -> list[str]:

@@ -526,7 +526,8 @@ def test_a_finisher_maps_the_caption_pool_and_copies_none_of_it(tmp_path):
     import pyarrow as pa
 
     from rayvl.methods.bow.config import PseudoLabelConfig
-    from rayvl.methods.bow.pseudo_label import POOL_FILE, Finisher, mapped_pool, replaced, reusable_index, write_pool
+    from rayvl.methods.bow.pseudo_label import POOL_FILE, Finisher, mapped_pool, reusable_index, write_pool
+    from rayvl.storage import replaced
     from rayvl.methods.bow.word_rank import caption_words
 
     n = 200_000

@@ -16,6 +16,8 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rayvl.storage import replaced
+
 
 IMAGE_EXTENSIONS = ("jpg", "png", "jpeg", "webp")
 """The image members a sample may carry, as webdataset and open_clip read them (``jpg;png;jpeg;webp``; img2dataset
@@ -81,11 +83,6 @@ def write_img2dataset_shard(out: Path, name: str, rows: list[dict], stats: dict)
     ``<name>.parquet`` (every row but its image, failed ones too, as img2dataset lists them) and
     ``<name>_stats.json``. Each file is written under a temporary name and renamed, the stats file last: a shard
     whose stats file exists is complete (a rerun of a resumable job skips it)."""
-    def publish(suffix: str, write) -> None:
-        tmp = out / f".{name}{suffix}.tmp"
-        write(tmp)
-        os.replace(tmp, out / f"{name}{suffix}")
-
     def write_tar(path: Path) -> None:
         with tarfile.open(path, "w") as tar:
             for row in rows:
@@ -99,7 +96,7 @@ def write_img2dataset_shard(out: Path, name: str, rows: list[dict], stats: dict)
                     info.mtime = 0
                     tar.addfile(info, io.BytesIO(payload))
 
-    publish(".tar", write_tar)
+    replaced(out / f"{name}.tar", write_tar)
     table = pa.Table.from_pylist([{k: v for k, v in row.items() if k not in ("jpg", "img_ext")} for row in rows])
-    publish(".parquet", lambda path: pq.write_table(table, path))
-    publish("_stats.json", lambda path: path.write_text(json.dumps(stats, indent=2)))
+    replaced(out / f"{name}.parquet", lambda path: pq.write_table(table, path))
+    replaced(out / f"{name}_stats.json", lambda path: path.write_text(json.dumps(stats, indent=2)))

@@ -55,6 +55,7 @@ import ray
 import torch
 from ray.util import ActorPool
 
+from rayvl import storage
 from rayvl.checkpoints import checkpoint_uri, read_meta
 from rayvl.config import ConfigError, RayvlConfig
 from rayvl.data import artifacts
@@ -213,7 +214,7 @@ def build_index(cfg: RayvlConfig, ckpt: str, folder: Path, expected: dict, units
     write_pool(folder, keys, captions)
     meta = {"fingerprint": expected, "captions": len(captions), "kind": kind, "dim": int(vectors.shape[1]),
             f"recall_at_{x.k}": recall, "seconds": round(time.time() - started, 1)}
-    replaced(folder / "index.json", lambda path: path.write_text(json.dumps(meta, indent=1)))
+    storage.write_text(str(folder / "index.json"), json.dumps(meta, indent=1))  # whole, as the pool is
     log.info("caption index: %s over %d captions%s (%.0f s)", kind, len(captions),
              "" if recall is None else f", recall@{x.k} {recall:.3f} vs exact on real crops", meta["seconds"])
     return meta
@@ -228,15 +229,7 @@ def write_pool(folder: Path, keys: list[str], captions: list[str]) -> None:
         with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table, max_chunksize=max(1, len(table)))
 
-    replaced(folder / POOL_FILE, write)
-
-
-def replaced(path: Path, write) -> None:
-    """``write(a temporary path)``, then renamed to ``path``: a kill leaves no half-written file under its name, and
-    a process that maps the file before keeps the old one whole (overwritten in place, its pages would change)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    storage.replaced(folder / POOL_FILE, write)
 
 
 def mapped_pool(folder: Path) -> tuple[pa.Array, pa.Array]:
