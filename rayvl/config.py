@@ -63,7 +63,7 @@ class DataConfig:
     tasks keep a JPEG encoded with its crop box, for nodes whose CPUs cannot decode what their GPUs train on (the
     same crop boxes either way; other formats are decoded in the read tasks)."""
     max_text_tokens: int = 24
-    """captions are padded/truncated to this many tokens."""
+    """captions are padded/truncated to this many tokens (with model.init_from_clip: the CLIP's context, 77)."""
     read_cpus: float = 0.5
     """CPUs reserved per Ray Data read/transform task; keep < 1 on small machines so Ray Train cannot starve them."""
     read_threads: int = 2
@@ -159,7 +159,8 @@ class ModelConfig:
     append alignment layers."""
     text_unlocked_layers: int = 0
     """with text_strategy=frozen: the LM's last N transformer layers train (a CLIP's final LayerNorm with them), its
-    embeddings and other layers stay locked — open_clip's --lock-text-unlocked-layers."""
+    embeddings and other layers stay locked — open_clip's --lock-text-unlocked-layers (a whole CLIP: its projection
+    counts as the last, as open_clip counts it, and is locked at 0)."""
     alignment_layers: int = 2
     """m, the number of appended alignment layers ([Paraphrase] uses 6 at LAION scale; 0 = the frozen LM alone)."""
     text_tower: Literal["lm", "class_embedding"] = "lm"
@@ -182,14 +183,15 @@ class ModelConfig:
     learn_logit_scale: bool = True
     """learn the temperature (CLIP) or keep it fixed at ``init_logit_scale``."""
     max_logit_scale: float = 100.0
-    """clamp on exp(s), as in CLIP."""
+    """clamp on exp(s), as in CLIP; a gradient that lowers s still reaches it at the clamp (open_clip's)."""
     vision_strategy: Literal["finetune", "frozen"] = "finetune"
     """finetune: every image-tower weight trains; frozen: the backbone is locked (LiT, Zhai et al. 2022,
-    arXiv:2111.07991 — give it pretrained weights), run without a graph, its projection still training."""
+    arXiv:2111.07991 — give it pretrained weights), run without a graph, its projection still training (a whole
+    CLIP's own projection is locked with it, as open_clip's --lock-image locks it)."""
     vision_unlocked_groups: int = 0
     """with vision_strategy=frozen: the image tower's last N layer groups (timm's grouping: the stem, each block
-    or stage; a ViT's final norm with its last block) train, the rest stay locked — open_clip's
-    --lock-image-unlocked-groups. The tower then runs with a graph and in training mode, as open_clip's does."""
+    or stage; a ViT's final norm with its last block; a whole CLIP's projection last) train, the rest stay locked —
+    open_clip's --lock-image-unlocked-groups, counted as it counts them. The tower then runs with a graph and in training mode, as open_clip's does."""
     vision_freeze_bn_stats: bool = False
     """with vision_unlocked_groups: the locked groups' BatchNorm statistics stay as pretrained (timm's
     FrozenBatchNorm2d) — open_clip's --lock-image-freeze-bn-stats."""
@@ -628,13 +630,16 @@ def with_overrides(cfg: RayvlConfig, overrides: list[str]) -> RayvlConfig:
 
 # what a whole CLIP's weights cannot say, so model.clip may set it by hand
 CLIP_BY_HAND = ("vision_heads", "text_heads", "quick_gelu")
+# what a whole CLIP's weights give as defaults only: a recipe or a --set may choose another
+CLIP_DEFAULTS = (("data", "image_size"), ("data", "max_text_tokens"))
 
 
 def _clip_settings(values: dict, given: dict) -> dict:
     """With ``model.init_from_clip``: the settings its weights decide (rayvl.models.whole_clip.settings) replace the
-    recipe's; a ``--set`` of one of them to another value is an error naming the key — except data.image_size (a
-    CLIP fine-tuned at another resolution: its position embeddings are resampled) and the model.clip fields the
-    weights cannot say (CLIP_BY_HAND)."""
+    recipe's; a ``--set`` of one of them to another value is an error naming the key — except the CLIP_DEFAULTS
+    (data.image_size: a CLIP fine-tuned at another resolution, its position embeddings resampled; data.max_text_tokens:
+    fewer tokens than its context), which a recipe or a --set keeps, and the model.clip fields the weights cannot say
+    (CLIP_BY_HAND)."""
     source = (values.get("model") or {}).get("init_from_clip")
     if not source:
         return values
@@ -654,12 +659,12 @@ def _clip_settings(values: dict, given: dict) -> dict:
     for section, settings in found.items():
         for key, value in settings.items():
             mine = (given.get(section) or {}).get(key, value)
-            if key != "clip" and (section, key) != ("data", "image_size") and mine != value:
+            if key != "clip" and (section, key) not in CLIP_DEFAULTS and mine != value:
                 raise ConfigError(f"{section}.{key}: {mine!r} contradicts the CLIP in model.init_from_clip, whose "
                                   f"{key} is {value!r} (leave it unset: it is read from the checkpoint)")
     out = dict(values)
-    for section, settings in found.items():  # an image size the recipe or the command line set is kept
-        mine = {k: v for k, v in (values.get(section) or {}).items() if (section, k) == ("data", "image_size")}
+    for section, settings in found.items():  # an image size or token count the recipe or the command line set is kept
+        mine = {k: v for k, v in (values.get(section) or {}).items() if (section, k) in CLIP_DEFAULTS}
         out[section] = {**(values.get(section) or {}), **settings, **mine}
     out["model"]["clip"] = {**out["model"]["clip"], "image_size": out["data"]["image_size"]}
     return out
@@ -763,6 +768,12 @@ def _validate_unlocking(m: ModelConfig) -> None:
     if m.vision_freeze_bn_stats and not m.vision_unlocked_groups:
         raise ConfigError("model.vision_freeze_bn_stats: a wholly locked image tower keeps its statistics already; "
                           "it is for the locked groups beside model.vision_unlocked_groups")
+    locked = (m.vision_strategy == "frozen" and not m.vision_unlocked_groups and m.text_tower == "lm"
+              and m.text_strategy == "frozen" and not m.text_unlocked_layers)
+    if m.clip.vision_width and locked and not m.learn_logit_scale and m.init_logit_bias is None:
+        raise ConfigError("model.learn_logit_scale: a whole CLIP locked in both towers is locked with its "
+                          "projections (open_clip's --lock-image --lock-text), so only its temperature trains: "
+                          "nothing would train without it (unlock groups or layers, or learn the temperature)")
 
 
 def _validate_clip(m: ModelConfig, image_size: int, max_tokens: int) -> None:

@@ -383,6 +383,18 @@ def encode_image(pixels):
 '''
 
 
+# CLIP's tokenizer cleans each caption first, as OpenAI's and open_clip's do (rayvl.data.text.clip_cleaned)
+CLIP_CLEAN_CODE = '''
+
+def clean(text):  # CLIP's own clean-up before its BPE: ftfy, HTML entities, whitespace
+    import html
+
+    import ftfy
+
+    return " ".join(html.unescape(html.unescape(ftfy.fix_text(text))).split())
+'''
+
+
 def standalone_code(record: dict) -> str | None:
     """``without_rayvl.py``: this export's towers, heads and pooling in transformers + timm + torch — what
     rayvl.load computes, in code a user can read and keep (None where only rayvl.load can: class embeddings, or
@@ -395,6 +407,8 @@ def standalone_code(record: dict) -> str | None:
                        "h['{p}.2.bias'])"}
     lm_line, last, masked, pool = _text_code(m["pooling"])
     layers = m["alignment_layers"] if m["text_strategy"] == "frozen_alignment" else 0
+    clean = CLIP_CLEAN_CODE if m["pooling"] == "eot" else ""  # a whole CLIP's tokenizer
+    texts = "[clean(x) for x in texts]" if clean else "texts"
     bias = ('\n\ndef logit_bias():  # SigLIP: torch.sigmoid(logit_scale() * image @ text.T + logit_bias())\n'
             '    return float(h["logit_bias"])\n') if m.get("init_logit_bias") is not None else ""
     return f'''"""A rayvl export, embedded without rayvl: transformers (the language model), timm (the image tower) and
@@ -426,11 +440,11 @@ mean, std = (torch.tensor(v[k]).view(1, 3, 1, 1) for k in ("mean", "std"))
 
 def logit_scale():
     return float(h["logit_scale"].exp().clamp(max={m["max_logit_scale"]}))
-{bias}{_image_code(d["image_size"], project[m["vision_projection"]].format(x="x", p="vision_proj"))}
+{bias}{clean}{_image_code(d["image_size"], project[m["vision_projection"]].format(x="x", p="vision_proj"))}
 
 @torch.no_grad()
 def encode_text(texts):
-    t = tokenizer(texts, padding="max_length", truncation=True, max_length={d["max_text_tokens"]}, return_tensors="pt")
+    t = tokenizer({texts}, padding="max_length", truncation=True, max_length={d["max_text_tokens"]}, return_tensors="pt")
     a = t["attention_mask"]
     {masked}
     for layer in align:

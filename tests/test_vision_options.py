@@ -194,15 +194,17 @@ def test_open_clips_partial_unlocking_trains_the_last_groups_and_layers_only(tmp
 
     path = tmp_path / "clip.pt"
     torch.save(open_clip_model().state_dict(), path)
+    # a whole CLIP counts as open_clip counts its own towers: the projection is the last group, so 2 is the
+    # projection and, before it, the last block with the final norm (timm's last group of a ViT)
     cfg = load_config(None, [f"model.init_from_clip={path}", "model.text_strategy=frozen",
-                             "model.text_unlocked_layers=1", "model.vision_strategy=frozen",
-                             "model.vision_unlocked_groups=1"]).model
+                             "model.text_unlocked_layers=2", "model.vision_strategy=frozen",
+                             "model.vision_unlocked_groups=2"]).model
     model = build_model(cfg)
     assert {n for n, p in model.text.lm.named_parameters() if p.requires_grad} == {
         n for n, _ in model.text.lm.named_parameters() if n.startswith(("encoder.layers.1.", "final_layer_norm."))}
-    # timm's last group of a ViT: its last block with the final norm
     assert {n for n, p in model.vision.backbone.named_parameters() if p.requires_grad} == {
         n for n, _ in model.vision.backbone.named_parameters() if n.startswith(("blocks.1.", "norm."))}
+    assert model.vision_proj.weight.requires_grad and model.text_proj.weight.requires_grad
 
     for sets, key in ((["model.vision_unlocked_groups=1"], "model.vision_unlocked_groups"),
                       (["model.text_strategy=finetune", "model.text_unlocked_layers=1"], "model.text_unlocked_layers"),

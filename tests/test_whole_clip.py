@@ -4,6 +4,7 @@ random weights, built by open_clip and transformers in the test: nothing downloa
 from them, a contradicting --set is named; `rayvl eval` scores the CLIP as it is, as open_clip's own embeddings
 score on the same images; a run fine-tunes it on the shards and exports it."""
 import json
+import math
 import re
 import warnings
 
@@ -389,3 +390,84 @@ def test_an_export_of_a_whole_clip_loads_in_open_clip(tmp_path):
     (snippet,) = re.findall(r"## Use without rayvl\n\n```python\n(.*?)```", card, re.S)
     standalone = run_card_snippet(snippet, out)["model"]
     assert standalone.logit_bias() == pytest.approx(mine.logit_bias(), rel=1e-6)
+
+
+def test_a_whole_clip_trains_as_open_clip_trains_it(tmp_path):
+    """What fine-tuning a released CLIP changes, against open_clip's own code on the same weights: its temperature
+    at the clamp still falls when the loss asks (open_clip clamps the parameter after each step, so its gradient
+    always acts); captions go to the whole context (77 tokens), cleaned as open_clip's tokenizer cleans them; the
+    locked towers' trainable parameters are open_clip's for each unlocked count (a whole CLIP's projection is its
+    last group); weight decay falls on open_clip's parameters (not on the class token)."""
+    import open_clip
+
+    from rayvl import assets
+    from rayvl.data.text import clip_cleaned, tokenize
+    from rayvl.models.dual_encoder import capped_exp, param_groups
+
+    released = open_clip_model()
+    with torch.no_grad():  # OpenAI's files hold log(100) in fp16: 4.60546875, a hair above the clamp
+        released.logit_scale.fill_(torch.tensor(100.0).log().half().float().item())
+    path = tmp_path / "released.pt"
+    torch.save(released.state_dict(), path)
+    source = f"model.init_from_clip={path}"
+    cfg = load_config("configs/laion_adapt.yaml", [source, "model.vision_strategy=finetune",
+                                                   "model.text_strategy=finetune"])
+    model = build_model(cfg.model)
+    assert float(model.scale().detach()) == 100.0
+    model.scale().backward()  # a descent step lowers s: the gradient acts, as open_clip's does
+    theirs_grad = float(released.logit_scale.detach().exp())  # d exp(s)/ds, open_clip's forward without a clamp
+    assert float(model.logit_scale.grad) == pytest.approx(theirs_grad, rel=1e-3)
+    model.logit_scale.grad = None
+    (-model.scale()).backward()  # would raise exp(s) past the clamp: none (open_clip's clamp would undo it)
+    assert float(model.logit_scale.grad) == 0.0
+    s = torch.tensor([3.0], dtype=torch.float64, requires_grad=True)  # below the clamp: exp's own gradient
+    (capped_exp(s, 100.0) * 2.0).sum().backward()
+    assert float(s.grad) == pytest.approx(2.0 * math.exp(3.0), rel=1e-15)
+
+    # the whole context, unless a --set or the recipe says fewer
+    assert cfg.data.max_text_tokens == 77
+    assert load_config("configs/laion_adapt.yaml", [source, "data.max_text_tokens=32"]).data.max_text_tokens == 32
+    recipe = tmp_path / "short.yaml"
+    recipe.write_text(f"model:\n  init_from_clip: {path}\ndata:\n  max_text_tokens: 40\n")
+    assert load_config(recipe).data.max_text_tokens == 40
+    # open_clip's tokenizer's ids for captions its clean-up changes (up to the end of text: it pads with 0)
+    messy = ["cats &amp; dogs &quot;inside&quot;", "don’t stop", "ﬁsh on a plate", "a cafÃ© in Paris",
+             "tabs\tand  spaces", "&lt;b&gt;bold&lt;/b&gt;", "a photo of a cat"]
+    ids, mask = tokenize(messy, str(assets.text_model_path("clip")), 77)
+    want = open_clip.get_tokenizer("ViT-B-32")(messy).numpy()
+    np.testing.assert_array_equal(np.where(mask == 1, ids, 0), want)
+    assert clip_cleaned("a photo of a cat") == "a photo of a cat" and clip_cleaned("&amp;") == "&"
+
+    # trainable parameters of the locked towers: open_clip's lock_image_tower / lock_text_tower, for each count
+    def trainable(module) -> int:
+        return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+    for n in (0, 1, 2):
+        theirs = open_clip_model()
+        theirs.lock_image_tower(unlocked_groups=n)
+        theirs.lock_text_tower(unlocked_layers=n)
+        mine = build_model(load_config("configs/laion_adapt.yaml", [
+            source, "model.vision_strategy=frozen", f"model.vision_unlocked_groups={n}",
+            "model.text_strategy=frozen", f"model.text_unlocked_layers={n}"]).model)
+        assert trainable(mine.vision) + trainable(mine.vision_proj) == trainable(theirs.visual), n
+        text_theirs = sum(p.numel() for name, p in theirs.named_parameters()
+                          if p.requires_grad and not name.startswith(("visual.", "logit_")))
+        assert trainable(mine.text) + trainable(mine.text_proj) == text_theirs, n
+    with pytest.raises(ConfigError, match=r"^model\.vision_unlocked_groups: the image tower has 4 layer groups "
+                                          r"\(its projection the last\); unlocking 4"):
+        build_model(load_config("configs/laion_adapt.yaml", [source, "model.vision_strategy=frozen",
+                                                             "model.vision_unlocked_groups=4"]).model)
+
+    with pytest.raises(ConfigError, match=r"^model\.learn_logit_scale: a whole CLIP locked in both towers"):
+        load_config("configs/laion_adapt.yaml", [source, "model.vision_strategy=frozen", "model.text_strategy=frozen",
+                                                 "model.learn_logit_scale=false"])
+
+    # weight decay: open_clip's rule (open_clip_train/main.py: no decay where ndim < 2, "bn", "ln", "bias" or
+    # "logit_scale" in the name) over its CLIP, against rayvl's groups over the same CLIP, by elements
+    def decayed_theirs(name, p) -> bool:
+        return not (p.ndim < 2 or any(k in name for k in ("bn", "ln", "bias", "logit_scale")))
+
+    decay, no_decay = param_groups(model, 0.2)
+    assert sum(p.numel() for p in decay["params"]) == sum(
+        p.numel() for name, p in released.named_parameters() if decayed_theirs(name, p))
+    assert any(p is model.vision.backbone.cls_token for p in no_decay["params"])

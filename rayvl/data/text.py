@@ -85,10 +85,13 @@ NLTK_LOCK = threading.RLock()
 
 
 def tokenize(captions: list[str], tokenizer_path: str, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """Fixed-length (padded/truncated) ids and attention mask, so batches stack without ragged tensors."""
+    """Fixed-length (padded/truncated) ids and attention mask, so batches stack without ragged tensors; CLIP's
+    tokenizer gets each caption as CLIP's own tokenizer cleans it first (``clip_cleaned``)."""
     if not captions:
         empty = np.zeros((0, max_tokens), np.int64)
         return empty, empty.copy()
+    if cleans_like_clip(tokenizer_path):
+        captions = [clip_cleaned(c) for c in captions]
     fast = fixed_length_tokenizer(tokenizer_path, max_tokens)
     if fast is not None:
         encodings = fast.encode_batch(list(captions))
@@ -98,6 +101,32 @@ def tokenize(captions: list[str], tokenizer_path: str, max_tokens: int) -> tuple
         enc = load_tokenizer(tokenizer_path)(list(captions), padding="max_length", truncation=True,
                                              max_length=max_tokens, return_tensors="np")
     return enc["input_ids"].astype(np.int64), enc["attention_mask"].astype(np.int64)
+
+
+@lru_cache(maxsize=8)
+def cleans_like_clip(path: str) -> bool:
+    """Whether the tokenizer folder holds CLIP's byte-level BPE (a ``CLIPTokenizer`` class, the one rayvl writes
+    for model.text=clip and the one a Hugging Face CLIP folder ships), whose captions are cleaned first."""
+    try:
+        config = json.loads((Path(path) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return str(config.get("tokenizer_class", "")).startswith("CLIPTokenizer")
+
+
+def clip_cleaned(caption: str) -> str:
+    """A caption as OpenAI's CLIP tokenizer and open_clip's clean it before their BPE (``basic_clean`` then
+    ``whitespace_clean``; the BPE lower-cases): mojibake and ligatures fixed by ftfy, HTML entities unescaped
+    twice, whitespace runs one space. Hugging Face's fast CLIP tokenizer does none of it, so "&amp;", "don’t" or
+    "cafÃ©" would get other ids than the weights were trained on. Printable ASCII without "&" is left as it is,
+    which ftfy and the unescaping would do too (tested), at a fraction of ftfy's cost."""
+    if caption.isascii() and caption.isprintable() and "&" not in caption:
+        return " ".join(caption.split())
+    import html
+
+    import ftfy
+
+    return " ".join(html.unescape(html.unescape(ftfy.fix_text(caption))).split())
 
 
 def words(caption: str) -> list[str]:

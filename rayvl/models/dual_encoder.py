@@ -24,12 +24,18 @@ class DualEncoder(nn.Module):
         clip = whole_clip.read(cfg.init_from_clip) if whole and pretrained and cfg.init_from_clip else None
         self.vision = VisionTower(cfg.vision, cfg.vision_checkpoint, pretrained, cfg.vision_strategy,
                                   cfg.patch_dropout, clip=(clip, cfg.clip) if whole else None)
-        if cfg.vision_unlocked_groups:  # open_clip's --lock-image-unlocked-groups
-            self.vision.unlock_last_groups(cfg.vision_unlocked_groups, cfg.vision_freeze_bn_stats)
+        # open_clip's --lock-image-unlocked-groups N: a timm tower's last N groups, its new projection training
+        # apart; a whole CLIP's projection is its ViT's last group, locked with it (open_clip's lock_image_tower)
+        whole_locked = whole and cfg.vision_strategy == "frozen"
+        if cfg.vision_unlocked_groups - whole_locked > 0:
+            self.vision.unlock_last_groups(cfg.vision_unlocked_groups - whole_locked, cfg.vision_freeze_bn_stats,
+                                           counted=cfg.vision_unlocked_groups)
         self.vision_proj = projection(cfg.vision_projection, self.vision.out_dim, cfg.embed_dim)
         if self.vision.clip_projection is not None:  # a CLIP checkpoint's own (shape checked before Ray starts)
             with torch.no_grad():
                 self.vision_proj.weight.copy_(self.vision.clip_projection)
+        if whole_locked and not cfg.vision_unlocked_groups:
+            self.vision_proj.requires_grad_(False)
         if cfg.text_tower == "class_embedding":
             # [UniCL] eq. (4): CE is the special case whose "text encoder" is a linear embedding per class
             if cfg.num_classes < 1:
@@ -38,12 +44,17 @@ class DualEncoder(nn.Module):
         else:
             self.text = TextTower(cfg.text, cfg.text_strategy, cfg.alignment_layers, cfg.pooling,
                                   cfg.adapter_reduction, pretrained, clip=(clip, cfg.clip) if whole else None)
-            if cfg.text_unlocked_layers:  # open_clip's --lock-text-unlocked-layers
-                self.text.unlock_last_layers(cfg.text_unlocked_layers)
+            # open_clip's --lock-text-unlocked-layers N: an HF LM's last N layers, its projection training apart; a
+            # whole CLIP's text projection is its transformer's last group, locked with it (lock_text_tower)
+            text_locked = whole and cfg.text_strategy == "frozen"
+            if cfg.text_unlocked_layers - text_locked > 0:
+                self.text.unlock_last_layers(cfg.text_unlocked_layers - text_locked, counted=cfg.text_unlocked_layers)
             self.text_proj = projection(cfg.text_projection, self.text.out_dim, cfg.embed_dim)
             if clip is not None:  # CLIP's x @ text_projection is a bias-free linear layer of its transpose
                 with torch.no_grad():
                     self.text_proj.weight.copy_(clip["text_projection"].t())
+            if text_locked and not cfg.text_unlocked_layers:
+                self.text_proj.requires_grad_(False)
         if cfg.activation_checkpointing:
             # not a BatchNorm tower: recomputing its blocks would update the running statistics twice per step
             if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.vision.modules()):
@@ -67,7 +78,7 @@ class DualEncoder(nn.Module):
         return F.normalize(self.text_proj(self.text(input_ids, attention_mask)), dim=-1)
 
     def scale(self) -> torch.Tensor:
-        return self.logit_scale.exp().clamp(max=self.cfg.max_logit_scale).squeeze(0)
+        return capped_exp(self.logit_scale, self.cfg.max_logit_scale).squeeze(0)
 
     def encode_classes(self) -> torch.Tensor:
         return F.normalize(self.class_embed, dim=-1)
@@ -82,6 +93,33 @@ class DualEncoder(nn.Module):
             return self.encode_image(image), self.encode_classes(), self.scale()
         out = self.encode_image(image), self.encode_text(input_ids, attention_mask), self.scale()
         return out if self.cfg.init_logit_bias is None else (*out, self.bias())
+
+
+class _CappedExp(torch.autograd.Function):
+    """exp(s) clamped at ``cap``, with the gradient open_clip's temperature gets. open_clip uses exp(s) as it is and
+    clamps the parameter to ln(cap) after each step, so a gradient that lowers s always acts. A clamp inside the
+    forward gives s no gradient once exp(s) ≥ cap, and a released CLIP stores s = ln(100) (in fp16 a hair above
+    it): its temperature could then never fall again. Here the forward is clamped (the parameter is not: under ZeRO
+    its fp32 master copy lives in the optimizer), and the backward passes the gradient of exp(s) wherever
+    exp(s) < cap, and at the cap wherever it would lower s (a descent step moves s by −lr·g: g > 0)."""
+
+    @staticmethod
+    def forward(ctx, s: torch.Tensor, cap: float) -> torch.Tensor:
+        value = s.exp().clamp(max=cap)
+        ctx.save_for_backward(value)
+        ctx.cap = cap
+        return value
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (value,) = ctx.saved_tensors
+        g = grad * value  # d exp(s)/ds = exp(s), at the clamped value
+        return g * ((value < ctx.cap) | (g > 0)).to(g.dtype), None
+
+
+def capped_exp(s: torch.Tensor, cap: float) -> torch.Tensor:
+    """CLIP's logit scale exp(s), at most ``cap`` (model.max_logit_scale), with open_clip's gradient (_CappedExp)."""
+    return _CappedExp.apply(s, cap)
 
 
 def meta_model(cfg: ModelConfig) -> DualEncoder:
@@ -106,10 +144,12 @@ def build_model(cfg: ModelConfig, seed: int = 0, state: dict | None = None) -> D
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Trainable parameters only (frozen LM weights never reach the optimizer or its ZeRO state); no decay on
-    biases, norms and the logit scale (CLIP / open_clip convention)."""
+    biases, norms, the logit scale and bias, and a ViT's class token (CLIP / open_clip convention: what is not a
+    matrix; timm holds the class token as (1, 1, width), OpenAI's CLIP and open_clip as a vector)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.ndim < 2 or "logit_scale" in name else decay).append(p)
+        matrix = sum(size > 1 for size in p.shape) >= 2
+        (decay if matrix and "logit_scale" not in name else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

@@ -65,19 +65,22 @@ class VisionTower(nn.Module):
             self.backbone.eval()  # a locked tower is the pretrained function: fixed statistics, no dropout
         return self
 
-    def unlock_last_groups(self, n: int, freeze_bn_stats: bool) -> None:
+    def unlock_last_groups(self, n: int, freeze_bn_stats: bool, counted: int = 0) -> None:
         """A locked tower whose last ``n`` layer groups train (timm's ``group_matcher``: the stem, each block or
         stage, the final norm — the groups open_clip's --lock-image-unlocked-groups counts for a timm tower): the
         tower runs with a graph and in training mode again, the other groups' weights without gradients and, with
-        ``freeze_bn_stats``, their BatchNorm layers timm's FrozenBatchNorm2d."""
+        ``freeze_bn_stats``, their BatchNorm layers timm's FrozenBatchNorm2d. ``counted``: the groups as the user
+        counts them (a whole CLIP's: ``n`` and its projection), for the error."""
         from timm.layers import freeze_batch_norm_2d
         from timm.models import group_modules, group_parameters
 
         matcher = self.backbone.group_matcher()
         groups = group_parameters(self.backbone, matcher)
         if n >= len(groups):
-            raise ConfigError(f"model.vision_unlocked_groups: the image tower has {len(groups)} layer groups; "
-                             f"unlocking {n} unlocks it all (model.vision_strategy=finetune)")
+            extra = (counted or n) - n  # a whole CLIP's projection, the last of its groups
+            raise ConfigError(f"model.vision_unlocked_groups: the image tower has {len(groups) + extra} layer groups"
+                              f"{' (its projection the last)' if extra else ''}; unlocking {counted or n} unlocks it "
+                              f"all (model.vision_strategy=finetune)")
         self.frozen = False
         locked = max(groups) - n  # the groups up to this one stay locked
         self.backbone.requires_grad_(True).train()
@@ -155,13 +158,16 @@ class TextTower(nn.Module):
         self.out_dim = self.lm.config.hidden_size
         self.checkpointing = False
 
-    def unlock_last_layers(self, n: int) -> None:
+    def unlock_last_layers(self, n: int, counted: int = 0) -> None:
         """A locked LM whose last ``n`` transformer layers train — and a CLIP's final LayerNorm after them
         (open_clip's --lock-text-unlocked-layers): its embeddings and other layers stay locked, the LM runs with a
-        graph and in training mode."""
+        graph and in training mode. ``counted``: the layers as the user counts them (a whole CLIP's: ``n`` and its
+        projection), for the error."""
         layers = encoder_layers(self.lm)
         if n > len(layers):
-            raise ConfigError(f"model.text_unlocked_layers: the LM has {len(layers)} layers, not {n}")
+            extra = (counted or n) - n
+            raise ConfigError(f"model.text_unlocked_layers: the LM has {len(layers)} layers"
+                              f"{' and its projection' if extra else ''}, not {counted or n}")
         self.lm_frozen = False
         self.lm.requires_grad_(False)
         for layer in layers[len(layers) - n:]:

@@ -260,7 +260,8 @@ def _depth(state: dict, prefix: str) -> int:
 def settings(source: str) -> dict:
     """What ``model.init_from_clip`` decides of the config, as {section: {key: value}}: the towers (``clip``, its
     tokenizer as ``model.text``), CLIP's linear projections, its embedding size, end-of-text pooling, its
-    temperature, and the image size it was trained at."""
+    temperature, and the image size and text context it was trained at (open_clip tokenizes to the whole context:
+    77 tokens for every released CLIP; rayvl's default for other text towers is fewer)."""
     state = read(source)
     arch = architecture(state, source)
     path = Path(source).expanduser()
@@ -269,7 +270,7 @@ def settings(source: str) -> dict:
                   "embed_dim": arch["embed_dim"], "vision_projection": "linear", "text_projection": "linear",
                   # released CLIPs hold log(100) in fp16 or fp32, whose exp lands a hair above CLIP's clamp at 100
                   "pooling": "eot", "init_logit_scale": min(100.0, float(state["logit_scale"].float().exp()))},
-        "data": {"image_size": arch["image_size"]},
+        "data": {"image_size": arch["image_size"], "max_text_tokens": arch["context_length"]},
     }
 
 
