@@ -297,8 +297,10 @@ def check_data(spec: str, samples: int, policy: ReadPolicy = ReadPolicy()) -> st
     return "\n".join(lines)
 
 
-def describe_sweep(sweep) -> str:
-    """What a sweep would do (``rayvl tune --dry-run``'s report): its trials, and one trial's run plan."""
+def describe_sweep(sweep, name: str = "") -> str:
+    """What a sweep would do (``rayvl tune --dry-run``'s report): its trials, its directory (named ``name``, --name,
+    as the sweep would be), and one trial's run plan."""
+    from rayvl.sweeps.directory import sweep_directory, sweep_name
     from rayvl.sweeps.spaces import trial_config
 
     grid = [len(v["grid"]) for v in sweep.space.values() if "grid" in v]
@@ -308,7 +310,6 @@ def describe_sweep(sweep) -> str:
             + (f" × variants {', '.join(sweep.variants)}" if sweep.variants else "")
             + f", metric {sweep.metric} ({sweep.mode}), scheduler {sweep.scheduler.get('kind', 'fifo')}",
             f"  every trial: {' '.join(sweep.fixed) or 'the recipe as it is'}",
-            f"  sweep directory {storage.join(storage.normalize(cfg.tune.storage_path), sweep.name or '<space name>')}"
-            " (each trial's run under runs/)",
+            f"  sweep directory {sweep_directory(cfg, sweep_name(sweep, name))} (each trial's run under runs/)",
             "one trial's run (the space's values left out):"]
     return "\n".join(head + ["  " + line for line in describe(cfg).splitlines()])

@@ -191,24 +191,37 @@ def check_gpus(cfg: RayvlConfig, fixed_size: bool, grown: tuple[dict, bool] | No
 
 
 def place_workers(node_cpus: list[float], workers: int, cpus: float, strategy: str) -> list[float] | None:
-    """CPUs left per node after placing the workers' bundles as Ray would (PACK fills the fullest node first,
-    SPREAD deals them out), or None when they do not fit."""
-    free = sorted(node_cpus, reverse=True)
+    """CPUs left per node (the largest first) after placing the workers' bundles as Ray would (place_bundles), or
+    None when they do not fit."""
+    free = place_bundles([{"CPU": c} for c in sorted(node_cpus, reverse=True)], [{"CPU": cpus}] * workers, strategy)
+    return None if free is None else [node["CPU"] for node in free]
+
+
+def place_bundles(nodes: list[dict[str, float]], bundles: list[dict[str, float]],
+                  strategy: str) -> list[dict[str, float]] | None:
+    """What each node has left after placing one placement group's ``bundles`` (every resource: CPU, GPU, custom
+    ones) as Ray would — PACK fills the node that holds most of them first, SPREAD deals them out, STRICT_PACK
+    puts them all on one node, STRICT_SPREAD each on a node of its own — or None when they do not fit."""
+    free = [dict(node) for node in nodes]
+    if strategy == "STRICT_PACK" and bundles:
+        bundles = [{k: sum(b.get(k, 0.0) for b in bundles) for k in {k for b in bundles for k in b}}]
     spread = strategy.endswith("SPREAD")
-    if strategy == "STRICT_SPREAD" and workers > len(free):
-        return None
-    if strategy == "STRICT_PACK" and workers * cpus > (free[0] if free else 0) + 1e-9:
-        return None
     used = [0] * len(free)
-    for _ in range(workers):
-        order = sorted(range(len(free)), key=lambda i: (used[i] if spread else -used[i], -free[i]))
-        node = next((i for i in order if free[i] >= cpus - 1e-9
+    for bundle in bundles:
+        order = sorted(range(len(free)), key=lambda i: (used[i] if spread else -used[i], -_room(free[i], bundle)))
+        node = next((i for i in order if all(free[i].get(k, 0.0) >= v - 1e-9 for k, v in bundle.items())
                      and not (strategy == "STRICT_SPREAD" and used[i])), None)
         if node is None:
             return None
-        free[node] -= cpus
+        for k, v in bundle.items():
+            free[node][k] = free[node].get(k, 0.0) - v
         used[node] += 1
     return free
+
+
+def _room(node: dict[str, float], bundle: dict[str, float]) -> float:
+    """How many such bundles the node still holds."""
+    return min((node.get(k, 0.0) / v for k, v in bundle.items() if v > 0), default=float("inf"))
 
 
 def _cpus(values: list[float]) -> str:
@@ -228,13 +241,27 @@ def check_storage(cfg: RayvlConfig, nodes: int | None = None) -> None:
 
 
 def largest_cluster() -> tuple[dict[str, float], bool]:
-    """The resources the cluster can grow to, and whether an autoscaler's config said so (grown_resources), or,
-    without an autoscaler config on this node, what the cluster's nodes have now."""
+    """The resources the cluster can grow to and whether an autoscaler's config said so (largest_nodes' totals)."""
+    _, totals, autoscaled = largest_nodes()
+    return totals, autoscaled
+
+
+def largest_nodes() -> tuple[list[dict[str, float]], dict[str, float], bool]:
+    """The nodes the cluster can grow to, each with its resources (grown_nodes), their totals (grown_resources,
+    within the cluster's max_workers, which the list of nodes leaves out) and whether an autoscaler's config said
+    so; without an autoscaler config on this node, the nodes the cluster has now."""
     config = autoscaler_config()
+    alive = [n["Resources"] for n in ray.nodes() if n["Alive"]]
     if config is None:
-        return ray.cluster_resources(), False
-    head = next(n["Resources"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"])
-    return grown_resources(config, head), True
+        return alive, ray.cluster_resources(), False
+    head = next(resources for resources in alive if "node:__internal_head__" in resources)
+    return grown_nodes(config, head), grown_resources(config, head), True
+
+
+def grown_nodes(config: dict, head: dict[str, float]) -> list[dict[str, float]]:
+    """The head and every worker type of an autoscaler config at its max_workers, node by node (the cluster's own
+    max_workers not applied: which types it leaves out is the autoscaler's choice)."""
+    return [dict(head)] + [dict(resources) for resources, most in _worker_types(config) for _ in range(most)]
 
 
 def grown_resources(config: dict, head: dict[str, float]) -> dict[str, float]:
@@ -242,8 +269,7 @@ def grown_resources(config: dict, head: dict[str, float]) -> dict[str, float]:
     max_workers: for each resource the types richest in it first (a bound: one resource's best mix of node types
     may not be another's)."""
     total = dict(head)
-    workers = [(t.get("resources") or {}, t.get("max_workers", 0))
-               for name, t in config["available_node_types"].items() if name != config["head_node_type"]]
+    workers = _worker_types(config)
     for key in {k for resources, _ in workers for k in resources}:
         nodes_left = config.get("max_workers", sum(most for _, most in workers))
         for resources, most in sorted(workers, key=lambda w: -w[0].get(key, 0)):
@@ -251,6 +277,12 @@ def grown_resources(config: dict, head: dict[str, float]) -> dict[str, float]:
             total[key] = total.get(key, 0.0) + n * resources.get(key, 0)
             nodes_left -= n
     return total
+
+
+def _worker_types(config: dict) -> list[tuple[dict[str, float], int]]:
+    """(resources, max_workers) of each worker node type of an autoscaler config."""
+    return [(t.get("resources") or {}, t.get("max_workers", 0))
+            for name, t in config["available_node_types"].items() if name != config["head_node_type"]]
 
 
 def autoscaler_config() -> dict | None:

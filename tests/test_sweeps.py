@@ -182,7 +182,8 @@ def test_the_docs_cluster_sweep_fits_cluster_yaml(monkeypatch):
     assert cfg.tune.driver_bundle() == {"on_demand": 1.0} and head["on_demand"] >= 1 and head["CPU"] == 0
     assert not any("on_demand" in (t["resources"] or {}) for t in types.values() if t["resources"] is not head)
     types["gpu_worker"]["resources"], types["cpu_worker"]["resources"] = {"CPU": 48, "GPU": 4}, {"CPU": 32}
-    monkeypatch.setattr(session, "largest_cluster", lambda: (session.grown_resources(config, head), True))
+    monkeypatch.setattr(session, "largest_nodes", lambda: (session.grown_nodes(config, head),
+                                                          session.grown_resources(config, head), True))
     assert trials_at_once(sweep, cfg, fixed_size=False) == 8
     del types["gpu_worker"]
     with pytest.raises(SweepError, match=r"8 × \{CPU 0.5, GPU 1\} for its Train workers .* can grow to: "
@@ -283,7 +284,7 @@ def test_a_budget_in_passes_gives_asha_and_the_report_the_steps_it_resolves_to(t
              "set": {"train.max_passes": 2, "train.micro_batch_size": 32}}
     path.write_text(yaml.safe_dump(space))
     sweep = load_sweep(path)
-    assert settings(sweep)["max_steps"] == 125 and _scheduler(sweep, sweep.base_config())._max_t == 125
+    assert settings(sweep)["max_steps"] == 125 and _scheduler(sweep)._max_t == 125
     path.write_text(yaml.safe_dump({**space, "scheduler": {"kind": "asha", "grace_period": 150}}))
     with pytest.raises(SweepError, match=r"grace_period: must be in \[1, max_t=125\]"):
         load_sweep(path)
@@ -312,3 +313,253 @@ def test_asha_stops_trials_at_its_rungs_but_never_at_their_runs_last_step():
     assert decisions({"a": 6, "b": 6}, 4) == ["CONTINUE", "STOP", "STOP"]  # max_t 4 of 6 steps: stopped, as asked
     # each trial's own end: b ends at step 2 (its own max_steps), so the rung's stop is its end and is not taken
     assert decisions({"a": 6, "b": 2}, 4) == ["CONTINUE", "CONTINUE", "STOP"]
+
+
+def _space(tmp_path, **raw) -> str:
+    """A space file of the laion_adapt recipe ranked by the loss (every report carries it), with ``raw``'s keys."""
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump({"recipe": str(REPO / "configs" / "laion_adapt.yaml"), "metric": "loss",
+                                    "mode": "min", "space": {"train.lr": {"grid": [1e-3, 3e-3]}}, **raw}))
+    return str(path)
+
+
+def test_a_start_stopped_by_a_check_writes_no_settings_and_starts_again(tmp_path, monkeypatch):
+    """The settings are written after every check (a check after Ray starts may still fail), and a sweep has begun
+    only once Tune saved its state (its tuner.pkl): settings without it, as a failed start of an earlier rayvl left
+    them, start afresh on a plain run, and --resume there says nothing was started. No Ray starts here."""
+    from rayvl import session
+    from rayvl.config import ConfigError
+    from rayvl.sweeps import directory
+    from rayvl.sweeps.runner import check_start, run_sweep, settings
+
+    sweep = load_sweep(_space(tmp_path), [f"tune.storage_path={tmp_path / 'sweeps'}"])
+    sweep_dir = directory.sweep_directory(sweep.base_config(), "space")
+
+    def refused(cfg, nodes=None):
+        raise ConfigError("tune.storage_path: on this machine's disk, but the cluster has 3 nodes")
+
+    monkeypatch.setattr(session, "connect", lambda *args, **kwargs: False)  # a cluster joined, on paper
+    monkeypatch.setattr(session, "check_storage", refused)
+    with pytest.raises(ConfigError, match="the cluster has 3 nodes"):
+        run_sweep(sweep)
+    assert not directory.has_settings(sweep_dir)
+    directory.save_settings(sweep_dir, settings(sweep))  # where an earlier rayvl left its failed start
+    check_start(sweep, sweep_dir, settings(sweep), resume=False)  # starts afresh
+    with pytest.raises(SweepError, match=r"space\.yaml: sweep .* its first start stopped before any trial began, so "
+                                         r"nothing was started: drop --resume"):
+        check_start(sweep, sweep_dir, settings(sweep), resume=True)
+    (tmp_path / "sweeps" / "space" / "tuner.pkl").write_bytes(b"")  # Tune's state: Tuner.can_restore
+    assert directory.begun(sweep_dir)
+    with pytest.raises(SweepError, match=r"exists: pass --resume to continue it, or --name another"):
+        check_start(sweep, sweep_dir, settings(sweep), resume=False)
+    check_start(sweep, sweep_dir, settings(sweep), resume=True)
+    with pytest.raises(SweepError, match=r"has no state to resume: drop --resume"):
+        check_start(sweep, str(tmp_path / "sweeps" / "other"), settings(sweep), resume=True)
+
+
+def test_a_resume_refuses_a_changed_sweep_naming_what_changed(tmp_path):
+    """Tune's saved state keeps the space, the metric, the scheduler, the trials' overrides and variants it
+    started with: a resume with others would run the old ones (or fail in Tune after Ray started), so it is refused
+    before, naming the change. An older settings file (no space, scheduler or num_samples) is compared on the
+    fields it has."""
+    from rayvl.sweeps import directory
+    from rayvl.sweeps.runner import check_start, settings
+
+    storage = f"tune.storage_path={tmp_path / 'sweeps'}"
+    every = "eval.every_steps=10"  # ASHA on another metric than the loss needs evaluations
+    started = load_sweep(_space(tmp_path, scheduler={"kind": "asha", "grace_period": 10}), [storage, every])
+    sweep_dir = directory.sweep_directory(started.base_config(), "space")
+    directory.save_settings(sweep_dir, settings(started))
+    (tmp_path / "sweeps" / "space" / "tuner.pkl").write_bytes(b"")
+
+    def resumed(overrides=(), **raw):
+        sweep = load_sweep(_space(tmp_path, **{"scheduler": {"kind": "asha", "grace_period": 10}, **raw}),
+                           [storage, every, *overrides])
+        check_start(sweep, sweep_dir, settings(sweep), resume=True)
+
+    resumed()  # as it started
+    for raw, overrides, match in [
+            ({"space": {"train.lr": {"grid": [1e-3, 1e-2]}}}, [], r"space \(train\.lr: grid: without 0\.003, with "
+                                                                  r"0\.01\)"),
+            ({"space": {"train.lr": {"grid": [1e-3, 3e-3]}, "train.warmup_steps": {"grid": [0, 5]}}}, [],
+             r"space \(train\.warmup_steps: added\)"),
+            ({"metric": "lr", "mode": "max"}, [], r"metric \(\"loss\", now \"lr\"\); mode \(\"min\", now \"max\"\)"),
+            ({}, ["train.max_steps=50"], r"fixed \(with \"train\.max_steps=50\"\)"),
+            ({"scheduler": {"kind": "asha", "grace_period": 20}}, [], r"scheduler \(grace_period: 10, now 20\)"),
+            ({"num_samples": 3}, [], r"num_samples \(1, now 3\)"),
+            ({"variants": {"warm": {"train.warmup_steps": 5}}}, [], r"variants \(warm: added\)")]:
+        with pytest.raises(SweepError, match=r"space\.yaml: --resume: sweep .* started with another " + match):
+            resumed(overrides, **raw)
+    older = {k: v for k, v in settings(started).items() if k not in ("space", "scheduler", "num_samples")}
+    directory.save_settings(sweep_dir, older)
+    resumed(num_samples=3)  # not in the file: not compared
+    with pytest.raises(SweepError, match=r"started with another keys \(with \"train\.warmup_steps\"\)"):
+        resumed(space={"train.lr": {"grid": [1e-3]}, "train.warmup_steps": {"grid": [0, 5]}})
+    with pytest.raises(SweepError, match=r"started with another max_t \(0, now 100\)"):
+        resumed(scheduler={"kind": "asha", "grace_period": 10, "max_t": 100})
+
+
+def test_trials_are_placed_on_the_nodes_bundle_by_bundle(monkeypatch):
+    """A trial is placed node by node with every resource, as Ray places its driver, its Train workers (by
+    train.placement_strategy) and Ray Data's CPU: one 10-CPU worker does not fit two 8-CPU nodes (16 CPUs in all),
+    3 STRICT_SPREAD workers do not fit 2 nodes, 4 GPU workers STRICT_PACK do not fit two 2-GPU nodes; a trial that
+    fits nowhere is refused whatever max_concurrent_trials says (it would wait for ever). On an autoscaling cluster
+    whose max_workers is below its types' sum, the totals bound the count too."""
+    from rayvl import session
+    from rayvl.config import load_config
+    from rayvl.sweeps.capacity import concurrent_trials, trials_at_once
+    from rayvl.sweeps.spaces import Sweep
+
+    def trials(nodes, *overrides):
+        totals = {k: sum(n.get(k, 0) for n in nodes) for n in nodes for k in n}
+        return concurrent_trials(load_config(None, list(overrides)), nodes, totals)
+
+    two = [{"CPU": 8.0}, {"CPU": 8.0}]
+    assert trials(two, "train.num_workers=1", "train.cpus_per_worker=10") == 0
+    assert trials(two, "train.num_workers=1", "train.cpus_per_worker=6") == 2  # a worker a node, Ray Data beside
+    # 2 + 1 + 0.1 CPUs a trial: 2 trials a node (6.2 of 8), not the 5 of 16 CPUs in all
+    assert trials(two, "train.num_workers=1", "train.cpus_per_worker=2") == 4
+    assert trials(two, "train.num_workers=3", "train.cpus_per_worker=1", "train.placement_strategy=STRICT_SPREAD") == 0
+    assert trials(two + [{"CPU": 8.0}], "train.num_workers=3", "train.cpus_per_worker=1",
+                  "train.placement_strategy=STRICT_SPREAD") == 5  # 5 × 4.1 CPUs of 24, a worker a node
+    gpus = [{"CPU": 8.0, "GPU": 2.0}, {"CPU": 8.0, "GPU": 2.0}]
+    gpu_workers = ("train.use_gpu=true", "train.num_workers=4", "train.cpus_per_worker=1")
+    assert trials(gpus, *gpu_workers) == 1 and trials(gpus, *gpu_workers, "train.placement_strategy=STRICT_PACK") == 0
+    on_head = "tune.driver_resources={on_demand: 1}"  # a custom resource only the head has
+    assert trials([{"CPU": 8.0}], on_head) == 0 and trials([{"CPU": 0.0, "on_demand": 2.0}, *two], on_head) == 2
+
+    cfg = load_config(None, ["train.num_workers=1", "train.cpus_per_worker=10"])
+    monkeypatch.setattr(session, "largest_nodes", lambda: (two, {"CPU": 16.0}, False))
+    capped = Sweep("space.yaml", "", "loss", "min", {}, max_concurrent_trials=2)
+    with pytest.raises(SweepError, match=r"1 × \{CPU 10\} for its Train workers \(train\.placement_strategy=PACK\) "
+                                         r"and \{CPU 1\} for Ray Data, which do not fit on the nodes the cluster has: "
+                                         r"\{CPU 16\} in all, as 2 × \{CPU 8\}"):
+        trials_at_once(capped, cfg, fixed_size=True)
+    fits = load_config(None, ["train.num_workers=1", "train.cpus_per_worker=3"])
+    assert trials_at_once(capped, fits, fixed_size=True) == 2  # the space's limit, below the 3 that fit
+    assert trials_at_once(Sweep("space.yaml", "", "loss", "min", {}), fits, fixed_size=True) == 3
+
+    config = {"max_workers": 2, "head_node_type": "head", "available_node_types": {
+        "head": {"resources": {"CPU": 0}}, "a": {"resources": {"CPU": 8}, "max_workers": 4},
+        "b": {"resources": {"CPU": 8}, "max_workers": 4}}}
+    head = {"CPU": 0.0}
+    assert len(session.grown_nodes(config, head)) == 9 and session.grown_resources(config, head)["CPU"] == 16
+    monkeypatch.setattr(session, "largest_nodes", lambda: (session.grown_nodes(config, head),
+                                                          session.grown_resources(config, head), True))
+    assert trials_at_once(Sweep("space.yaml", "", "loss", "min", {}), fits, fixed_size=False) == 3  # 16 // 4.1
+
+
+def test_asha_max_t_is_the_longest_trials_budget(tmp_path):
+    """ASHA's default max_t (and the sweep's recorded budget) is the longest trial's: a space's train.max_steps, a
+    variant's, and with a budget in passes a swept micro-batch size (2 passes of the demo's 4,000 samples at 2 × 16
+    a step: 250 steps, at 2 × 32: 125); a smaller one would stop those trials before their last step."""
+    from rayvl.sweeps.runner import _scheduler, settings
+
+    asha = {"kind": "asha"}
+    steps = load_sweep(_space(tmp_path, scheduler=asha, space={"train.max_steps": {"grid": [100, 300]}}))
+    assert _scheduler(steps)._max_t == settings(steps)["max_steps"] == 300
+    variant = load_sweep(_space(tmp_path, scheduler=asha, variants={"long": {"train.max_steps": 400}, "short": {}}))
+    assert _scheduler(variant)._max_t == settings(variant)["max_steps"] == 400
+    passes = {"scheduler": {"kind": "asha", "grace_period": 200}, "space": {"train.micro_batch_size": {"grid": [16, 32]}},
+              "set": {"train.max_passes": 2}}
+    sweep = load_sweep(_space(tmp_path, **passes))  # a first rung at 200 is below the longest trial's 250 steps
+    assert _scheduler(sweep)._max_t == settings(sweep)["max_steps"] == 250
+    assert load_sweep(_space(tmp_path, scheduler={"kind": "asha", "max_t": 120}, space={
+        "train.max_steps": {"grid": [100, 300]}})).scheduler["max_t"] == 120  # the space's own max_t is kept
+
+
+@pytest.mark.parametrize("raw, match", [
+    ({"num_samples": "many"}, r"num_samples: a whole number ≥ 1, got 'many'"),
+    ({"num_samples": 2.7}, r"num_samples: a whole number ≥ 1, got 2\.7"),
+    ({"num_samples": True}, r"num_samples: a whole number ≥ 1, got True"),
+    ({"num_samples": 0}, r"num_samples: a whole number ≥ 1, got 0"),
+    ({"max_concurrent_trials": "x"}, r"max_concurrent_trials: a whole number ≥ 0, got 'x'"),
+    ({"max_concurrent_trials": -1}, r"max_concurrent_trials: a whole number ≥ 0, got -1"),
+    ({"scheduler": "asha"}, r"scheduler: a mapping, e\.g\. \{kind: asha, .*got 'asha'"),
+    ({"scheduler": {"kind": "asha", "reduction_factor": "two"}}, r"scheduler\.reduction_factor: a number > 1, got 'two'"),
+    ({"scheduler": {"kind": "asha", "reduction_factor": 1}}, r"scheduler\.reduction_factor: a number > 1, got 1"),
+    ({"scheduler": {"kind": "asha", "grace_period": "ten"}}, r"scheduler\.grace_period: a whole number ≥ 1, got 'ten'"),
+    ({"scheduler": {"kind": "asha", "grace_period": 0}}, r"scheduler\.grace_period: a whole number ≥ 1, got 0"),
+    ({"scheduler": {"kind": "asha", "max_t": 0}}, r"scheduler\.max_t: a whole number ≥ 1, got 0"),
+    ({"set": ["train.lr=0.1"]}, r"set: a mapping, e\.g\. .*got \['train\.lr=0\.1'\]"),
+    ({"demo": ["train.max_steps=5"]}, r"demo: a mapping, e\.g\. .*got \['train\.max_steps=5'\]"),
+    ({"variants": ["a", "b"]}, r"variants: a mapping of names to config overrides"),
+])
+def test_a_malformed_field_is_an_error_naming_file_and_key(tmp_path, raw, match):
+    path = _space(tmp_path, **raw)
+    with pytest.raises(SweepError, match=match) as e:
+        load_sweep(path)
+    assert str(e.value).startswith(f"{path}: ")
+
+
+def test_uniform_on_an_integer_key_is_refused_saying_it_draws_floats(tmp_path):
+    """Tune's uniform and loguniform draw floats, which an integer key refuses in every trial; its ends are checked
+    as floats. A float key takes whole-number ends."""
+    with pytest.raises(SweepError, match=r"space\.model\.alignment_layers: model\.alignment_layers=0\.0: .*expected an "
+                                         r"integer.* \(uniform and loguniform draw floats; randint or choice gives "
+                                         r"whole numbers\)"):
+        load_sweep(_space(tmp_path, space={"model.alignment_layers": {"uniform": [0, 6]}}))
+    assert load_sweep(_space(tmp_path, space={"train.weight_decay": {"uniform": [0, 1]}})).space
+
+
+@pytest.mark.parametrize("raw, match", [
+    ({"metric": "t2i_R@1", "variants": {"evaluated": {}, "quiet": {"eval.tasks": []}}},
+     r"metric: 't2i_R@1' is not reported by this recipe's training in variant quiet \(eval\.tasks \[\]\)"),
+    ({"metric": "t2i_R@1", "scheduler": {"kind": "asha"}, "set": {"eval.every_steps": 10},
+      "variants": {"evaluated": {}, "never": {"eval.every_steps": 0}}},
+     r"scheduler\.kind: ASHA stops trials on 't2i_R@1', .*set eval\.every_steps \(0 in variant never;"),
+])
+def test_each_variant_is_checked_against_the_metric_and_the_scheduler(tmp_path, raw, match):
+    """A variant whose training would never report the metric (its own eval.tasks, or no evaluation under ASHA) is
+    refused naming it; every trial of it would report nothing Tune ranks."""
+    path = _space(tmp_path, **raw)
+    with pytest.raises(SweepError, match=match):
+        load_sweep(path)
+
+
+def test_set_on_a_swept_key_is_refused_and_wins_over_a_variant(tmp_path):
+    """--set on a key the space sweeps would be lost under the swept values: refused naming it. On a key a variant
+    sets it wins over the variant, as over set and demo (spaces.pinned_variants, which comparisons use too), unless
+    two variants become one."""
+    from rayvl.sweeps.spaces import trial_config
+
+    with pytest.raises(SweepError, match=r"^--set model\.alignment_layers: .*alignment_depth\.yaml sweeps it "
+                                         r"\(space\.model\.alignment_layers\): drop one of them"):
+        load_sweep(REPO / "tune_spaces" / "alignment_depth.yaml", ["model.alignment_layers=2"])
+    decay = {"train.weight_decay": {"grid": [0.0, 0.1]}}
+    path = _space(tmp_path, space=decay, variants={"warm": {"train.warmup_steps": 50, "train.lr": 0.01},
+                                                   "cold": {"train.lr": 0.02}})
+    sweep = load_sweep(path, ["train.lr=0.005"])
+    lrs = {n: trial_config(sweep.recipe, sweep.fixed, {}, v).train for n, v in sweep.variants.items()}
+    warmup = sweep.base_config().train.warmup_steps  # the recipe's: cold sets none
+    assert {n: (t.lr, t.warmup_steps) for n, t in lrs.items()} == {"warm": (0.005, 50), "cold": (0.005, warmup)}
+    path = _space(tmp_path, space=decay, variants={"a": {"train.lr": 0.01}, "b": {"train.lr": 0.02}})
+    with pytest.raises(SweepError, match=r"space\.yaml: --set train\.lr: variants 'a' and 'b' would be the same"):
+        load_sweep(path, ["train.lr=0.005"])
+
+
+def test_the_held_out_hint_names_the_callers_own_flags(tmp_path):
+    """`rayvl tune` has no --eval-data (a comparison job has): each is told the flags its command line takes."""
+    from rayvl.sweeps.comparison import Comparison
+
+    shards = "data.train=s3://bucket/laion/{00000..00009}.tar"
+    with pytest.raises(SweepError, match=r"give held-out shards \(--set data\.eval=SHARDS\)$"):
+        load_sweep(REPO / "tune_spaces" / "alignment_depth.yaml", [shards])
+    comparison = Comparison("t", str(REPO / "configs" / "laion_adapt.yaml"), {"a": [], "b": ["train.lr=0.01"]},
+                            [("R@1", "t2i_R@1", ".1f")], fixed=["eval.tasks=[retrieval]"], metric="t2i_R@1", mode="max")
+    with pytest.raises(SweepError, match=r"give held-out shards \(--eval-data SHARDS, or --set data\.eval=SHARDS\)$"):
+        comparison.sweep([shards], seeds=1)
+
+
+def test_the_dry_run_prints_the_sweep_directory_it_would_use(tmp_path, capsys, monkeypatch):
+    """`rayvl tune --dry-run --name X` names the directory the sweep would run in: X under tune.storage_path (the
+    space's name without --name), not a placeholder."""
+    from rayvl import dry_run
+    from rayvl.cli import main
+
+    monkeypatch.setattr(dry_run, "describe", lambda cfg, given=frozenset(): "(the run's report)")
+    space, storage = str(REPO / "tune_spaces" / "alignment_depth.yaml"), f"tune.storage_path={tmp_path}"
+    assert main(["tune", "--dry-run", space, "--name", "depth-a", "--set", storage]) == 0
+    assert f"sweep directory {tmp_path / 'depth-a'} (each trial's run under runs/)" in capsys.readouterr().out
+    assert main(["tune", "--dry-run", space, "--set", storage]) == 0
+    assert f"sweep directory {tmp_path / 'alignment_depth'} " in capsys.readouterr().out

@@ -288,7 +288,7 @@ def tune_main(args) -> int:
     if args.dry_run:
         from rayvl import dry_run
 
-        return print_dry_run(lambda: dry_run.describe_sweep(load_sweep(args.space, args.set)))
+        return print_dry_run(lambda: dry_run.describe_sweep(load_sweep(args.space, args.set), args.name))
     from rayvl.sweeps.runner import sweep_and_report
 
     sweep = load_sweep(args.space, args.set)  # every key and domain checked before Ray starts

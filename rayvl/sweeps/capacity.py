@@ -1,7 +1,9 @@
 """How many trials run at once. Tune counts only each trial's driver bundle: Train V2 workers take their own
-placement group outside Tune's accounting and Ray Data's tasks take none, so rayvl adds them up itself and sets
-``max_concurrent_trials`` (Train V2's Tune integration asks the caller to)."""
+placement group outside Tune's accounting and Ray Data's tasks take none, so rayvl places whole trials on the
+cluster's nodes itself and sets ``max_concurrent_trials`` (Train V2's Tune integration asks the caller to)."""
 from __future__ import annotations
+
+from collections import Counter
 
 from rayvl.config import RayvlConfig
 from rayvl.sweeps.spaces import Sweep, SweepError
@@ -16,7 +18,31 @@ def trial_bundles(cfg: RayvlConfig) -> list[dict]:
     return [dict(worker) for _ in range(t.num_workers)] + [{"CPU": max(1.0, cfg.data.read_cpus)}]
 
 
-def concurrent_trials(cfg: RayvlConfig, resources: dict) -> int:
+def concurrent_trials(cfg: RayvlConfig, nodes: list[dict], totals: dict) -> int:
+    """How many trials the cluster holds at once: as many as can be placed on ``nodes`` one after another, and no
+    more than ``totals`` hold (the bound a cluster's max_workers sets, which the list of nodes cannot say)."""
+    return min(placed_trials(cfg, nodes), summed_trials(cfg, totals))
+
+
+def placed_trials(cfg: RayvlConfig, nodes: list[dict]) -> int:
+    """How many trials fit on ``nodes`` (each node's resources), each placed as Ray places it: its driver's bundle
+    (Tune's placement group of one), its Train workers' bundles as train.placement_strategy places them, and Ray
+    Data's CPU (its tasks run on any node). A trial that does not fit would wait for ever: Train V2 retries the
+    start of its worker group without a limit."""
+    from rayvl import session
+
+    *workers, data = trial_bundles(cfg)
+    groups = [([cfg.tune.driver_bundle()], "PACK"), (workers, cfg.train.placement_strategy), ([data], "PACK")]
+    free, placed = list(nodes), 0
+    while True:  # each trial takes at least Ray Data's CPU: the nodes run out
+        for bundles, strategy in groups:
+            free = session.place_bundles(free, bundles, strategy)
+            if free is None:
+                return placed
+        placed += 1
+
+
+def summed_trials(cfg: RayvlConfig, resources: dict) -> int:
     """How many trials ``resources`` (a cluster's totals) hold at once: drivers, Train workers and Ray Data."""
     need: dict[str, float] = {}
     for bundle in [cfg.tune.driver_bundle(), *trial_bundles(cfg)]:
@@ -27,31 +53,39 @@ def concurrent_trials(cfg: RayvlConfig, resources: dict) -> int:
 
 def trials_at_once(sweep: Sweep, cfg: RayvlConfig, fixed_size: bool) -> int:
     """Tune's limit on trials at once: the space's max_concurrent_trials, else as many as the cluster holds at its
-    largest (session.largest_cluster: its autoscaler's node types at their max_workers). Trials beyond the nodes
+    largest (session.largest_nodes: its autoscaler's node types at their max_workers). Trials beyond the nodes
     there are now wait for their Train placement groups, whose demand is what makes the autoscaler add nodes, and
-    run as the nodes arrive. A trial that can never fit is refused before any starts."""
+    run as the nodes arrive. A trial that fits on no node is refused before any starts, whatever the limit."""
     from rayvl import session
 
-    if sweep.max_concurrent_trials:
-        return sweep.max_concurrent_trials
-    largest, autoscaled = session.largest_cluster()
-    n = concurrent_trials(cfg, largest)
+    nodes, totals, autoscaled = session.largest_nodes()
+    n = concurrent_trials(cfg, nodes, totals)
     if n >= 1:
-        if autoscaled:
-            print(f"rayvl tune: up to {n} trials at once, what the cluster holds at its largest: {shown(largest)}")
-        return n
+        if autoscaled and not sweep.max_concurrent_trials:
+            print(f"rayvl tune: up to {n} trials at once, what the cluster holds at its largest: {shown(totals)}")
+        return sweep.max_concurrent_trials or n
+    t = cfg.train
     worker, data = trial_bundles(cfg)[0], trial_bundles(cfg)[-1]
     message = (f"one trial needs {{{shown(cfg.tune.driver_bundle())}}} for its driver (tune.driver_cpus / "
-               f"tune.driver_resources), {cfg.train.num_workers} × {{{shown(worker)}}} for its Train workers and "
-               f"{{{shown(data)}}} for Ray Data, more than the cluster {'can grow to' if autoscaled else 'has'}: "
-               f"{{{shown(largest)}}}")
+               f"tune.driver_resources), {t.num_workers} × {{{shown(worker)}}} for its Train workers "
+               f"(train.placement_strategy={t.placement_strategy}) and {{{shown(data)}}} for Ray Data, which do not "
+               f"fit on the nodes the cluster {'can grow to' if autoscaled else 'has'}: {{{shown(totals)}}} in all, "
+               f"as {shown_nodes(nodes)}")
     if fixed_size or autoscaled:
-        raise SweepError(message)
-    print(f"rayvl tune: warning: {message}; running one trial at a time (no autoscaler config found on this node)")
-    return 1
+        raise SweepError(f"{sweep.path}: {message}")
+    at_once = sweep.max_concurrent_trials or 1
+    print(f"rayvl tune: warning: {message}; running {'one trial' if at_once == 1 else f'{at_once} trials'} at a time "
+          f"(no autoscaler config found on this node)")
+    return at_once
 
 
 def shown(resources: dict) -> str:
     """A cluster's resources as a person reads them: CPUs, GPUs and custom resources, not memory or node ids."""
     hidden = ("node:", "memory", "object_store_memory", "accelerator_type:")
     return ", ".join(f"{k} {v:g}" for k, v in sorted(resources.items()) if not k.startswith(hidden)) or "none"
+
+
+def shown_nodes(nodes: list[dict]) -> str:
+    """Nodes as a person reads them: alike ones counted, ``2 × {CPU 8}, 1 × {CPU 0, on_demand 1000}``."""
+    alike = Counter(shown(node) for node in nodes)
+    return ", ".join(f"{n} × {{{resources}}}" for resources, n in alike.items()) or "no node"

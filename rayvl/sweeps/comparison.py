@@ -26,12 +26,13 @@ from rayvl import storage
 from rayvl.sweeps import directory
 from rayvl.sweeps.comparison_report import Row, save_comparison, write_report
 from rayvl.sweeps.runner import run_sweep
-from rayvl.sweeps.spaces import Sweep, SweepError, check_evaluated, validate
+from rayvl.sweeps.spaces import Sweep, SweepError, check_evaluated, pinned_variants, validate
 from rayvl.sweeps.trials import After
 
 DEFAULT_SEEDS = 3
 # a comparison's seeds pair its variants: same seed, same rows in the same order (a later override may undo it)
 PAIRED = ["data.deterministic=true"]
+HELD_OUT = "--eval-data SHARDS, or --set data.eval=SHARDS"  # how a job's command line gives held-out shards
 
 
 class Stages(NamedTuple):
@@ -125,26 +126,10 @@ class Comparison:
             raise SweepError(f"{self.title}: --seeds: must be ≥ 1, got {seeds}")
         grid = Sweep(path=self.title, recipe=self.recipe, metric=self.metric, mode=self.mode,
                      space={"train.seed": {"grid": list(range(seeds))}}, fixed=PAIRED + self.fixed + list(overrides),
-                     name=name, variants=self.pinned_variants())
-        validate(grid, extra_metrics=tuple(self.after_metrics))
-        check_evaluated(grid, {key: f"row {label!r}" for label, key, _ in self.rows if key != self.metric})
+                     name=name, variants=pinned_variants(self.title, self.variants, self.pinned), pinned=self.pinned)
+        validate(grid, extra_metrics=tuple(self.after_metrics), held_out=HELD_OUT)
+        check_evaluated(grid, {key: f"row {label!r}" for label, key, _ in self.rows if key != self.metric}, HELD_OUT)
         return grid
-
-    def pinned_variants(self) -> dict[str, list[str]]:
-        """Each variant's overrides, then the --set values of the keys it sets too (its own would win over ``fixed``
-        otherwise: a variant comes after it). --set that makes two different variants the same is an error naming
-        both (``--variants clip,siglip --set loss.kind=siglip``: two SigLIP arms)."""
-        pins = {_key(o): o for o in self.pinned}
-        variants = {name: v + [pins[k] for k in dict.fromkeys(map(_key, v)) if k in pins]
-                    for name, v in self.variants.items()}
-        seen: dict[tuple, str] = {}
-        for name, v in variants.items():
-            first = seen.setdefault(_settings([*pins.values(), *v]), name)
-            if first != name and _settings(self.variants[first]) != _settings(self.variants[name]):
-                keys = set(pins) & {_key(o) for o in self.variants[first] + self.variants[name]}
-                raise SweepError(f"{self.title}: --set {', '.join(sorted(keys))}: variants {first!r} and {name!r} "
-                                 f"would be the same")
-        return variants
 
     def run(self, overrides: list[str], seeds: int, name: str, resume: bool = False, after_kwargs: dict | None = None,
             stages: Stages | None = None) -> str:
@@ -248,12 +233,3 @@ class Comparison:
               + f"\n  runs:      {storage.join(sweep_dir, 'runs')}/trial-*  (again: {Path(sys.argv[0]).name} "
               f"--report {sweep_dir})")
 
-
-def _key(override: str) -> str:
-    """The dotted config key of a "key=value" override."""
-    return override.partition("=")[0].strip()
-
-
-def _settings(overrides: list[str]) -> tuple:
-    """What "key=value" overrides set, the last of a key winning, as a comparable value."""
-    return tuple(sorted({_key(o): o.partition("=")[2].strip() for o in overrides}.items()))

@@ -4,12 +4,18 @@ URL, as train.storage_path."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from rayvl import storage
 from rayvl.config import RayvlConfig
 
 SWEEP_FILE = "rayvl_sweep.json"
 FINAL_METRICS = "final_metrics.json"  # in each trial's run directory: what a comparison summarises
+
+
+def sweep_name(sweep, name: str = "") -> str:
+    """A sweep's name: ``name`` (--name), else the space's own ``name``, else its file's name."""
+    return name or sweep.name or Path(sweep.path).stem
 
 
 def sweep_directory(base: RayvlConfig, name: str) -> str:
@@ -23,8 +29,16 @@ def trial_run(sweep_dir: str, trial_id: str) -> str:
 
 
 def begun(sweep_dir: str) -> bool:
-    """Whether a sweep started here: its settings are written before its first trial."""
-    return storage.is_file(storage.join(sweep_dir, SWEEP_FILE))
+    """Whether a sweep started here: Tune saved its state (its tuner.pkl, written as the Tuner is built). Settings
+    without it are a first start that stopped before (a check after Ray started): nothing to resume."""
+    from ray.tune import Tuner  # a look at the storage: no Ray starts
+
+    fs, inner = storage.filesystem(storage.normalize(sweep_dir))
+    return Tuner.can_restore(inner, storage_filesystem=fs)
+
+
+def has_settings(sweep_dir: str) -> bool:
+    return storage.is_file(storage.join(storage.normalize(sweep_dir), SWEEP_FILE))
 
 
 def save_settings(sweep_dir: str, settings: dict) -> None:

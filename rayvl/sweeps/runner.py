@@ -3,13 +3,12 @@ number of trials at once, the placement-group release callback and the sweep dir
 interrupted sweep from Tune's saved state."""
 from __future__ import annotations
 
+import json
 import posixpath
-from pathlib import Path
 
 from rayvl import storage
-from rayvl.config import RayvlConfig
 from rayvl.sweeps import capacity, directory, placement
-from rayvl.sweeps.spaces import Sweep, SweepError, budget_steps, grace_period
+from rayvl.sweeps.spaces import Sweep, SweepError, asha_max_t, grace_period, longest_budget
 from rayvl.sweeps.trials import After, trial
 
 
@@ -23,18 +22,16 @@ def run_sweep(sweep: Sweep, overrides: list[str] = (), name: str = "", resume: b
     from rayvl import session
 
     base = sweep.base_config(overrides)
-    name = name or sweep.name or Path(sweep.path).stem
+    name = directory.sweep_name(sweep, name)
     sweep_dir = directory.sweep_directory(base, name)
-    if resume != directory.begun(sweep_dir):
-        raise SweepError(f"{sweep.path}: sweep {sweep_dir!r} {'has no state to resume' if resume else 'exists'}"
-                         f": {'drop --resume' if resume else 'pass --resume to continue it, or --name another'}")
-    if not resume:
-        directory.save_settings(sweep_dir, settings(sweep, overrides))
+    wanted = settings(sweep, overrides)
+    check_start(sweep, sweep_dir, wanted, resume)
     fs, inner = storage.filesystem(storage.normalize(base.tune.storage_path), patient=True)  # Tune's state
     session.check_local_gpus(base)
     fixed_size = session.connect(base.ray_address, base.local_num_cpus)
     session.check_storage(base)
     session.check_gpus(base, fixed_size)
+    at_once = 0 if resume else capacity.trials_at_once(sweep, base, fixed_size)
     trainable = tune.with_resources(trial, base.tune.driver_bundle())
     registry_name = placement.registry_name(sweep_dir)
     registry = placement.start_registry(registry_name)
@@ -43,9 +40,12 @@ def run_sweep(sweep: Sweep, overrides: list[str] = (), name: str = "", resume: b
         tuner = tune.Tuner.restore(posixpath.join(inner, name), trainable, resume_unfinished=True,
                                    resume_errored=False, storage_filesystem=fs, param_space=space)
     else:
+        # after every check: a start refused before it leaves settings without Tune's state, which a plain run
+        # starts again (check_start)
+        directory.save_settings(sweep_dir, wanted)
         tuner = tune.Tuner(trainable, param_space=space, tune_config=tune.TuneConfig(
-            metric=sweep.metric, mode=sweep.mode, num_samples=sweep.num_samples, scheduler=_scheduler(sweep, base),
-            max_concurrent_trials=capacity.trials_at_once(sweep, base, fixed_size)), run_config=tune.RunConfig(
+            metric=sweep.metric, mode=sweep.mode, num_samples=sweep.num_samples,
+            scheduler=_scheduler(sweep, overrides), max_concurrent_trials=at_once), run_config=tune.RunConfig(
             name=name, storage_path=inner, storage_filesystem=fs, verbose=1,
             callbacks=[placement.release_callback(registry_name)]))
     try:
@@ -55,11 +55,55 @@ def run_sweep(sweep: Sweep, overrides: list[str] = (), name: str = "", resume: b
 
 
 def settings(sweep: Sweep, overrides: list[str] = ()) -> dict:
-    """What the sweep's report needs, saved with it (rayvl.sweeps.directory)."""
+    """What the sweep's report needs, and what a resume must find unchanged (RESUMED_AS_STARTED), saved with it
+    (rayvl.sweeps.directory)."""
     return {"space_file": sweep.path, "recipe": sweep.recipe, "fixed": sweep.fixed + list(overrides),
-            "metric": sweep.metric, "mode": sweep.mode, "keys": list(sweep.space),
-            "max_steps": budget_steps(sweep, sweep.base_config(overrides)), "variants": sweep.variants,
+            "metric": sweep.metric, "mode": sweep.mode, "keys": list(sweep.space), "space": sweep.space,
+            "num_samples": sweep.num_samples, "scheduler": sweep.scheduler,
+            "max_steps": longest_budget(sweep, overrides), "variants": sweep.variants,
             "max_t": int(sweep.scheduler.get("max_t") or 0)}
+
+
+# what Tune's saved state keeps from a sweep's first start (its trials' configs, its search and scheduler): a resume
+# with another would run the old ones, or fail inside Tune after Ray started (a key added to the space)
+RESUMED_AS_STARTED = ("space", "metric", "mode", "fixed", "variants", "scheduler", "num_samples")
+OLDER_FIELDS = {"space": "keys", "scheduler": "max_t"}  # what a settings file of an earlier rayvl has in their place
+
+
+def check_start(sweep: Sweep, sweep_dir: str, wanted: dict, resume: bool) -> None:
+    """Whether this run may start the sweep at ``sweep_dir`` (or, ``resume``, continue it), before Ray starts. It
+    has begun once Tune saved its state there (directory.begun); its settings alone are a first start that a check
+    stopped, which a plain run starts afresh. A resume continues the sweep as it started (``wanted``: this run's
+    settings)."""
+    begun = directory.begun(sweep_dir)
+    if begun and not resume:
+        raise SweepError(f"{sweep.path}: sweep {sweep_dir!r} exists: pass --resume to continue it, or --name another")
+    if resume and not begun:
+        why = ("has settings but no trial state: its first start stopped before any trial began, so nothing was "
+               "started" if directory.has_settings(sweep_dir) else "has no state to resume")
+        raise SweepError(f"{sweep.path}: sweep {sweep_dir!r} {why}: drop --resume")
+    if resume and directory.has_settings(sweep_dir):
+        saved, now = directory.read_settings(sweep_dir), json.loads(json.dumps(wanted))  # compared as saved
+        fields = [key if key in saved else OLDER_FIELDS.get(key, key) for key in RESUMED_AS_STARTED]
+        changed = [f"{key} ({_difference(saved[key], now[key])})" for key in fields
+                   if key in saved and saved[key] != now[key]]
+        if changed:
+            raise SweepError(f"{sweep.path}: --resume: sweep {sweep_dir!r} started with another "
+                             f"{'; '.join(changed)}: Tune would resume the sweep it started. Resume it with the space "
+                             f"and --set it started with, or start a new sweep with --name")
+
+
+def _difference(old, new) -> str:
+    """What changed between two saved values, as a person reads it: the keys of a mapping, the items of a list."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return ", ".join(f"{k}: " + ("added" if k not in old else "removed" if k not in new
+                                     else _difference(old[k], new[k]))
+                         for k in {**old, **new} if old.get(k) != new.get(k))
+    if isinstance(old, list) and isinstance(new, list):
+        gone, added = [x for x in old if x not in new], [x for x in new if x not in old]
+        return ", ".join([f"without {json.dumps(x)}" for x in gone] + [f"with {json.dumps(x)}" for x in added]) \
+            or "in another order"
+    return f"{json.dumps(old)}, now {json.dumps(new)}"
 
 
 def _param_space(sweep: Sweep, overrides: list[str], sweep_dir: str, registry: str, after: After) -> dict:
@@ -83,7 +127,7 @@ def _tune_domain(domain: dict):
             "randint": lambda: tune.randint(*args)}[kind]()
 
 
-def _scheduler(sweep: Sweep, base: RayvlConfig):
+def _scheduler(sweep: Sweep, overrides: list[str] = ()):
     from ray.tune.schedulers import FIFOScheduler
 
     from rayvl.sweeps.asha import FinishingASHA
@@ -92,8 +136,9 @@ def _scheduler(sweep: Sweep, base: RayvlConfig):
     if s.get("kind", "fifo") == "fifo":
         return FIFOScheduler()
     # time is the optimizer step every report carries, so rungs are in steps whatever eval.every_steps is
-    return FinishingASHA(time_attr="step", max_t=int(s.get("max_t") or budget_steps(sweep, base)),
-                         grace_period=grace_period(s, base), reduction_factor=float(s.get("reduction_factor", 2)))
+    return FinishingASHA(time_attr="step", max_t=asha_max_t(sweep, overrides),
+                         grace_period=grace_period(s, sweep.base_config(overrides)),
+                         reduction_factor=float(s.get("reduction_factor") or 2))
 
 
 def sweep_and_report(sweep: Sweep, overrides: list[str] = (), name: str = "", resume: bool = False) -> str:
