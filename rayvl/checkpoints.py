@@ -29,6 +29,11 @@ from rayvl.models.dual_encoder import DualEncoder, build_model
 TAG = "deepspeed"
 MODEL_FILE = "model.pt"
 META_FILE = "rayvl.json"
+# in META_FILE: which parameters the checkpoint's optimizer decays (dual_encoder.param_groups; 1, before the rule was
+# recorded: a ViT's class token decayed, a locked whole CLIP's projections trained) — a resume's optimizer must have
+# its groups to load its state
+DECAY_RULE = "weight_decay_rule"
+CURRENT_DECAY_RULE = 2
 STATE_FILE = "train_state.pt"
 METRICS_FILE = "metrics.jsonl"
 RAY_TRAIN_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of the run's committed checkpoints

@@ -191,7 +191,8 @@ class ModelConfig:
     vision_unlocked_groups: int = 0
     """with vision_strategy=frozen: the image tower's last N layer groups (timm's grouping: the stem, each block
     or stage; a ViT's final norm with its last block; a whole CLIP's projection last) train, the rest stay locked —
-    open_clip's --lock-image-unlocked-groups, counted as it counts them. The tower then runs with a graph and in training mode, as open_clip's does."""
+    open_clip's --lock-image-unlocked-groups, counted as it counts them. A tower with groups of its own unlocked
+    runs with a graph and in training mode, as open_clip's does."""
     vision_freeze_bn_stats: bool = False
     """with vision_unlocked_groups: the locked groups' BatchNorm statistics stay as pretrained (timm's
     FrozenBatchNorm2d) — open_clip's --lock-image-freeze-bn-stats."""
@@ -732,9 +733,12 @@ def validate(cfg: RayvlConfig) -> None:
     if not 0.0 <= m.patch_dropout < 1.0:
         raise ConfigError(f"model.patch_dropout: a share of the patch tokens, in [0, 1), got {m.patch_dropout}")
     _validate_unlocking(m)
-    if m.patch_dropout and m.vision_strategy == "frozen" and not m.vision_unlocked_groups:
+    # a whole CLIP's first unlocked group is its projection: its ViT stays locked (DualEncoder)
+    if m.patch_dropout and m.vision_strategy == "frozen" and m.vision_unlocked_groups <= bool(m.clip.vision_width):
         raise ConfigError("model.patch_dropout: a locked image tower runs as at evaluation, with every patch "
-                          "(model.vision_strategy=frozen): drop patches of a tower that trains")
+                          "(model.vision_strategy=frozen" + (", a whole CLIP's projection alone unlocked"
+                                                              if m.vision_unlocked_groups else "")
+                          + "): drop patches of a tower that trains")
     _validate_logit_bias(cfg)
     for i, task in enumerate(cfg.eval.tasks):
         if task == "linear_probe":

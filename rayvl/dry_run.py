@@ -223,11 +223,13 @@ def model_lines(cfg: RayvlConfig) -> list[str]:
     else:
         text = f"text tower: a class embedding, {m.embed_dim} trainable parameters per class" + (
             f", {classes} classes" if classes else " (the image-label data's classes)")
+    # a whole CLIP counts its projection as the last group, as open_clip does (DualEncoder)
+    whole = " (its projection the last)" if c.vision_width else ""
     if m.text_unlocked_layers:
-        text = text.replace(f"{m.text_strategy}:", f"{m.text_strategy}, its last {m.text_unlocked_layers} layers "
-                                                   f"unlocked:")
+        text = text.replace(f"{m.text_strategy}:", f"{m.text_strategy}, its last {m.text_unlocked_layers} layers"
+                                                   f"{whole} unlocked:")
     if m.vision_unlocked_groups:
-        vision += f"; locked, its last {m.vision_unlocked_groups} layer groups unlocked"
+        vision += f"; locked, its last {m.vision_unlocked_groups} layer groups{whole} unlocked"
     return ["model:", *clip, f"  image tower {m.vision} ({vision}): {params(model.vision)}", f"  {text}",
             f"  in all {params(model)}" + ("" if m.text_tower == "lm" or classes else " with one class"),
             f"  AdamW lr {t.lr:g}, betas {t.betas[0]:g}/{t.betas[1]:g}, weight decay {t.weight_decay:g}; linear "

@@ -200,15 +200,18 @@ def place_workers(node_cpus: list[float], workers: int, cpus: float, strategy: s
 def place_bundles(nodes: list[dict[str, float]], bundles: list[dict[str, float]],
                   strategy: str) -> list[dict[str, float]] | None:
     """What each node has left after placing one placement group's ``bundles`` (every resource: CPU, GPU, custom
-    ones) as Ray would — PACK fills the node that holds most of them first, SPREAD deals them out, STRICT_PACK
-    puts them all on one node, STRICT_SPREAD each on a node of its own — or None when they do not fit."""
+    ones) as Ray would — PACK onto the nodes already used first, SPREAD deals them out, STRICT_PACK puts them all
+    on one node, STRICT_SPREAD each on a node of its own; a bundle without GPUs kept off GPU nodes where another
+    holds it (Ray's scheduler avoids GPU nodes for such work) — or None when they do not fit."""
     free = [dict(node) for node in nodes]
     if strategy == "STRICT_PACK" and bundles:
         bundles = [{k: sum(b.get(k, 0.0) for b in bundles) for k in {k for b in bundles for k in b}}]
     spread = strategy.endswith("SPREAD")
     used = [0] * len(free)
     for bundle in bundles:
-        order = sorted(range(len(free)), key=lambda i: (used[i] if spread else -used[i], -_room(free[i], bundle)))
+        avoid_gpus = not bundle.get("GPU")
+        order = sorted(range(len(free)), key=lambda i: (
+            used[i] if spread else -used[i], avoid_gpus and nodes[i].get("GPU", 0.0) > 0, -_room(free[i], bundle)))
         node = next((i for i in order if all(free[i].get(k, 0.0) >= v - 1e-9 for k, v in bundle.items())
                      and not (strategy == "STRICT_SPREAD" and used[i])), None)
         if node is None:

@@ -162,13 +162,14 @@ def test_a_step_of_non_finite_gradients_leaves_the_weights_finite_with_and_witho
 def test_a_checkpoint_resumes_in_the_buffer_padding_it_was_written_with(sc, tmp_path):
     """ZeRO-1/2's flat buffers are padded for alignment now; a checkpoint written before (no record of it in
     rayvl.json) holds the unpadded layout, which DeepSpeed loads only into unpadded buffers: a resume builds them as
-    its checkpoint says, and restores weights and optimizer state exactly."""
+    its checkpoint says, and restores weights and optimizer state exactly. The same for the weight-decay rule (a
+    ViT's class token decayed before it was recorded): the resume groups the parameters as its checkpoint did."""
     import json
 
     import ray.train
 
     from rayvl.train.engine import build_engine
-    from rayvl.train.resume import ALIGNED, TrainedRows, aligned_buffers
+    from rayvl.train.resume import ALIGNED, DECAY_RULE, TrainedRows, aligned_buffers, decay_rule
     from rayvl.train.step import Step
 
     cfg = sc.config(2, "bf16")
@@ -177,24 +178,31 @@ def test_a_checkpoint_resumes_in_the_buffer_padding_it_was_written_with(sc, tmp_
     def step(engine):
         Step(engine, [], cfg, TrainedRows())(lambda s, m: (batch, 0.0), 4)
 
-    old = build_engine(sc.small_model(cfg), cfg, 1, aligned=False)  # as rayvl built it before
+    old = build_engine(sc.small_model(cfg), cfg, 1, aligned=False, decay_rule=1)  # as rayvl built it before
     step(old)
     assert any(p.data_ptr() % 16 for p in old.module.parameters() if p.requires_grad)  # unpadded: views off
     old.save_checkpoint(str(tmp_path), tag="t")
     (tmp_path / "rayvl.json").write_text(json.dumps({"step": 1}))  # an old checkpoint's record: no padding named
-    assert aligned_buffers(ray.train.Checkpoint.from_directory(str(tmp_path))) is False
+    written = ray.train.Checkpoint.from_directory(str(tmp_path))
+    assert aligned_buffers(written) is False and decay_rule(written) == 1  # and its class token decayed
     with pytest.raises(RuntimeError, match="parameter-alignment layout does not match"):
         build_engine(sc.small_model(cfg), cfg, 1).load_checkpoint(str(tmp_path), tag="t")
-    resumed = build_engine(sc.small_model(cfg), cfg, 1, aligned=False)
+    resumed = build_engine(sc.small_model(cfg), cfg, 1, aligned=False, decay_rule=decay_rule(written))
     resumed.load_checkpoint(str(tmp_path), tag="t", load_optimizer_states=True)
     for engine in (old, resumed):  # one more step each: the optimizer's moments came along too
         step(engine)
     trained = dict(old.module.named_parameters())
     assert all(torch.equal(p, trained[n]) for n, p in resumed.module.named_parameters())
     # new engines pad, and their checkpoints say so
-    assert build_engine(sc.small_model(cfg), cfg, 1).rayvl_aligned is True and aligned_buffers(None) is True
-    (tmp_path / "rayvl.json").write_text(json.dumps({"step": 1, ALIGNED: True}))
-    assert aligned_buffers(ray.train.Checkpoint.from_directory(str(tmp_path))) is True
+    new = build_engine(sc.small_model(cfg), cfg, 1)
+    assert new.rayvl_aligned is True and aligned_buffers(None) is True
+    assert new.rayvl_decay_rule == decay_rule(None) == 2
+    # the class token left the decayed group: groups of other sizes, which a rule-1 checkpoint's state does not fit
+    sizes = [sum(p.numel() for p in g["params"]) for g in new.optimizer.param_groups]
+    assert sizes != [sum(p.numel() for p in g["params"]) for g in old.optimizer.param_groups]
+    (tmp_path / "rayvl.json").write_text(json.dumps({"step": 1, ALIGNED: True, DECAY_RULE: 2}))
+    written = ray.train.Checkpoint.from_directory(str(tmp_path))
+    assert aligned_buffers(written) is True and decay_rule(written) == 2
 
 
 @pytest.mark.slow
@@ -211,3 +219,34 @@ def test_a_worker_imports_timm_and_deepspeed_without_the_loggers_they_import_and
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.split()[-2:] == ["MlflowClient", "init"], r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_the_temperature_is_clamped_after_each_step_on_the_optimizers_own_copy(sc, stage):
+    """open_clip's clamp of log(1/τ) after each optimizer step, at every layout (rayvl.train.step.clamp_temperature):
+    at the clamp a gradient that raises s is undone on the fp32 copy the optimizer steps (the parameter at ZeRO-0,
+    DeepSpeed's master at ZeRO-2 and 3) and one that lowers it acts — as a released CLIP fine-tunes in open_clip."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+
+    cfg = sc.config(stage, "bf16")
+    step, engine = sc.rayvl_step(cfg)
+    p = engine.module.logit_scale
+    cap = math.log(100.0)
+    above = torch.full((1,), cap + 0.01)  # as OpenAI's fp16 ln(100) lies a hair above the clamp, further
+    with torch.no_grad():
+        p.copy_(above) if stage == 0 else safe_set_full_fp32_param(p, above)
+
+    def master() -> float:
+        return float(p.detach() if stage == 0 else safe_get_full_fp32_param(p))
+
+    hook = p.register_hook(lambda g: torch.full_like(g, -1.0))  # the loss wants a larger scale: s would rise
+    step()
+    assert master() == pytest.approx(cap, abs=1e-6)  # risen, then clamped to the cap
+    step()
+    assert master() == pytest.approx(cap, abs=1e-6)
+    assert float(engine.module.scale().detach()) == pytest.approx(100.0, rel=1e-2)
+    hook.remove()
+    p.register_hook(lambda g: torch.full_like(g, 1.0))  # a smaller one: s falls from the clamp (once AdamW's
+    for _ in range(4):  # first moment, which the rises left negative, has turned)
+        step()
+    assert master() < cap - 1e-6

@@ -387,10 +387,13 @@ def test_a_resume_refuses_a_changed_sweep_naming_what_changed(tmp_path):
             ({}, ["train.max_steps=50"], r"fixed \(with \"train\.max_steps=50\"\)"),
             ({"scheduler": {"kind": "asha", "grace_period": 20}}, [], r"scheduler \(grace_period: 10, now 20\)"),
             ({"num_samples": 3}, [], r"num_samples \(1, now 3\)"),
-            ({"variants": {"warm": {"train.warmup_steps": 5}}}, [], r"variants \(warm: added\)")]:
+            ({"variants": {"warm": {"train.warmup_steps": 5}}}, [], r"variants \(warm: added\)"),
+            ({"max_concurrent_trials": 2}, [], r"max_concurrent_trials \(0, now 2\)")]:
         with pytest.raises(SweepError, match=r"space\.yaml: --resume: sweep .* started with another " + match):
             resumed(overrides, **raw)
-    older = {k: v for k, v in settings(started).items() if k not in ("space", "scheduler", "num_samples")}
+    resumed(["ray_address=10.0.0.2:6379", "local_num_cpus=4"])  # where it runs, not what its trials do
+    older = {k: v for k, v in settings(started).items()
+             if k not in ("space", "scheduler", "num_samples", "max_concurrent_trials")}
     directory.save_settings(sweep_dir, older)
     resumed(num_samples=3)  # not in the file: not compared
     with pytest.raises(SweepError, match=r"started with another keys \(with \"train\.warmup_steps\"\)"):
@@ -427,6 +430,15 @@ def test_trials_are_placed_on_the_nodes_bundle_by_bundle(monkeypatch):
     assert trials(gpus, *gpu_workers) == 1 and trials(gpus, *gpu_workers, "train.placement_strategy=STRICT_PACK") == 0
     on_head = "tune.driver_resources={on_demand: 1}"  # a custom resource only the head has
     assert trials([{"CPU": 8.0}], on_head) == 0 and trials([{"CPU": 0.0, "on_demand": 2.0}, *two], on_head) == 2
+    # a GPU node and a CPU node: the worker needs the GPU node whole, the driver and Ray Data go beside it, in
+    # either order of the nodes; two GPU nodes beside a small head hold two trials
+    gpu_node, whole = {"CPU": 8.0, "GPU": 1.0}, ("train.use_gpu=true", "train.num_workers=1", "train.cpus_per_worker=8")
+    assert trials([gpu_node, {"CPU": 8.0}], *whole) == trials([{"CPU": 8.0}, gpu_node], *whole) == 1
+    assert trials([{"CPU": 4.0}, gpu_node, dict(gpu_node)], *whole) == 2
+    assert trials([{"CPU": 8.0}, {"CPU": 16.0, "GPU": 1.0}], "train.use_gpu=true", "train.num_workers=1",
+                  "train.cpus_per_worker=16") == 1
+    # tenths of CPUs summed: 3 trials of 0.1 + 0.2 + 1 CPUs in 3.9 (3.9 // 1.3 is 2 in floating point)
+    assert trials([{"CPU": 3.9}], "train.num_workers=1", "train.cpus_per_worker=0.2") == 3
 
     cfg = load_config(None, ["train.num_workers=1", "train.cpus_per_worker=10"])
     monkeypatch.setattr(session, "largest_nodes", lambda: (two, {"CPU": 16.0}, False))
@@ -447,6 +459,11 @@ def test_trials_are_placed_on_the_nodes_bundle_by_bundle(monkeypatch):
     monkeypatch.setattr(session, "largest_nodes", lambda: (session.grown_nodes(config, head),
                                                           session.grown_resources(config, head), True))
     assert trials_at_once(Sweep("space.yaml", "", "loss", "min", {}), fits, fixed_size=False) == 3  # 16 // 4.1
+    two_workers = load_config(None, ["train.num_workers=2", "train.cpus_per_worker=6"])  # a type holds one
+    config["max_workers"] = 1
+    with pytest.raises(SweepError, match=r"more than the cluster's max_workers let it grow to: \{CPU 8\} in all, "
+                                         r"though its node types \(1 × \{CPU 0\}, 8 × \{CPU 8\}\) would hold it"):
+        trials_at_once(Sweep("space.yaml", "", "loss", "min", {}), two_workers, fixed_size=False)
 
 
 def test_asha_max_t_is_the_longest_trials_budget(tmp_path):

@@ -96,25 +96,23 @@ class DualEncoder(nn.Module):
 
 
 class _CappedExp(torch.autograd.Function):
-    """exp(s) clamped at ``cap``, with the gradient open_clip's temperature gets. open_clip uses exp(s) as it is and
-    clamps the parameter to ln(cap) after each step, so a gradient that lowers s always acts. A clamp inside the
-    forward gives s no gradient once exp(s) ≥ cap, and a released CLIP stores s = ln(100) (in fp16 a hair above
-    it): its temperature could then never fall again. Here the forward is clamped (the parameter is not: under ZeRO
-    its fp32 master copy lives in the optimizer), and the backward passes the gradient of exp(s) wherever
-    exp(s) < cap, and at the cap wherever it would lower s (a descent step moves s by −lr·g: g > 0)."""
+    """exp(s) clamped at ``cap`` in the forward, with exp(s)'s own gradient: open_clip's temperature. open_clip uses
+    exp(s) as it is and clamps the parameter to ln(cap) after each optimizer step, so a gradient that lowers s
+    always acts; a clamp in the forward alone would give s no gradient once exp(s) ≥ cap, and a released CLIP
+    stores s = ln(100) (in fp16 a hair above it): its temperature could then never fall. Here the trainer clamps s
+    after each step as open_clip does (rayvl.train.step.clamp_temperature, on the optimizer's fp32 copy), and the
+    forward's clamp only covers the bf16 copy a ZeRO step refreshed from it before that clamp."""
 
     @staticmethod
     def forward(ctx, s: torch.Tensor, cap: float) -> torch.Tensor:
         value = s.exp().clamp(max=cap)
         ctx.save_for_backward(value)
-        ctx.cap = cap
         return value
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (value,) = ctx.saved_tensors
-        g = grad * value  # d exp(s)/ds = exp(s), at the clamped value
-        return g * ((value < ctx.cap) | (g > 0)).to(g.dtype), None
+        return grad * value, None  # d exp(s)/ds = exp(s), at s ≤ ln(cap)
 
 
 def capped_exp(s: torch.Tensor, cap: float) -> torch.Tensor:
@@ -142,14 +140,16 @@ def build_model(cfg: ModelConfig, seed: int = 0, state: dict | None = None) -> D
     return DualEncoder(cfg)
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float, rule: int = 2) -> list[dict]:
     """Trainable parameters only (frozen LM weights never reach the optimizer or its ZeRO state); no decay on
     biases, norms, the logit scale and bias, and a ViT's class token (CLIP / open_clip convention: what is not a
-    matrix; timm holds the class token as (1, 1, width), OpenAI's CLIP and open_clip as a vector)."""
+    matrix; timm holds the class token as (1, 1, width), OpenAI's CLIP and open_clip as a vector). ``rule`` 1: the
+    class token decayed, as rayvl did before — a checkpoint of then resumes with its optimizer's groups
+    (rayvl.train.resume.decay_rule)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        matrix = sum(size > 1 for size in p.shape) >= 2
-        (decay if matrix and "logit_scale" not in name else no_decay).append(p)
+        vector = p.ndim < 2 or "logit_scale" in name or (rule >= 2 and name.endswith("cls_token"))
+        (no_decay if vector else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

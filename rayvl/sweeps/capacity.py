@@ -25,14 +25,15 @@ def concurrent_trials(cfg: RayvlConfig, nodes: list[dict], totals: dict) -> int:
 
 
 def placed_trials(cfg: RayvlConfig, nodes: list[dict]) -> int:
-    """How many trials fit on ``nodes`` (each node's resources), each placed as Ray places it: its driver's bundle
-    (Tune's placement group of one), its Train workers' bundles as train.placement_strategy places them, and Ray
-    Data's CPU (its tasks run on any node). A trial that does not fit would wait for ever: Train V2 retries the
-    start of its worker group without a limit."""
+    """How many trials fit on ``nodes`` (each node's resources), each placed as Ray places it: its Train workers'
+    bundles as train.placement_strategy places them, Ray Data's CPU (its tasks run on any node) and its driver's
+    bundle (Tune's placement group of one). The workers go first: they are the largest bundles and may need a
+    node whole, which the driver's small bundle, a GPU node avoided, leaves them. A trial that does not fit would
+    wait for ever: Train V2 retries the start of its worker group without a limit."""
     from rayvl import session
 
     *workers, data = trial_bundles(cfg)
-    groups = [([cfg.tune.driver_bundle()], "PACK"), (workers, cfg.train.placement_strategy), ([data], "PACK")]
+    groups = [(workers, cfg.train.placement_strategy), ([data], "PACK"), ([cfg.tune.driver_bundle()], "PACK")]
     free, placed = list(nodes), 0
     while True:  # each trial takes at least Ray Data's CPU: the nodes run out
         for bundles, strategy in groups:
@@ -48,7 +49,8 @@ def summed_trials(cfg: RayvlConfig, resources: dict) -> int:
     for bundle in [cfg.tune.driver_bundle(), *trial_bundles(cfg)]:
         for name, amount in bundle.items():
             need[name] = need.get(name, 0.0) + amount
-    return min(int(resources.get(name, 0.0) // amount) for name, amount in need.items() if amount > 0)
+    # a hair over the floor: sums of tenths of CPUs are not exact in binary (3.9 // 1.3 is 2)
+    return min(int(resources.get(name, 0.0) / amount + 1e-9) for name, amount in need.items() if amount > 0)
 
 
 def trials_at_once(sweep: Sweep, cfg: RayvlConfig, fixed_size: bool) -> int:
@@ -59,7 +61,8 @@ def trials_at_once(sweep: Sweep, cfg: RayvlConfig, fixed_size: bool) -> int:
     from rayvl import session
 
     nodes, totals, autoscaled = session.largest_nodes()
-    n = concurrent_trials(cfg, nodes, totals)
+    placed = placed_trials(cfg, nodes)
+    n = min(placed, summed_trials(cfg, totals))
     if n >= 1:
         if autoscaled and not sweep.max_concurrent_trials:
             print(f"rayvl tune: up to {n} trials at once, what the cluster holds at its largest: {shown(totals)}")
@@ -68,9 +71,11 @@ def trials_at_once(sweep: Sweep, cfg: RayvlConfig, fixed_size: bool) -> int:
     worker, data = trial_bundles(cfg)[0], trial_bundles(cfg)[-1]
     message = (f"one trial needs {{{shown(cfg.tune.driver_bundle())}}} for its driver (tune.driver_cpus / "
                f"tune.driver_resources), {t.num_workers} × {{{shown(worker)}}} for its Train workers "
-               f"(train.placement_strategy={t.placement_strategy}) and {{{shown(data)}}} for Ray Data, which do not "
-               f"fit on the nodes the cluster {'can grow to' if autoscaled else 'has'}: {{{shown(totals)}}} in all, "
-               f"as {shown_nodes(nodes)}")
+               f"(train.placement_strategy={t.placement_strategy}) and {{{shown(data)}}} for Ray Data, " + (
+                   f"more than the cluster's max_workers let it grow to: {{{shown(totals)}}} in all, though its node "
+                   f"types ({shown_nodes(nodes)}) would hold it" if placed else
+                   f"which do not fit on the nodes the cluster {'can grow to' if autoscaled else 'has'}: "
+                   f"{{{shown(totals)}}} in all, as {shown_nodes(nodes)}"))
     if fixed_size or autoscaled:
         raise SweepError(f"{sweep.path}: {message}")
     at_once = sweep.max_concurrent_trials or 1

@@ -8,7 +8,7 @@ import posixpath
 
 from rayvl import storage
 from rayvl.sweeps import capacity, directory, placement
-from rayvl.sweeps.spaces import Sweep, SweepError, asha_max_t, grace_period, longest_budget
+from rayvl.sweeps.spaces import Sweep, SweepError, asha_max_t, grace_period, longest_budget, override_key
 from rayvl.sweeps.trials import After, trial
 
 
@@ -61,13 +61,16 @@ def settings(sweep: Sweep, overrides: list[str] = ()) -> dict:
             "metric": sweep.metric, "mode": sweep.mode, "keys": list(sweep.space), "space": sweep.space,
             "num_samples": sweep.num_samples, "scheduler": sweep.scheduler,
             "max_steps": longest_budget(sweep, overrides), "variants": sweep.variants,
-            "max_t": int(sweep.scheduler.get("max_t") or 0)}
+            "max_t": int(sweep.scheduler.get("max_t") or 0), "max_concurrent_trials": sweep.max_concurrent_trials}
 
 
 # what Tune's saved state keeps from a sweep's first start (its trials' configs, its search and scheduler): a resume
 # with another would run the old ones, or fail inside Tune after Ray started (a key added to the space)
-RESUMED_AS_STARTED = ("space", "metric", "mode", "fixed", "variants", "scheduler", "num_samples")
+RESUMED_AS_STARTED = ("space", "metric", "mode", "fixed", "variants", "scheduler", "num_samples",
+                      "max_concurrent_trials")
 OLDER_FIELDS = {"space": "keys", "scheduler": "max_t"}  # what a settings file of an earlier rayvl has in their place
+# --set keys that say where the sweep runs, not what its trials do: a resume on a re-launched cluster gives new ones
+WHERE_IT_RUNS = frozenset({"ray_address", "local_num_cpus", "tune.storage_path"})
 
 
 def check_start(sweep: Sweep, sweep_dir: str, wanted: dict, resume: bool) -> None:
@@ -84,6 +87,10 @@ def check_start(sweep: Sweep, sweep_dir: str, wanted: dict, resume: bool) -> Non
         raise SweepError(f"{sweep.path}: sweep {sweep_dir!r} {why}: drop --resume")
     if resume and directory.has_settings(sweep_dir):
         saved, now = directory.read_settings(sweep_dir), json.loads(json.dumps(wanted))  # compared as saved
+        for settings_ in (saved, now):
+            settings_["fixed"] = [o for o in settings_.get("fixed", []) if override_key(o) not in WHERE_IT_RUNS]
+        if "space" not in saved:  # an earlier rayvl saved the variants without the --set values pinned after them
+            now["variants"] = {name: _unpinned(v, sweep.pinned) for name, v in now["variants"].items()}
         fields = [key if key in saved else OLDER_FIELDS.get(key, key) for key in RESUMED_AS_STARTED]
         changed = [f"{key} ({_difference(saved[key], now[key])})" for key in fields
                    if key in saved and saved[key] != now[key]]
@@ -91,6 +98,12 @@ def check_start(sweep: Sweep, sweep_dir: str, wanted: dict, resume: bool) -> Non
             raise SweepError(f"{sweep.path}: --resume: sweep {sweep_dir!r} started with another "
                              f"{'; '.join(changed)}: Tune would resume the sweep it started. Resume it with the space "
                              f"and --set it started with, or start a new sweep with --name")
+
+
+def _unpinned(variant: list[str], pinned: list[str]) -> list[str]:
+    """A variant's overrides without the --set values pinned_variants appended: one for each key it shares."""
+    appended = len({override_key(o) for o in variant} & {override_key(o) for o in pinned})
+    return variant[:len(variant) - appended]
 
 
 def _difference(old, new) -> str:

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import torch
 
+from rayvl.checkpoints import CURRENT_DECAY_RULE
 from rayvl.compat import import_without
 from rayvl.config import RayvlConfig, TrainConfig, precision
 from rayvl.models.dual_encoder import param_groups
@@ -142,10 +143,11 @@ def use_own_ninja() -> None:
 
 
 def build_engine(model: torch.nn.Module, cfg: RayvlConfig, world_size: int, device: torch.device | None = None,
-                 aligned: bool = True):
+                 aligned: bool = True, decay_rule: int = CURRENT_DECAY_RULE):
     """``device``: the worker's GPU (rayvl.train.devices). DeepSpeed would otherwise put the model on
     ``cuda:LOCAL_RANK``, which Ray Train does not promise to be the GPU it gave the worker. ``aligned``: ZeRO-1/2's
-    padded buffers (zero_config), kept as the engine's ``rayvl_aligned`` for the checkpoints it writes."""
+    padded buffers (zero_config), kept as the engine's ``rayvl_aligned`` for the checkpoints it writes;
+    ``decay_rule``: param_groups' rule (a resume's is its checkpoint's), kept as ``rayvl_decay_rule``."""
     if not cfg.train.use_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed's import picks its accelerator
     deepspeed = import_without("deepspeed", "mlflow")  # the worker's first import of it (rayvl.compat)
@@ -158,13 +160,14 @@ def build_engine(model: torch.nn.Module, cfg: RayvlConfig, world_size: int, devi
         keep_batchnorm_fp32(model, torch.bfloat16 if precision(t) == "bf16" else torch.float16)
     deepspeed.init_distributed(dist_backend="nccl" if t.use_gpu else "gloo")
     # fused: one kernel per parameter group, where torch's default AdamW reads each step count back from the device
-    optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=t.betas, eps=t.eps, fused=True)
+    optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay, decay_rule), lr=t.lr, betas=t.betas, eps=t.eps,
+                                  fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(t))
     on = SimpleNamespace(device_rank=device.index) if device is not None and device.type == "cuda" else None
     engine, _, _, _ = deepspeed.initialize(args=on, model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(cfg, world_size, aligned))
     syncfree.install(engine)
-    engine.rayvl_aligned = aligned
+    engine.rayvl_aligned, engine.rayvl_decay_rule = aligned, decay_rule
     if t.zero_stage == 0 and world_size == 1:
         # one rank has nothing to all-reduce; DeepSpeed would still flatten and copy back every gradient
         engine.enable_backward_allreduce = False

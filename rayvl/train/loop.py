@@ -21,7 +21,7 @@ from rayvl.train.evaluation import Evaluation
 from rayvl.train.faults import fail_here
 from rayvl.train.parts import train_parts
 from rayvl.train.profiling import StartupProfile, StepProfiler
-from rayvl.train.resume import DataResume, aligned_buffers
+from rayvl.train.resume import DataResume, aligned_buffers, decay_rule
 from rayvl.train.startup import Startup
 from rayvl.train.state import Progress, TrainState
 from rayvl.train.step import Step
@@ -148,7 +148,8 @@ def _engine(cfg: RayvlConfig, world: int, init_from: str, device: torch.device, 
         part.model_built(model)
     # before DeepSpeed: ZeRO-3 partitions the weights away
     speed = flops.speed_fields(model, cfg, device, key_encoders=any(part.key_encoders for part in parts))
-    engine = build_engine(model, cfg, world, device, aligned_buffers(ray.train.get_checkpoint()))
+    checkpoint = ray.train.get_checkpoint()
+    engine = build_engine(model, cfg, world, device, aligned_buffers(checkpoint), decay_rule(checkpoint))
     if cfg.train.compile:
         engine.compile(backend=cfg.train.compile)
     startup.mark("engine")

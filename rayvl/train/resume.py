@@ -21,8 +21,8 @@ import ray
 import ray.train
 import torch
 
-from rayvl.checkpoints import META_FILE, METRICS_FILE, MODEL_FILE, STATE_FILE, TAG, read_train_state, \
-    weights_only_loads
+from rayvl.checkpoints import CURRENT_DECAY_RULE, DECAY_RULE, META_FILE, METRICS_FILE, MODEL_FILE, STATE_FILE, TAG, \
+    read_train_state, weights_only_loads
 from rayvl.data.position import DataPosition
 from rayvl.data.report import report_actor
 from rayvl.train.faults import fail_here
@@ -65,7 +65,8 @@ def saved(engine, state: TrainState, config: dict, final: bool):
             torch.save(state.state_dict(), Path(tmp) / STATE_FILE)
             meta = {"step": state.progress.step, "config": config,
                     "final": state.progress.step == config["train"]["max_steps"],
-                    ALIGNED: getattr(engine, "rayvl_aligned", True)}
+                    ALIGNED: getattr(engine, "rayvl_aligned", True),
+                    DECAY_RULE: getattr(engine, "rayvl_decay_rule", CURRENT_DECAY_RULE)}
             (Path(tmp) / META_FILE).write_text(json.dumps(meta))
             with open(Path(tmp) / METRICS_FILE, "w") as f:
                 f.writelines(json.dumps(row) + "\n" for row in state.progress.history)
@@ -75,6 +76,15 @@ def saved(engine, state: TrainState, config: dict, final: bool):
 
 
 ALIGNED = "zero_parameter_alignment"  # rayvl.json: the checkpoint's ZeRO-1/2 buffers are padded (engine.zero_config)
+
+
+def decay_rule(checkpoint: ray.train.Checkpoint | None) -> int:
+    """The weight-decay rule a resume groups its parameters by: its checkpoint's (1 for one written before the rule
+    was recorded); the current one for a new run."""
+    if checkpoint is None:
+        return CURRENT_DECAY_RULE
+    with checkpoint.filesystem.open_input_file(f"{checkpoint.path}/{META_FILE}") as f:
+        return int(json.loads(f.read()).get(DECAY_RULE, 1))
 
 
 def aligned_buffers(checkpoint: ray.train.Checkpoint | None) -> bool:

@@ -17,7 +17,7 @@ from typing import Callable
 from pathlib import Path
 
 from rayvl import __version__, storage
-from rayvl.checkpoints import METRICS_FILE, latest_checkpoint_dir, read_meta
+from rayvl.checkpoints import DECAY_RULE, METRICS_FILE, latest_checkpoint_dir, read_meta
 from rayvl.config import ConfigError, RayvlConfig, TrainConfig, from_dict, upsampling_factors
 from rayvl.data.mix import Mix
 from rayvl.eval.tasks import METRIC_PREFIXES, is_constant
@@ -305,6 +305,14 @@ def check_resumable(cfg: RayvlConfig, meta: dict, run: str, sources: tuple[int, 
                 f"{meta['step']}); a resume continues the run's optimizer and learning-rate schedule — resume with "
                 f"train.{key}={then}, or start a new run from its weights with --init-from {run} "
                 f"(train.init_from), on a schedule of its own")
+    m = cfg.model
+    locked = [f"model.{key}" for key in ("vision_strategy", "text_strategy") if getattr(m, key) == "frozen"]
+    if DECAY_RULE not in meta and m.clip.vision_width and locked:
+        raise ConfigError(
+            f"{locked[0]}: frozen: a whole CLIP's projection is now locked with its tower and counted as its last "
+            f"group (open_clip's --lock-image / --lock-text), so this run's optimizer no longer holds what its "
+            f"checkpoint (step {meta['step']}, written by an earlier rayvl, which trained the projection) holds — "
+            f"resume it with the rayvl that started it, or start a new run from its weights with --init-from {run}")
     if 0 < cfg.train.stop_at_step <= meta["step"]:
         raise ConfigError(f"train.stop_at_step: {cfg.train.stop_at_step} is not after the checkpoint's step "
                           f"{meta['step']}")

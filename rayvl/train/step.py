@@ -108,9 +108,34 @@ def clip_and_step(engine, grad_clip: float | None) -> torch.Tensor | float | Non
             norm = torch.nn.utils.clip_grad_norm_(params, grad_clip or math.inf, foreach=True)
             engine.optimizer.found_inf = (~torch.isfinite(norm)).float()
     engine.step()
+    if boundary:
+        clamp_temperature(engine.module)
     if norm is None and boundary:
         norm = engine.get_global_grad_norm()
     return norm
+
+
+@torch.no_grad()
+def clamp_temperature(module) -> None:
+    """open_clip's clamp of the temperature after each optimizer step (open_clip_train/train.py: log(1/τ) at most
+    ln 100), on the copy the optimizer steps: the parameter itself at ZeRO-0 (fp32 under autocast), else the fp32
+    master — the fragment of it this rank holds at ZeRO-1/2 (none on the others), its partition at ZeRO-3. The
+    forward clamps too (DualEncoder.scale), so the bf16 copy refreshed before this clamp changes nothing."""
+    p = getattr(module, "logit_scale", None)
+    if p is None or not p.requires_grad:
+        return
+    cap = math.log(module.cfg.max_logit_scale)
+    if hasattr(p, "ds_id"):  # ZeRO-3
+        from deepspeed.utils import safe_get_local_fp32_param, safe_set_local_fp32_param
+
+        local = safe_get_local_fp32_param(p)
+        if local is not None and local.numel():
+            safe_set_local_fp32_param(p, local.clamp(max=cap))
+    elif hasattr(p, "_hp_mapping"):  # ZeRO-1/2 (DeepSpeed's own attribute: None where another rank holds it)
+        if p._hp_mapping is not None:
+            p._hp_mapping.get_hp_fragment().clamp_(max=cap)
+    else:
+        p.clamp_(max=cap)
 
 
 def rayvl_clips(t: TrainConfig) -> bool:
