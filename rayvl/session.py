@@ -198,11 +198,12 @@ def place_workers(node_cpus: list[float], workers: int, cpus: float, strategy: s
 
 
 def place_bundles(nodes: list[dict[str, float]], bundles: list[dict[str, float]],
-                  strategy: str) -> list[dict[str, float]] | None:
+                  strategy: str, on: int | None = None) -> list[dict[str, float]] | None:
     """What each node has left after placing one placement group's ``bundles`` (every resource: CPU, GPU, custom
     ones) as Ray would — PACK onto the nodes already used first, SPREAD deals them out, STRICT_PACK puts them all
     on one node, STRICT_SPREAD each on a node of its own; a bundle without GPUs kept off GPU nodes where another
-    holds it (Ray's scheduler avoids GPU nodes for such work) — or None when they do not fit."""
+    holds it (Ray's scheduler avoids GPU nodes for such work); ``on``: on that node only — or None when they do not
+    fit."""
     free = [dict(node) for node in nodes]
     if strategy == "STRICT_PACK" and bundles:
         bundles = [{k: sum(b.get(k, 0.0) for b in bundles) for k in {k for b in bundles for k in b}}]
@@ -213,7 +214,7 @@ def place_bundles(nodes: list[dict[str, float]], bundles: list[dict[str, float]]
         order = sorted(range(len(free)), key=lambda i: (
             used[i] if spread else -used[i], avoid_gpus and nodes[i].get("GPU", 0.0) > 0, -_room(free[i], bundle)))
         node = next((i for i in order if all(free[i].get(k, 0.0) >= v - 1e-9 for k, v in bundle.items())
-                     and not (strategy == "STRICT_SPREAD" and used[i])), None)
+                     and not (strategy == "STRICT_SPREAD" and used[i]) and on in (None, i)), None)
         if node is None:
             return None
         for k, v in bundle.items():

@@ -430,13 +430,15 @@ def test_trials_are_placed_on_the_nodes_bundle_by_bundle(monkeypatch):
     assert trials(gpus, *gpu_workers) == 1 and trials(gpus, *gpu_workers, "train.placement_strategy=STRICT_PACK") == 0
     on_head = "tune.driver_resources={on_demand: 1}"  # a custom resource only the head has
     assert trials([{"CPU": 8.0}], on_head) == 0 and trials([{"CPU": 0.0, "on_demand": 2.0}, *two], on_head) == 2
-    # a GPU node and a CPU node: the worker needs the GPU node whole, the driver and Ray Data go beside it, in
-    # either order of the nodes; two GPU nodes beside a small head hold two trials
+    # a GPU node and a CPU node: a worker that needs the GPU node's CPUs whole would wait for ever where Tune's
+    # driver lands on it first (a bundle is not kept off GPU nodes), in either order of the nodes — not counted;
+    # with the driver held to the CPU node (tune.driver_resources), or a worker that leaves it its share, one trial
     gpu_node, whole = {"CPU": 8.0, "GPU": 1.0}, ("train.use_gpu=true", "train.num_workers=1", "train.cpus_per_worker=8")
-    assert trials([gpu_node, {"CPU": 8.0}], *whole) == trials([{"CPU": 8.0}, gpu_node], *whole) == 1
-    assert trials([{"CPU": 4.0}, gpu_node, dict(gpu_node)], *whole) == 2
-    assert trials([{"CPU": 8.0}, {"CPU": 16.0, "GPU": 1.0}], "train.use_gpu=true", "train.num_workers=1",
-                  "train.cpus_per_worker=16") == 1
+    assert trials([gpu_node, {"CPU": 8.0}], *whole) == trials([{"CPU": 8.0}, gpu_node], *whole) == 0
+    assert trials([gpu_node, {"CPU": 8.0, "cpu_only": 1.0}], *whole, "tune.driver_resources={cpu_only: 1}") == 1
+    share = ("train.use_gpu=true", "train.num_workers=1", "train.cpus_per_worker=7")
+    assert trials([gpu_node, {"CPU": 8.0}], *share) == 1
+    assert trials([{"CPU": 4.0}, gpu_node, dict(gpu_node)], *share) == 2  # two GPU nodes beside a small head
     # tenths of CPUs summed: 3 trials of 0.1 + 0.2 + 1 CPUs in 3.9 (3.9 // 1.3 is 2 in floating point)
     assert trials([{"CPU": 3.9}], "train.num_workers=1", "train.cpus_per_worker=0.2") == 3
 

@@ -25,22 +25,26 @@ def concurrent_trials(cfg: RayvlConfig, nodes: list[dict], totals: dict) -> int:
 
 
 def placed_trials(cfg: RayvlConfig, nodes: list[dict]) -> int:
-    """How many trials fit on ``nodes`` (each node's resources), each placed as Ray places it: its Train workers'
-    bundles as train.placement_strategy places them, Ray Data's CPU (its tasks run on any node) and its driver's
-    bundle (Tune's placement group of one). The workers go first: they are the largest bundles and may need a
-    node whole, which the driver's small bundle, a GPU node avoided, leaves them. A trial that does not fit would
-    wait for ever: Train V2 retries the start of its worker group without a limit."""
+    """How many trials fit on ``nodes`` (each node's resources), one after another, each placed in the order Ray
+    places it: its driver's bundle (Tune's placement group of one), its Train workers' bundles as
+    train.placement_strategy places them, then Ray Data's CPU (its tasks run on any node, kept off GPU nodes). A
+    bundle's policy does not keep the driver off a GPU node, so a trial counts only if its workers and Ray Data fit
+    wherever its driver may land: one that does not would wait for ever (Train V2 retries the start of its worker
+    group without a limit)."""
     from rayvl import session
 
     *workers, data = trial_bundles(cfg)
-    groups = [(workers, cfg.train.placement_strategy), ([data], "PACK"), ([cfg.tune.driver_bundle()], "PACK")]
+    driver = cfg.tune.driver_bundle()
     free, placed = list(nodes), 0
     while True:  # each trial takes at least Ray Data's CPU: the nodes run out
-        for bundles, strategy in groups:
-            free = session.place_bundles(free, bundles, strategy)
-            if free is None:
-                return placed
-        placed += 1
+        landed = [session.place_bundles(free, [driver], "STRICT_PACK", on=i) for i in range(len(free))]
+        outcomes = []
+        for after in filter(None, landed):  # each node the driver fits on
+            after = session.place_bundles(after, workers, cfg.train.placement_strategy)
+            outcomes.append(after and session.place_bundles(after, [data], "PACK"))
+        if not outcomes or not all(outcomes):
+            return placed
+        free, placed = outcomes[0], placed + 1
 
 
 def summed_trials(cfg: RayvlConfig, resources: dict) -> int:
@@ -75,7 +79,9 @@ def trials_at_once(sweep: Sweep, cfg: RayvlConfig, fixed_size: bool) -> int:
                    f"more than the cluster's max_workers let it grow to: {{{shown(totals)}}} in all, though its node "
                    f"types ({shown_nodes(nodes)}) would hold it" if placed else
                    f"which do not fit on the nodes the cluster {'can grow to' if autoscaled else 'has'}: "
-                   f"{{{shown(totals)}}} in all, as {shown_nodes(nodes)}"))
+                   f"{{{shown(totals)}}} in all, as {shown_nodes(nodes)} — wherever the driver may land (Tune places "
+                   f"it first, on any node that holds it: tune.driver_resources can keep it on nodes that declare a "
+                   f"resource, or leave its share beside the workers)"))
     if fixed_size or autoscaled:
         raise SweepError(f"{sweep.path}: {message}")
     at_once = sweep.max_concurrent_trials or 1

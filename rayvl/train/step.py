@@ -109,33 +109,42 @@ def clip_and_step(engine, grad_clip: float | None) -> torch.Tensor | float | Non
             engine.optimizer.found_inf = (~torch.isfinite(norm)).float()
     engine.step()
     if boundary:
-        clamp_temperature(engine.module)
+        clamp_temperature(engine)
     if norm is None and boundary:
         norm = engine.get_global_grad_norm()
     return norm
 
 
 @torch.no_grad()
-def clamp_temperature(module) -> None:
+def clamp_temperature(engine) -> None:
     """open_clip's clamp of the temperature after each optimizer step (open_clip_train/train.py: log(1/τ) at most
-    ln 100), on the copy the optimizer steps: the parameter itself at ZeRO-0 (fp32 under autocast), else the fp32
-    master — the fragment of it this rank holds at ZeRO-1/2 (none on the others), its partition at ZeRO-3. The
-    forward clamps too (DualEncoder.scale), so the bf16 copy refreshed before this clamp changes nothing."""
+    ln 100; its lower bound, 0, is not taken: model.init_logit_scale may lie below 1), on the copy the optimizer
+    steps — in place, so nothing waits: the parameter itself at ZeRO-0 under autocast, else DeepSpeed's fp32
+    master of it: FP16_UnfusedOptimizer's copy (ZeRO-0 fp16), the fragment this rank holds at ZeRO-1/2 (none on the
+    others), its stretch of this rank's flat partition at ZeRO-3. The forward clamps too (DualEncoder.scale), so the
+    bf16 copy a step refreshed before this clamp changes nothing."""
+    module = engine.module
     p = getattr(module, "logit_scale", None)
     if p is None or not p.requires_grad:
         return
-    cap = math.log(module.cfg.max_logit_scale)
-    if hasattr(p, "ds_id"):  # ZeRO-3
-        from deepspeed.utils import safe_get_local_fp32_param, safe_set_local_fp32_param
+    master = _master_copy(engine.optimizer, p)
+    if master is not None:
+        master.clamp_(max=math.log(module.cfg.max_logit_scale))
 
-        local = safe_get_local_fp32_param(p)
-        if local is not None and local.numel():
-            safe_set_local_fp32_param(p, local.clamp(max=cap))
-    elif hasattr(p, "_hp_mapping"):  # ZeRO-1/2 (DeepSpeed's own attribute: None where another rank holds it)
-        if p._hp_mapping is not None:
-            p._hp_mapping.get_hp_fragment().clamp_(max=cap)
-    else:
-        p.clamp_(max=cap)
+
+def _master_copy(optimizer, p: torch.nn.Parameter) -> torch.Tensor | None:
+    """The tensor the optimizer steps for ``p`` on this rank (a view; None where another rank holds it)."""
+    if hasattr(p, "ds_id"):  # ZeRO-3 (its own accessors synchronise a stream and copy: this view does neither)
+        z3 = p._z3_optimizer
+        group, offset, n = z3.grad_position[z3.get_param_id(p)]
+        return z3.fp32_partitioned_groups_flat[group].narrow(0, offset, n)
+    if hasattr(p, "_hp_mapping"):  # ZeRO-1/2 and DeepSpeed's bf16 optimizer (None where another rank holds it)
+        return p._hp_mapping.get_hp_fragment() if p._hp_mapping is not None else None
+    for lp_group, hp_group in zip(getattr(optimizer, "fp16_groups", ()), getattr(optimizer, "fp32_groups", ())):
+        for lp, hp in zip(lp_group, hp_group):  # ZeRO-0 fp16
+            if lp is p:
+                return hp
+    return p
 
 
 def rayvl_clips(t: TrainConfig) -> bool:
