@@ -4,7 +4,7 @@ and steps, 3 seeds each — one Ray Tune grid (rayvl.sweeps.comparison), mean ±
 
     python jobs/bow_pretrain.py [--data SHARDS --eval-data SHARDS] [--set key=value ...] [--seeds 3]
                                 [--name NAME [--resume]] [--report DIR]
-    ray job submit --working-dir . -- python jobs/bow_pretrain.py --data s3://bucket/cc3m/{00000..00331}.tar ...
+    ray job submit --working-dir . -- python jobs/bow_pretrain.py --data 's3://bucket/cc3m/{00000..00331}.tar' ...
 
 The paper trains every model with both encoders and its EMA memory bank ([BoW] §2.1: K = 8192, τ = 0.02): here
 too (model.text_strategy=finetune, memory_bank.size=8192); on the embedded demo the bank holds 1024 keys with EMA

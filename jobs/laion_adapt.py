@@ -1,7 +1,7 @@
 """[Paraphrase]'s LAION adaptation recipe: frozen pretrained text encoder + appended alignment layers.
 
     python jobs/laion_adapt.py [--config configs/laion_adapt.yaml] [--data SHARDS] [--set key=value ...]
-    ray job submit --working-dir . -- python jobs/laion_adapt.py --data s3://bucket/laion400m/{00000..41407}.tar
+    ray job submit --working-dir . -- python jobs/laion_adapt.py --data 's3://bucket/laion400m/{00000..41407}.tar'
 
 With no --data it trains on the embedded demo dataset (generated on first use).
 """

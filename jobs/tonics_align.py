@@ -4,7 +4,7 @@ Tune grid (rayvl.sweeps.comparison), mean ± std per metric.
     python jobs/tonics_align.py [--data SHARDS --eval-data IN_DISTRIBUTION_SHARDS] [--heldout HELD_OUT_SHARDS]
                                 [--seeds 3] [--name NAME [--resume]] [--report DIR]
                                 [--threshold-from FINISHED_COMPARISON | --set tonics.threshold=...]
-    ray job submit --working-dir . -- python jobs/tonics_align.py --data s3://bucket/coco-cc/{00000..00300}.tar ...
+    ray job submit --working-dir . -- python jobs/tonics_align.py --data 's3://bucket/coco-cc/{00000..00300}.tar' ...
 
 - random: the paper's Random baseline, random minibatches of image-text pairs (tonics.enabled=false);
 - control: the TOnICS arm's triplet rows (one per aligned caption noun) and bucket sampler with the curriculum off

@@ -600,18 +600,40 @@ def precision(t: TrainConfig) -> str:
     return "bf16" if t.use_gpu else "fp32"
 
 
+# a recipe's top-level mapping of the dotted keys it cannot run without to what each one is (configs/clip_finetune.yaml:
+# the whole CLIP to fine-tune, which no package ships): the recipe or the command line must give each a value
+REQUIRES = "requires"
+
+
+def _check_required(values: dict, requires: dict, path) -> None:
+    """A key a recipe requires that neither it nor a --set gives is a ConfigError naming the key, before Ray starts."""
+    for key, what in requires.items():
+        node: Any = values
+        for part in str(key).split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node in (None, "", [], {}):
+            recipe = values.get("recipe") or Path(str(path)).stem
+            raise ConfigError(f"{key}: the {recipe} recipe needs it: {' '.join(str(what).split())}")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RayvlConfig:
     """Defaults ← recipe YAML ← ``--set`` overrides, then validated."""
     values: dict = {}
+    requires: dict = {}
     if path:
         loaded = read_yaml(recipe_file(path), "--config") or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: a recipe must be a mapping of sections")
-        values = loaded
+        values = dict(loaded)
+        requires = values.pop(REQUIRES, None) or {}
+        if not isinstance(requires, dict):
+            raise ConfigError(f"{path}: {REQUIRES}: expected a mapping of dotted keys to what each one is")
     given: dict = {}
     for text in overrides or []:
         given = _merge(given, parse_override(text))
-    values = _clip_settings(_merge(values, given), given)
+    values = _merge(values, given)
+    _check_required(values, requires, path)
+    values = _clip_settings(values, given)
     cfg = _build(RayvlConfig, _loss_defaults(values))
     validate(cfg)
     return cfg

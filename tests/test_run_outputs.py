@@ -202,7 +202,7 @@ def test_recipes_are_installed_with_the_package(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True,
                          env={**os.environ, "PYTHONPATH": str(tmp_path / "site")}).stdout.splitlines()
     assert out[0].startswith(str(tmp_path / "site")), out
-    assert out[1] == "['bow_pretrain.yaml', 'laion_adapt.yaml', 'tonics.yaml', 'unicl.yaml']"
+    assert out[1] == "['bow_pretrain.yaml', 'clip_finetune.yaml', 'laion_adapt.yaml', 'tonics.yaml', 'unicl.yaml']"
     code = "from rayvl.sweeps.spaces import load_sweep; s = load_sweep('curriculum'); print(s.path); print(s.recipe)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
                          env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})

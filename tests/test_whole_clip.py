@@ -410,9 +410,14 @@ def test_a_whole_clip_trains_as_open_clip_trains_it(tmp_path):
     path = tmp_path / "released.pt"
     torch.save(released.state_dict(), path)
     source = f"model.init_from_clip={path}"
-    cfg = load_config("configs/laion_adapt.yaml", [source, "model.vision_strategy=finetune",
-                                                   "model.text_strategy=finetune"])
+    cfg = load_config("configs/clip_finetune.yaml", [source])  # the recipe of open_clip's fine-tune
     model = build_model(cfg.model)
+    # every parameter trains, as in open_clip's (nothing locked), and only the CLIP's: nothing appended
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == sum(
+        p.numel() for p in released.parameters())
+    with pytest.raises(ConfigError, match=r"^model\.init_from_clip: the clip_finetune recipe needs it: the whole "
+                                          r"CLIP to fine-tune \(--set model\.init_from_clip=FILE"):
+        load_config("configs/clip_finetune.yaml", ["model.text_strategy=finetune"])
     assert float(model.scale().detach()) == 100.0
     model.scale().backward()  # a descent step lowers s: the gradient acts, as open_clip's does
     theirs_grad = float(released.logit_scale.detach().exp())  # d exp(s)/ds, open_clip's forward without a clamp
