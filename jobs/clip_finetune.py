@@ -1,6 +1,6 @@
 """Fine-tune a whole pretrained CLIP, as open_clip's training does: both towers, both projections and the temperature.
 
-    python jobs/clip_finetune.py --set model.init_from_clip=FILE [--data SHARDS --eval-data SHARDS] [--set key=value ...]
+    python jobs/clip_finetune.py --set model.init_from_clip=FILE [--data SHARDS --eval-data SHARDS] [--set k=v ...]
     ray job submit --working-dir . -- python jobs/clip_finetune.py --set model.init_from_clip=/mnt/models/ViT-B-32.pt \
         --data 's3://bucket/laion400m/{00000..41407}.tar'
 

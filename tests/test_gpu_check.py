@@ -214,29 +214,40 @@ def test_rayvl_check_gpu_on_a_machine_without_gpu_says_so_and_check_census_shows
 
 def _check(gc, tmp_path, **args):
     options = Namespace(**{**dict(quick=False, steps=0, batch=256, batches="", profile="", profile_startup="",
-                                  eval_images=0, out="", set=[], verbose=False, deadline_s=0), **args})
+                                  eval_images=0, out="", set=[], verbose=False, deadline_s=0, clip=""), **args})
     return gc.Check(options, tmp_path, gpus=1, device_name="NVIDIA H100 80GB HBM3")
 
 
 def test_every_training_case_of_the_gpu_check_has_a_valid_config(tmp_path):
     """The configs are checked here, on CPU, where the check itself never runs."""
+    from test_whole_clip import open_clip_model
+
     gc = _gpu_check()
-    check = _check(gc, tmp_path, quick=True)
+    small = tmp_path / "small-clip.pt"  # --clip FILE: the clip cases' whole CLIP
+    torch.save(open_clip_model().state_dict(), small)
+    check = _check(gc, tmp_path, quick=True, clip=str(small))
     trained = [c for c in gc.CASES if c.recipe]
     assert [c.name for c in trained] == ["zero0", "zero0_decode", "zero1", "zero2", "zero3", "tonics", "memory_bank",
-                                         "compile", "kill_resume"]
+                                         "clip", "compile", "kill_resume"]
     for case in trained:
         cfg = gc.train_config(check, case)
         t = cfg.train
+        vision = "clip" if case.name == "clip" else "vit_base_patch32_224"  # a whole CLIP's own image tower
         assert (t.use_gpu, t.num_workers, t.precision, cfg.data.image_size, cfg.model.vision) == \
-            (True, 1, "bf16", 224, "vit_base_patch32_224")
+            (True, 1, "bf16", 224, vision)
         assert t.max_steps == 30 and t.run_name == f"gpu-check-{case.name}"
     zero = {c.name: gc.train_config(check, c).train.zero_stage for c in trained}
     assert zero == {"zero0": 0, "zero0_decode": 0, "zero1": 1, "zero2": 2, "zero3": 3, "tonics": 0, "memory_bank": 0,
-                    "compile": 2, "kill_resume": 2}
+                    "clip": "auto", "compile": 2, "kill_resume": 2}
+    clip = gc.train_config(check, gc.CASES_BY_NAME["clip"])
+    assert (clip.model.init_from_clip, clip.model.text_strategy, clip.data.max_text_tokens) == (
+        str(small), "finetune", 77)
+    # bare_clip's loop builds clip's config: its samples/s is what clip's are divided by
+    assert (gc.CASES_BY_NAME["bare_clip"].model_of, gc.CASES_BY_NAME["clip"].bare) == ("clip", "bare_clip")
     assert gc.train_config(check, gc.CASES_BY_NAME["zero0_decode"]).data.decode == "device"
     # each layout at every --batches entry, beside the bare loop; by default every case but compile
-    assert [c.name for c in gc.CASES if c.per_batch] == ["bare", "zero0", "zero1", "zero2", "zero3"]
+    assert [c.name for c in gc.CASES if c.per_batch] == ["bare", "zero0", "zero1", "zero2", "zero3", "bare_clip",
+                                                        "clip"]
     assert gc.parse_args([]).cases.split(",") == [c.name for c in gc.CASES if c.name != "compile"]
     assert gc.train_config(check, gc.CASES_BY_NAME["compile"]).train.compile == "inductor"
     assert gc.train_config(check, gc.CASES_BY_NAME["tonics"]).tonics.enabled
@@ -308,6 +319,21 @@ def test_the_report_puts_each_goal_beside_its_measurement(tmp_path):
     assert json_path.name == "report.json" and md_path.read_text().count("\n| ") == 3  # header + 2 cases
 
 
+def test_without_clip_the_clip_cases_fine_tune_open_clips_vit_b_32_architecture(tmp_path):
+    """No --clip: open_clip's ViT-B-32 with a random init, written once, read by rayvl as a whole CLIP of ViT-B/32's
+    sizes (what the next GPU measures: the real architecture, not its weights)."""
+    from rayvl.models import whole_clip
+
+    gc = _gpu_check()
+    check = _check(gc, tmp_path)
+    path = gc.clip_file(check)
+    assert path == gc.clip_file(check) and path.startswith(str(tmp_path))
+    arch = whole_clip.settings(path)["model"]["clip"]
+    sizes = ("vision_width", "vision_layers", "patch_size", "image_size", "text_width", "text_layers",
+             "context_length", "embed_dim")
+    assert {k: arch[k] for k in sizes} == dict(zip(sizes, (768, 12, 32, 224, 512, 12, 77, 512)))
+
+
 def test_each_training_case_is_compared_with_the_bare_loop_at_its_own_batch(tmp_path):
     gc = _gpu_check()
     outcomes = [gc.Outcome("bare", "", batch=256, passed=True, samples_per_s=5000.0),
@@ -345,6 +371,14 @@ def test_each_training_case_is_compared_with_the_bare_loop_at_its_own_batch(tmp_
         "0.76 (0.75× zero0; MFU 0.95× zero0's; goal ≥ 0.9× zero0's MFU: met)")
     bank[2].mfu_vs_zero0 = None  # a GPU whose peak the table lacks: no MFU, the samples/s ratio still shown
     assert gc.rows([asdict(o) for o in bank])[2][4] == "0.76 (0.75× zero0)"
+    # a whole CLIP's case over the bare loop of its own model, never over the ViT-B/32 + MiniLM one's
+    clip = [gc.Outcome("bare", "", batch=256, passed=True, samples_per_s=5000.0),
+            gc.Outcome("zero2", "", batch=256, passed=True, samples_per_s=4000.0),
+            gc.Outcome("bare_clip", "", batch=256, passed=True, samples_per_s=2000.0),
+            gc.Outcome("clip", "", batch=256, passed=True, samples_per_s=1900.0)]
+    gc.compare_to_bare(clip)
+    assert [o.vs_bare for o in clip] == [None, 0.8, None, 0.95] and clip[3].vs_zero2 is None
+    assert gc.rows([asdict(o) for o in clip])[3][4] == "0.95 (goal ≥ 1: missed)"
     assert gc._seconds(18.2) == "18.2 (goal ≤ 20: met)" and gc._seconds(35.0) == "35.0 (goal ≤ 20: missed)"
     args = gc.parse_args(["--batches", "256,1024,max", "--profile", "zero2"])
     assert (args.batches, args.profile, args.eval_images) == ("256,1024,max", "zero2", 20000)

@@ -29,19 +29,23 @@ Every training case is a short run on the embedded demo dataset at 224 px with a
   point of the eval case's where that ran;
 - eval_here: the same command with no cluster named (one model in the command's process fed by a local loader, no
   Ray: what one machine runs);
+- bare_clip, clip: the most common real use — clip fine-tunes a whole ViT-B/32 CLIP (configs/clip_finetune.yaml:
+  every weight trains, 77 tokens, auto's layout), bare_clip is the same CLIP in the bare loop, which clip's samples/s
+  is divided by. The CLIP is ``--clip FILE``, else open_clip's ViT-B-32 architecture with a random init (written
+  once into the check's storage; open_clip_torch and ftfy, rayvl's dependencies, must be importable);
 - compile: zero2 through ``torch.compile`` (inductor), not in the default cases;
 - kill_resume: a worker killed (SIGKILL, ``RAYVL_FAIL_AT``) between two checkpoints; the run must resume from the
   earlier one and end at its last step, no row trained twice.
 
-``--batches 256,1024,max`` runs bare and zero0-zero3 at each micro-batch (``max``: the largest power of two the bare
-loop fits, found by doubling until the GPU runs out of memory). ``--profile CASE`` writes a torch.profiler trace of
-steps 6-8 of that training case (``RAYVL_PROFILE``, rayvl/train/profiling.py) or of the bare loop to
-``<--out>-profile/``; ``--profile-startup CASE`` writes there where rank 0's start of that case spends its time until
-its first step, by function (``RAYVL_PROFILE_STARTUP``). Every training case's steps from the third on run under
-``torch.cuda.set_sync_debug_mode`` (``RAYVL_SYNC_DEBUG``, set before this check starts Ray, so its workers inherit
-it); the bare loop's timed steps too, and the pseudo-labellers' units from the third (a unit's chunks: cut, embedded
-and searched on the GPU, its retrievals read back after). The synchronisations caught a step (a unit) are a
-column, where the first was made in the notes.
+``--batches 256,1024,max`` runs bare, zero0-zero3, bare_clip and clip at each micro-batch (``max``: the largest
+power of two the bare loop fits, found by doubling until the GPU runs out of memory). ``--profile CASE`` writes a
+torch.profiler trace of steps 6-8 of that training case (``RAYVL_PROFILE``, rayvl/train/profiling.py) or of a bare
+loop to ``<--out>-profile/``; ``--profile-startup CASE`` writes there where rank 0's start of that case spends its
+time until its first step, by function (``RAYVL_PROFILE_STARTUP``). Every training case's steps from the third on
+run under ``torch.cuda.set_sync_debug_mode`` (``RAYVL_SYNC_DEBUG``, set before this check starts Ray, so its workers
+inherit it); the bare loops' timed steps too, and the pseudo-labellers' units from the third (a unit's chunks: cut,
+embedded and searched on the GPU, its retrievals read back after). The synchronisations caught a step (a unit) are
+a column, where the first was made in the notes.
 
 A case passes when it ran correctly. Its samples/s, MFU (rayvl.train.flops) and data-wait share are those of the
 windows after the first (which holds the start-up), printed beside the goals (``GOALS``: issue 44's MFU and data
@@ -77,7 +81,9 @@ GOALS = {"mfu": 0.35, "data_wait_share": 0.02, "first_step_s": 20.0, "syncs_per_
                     {"case": "tonics", "over": "zero0", "goal": 0.9, "batches": []},
                     # the EMA key encoders' forward is a third more FLOPs a sample ([BoW] §2.1: its samples/s can
                     # reach ~0.75× zero0's at most), so the plain step's speed is its MFU, which counts them
-                    {"case": "memory_bank", "over": "zero0", "goal": 0.9, "batches": [], "of": "mfu"}]}
+                    {"case": "memory_bank", "over": "zero0", "goal": 0.9, "batches": [], "of": "mfu"},
+                    # a whole CLIP fine-tuned over the bare loop of the same CLIP ("bare": each case's own)
+                    {"case": "clip", "over": "bare", "goal": 1.0, "batches": [256, 1024]}]}
 PROFILED_STEPS = (6, 3)  # (first step, steps): steady steps, after compilation and the data plane's warm-up
 NO_EVAL = "eval.tasks=[]"  # in-training evaluation off: the eval case evaluates on the GPU itself
 PROG = "rayvl check gpu"  # the command, in its usage line and in the report (benchmarks/gpu_check.py runs the same)
@@ -159,6 +165,10 @@ class Case:
     """the case's own config overrides, after the check's common ones."""
     per_batch: bool = False
     """run once per --batches entry"""
+    bare: str = "bare"
+    """the bare-loop case a training case's samples/s is divided by (its ``× bare``): the one of its model"""
+    model_of: str = "zero2"
+    """for a bare-loop case: the training case whose config (model, loss, batch) its loop builds"""
 
 
 # ----------------------------------------------------------------------------- no GPU: say so, start nothing
@@ -180,7 +190,9 @@ def train_config(check: Check, case: Case):
     from rayvl.config import installed_dir, load_config
 
     a = check.args
-    common = [f"model.vision={VISION}", f"data.image_size={IMAGE_SIZE}", "train.use_gpu=true",
+    # a whole CLIP's towers come from its weights (model.init_from_clip), the others' image tower is timm's ViT-B/32
+    tower = [f"model.init_from_clip={clip_file(check)}"] if case.recipe == CLIP_RECIPE else [f"model.vision={VISION}"]
+    common = [*tower, f"data.image_size={IMAGE_SIZE}", "train.use_gpu=true",
               f"train.num_workers={check.gpus}", f"train.precision={PRECISION}",
               f"train.micro_batch_size={check.micro_batch}",
               f"train.max_steps={check.steps}", f"train.warmup_steps={check.steps // 4}",
@@ -189,6 +201,28 @@ def train_config(check: Check, case: Case):
               "train.report_to=[tensorboard]"]
     recipe = installed_dir("--config") / f"{case.recipe}.yaml"  # the installed recipes: no checkout needed
     return load_config(recipe, common + case.settings(check) + list(a.set))
+
+
+CLIP_RECIPE = "clip_finetune"
+
+
+def clip_file(check: Check) -> str:
+    """The whole CLIP the clip cases fine-tune: ``--clip FILE``, else open_clip's ViT-B-32 with a random init (its
+    architecture and sizes, not its weights: nothing is downloaded), written once into the check's storage."""
+    if check.args.clip:
+        return str(Path(check.args.clip).expanduser().resolve())
+    path = check.storage / "clip-vit-b-32-random-init.pt"
+    if not path.is_file():
+        import torch
+
+        try:
+            import open_clip
+        except ImportError as e:
+            raise CaseFailed(f"the clip cases build open_clip's ViT-B-32: {e} (pip install open_clip_torch ftfy, "
+                             f"rayvl's own dependencies; or give --clip FILE)") from None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(open_clip.create_model("ViT-B-32", pretrained=None).state_dict(), path)
+    return str(path)
 
 
 def run_name(check: Check, case: Case) -> str:
@@ -395,16 +429,17 @@ def profile_dir(check: Check) -> Path:
 
 
 class BareLoop:
-    """zero2's model and loss in a hand-written loop on GPU 0: fp32 weights under bf16 autocast, fused AdamW,
-    foreach gradient clipping, a uint8 batch already on the GPU (normalised by the model, as rayvl's is)."""
+    """A training case's model and loss (zero2's unless ``model_of`` names another) in a hand-written loop on GPU
+    0: fp32 weights under bf16 autocast, fused AdamW, foreach gradient clipping, a uint8 batch already on the GPU
+    (normalised by the model, as rayvl's is)."""
 
-    def __init__(self, check: Check, batch: int):
+    def __init__(self, check: Check, batch: int, model_of: str = "zero2"):
         import torch
 
         from rayvl.models.dual_encoder import build_model, param_groups
 
         check.batch = batch
-        self.cfg, self.batch = train_config(check, CASES_BY_NAME["zero2"]), batch
+        self.cfg, self.batch = train_config(check, CASES_BY_NAME[model_of]), batch
         t = self.cfg.train
         self.device = torch.device("cuda", 0)
         self.model = build_model(self.cfg.model, t.seed).to(self.device).train()
@@ -443,12 +478,12 @@ def bare_case(check: Check, case: Case, outcome: Outcome) -> None:
     from rayvl.train.profiling import SyncWatch
 
     torch.cuda.reset_peak_memory_stats(0)
-    loop = BareLoop(check, check.micro_batch)
-    folder = check.storage / "syncs" / f"bare-b{check.micro_batch}"
+    loop = BareLoop(check, check.micro_batch, case.model_of)
+    folder = check.storage / "syncs" / f"{case.name}-b{check.micro_batch}"
     try:
         for _ in range(PROFILED_STEPS[0]):  # cuDNN / cuBLAS choices, the allocator's first blocks
             loop.step()
-        if check.args.profile == "bare" and check.micro_batch == check.args.batch:
+        if check.args.profile == case.name and check.micro_batch == check.args.batch:
             _profile_bare(check, loop)
         caught = sync_watch_catches(folder / "self-check")
         torch.cuda.synchronize()
@@ -824,6 +859,11 @@ CASES = [
         f"tonics.buffer_rows={12 * c.args.batch}", f"tonics.max_wait_rows={8 * c.args.batch}"]),
     Case("memory_bank", "EMA memory bank (K 8192), stage 0", train_case, "laion_adapt",
          lambda c: ["train.zero_stage=0", "memory_bank.size=8192", NO_EVAL]),
+    # the most common real use: a whole CLIP fine-tuned (configs/clip_finetune.yaml), against a bare loop of its own
+    Case("bare_clip", "hand-written loop: clip's model (a whole ViT-B/32 CLIP, 77 tokens) and loss, as bare",
+         bare_case, per_batch=True, model_of="clip"),
+    Case("clip", "a whole ViT-B/32 CLIP fine-tuned (configs/clip_finetune.yaml: every weight trains), auto's layout",
+         train_case, CLIP_RECIPE, lambda c: [NO_EVAL], per_batch=True, bare="bare_clip"),
     Case("pseudo_label", "rayvl pseudo-label, GPU actors searching the caption pool on their GPU", pseudo_label_case),
     Case("eval", "rayvl eval --gpus 1 --decode device of zero2's run, joined to a Ray: GPU actors decoding the JPEGs",
          eval_case),
@@ -863,21 +903,30 @@ def run_case(check: Check, case: Case) -> Outcome:
     return outcome
 
 
-# cases whose rate is images embedded or labelled
+# cases whose rate is images embedded or labelled; the bare loops
 NOT_TRAINING = ("eval", "eval_cpu_decode", "eval_here", "pseudo_label")
+BARE = ("bare", "bare_clip")
 
 
 def compare_to_bare(outcomes: list[Outcome]) -> None:
     """Each training case's samples/s over the bare loop's, zero0's and zero2's at the same micro-batch, and its
     MFU over zero0's."""
-    for over in ("bare", "zero0", "zero2"):
-        rate = {o.batch: o.samples_per_s for o in outcomes if o.case == over and o.passed and o.samples_per_s}
-        for o in outcomes:
-            if o.case not in ("bare", over, *NOT_TRAINING) and o.samples_per_s and o.batch in rate:
+    def rates(name: str) -> dict:
+        return {o.batch: o.samples_per_s for o in outcomes if o.case == name and o.passed and o.samples_per_s}
+
+    training = [o for o in outcomes if o.case not in (*BARE, *NOT_TRAINING)]
+    for o in training:  # over the bare loop of its own model
+        rate = rates(CASES_BY_NAME[o.case].bare)
+        if o.samples_per_s and o.batch in rate:
+            o.vs_bare = o.samples_per_s / rate[o.batch]
+    for over in ("zero0", "zero2"):
+        rate = rates(over)
+        for o in training:
+            if o.case != over and o.samples_per_s and o.batch in rate and CASES_BY_NAME[o.case].bare == "bare":
                 setattr(o, f"vs_{over}", o.samples_per_s / rate[o.batch])
     mfu = {o.batch: o.mfu for o in outcomes if o.case == "zero0" and o.passed and o.mfu}
-    for o in outcomes:
-        if o.case not in ("bare", "zero0", *NOT_TRAINING) and o.mfu and o.batch in mfu:
+    for o in training:
+        if o.case != "zero0" and o.mfu and o.batch in mfu and CASES_BY_NAME[o.case].bare == "bare":
             o.mfu_vs_zero0 = o.mfu / mfu[o.batch]
 
 
@@ -1015,8 +1064,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=0, help="steps a training case (overrides --quick)")
     p.add_argument("--batch", type=int, default=256, help="micro-batch per GPU")
     p.add_argument("--batches", default="", metavar="B,B,max",
-                   help="run bare and zero0-zero3 at each micro-batch; max = the largest power of two that fits "
-                        "(default: --batch only)")
+                   help="run bare, zero0-zero3, bare_clip and clip at each micro-batch; max = the largest power of "
+                        "two that fits (default: --batch only)")
     p.add_argument("--profile", default="", metavar="CASE",
                    help="write a torch.profiler trace of a few steady steps of this case (bare or a training case) "
                         "to <--out>-profile/")
@@ -1030,6 +1079,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="comma list of cases to run (compile only when named)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for every training case")
+    p.add_argument("--clip", default="", metavar="FILE",
+                   help="the whole CLIP the clip cases fine-tune (model.init_from_clip; default: open_clip's "
+                        "ViT-B-32 architecture with a random init, written into the check's storage)")
     p.add_argument("--storage", default="", help="where the runs go (default: a new temporary folder)")
     p.add_argument("--out", default="", help="also write the report to PATH.json and PATH.md (after every case)")
     p.add_argument("--deadline-s", type=float, default=0,
@@ -1040,8 +1092,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = set(args.cases.split(",")) - {c.name for c in CASES}
     if unknown:
         p.error(f"--cases: unknown {sorted(unknown)} (known: {', '.join(c.name for c in CASES)})")
-    if args.profile and args.profile not in {c.name for c in CASES if c.recipe or c.name == "bare"}:
-        p.error(f"--profile: {args.profile!r} is not bare or a training case")
+    if args.profile and args.profile not in {c.name for c in CASES if c.recipe or c.name in BARE}:
+        p.error(f"--profile: {args.profile!r} is not a bare loop or a training case")
     if args.profile_startup and args.profile_startup not in {c.name for c in CASES if c.recipe} - {"kill_resume"}:
         p.error(f"--profile-startup: {args.profile_startup!r} is not a training case (kill_resume restarts)")
     if any(b != "max" and not b.isdigit() for b in args.batches.split(",") if b):
