@@ -22,6 +22,9 @@ and ``torch.cuda``) and Python threads alive. ``--batch-path`` adds rayvl ZeRO-2
 a Ray Data dataset iterated by ``rayvl.train.batches.batch_stream`` (its producer thread, Ray Data's threads).
 ``--methods`` adds rayvl's stage-0 step with the training parts of a memory bank ([BoW]: EMA key encoders, a queue)
 and of UniCL's label-aware loss (TOnICS's loss too), and a hand-written memory-bank loop beside the bare one.
+``--clip`` adds the most common real use, a whole CLIP fine-tuned (configs/clip_finetune.yaml) at ViT-B/32's tensor
+layout (12 blocks a tower, every tensor trained: 350, as a released ViT-B/32 has in rayvl, whose Hugging Face text
+transformer holds q, k and v apart), rayvl's stage-0 step beside a bare loop of the same CLIP.
 
 DeepSpeed gets the config a one-GPU run gets (the census checks they are equal: at world size 1 rayvl's GPU and
 CPU DeepSpeed configs differ in nothing). Counts, not timings: ``tests/test_step_census.py`` pins them.
@@ -138,14 +141,55 @@ def config(stage: int, precision: str, overrides: list[str] = ()):
         f"data.image_size={IMAGE}", f"data.max_text_tokens={TOKENS}", "train.num_workers=1", *overrides])
 
 
+# the whole-CLIP rows (--clip): rayvl's step and the bare loop it is measured against
+CLIP_ROWS = ("bare loop, whole CLIP", "rayvl ZeRO-0, whole CLIP")
+_clip_files: dict[str, str] = {}
+
+
+def clip_file() -> str:
+    """A CLIP with ViT-B/32's tensor layout — 12 residual blocks in each tower, one head 64 wide, 8 px patches at 32
+    px, CLIP's vocabulary and 77 positions — as open_clip builds it, written once a process."""
+    if "path" not in _clip_files:
+        import tempfile
+        from pathlib import Path
+
+        from rayvl.compat import ensure_torchvision_importable
+
+        ensure_torchvision_importable()  # open_clip imports torchvision, as timm does
+        from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
+
+        torch.manual_seed(0)
+        model = CLIP(embed_dim=64, vision_cfg=CLIPVisionCfg(layers=12, width=64, head_width=64, patch_size=8,
+                                                            image_size=IMAGE),
+                     text_cfg=CLIPTextCfg(context_length=77, vocab_size=49408, width=64, heads=1, layers=12))
+        path = Path(tempfile.mkdtemp(prefix="rayvl-census-clip-")) / "clip.pt"
+        torch.save(model.state_dict(), path)
+        _clip_files["path"] = str(path)
+    return _clip_files["path"]
+
+
+def clip_config(stage: int, precision: str):
+    """configs/clip_finetune.yaml on clip_file's CLIP, at the census's batch, image size and tokens."""
+    from rayvl.config import installed_dir, load_config
+
+    return load_config(installed_dir("--config") / "clip_finetune.yaml", [
+        f"model.init_from_clip={clip_file()}", f"train.zero_stage={stage}", f"train.precision={precision}",
+        f"train.micro_batch_size={BATCH}", f"data.max_text_tokens={TOKENS}", "train.num_workers=1"])
+
+
 def small_model(cfg):
     """The recipe's dual encoder with a ViT-B/32-shaped image tower shrunk to 64 channels at 32 px: the tensor
-    layout of laion_adapt at ViT-B/32 (each trainable tensor a kernel launch of the optimizer), cheap on a CPU."""
+    layout of laion_adapt at ViT-B/32 (each trainable tensor a kernel launch of the optimizer), cheap on a CPU. For
+    a whole CLIP's config (clip_config): that CLIP, already small."""
     from torch import nn
 
     from rayvl.compat import import_timm
     from rayvl.models.dual_encoder import DualEncoder
 
+    if cfg.model.init_from_clip:
+        from rayvl.models.dual_encoder import build_model
+
+        return build_model(cfg.model, cfg.train.seed)
     timm = import_timm()
     torch.manual_seed(cfg.train.seed)
     model = DualEncoder(cfg.model)
@@ -313,13 +357,16 @@ def ray_data_batches(cfg, rows: int = 64):
 
 # ----------------------------------------------------------------------------- the table
 
-def run(stages: list[int], precision: str, batch_path: bool, methods: bool = False) -> list[tuple[str, Counts]]:
+def run(stages: list[int], precision: str, batch_path: bool, methods: bool = False,
+        clip: bool = False) -> list[tuple[str, Counts]]:
     rows = [("bare loop", census(bare_step(config(0, precision))))]
     for stage in stages:
         step, _ = rayvl_step(config(stage, precision))
         rows.append((f"rayvl ZeRO-{stage}", census(step)))
     if methods:
         rows += [(name, census(step)) for name, step in method_steps(precision).items()]
+    if clip:
+        rows += [(name, census(step)) for name, step in clip_steps(precision).items()]
     if batch_path:
         import ray
 
@@ -338,8 +385,17 @@ def method_steps(precision: str) -> dict[str, Callable[[], None]]:
     return steps
 
 
+def clip_steps(precision: str) -> dict[str, Callable[[], None]]:
+    """The bare loop and rayvl's stage-0 step (auto's layout on one GPU) on clip_config's whole CLIP, by name."""
+    cfg = clip_config(0, precision)
+    return {CLIP_ROWS[0]: bare_step(cfg), CLIP_ROWS[1]: rayvl_step(cfg)[0]}
+
+
 def baseline(name: str) -> str:
-    """The hand-written loop a step is measured against: a method's own (METHODS), else the bare loop."""
+    """The hand-written loop a step is measured against: a method's own (METHODS), a whole CLIP's own, else the
+    bare loop."""
+    if name in CLIP_ROWS:
+        return CLIP_ROWS[0]
     method = name.partition("ZeRO-0 + ")[2]
     return METHODS[method][1] if method in METHODS else "bare loop"
 
@@ -348,8 +404,9 @@ def table(rows: list[tuple[str, Counts]], precision: str) -> str:
     by_name = dict(rows)
     head = (f"{'step':<32} {'aten ops':>9} {'×bare':>6} {'kernels':>8} {'×bare':>6} {'scalar reads':>13} "
             f"{'sync ops':>9} {'synchronizes':>13} {'threads':>8}")
-    lines = [f"step census, {precision}, 188 trainable tensors, batch {BATCH}, counts per optimizer step; ×bare: "
-             f"against the bare loop, a method's row against its own loop", head, "-" * len(head)]
+    lines = [f"step census, {precision}, 188 trainable tensors (a whole CLIP's rows 350), batch {BATCH}, counts per "
+             f"optimizer step; ×bare: against the bare loop, a method's or a whole CLIP's row against its own loop",
+             head, "-" * len(head)]
     for name, c in rows:
         base = by_name[baseline(name)]
         lines.append(f"{name:<32} {c.ops:>9} {c.ops / base.ops:>6.2f} {c.kernels:>8} {c.kernels / base.kernels:>6.2f} "
@@ -365,12 +422,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", action="store_true",
                    help="also stage 0 with a memory bank and with UniCL's label-aware loss, and a bare loop with "
                         "the memory bank")
+    p.add_argument("--clip", action="store_true",
+                   help="also a whole CLIP fine-tuned (ViT-B/32's tensor layout) at stage 0 and its bare loop")
     p.add_argument("--top", type=int, default=0, help="also list each step's N most frequent kernel ops")
     args = p.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    rows = run([int(s) for s in args.stages.split(",") if s], args.precision, args.batch_path, args.methods)
+    rows = run([int(s) for s in args.stages.split(",") if s], args.precision, args.batch_path, args.methods,
+               args.clip)
     print(table(rows, args.precision))
     for name, c in rows if args.top else []:
         print(f"\n{name}: " + ", ".join(f"{op} {n}" for op, n in c.by_op.most_common(args.top)))
