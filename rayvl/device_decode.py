@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rayvl.data.encoded_jpegs import PIXELS
-from rayvl.data.images import chw, decode
+from rayvl.data.encoded_jpegs import CENTRE, PIXELS
+from rayvl.data.images import centre_geometry, chw, decode
 
 DECODE_CHUNK = 64  # JPEGs a decoder call: their frames (full size) are freed before the next chunk's
 RESIZE_BYTES = 512 << 20  # float32 input of one resize call at most: a batch of one crop shape is split past it
@@ -44,6 +44,9 @@ def decoded(data, boxes: np.ndarray, size: int, device: torch.device) -> tuple[t
         chunk = jpegs[at:at + DECODE_CHUNK]
         shapes: dict[tuple[int, int], list] = defaultdict(list)
         for i, frame in zip(chunk, frames([data[i] for i in chunk], device)):
+            if frame is not None and boxes[i, 0] == CENTRE:  # the evaluation's: the whole frame resized, then cut
+                shapes[(CENTRE, *frame.shape[1:])].append((int(i), frame))
+                continue
             x0, y0, x1, y1 = (int(v) for v in boxes[i])
             if frame is None or x1 > frame.shape[2] or y1 > frame.shape[1]:
                 ok[i] = False
@@ -64,23 +67,29 @@ def resized(shapes: dict[tuple[int, int], list[tuple[int, torch.Tensor]]], size:
             ) -> list[tuple[list[int], torch.Tensor]]:
     """One chunk's crops, {(h, w): [(row, uint8 (3, h, w) crop)]} → [(rows, uint8 (k, 3, size, size))], bicubic with
     antialias (PIL's filter, as ``images.resized`` resizes on the CPU); a crop of the size already is kept as it is.
+    The evaluation's frames, {(CENTRE, h, w): [(row, uint8 (3, h, w) frame)]}, are resized whole to
+    ``images.centre_geometry``'s size and cut there, as open_clip's transform (``images.centre_crop``) cuts them.
     The crops of one shape go in one call; the float outputs of every shape are rounded to uint8 together. A random
     crop's shape is nearly always its own, so a row costs two kernels (its float copy, its resize) and the chunk
     four more: a batch's launches, which its copy thread makes beside the training step's, stay near one for each
     row's crop, not one for each elementwise op of it."""
     done, rows, floats = [], [], []
-    for (h, w), crops in shapes.items():
-        if (h, w) == (size, size):
-            done.append(([i for i, _ in crops], torch.stack([c for _, c in crops])))
+    for shape, crops in shapes.items():
+        h, w = shape[-2:]
+        new_w, new_h, left, top = centre_geometry(w, h, size) if shape[0] == CENTRE else (size, size, 0, 0)
+        if (h, w) == (new_h, new_w):
+            done.append(([i for i, _ in crops], torch.stack([c[:, top:top + size, left:left + size]
+                                                             for _, c in crops])))
             continue
         per_call = max(1, RESIZE_BYTES // (3 * h * w * 4))
         for first in range(0, len(crops), per_call):
             some = crops[first:first + per_call]
             rows += [i for i, _ in some]
             # the float input a temporary of the call: one call's RESIZE_BYTES on the device at a time
-            floats.append(F.interpolate(some[0][1][None].float() if len(some) == 1 else
-                                        torch.stack([c for _, c in some]).float(),
-                                        size=(size, size), mode="bicubic", antialias=True, align_corners=False))
+            out = F.interpolate(some[0][1][None].float() if len(some) == 1 else
+                                torch.stack([c for _, c in some]).float(),
+                                size=(new_h, new_w), mode="bicubic", antialias=True, align_corners=False)
+            floats.append(out if (new_h, new_w) == (size, size) else out[:, :, top:top + size, left:left + size])
     if floats:
         out = torch.cat(floats) if len(floats) > 1 else floats[0]
         done.append((rows, out.round_().clamp_(0, 255).to(torch.uint8)))

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import tarfile
+import zlib
 from collections import Counter
 from itertools import islice
 
@@ -22,10 +24,17 @@ from rayvl.data.tar import IMAGE_EXTENSIONS, iter_tar_samples, member_extensions
 from rayvl.data.text import validate_caption
 
 
-def first_samples(path: str, n: int, policy: ReadPolicy) -> list[dict]:
-    """The first ``n`` samples of a shard, as raw members."""
+def first_samples(path: str, n: int, policy: ReadPolicy, damage: dict | None = None) -> list[dict]:
+    """The first ``n`` samples of a shard, as raw members: those before a damage, which goes in ``damage`` by path
+    (the run reads the same samples and counts the shard in ``truncated_shards``)."""
+    out: list[dict] = []
     with open_shard(path, policy) as f:
-        return list(islice(iter_tar_samples(f), n))
+        try:
+            out.extend(islice(iter_tar_samples(f), n))
+        except (tarfile.TarError, EOFError, zlib.error) as e:
+            if damage is not None:
+                damage[path] = f"{type(e).__name__}: {e}"
+    return out
 
 
 SAMPLED = 32  # samples read from the start of the first and of the last shard
@@ -50,16 +59,19 @@ def sample_lines(key: str, paths: list[str], policy: ReadPolicy, read: dict | No
     """The first sample of the first and of the last shard, and what becomes of their first SAMPLED samples: a
     ConfigError naming ``key`` when the shards cannot be read, or when most of those samples have no image rayvl
     reads (naming the members they have). ``read``: gets the samples read, by shard, for the caller's own use."""
-    lines, reasons = [], Counter()
+    lines, reasons, damage = [], Counter(), {}
     for path in dict.fromkeys([paths[0], paths[-1]]):
         try:
-            samples = first_samples(path, SAMPLED, policy)
+            samples = first_samples(path, SAMPLED, policy, damage)
         except ShardIOError as e:
             raise ConfigError(f"{key}: {e}") from None
         if read is not None:
             read[path] = samples
         described = [describe_sample(x) for x in samples]
         lines.append(f"    {path}: {described[0][0] if described else 'no sample (an empty or damaged shard)'}")
+        if path in damage:
+            lines.append(f"      damaged after {len(samples)} samples ({damage[path]}): the run reads those and "
+                         f"counts the shard in truncated_shards")
         reasons.update(reason or "kept" for _, reason in described)
     seen, without = sum(reasons.values()), sum(reasons[r] for r in IMAGE_DROPS)
     said = ", ".join(f"{k} {v}" for k, v in sorted(reasons.items()))

@@ -50,7 +50,8 @@ HEADS_FILE = "heads.safetensors"
 
 class Model:
     """A dual encoder ready to embed: ``encode_image`` / ``encode_text`` return L2-normalised float32 embeddings;
-    ``preprocess`` is the evaluation's image transform (centre crop, resize to ``image_size``, uint8 CHW) and
+    ``preprocess`` is the evaluation's image transform (open_clip's: the shorter side resized to ``image_size``, the
+    centre cut; uint8 CHW) and
     ``tokenizer`` the text tower's HF tokenizer (captions padded/truncated to ``max_tokens``)."""
 
     def __init__(self, model: DualEncoder, config: RayvlConfig, tokenizer_path: str, device: str):
@@ -360,20 +361,21 @@ def _text_code(pooling: str) -> tuple[str, str, str, str]:
 
 
 def _image_code(size: int, projected: str) -> str:
-    """without_rayvl.py's image side: rayvl's evaluation crop, exactly (the central square resized bicubic in one
-    step: rayvl.data.images.crop — a resize then a centre crop differs by up to 67/255 a pixel), and the tower."""
+    """without_rayvl.py's image side: rayvl's evaluation crop, exactly (open_clip's: the shorter side resized
+    bicubic to the size, the centre cut — rayvl.data.images.centre_crop), and the tower."""
     return f'''
 
 def preprocess(image):
-    """A PIL image → uint8 (3, {size}, {size}): the central square, resized bicubic to {size}×{size} in one step."""
+    """A PIL image → uint8 (3, {size}, {size}), as open_clip's evaluation transform crops it: the shorter side resized
+    bicubic to {size}, then the centre {size}×{size}."""
     from PIL import Image
 
     image = image.convert("RGB")
     w, h_ = image.size
-    s = min(w, h_)
-    box = ((w - s) // 2, (h_ - s) // 2, (w - s) // 2 + s, (h_ - s) // 2 + s)
-    pixels = np.asarray(image.resize(({size}, {size}), Image.BICUBIC, box=box), dtype=np.uint8)
-    return torch.from_numpy(pixels.transpose(2, 0, 1).copy())
+    new = ({size}, int({size} * h_ / w)) if w <= h_ else (int({size} * w / h_), {size})
+    left, top = int(round((new[0] - {size}) / 2.0)), int(round((new[1] - {size}) / 2.0))
+    image = image.resize(new, Image.BICUBIC).crop((left, top, left + {size}, top + {size}))
+    return torch.from_numpy(np.asarray(image, dtype=np.uint8).transpose(2, 0, 1).copy())
 
 
 @torch.no_grad()

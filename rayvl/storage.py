@@ -120,17 +120,18 @@ def replaced(path: Path, write: Callable[[Path], None]) -> None:
     os.replace(tmp, path)
 
 
-def list_files(spec: str, suffix: str) -> list[str]:
-    """Files a URL names: the file itself, the files ending in ``suffix`` directly under a folder, or the files
-    matching a glob in the last path component (``s3://bucket/laion/{0..9}*.tar`` style globs: ``*``, ``?``,
-    ``[...]``), sorted, as URLs like ``spec``."""
+def list_files(spec: str, suffix: str | tuple[str, ...]) -> list[str]:
+    """Files a URL names: the file itself, the files ending in ``suffix`` (one or a tuple) directly under a folder,
+    or the files matching a glob in the last path component (``s3://bucket/laion/{0..9}*.tar`` style globs: ``*``,
+    ``?``, ``[...]``) that end in it — a glob over img2dataset's output (``0000*``) also matches its ``.parquet`` and
+    ``_stats.json`` beside each shard —, sorted, as URLs like ``spec``."""
     name = posixpath.basename(spec.rstrip("/"))
     pattern = name if any(c in name for c in "*?[") else ""
     if not pattern and spec.endswith(suffix):
         return [spec]
     base = parent(spec) if pattern else spec
     return [join(base, n) for n in _names(base, pafs.FileType.File)
-            if (fnmatch.fnmatch(n, pattern) if pattern else n.endswith(suffix))]
+            if n.endswith(suffix) and (not pattern or fnmatch.fnmatch(n, pattern))]
 
 
 def subdirs(path: str, prefix: str = "") -> list[str]:

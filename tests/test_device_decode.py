@@ -156,7 +156,7 @@ def test_rows_carry_bytes_and_boxes_for_the_device(demo_dir):
     out = {d: preprocess(batch, counts[d], Rows(32, 1.0, False, tokenizer, 16, decode=d)) for d in counts}
     assert counts["cpu"] == counts["device"] and counts["cpu"]["dropped_corrupt_image"] == 1
     assert "image" not in out["device"] and list(out["device"]["image_bytes"]) == jpegs[:3]
-    assert out["device"]["image_box"].tolist() == [[0, 0, 112, 112]] * 3
+    assert out["device"]["image_box"].tolist() == [[encoded_jpegs.CENTRE] * 4] * 3  # the evaluation's crop
     assert np.array_equal(out["cpu"]["input_ids"], out["device"]["input_ids"])
 
 

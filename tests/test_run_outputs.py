@@ -409,7 +409,7 @@ def test_cli_mistakes_name_the_way_out(demo_dir, tmp_path, capsys, monkeypatch):
     assert main(["train", "--dry-run", "--config", "bow_pretrain"]) == 0
     assert capsys.readouterr().out.startswith("recipe bow_pretrain: config valid")
     assert main(["train", "--dry-run", "--config", "no_such_recipe"]) == 2
-    assert "the recipes rayvl has: bow_pretrain, laion_adapt, tonics, unicl" in capsys.readouterr().err
+    assert "the recipes rayvl has: bow_pretrain, clip_finetune, laion_adapt, tonics, unicl" in capsys.readouterr().err
     assert main(["tune", "--report", str(tmp_path)]) == 2
     assert f"--report {tmp_path}: not a sweep's directory" in capsys.readouterr().err
     # a sweep's --set mistake is the command line's, not the space file's

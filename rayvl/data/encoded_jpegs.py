@@ -19,6 +19,7 @@ from rayvl.data.images import crop_box, decode, decode_and_crop, resized
 
 COLUMNS = ["image_bytes", "image_box"]  # what a row carries for its image in place of ``image``
 PIXELS = -1  # a box of these: the row's bytes are its crop's pixels, decoded on the CPU
+CENTRE = -2  # a box of these: the evaluation's crop (images.centre_geometry of the decoded frame's size)
 DECODES = ("cpu", "device")
 DEVICE_MAX_PIXELS = 4096 * 4096  # larger JPEGs decode here: a frame of float32 pixels for the resize takes GBs
 # crops at most this many times the output side: further, torch's CUDA antialiased bicubic needs more shared memory
@@ -30,11 +31,17 @@ EOI_WITHIN = 64  # bytes from the end holding a whole JPEG's end-of-image marker
 def prepare(data: bytes, size: int, scale_min: float | None, rng: np.random.Generator | None
             ) -> tuple[bytes, tuple[int, int, int, int]] | None:
     """(bytes, crop box x0, y0, x1, y1) for the device to decode (``decoded``), or None when ``data`` is not a
-    decodable image. A JPEG the device takes keeps its bytes; any other image's centre crop (``scale_min`` None)
-    or random resized crop from ``rng`` is cut here, its pixels the bytes and its box ``PIXELS``."""
+    decodable image. A JPEG the device takes keeps its bytes, with its random resized crop's box drawn from ``rng``
+    or, for the evaluation's crop (``scale_min`` None), the box ``CENTRE``; any other image's crop is cut here, its
+    pixels the bytes and its box ``PIXELS``."""
     size_of = jpeg_size(data)
     if size_of is None:
         image = decode_and_crop(data, size, scale_min, rng)
+        return None if image is None else (image.tobytes(), (PIXELS,) * 4)
+    if scale_min is None:  # the whole frame is resized, its shorter side to ``size``
+        if min(size_of) <= DEVICE_MAX_DOWNSCALE * size:
+            return data, (CENTRE,) * 4
+        image = decode_and_crop(data, size, None)
         return None if image is None else (image.tobytes(), (PIXELS,) * 4)
     box = crop_box(*size_of, scale_min, rng)
     if max(box[2] - box[0], box[3] - box[1]) <= DEVICE_MAX_DOWNSCALE * size:

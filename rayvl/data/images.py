@@ -55,17 +55,32 @@ def random_resized_crop_boxes(width: int, height: int, scale_min: float, rng: np
     return np.array(boxes, np.int64).reshape(n, 4)
 
 
-def center_crop_box(width: int, height: int):
-    side = min(width, height)
-    x, y = (width - side) // 2, (height - side) // 2
-    return x, y, x + side, y + side
+def centre_geometry(width: int, height: int, size: int) -> tuple[int, int, int, int]:
+    """(new width, new height, left, top) of the evaluation's crop, open_clip's (its ``resize_mode`` "shortest", and
+    CLIP_benchmark's through it): torchvision's ``Resize(size)`` — the shorter side to ``size``, the longer to
+    ``int(size × long / short)`` — then ``CenterCrop(size)``, whose offsets ``round()`` (half to even)."""
+    if width <= height:
+        new_w, new_h = size, int(size * height / width)
+    else:
+        new_w, new_h = int(size * width / height), size
+    return new_w, new_h, int(round((new_w - size) / 2.0)), int(round((new_h - size) / 2.0))
+
+
+def centre_crop(img: Image.Image, size: int) -> np.ndarray:
+    """An RGB image's evaluation crop as open_clip's transform cuts it (torchvision resizes a PIL image with
+    Pillow's own bicubic resize, then crops), as a uint8 (3, size, size) view. The whole image is resized, then
+    cropped: Pillow's resize with a crop box takes its two passes in the other order when the box cuts rows, and
+    the 8-bit image between them rounds otherwise (up to 5 levels a pixel apart on a 427 × 640 photo of noise)."""
+    new_w, new_h, left, top = centre_geometry(*img.size, size)
+    return chw(img.resize((new_w, new_h), Image.BICUBIC).crop((left, top, left + size, top + size)))
 
 
 def decode_and_crop(data: bytes, size: int, scale_min: float | None,
                     rng: np.random.Generator | None = None) -> np.ndarray | None:
     """uint8 array (3, size, size), or None when the bytes are not a decodable image.
 
-    ``scale_min`` None → centre crop (evaluation); otherwise a random resized crop (training) drawn from ``rng``.
+    ``scale_min`` None → open_clip's evaluation crop (``centre_crop``); otherwise a random resized crop (training)
+    drawn from ``rng``.
     """
     img = decode(data)
     return None if img is None else crop(img, size, scale_min, rng)
@@ -91,17 +106,17 @@ def decode(data: bytes, draft=None) -> Image.Image | None:
 
 
 def crop(img: Image.Image, size: int, scale_min: float | None, rng: np.random.Generator | None = None) -> np.ndarray:
-    """An RGB PIL image → uint8 (3, size, size): centre crop (``scale_min`` None) or random resized crop drawn from
-    ``rng``."""
+    """An RGB PIL image → uint8 (3, size, size): open_clip's evaluation crop (``scale_min`` None) or a random
+    resized crop drawn from ``rng``."""
+    if scale_min is None:
+        return centre_crop(img, size).copy()
     return resized(img, crop_box(*img.size, scale_min, rng), size).copy()
 
 
-def crop_box(width: int, height: int, scale_min: float | None, rng: np.random.Generator | None = None):
-    """The crop box of an image of that size: its centre square (``scale_min`` None) or a random resized crop drawn
-    from ``rng`` — where a crop is cut on the CPU (``crop``) and where its JPEG travels to the device
-    (data/encoded_jpegs.py), the same box."""
-    if scale_min is None:
-        return center_crop_box(width, height)
+def crop_box(width: int, height: int, scale_min: float, rng: np.random.Generator | None):
+    """The random resized crop box of an image of that size drawn from ``rng`` — where a crop is cut on the CPU
+    (``crop``) and where its JPEG travels to the device (data/encoded_jpegs.py), the same box. (The evaluation's
+    crop has no box: ``centre_geometry`` gives it from the image's size.)"""
     if rng is None:  # an unseeded default here made runs of one train.seed differ (data/seeding.py)
         raise ValueError("a random resized crop needs a generator (data/seeding.row_rng)")
     return random_resized_crop_box(width, height, scale_min, rng)

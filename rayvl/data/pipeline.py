@@ -7,6 +7,7 @@ the caption itself, the training rows one sample becomes and the columns they ca
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from rayvl.data.images import decode_and_crop
 from rayvl.data.parts import RowTransform, Sample
 from rayvl.data.position import unit_of
 from rayvl.data.seeding import row_rng
-from rayvl.data.text import tokenize, validate_caption
+from rayvl.data.text import tokenize, validate_caption, validate_caption_lines
 
 if TYPE_CHECKING:
     from rayvl.config import RayvlConfig
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 # the model inputs a training step takes (keys and captions are strings and stay behind)
 TRAIN_COLUMNS = ["image", "input_ids", "attention_mask", "label"]
 UNLABELLED = -1  # the label of a row no transform labels: the training loop gives each such row a unique one
+DIGEST = "image_digest"  # a held-out row's: its encoded image's (blake2b, 8 bytes), which retrieval groups rows by
 FORMATS = {"jpeg": "jpg"}  # image member extensions counted as another's format
 
 
@@ -85,7 +87,8 @@ def preprocess(batch: dict, counts: Counter, rows: Rows) -> dict:
     """Shard rows → model inputs; samples seen, kept and dropped (by reason) and the words of kept captions are
     added to ``counts``, with whatever the transforms count. A row's crop and draws come from (``rows.seed``, its
     key, its shard's ``cycle`` — the pass of its row id without one) alone (data/seeding.py, data/mix.py).
-    ``samples_kept`` counts samples, however many rows each became."""
+    ``samples_kept`` counts samples, however many rows each became. A held-out row (``rows.train`` false) keeps
+    its caption's lines apart (its image's captions) and carries its encoded image's digest (``DIGEST``)."""
     made: list[tuple] = []
     kept = 0
     ids = batch.get("row", np.full(len(batch["key"]), -1))  # data/position.py
@@ -109,12 +112,19 @@ def preprocess(batch: dict, counts: Counter, rows: Rows) -> dict:
         counts["caption_words"] += len(text.split())
         values = _expanded(rows, text, sample, counts)
         kept += bool(values)
-        made += [(image, text, key, sample.cls, row, v) for v in values]
+        made += [(image, text, key, sample.cls, row, v, img) for v in values]
     counts.update({"samples_seen": len(batch["key"]), "samples_kept": kept})
-    images, captions, keys, classes, ids, values = (list(c) for c in zip(*made)) if made else ([],) * 6
+    images, captions, keys, classes, ids, values, data = (list(c) for c in zip(*made)) if made else ([],) * 7
+    digests = {} if rows.train else {DIGEST: np.array([digest(d) for d in data], dtype=np.int64)}
     return {**model_inputs(images, captions, keys, rows), "cls": np.array(classes, dtype=np.int64),
-            "row": np.array(ids, dtype=np.int64),
+            "row": np.array(ids, dtype=np.int64), **digests,
             **{c: np.array([v.get(c, default) for v in values], dtype=np.int64) for c, default in rows.columns.items()}}
+
+
+def digest(data: bytes) -> int:
+    """An encoded image's identity: the first 8 bytes of its blake2b digest, as an int64 (two copies of one photo
+    under two keys, as COCO-style shards store an image's captions, have the same)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
 def preprocess_columns(batch: dict, counts: Counter, rows: Rows, columns: list[str] | None = None) -> dict:
@@ -165,7 +175,7 @@ def _caption(rows: Rows, raw, sample: Sample, counts: Counter) -> tuple[str, str
             text, reason = sourced
             break
     else:
-        text, reason = validate_caption(raw)
+        text, reason = validate_caption(raw) if rows.train else validate_caption_lines(raw)
     for t in rows.transforms:
         if reason:
             break

@@ -1,8 +1,8 @@
 """Class prompts: the one source of prompt templates, and class files.
 
 Templates are named sets in ``rayvl/resources/prompt_templates.json``: ``clip_imagenet`` (CLIP's 80 ImageNet
-templates), ``clip_imagenet_short`` (six of them, for evaluation sets that bring none) and ``demo_shapes`` (the
-embedded demo's). At evaluation all templates of a class are averaged (``rayvl.eval.tasks``); image-label training
+templates, open_clip's zero-shot set, and what evaluation sets that bring none get: ``DEFAULT_TEMPLATES``),
+``clip_imagenet_short`` (six of them) and ``demo_shapes`` (the embedded demo's). At evaluation all templates of a class are averaged (``rayvl.eval.tasks``); image-label training
 draws one a sample (rayvl.methods.unicl.prompts).
 """
 from __future__ import annotations
@@ -12,6 +12,8 @@ from functools import lru_cache
 from pathlib import Path
 
 TEMPLATES_FILE = Path(__file__).resolve().parent.parent / "resources" / "prompt_templates.json"
+DEFAULT_TEMPLATES = "clip_imagenet"  # open_clip's zero-shot templates (OPENAI_IMAGENET_TEMPLATES, the same 80)
+SINGLE_TEMPLATE = "a photo of a {}."  # CLIP's one-prompt baseline (Radford et al. 2021, §3.1.4)
 
 
 @lru_cache(maxsize=None)
@@ -22,7 +24,7 @@ def templates(name: str = "clip_imagenet") -> tuple[str, ...]:
     return tuple(sets[name]["templates"])
 
 
-def read_class_file(path: str | Path, default_templates: str = "clip_imagenet_short") -> tuple[list[str], list[str]]:
+def read_class_file(path: str | Path, default_templates: str = DEFAULT_TEMPLATES) -> tuple[list[str], list[str]]:
     """(class names, templates) of a JSON file {"classes": [...], "templates": [...]} (or a bare list of names);
     a file without templates gets the named default set."""
     raw = json.loads(Path(path).expanduser().read_text())

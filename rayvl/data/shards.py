@@ -341,7 +341,8 @@ def remote_shard_samples(url: str) -> tuple[int, str]:
     with fs.open_input_file(inner) as f:
         head = f.read(ESTIMATE_BYTES)
     try:
-        keys, complete = _keys(tarfile.open(fileobj=io.BytesIO(head), mode="r|"), within=len(head))
+        # r|*: a .tar.gz shard's head is read through its decompression, as the shard readers read it
+        keys, complete = _keys(tarfile.open(fileobj=io.BytesIO(head), mode="r|*"), within=len(head))
     except tarfile.TarError:  # not a tar from its first block: nothing to count
         keys, complete = 0, 0
     if len(head) >= size or not complete:
@@ -388,15 +389,20 @@ def pass_size(paths: list[str]) -> tuple[int | None, str]:
     if len(local) + len(remote) < len(paths):
         return None, "pipe: shards have no img2dataset files to count — data.samples_per_pass gives the size of a pass"
     total, notes, found = 0, [], []
-    # a local shard without its parquet counts for nothing (an undercount only lists more passes)
+    # the local shards' img2dataset parquet files; the shards without one (or with one that is not img2dataset's or
+    # is damaged) are counted as the counted ones average, as remote shards are: a pass's size sets max_passes' steps
     parquets = [p for p in (s.rsplit(".tar", 1)[0] + ".parquet" for s in local) if os.path.exists(p)]
-    counted, theirs = _successes(parquets) if parquets else (0, 0)
-    total += counted
+    counted, theirs, damaged = _successes(parquets) if parquets else (0, 0, [])
     if theirs:
-        notes.append(f"counted in the img2dataset parquet files of {theirs} of {len(local)} local shards")
-    if theirs < len(parquets):
-        notes.append(f"{len(parquets) - theirs} parquet files beside the shards are not img2dataset's (no status "
-                     f"column): not counted")
+        total += round(counted * len(local) / theirs)
+        notes.append(f"counted in the img2dataset parquet files of {theirs} of {len(local)} local shards"
+                     + ("" if theirs == len(local) else ", extrapolated"))
+    if damaged:
+        notes.append(f"{len(damaged)} parquet files beside the shards are unreadable (e.g. {damaged[0]}, as an "
+                     f"interrupted img2dataset leaves one): not counted")
+    if theirs + len(damaged) < len(parquets):
+        notes.append(f"{len(parquets) - theirs - len(damaged)} parquet files beside the shards are not img2dataset's "
+                     f"(no status column): not counted")
     if remote:
         n, m = len(remote), min(len(remote), STATS_SAMPLE)  # m spread evenly, the first and the last included
         sample = [remote[i] for i in sorted({round(k * (n - 1) / max(1, m - 1)) for k in range(m)})]
@@ -412,19 +418,30 @@ def pass_size(paths: list[str]) -> tuple[int | None, str]:
     return total, "; ".join(notes)
 
 
-def _successes(parquets: list[str]) -> tuple[int, int]:
-    """(successful samples img2dataset's parquet files list, files counted). img2dataset lists every URL with its
-    status; other tools' parquet files (DataComp's uid, url, text) have none and list URLs whether or not the shard
-    holds them: they count for nothing (a scan of several files would read their missing status as null)."""
+def _successes(parquets: list[str]) -> tuple[int, int, list[str]]:
+    """(successful samples img2dataset's parquet files list, files counted, files unreadable). img2dataset lists
+    every URL with its status; other tools' parquet files (DataComp's uid, url, text) have none and list URLs whether
+    or not the shard holds them: they count for nothing (a scan of several files would read their missing status as
+    null). img2dataset writes a parquet at its final path, so an interrupted job leaves one without its footer."""
+    import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.dataset as pads
     import pyarrow.parquet as pq
 
+    def schema(path: str):
+        try:
+            return pq.read_schema(path)
+        except (pa.ArrowException, OSError):
+            return None
+
     with ThreadPoolExecutor(16) as pool:  # a footer read each
-        mine = [p for p, schema in zip(parquets, pool.map(pq.read_schema, parquets)) if "status" in schema.names]
+        schemas = list(pool.map(schema, parquets))
+    damaged = [p for p, s in zip(parquets, schemas) if s is None]
+    mine = [p for p, s in zip(parquets, schemas) if s is not None and "status" in s.names]
     if not mine:
-        return 0, 0
-    return pads.dataset(mine, format="parquet").count_rows(filter=pc.field("status") == "success"), len(mine)
+        return 0, 0, damaged
+    return (pads.dataset(mine, format="parquet").count_rows(filter=pc.field("status") == "success"), len(mine),
+            damaged)
 
 
 def _stats_successes(shard: str) -> int | None:

@@ -124,7 +124,7 @@ def _add_url(url: str, found: Resolved, named: list[str]) -> None:
     base = url.rstrip("/").rsplit("/", 1)[-1]
     if any(c in base for c in GLOB_CHARS) or not base.endswith(SHARD_SUFFIXES):  # a glob or a folder: one listing
         try:
-            listed = storage.list_files(url, ".tar")
+            listed = storage.list_files(url, SHARD_SUFFIXES)
         except OSError as e:
             raise DataPlaneError(f"cannot list {url!r}: {' '.join(str(e).split())}") from None
         found.paths += listed
@@ -135,16 +135,17 @@ def _add_url(url: str, found: Resolved, named: list[str]) -> None:
 
 
 def _add_local(path: str, found: Resolved) -> None:
-    if os.path.isdir(path):
-        listed = sorted(glob.glob(os.path.join(path, "*.tar")))
+    if os.path.isdir(path):  # the shards in it (img2dataset's .parquet and _stats.json beside them are not)
+        listed = sorted(p for p in glob.glob(os.path.join(glob.escape(path), "*")) if p.endswith(SHARD_SUFFIXES)
+                        and os.path.isfile(p))
     elif path.endswith(".txt") and os.path.isfile(path):
         # a list file: one shard (path, URL or pipe:) per line, taken as written
         lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
         found.paths += lines
         found.from_lists += len(lines)
         return
-    elif any(c in os.path.basename(path) for c in GLOB_CHARS):
-        listed = sorted(glob.glob(path))
+    elif any(c in os.path.basename(path) for c in GLOB_CHARS):  # the shards it matches, as a folder's
+        listed = sorted(p for p in glob.glob(path) if p.endswith(SHARD_SUFFIXES) and os.path.isfile(p))
     elif os.path.isfile(path):
         found.paths.append(path)
         return

@@ -27,13 +27,28 @@ COLUMNS = ("key", "img", "img_ext", "txt", "json")
 case; ``txt``, ``json``: those members' bytes. Every value is None where the sample has no such member."""
 
 
+class _Ending(tarfile.TarInfo):
+    """A TarInfo that notes on its archive why the archive's headers ended: read as a stream, ``tarfile`` takes a
+    damaged, empty or cut-off header after the first for the end of the archive, as it takes the zero blocks a
+    whole archive ends with, and says nothing."""
+
+    @classmethod
+    def fromtarfile(cls, tar):
+        try:
+            return super().fromtarfile(tar)
+        except tarfile.HeaderError as e:
+            tar.rayvl_ended_by = e
+            raise
+
+
 def iter_tar_samples(f, columns: tuple[str, ...] = COLUMNS) -> Iterator[dict]:
     """Samples of an img2dataset / webdataset tar stream: the ``columns`` of COLUMNS each sample has, members grouped
-    by key (both write a sample's members next to each other). Raises on a damaged stream; the incomplete sample is
-    lost."""
+    by key (both write a sample's members next to each other). Raises on a damaged stream — a cut inside a member,
+    and (after the samples read before it) a damaged, empty or cut-off header where its end blocks should be; the
+    incomplete sample is lost."""
     current: dict = {}
     images = "img" in columns
-    with tarfile.open(fileobj=f, mode="r|*") as tar:
+    with tarfile.open(fileobj=f, mode="r|*", tarinfo=_Ending) as tar:
         for member in tar:
             if not member.isreg():
                 continue
@@ -48,8 +63,13 @@ def iter_tar_samples(f, columns: tuple[str, ...] = COLUMNS) -> Iterator[dict]:
                     current["img"], current["img_ext"] = tar.extractfile(member).read(), ext
             elif ext in columns and ext not in ("img", "img_ext", "key"):
                 current[ext] = tar.extractfile(member).read()
+        ended, offset = getattr(tar, "rayvl_ended_by", None), tar.offset
     if current:
         yield current
+    if not isinstance(ended, tarfile.EOFHeaderError):  # the zero blocks of a whole archive
+        why = {tarfile.EmptyHeaderError: "the file ends there", tarfile.TruncatedHeaderError: "a cut-off header",
+               tarfile.InvalidHeaderError: "a damaged header"}.get(type(ended), type(ended).__name__)
+        raise tarfile.ReadError(f"no end-of-archive blocks at byte {offset:,}: {why}")
 
 
 def _preferred(ext: str, than: str) -> bool:

@@ -35,6 +35,18 @@ def validate_caption(raw) -> tuple[str, str | None]:
     return text, None
 
 
+def validate_caption_lines(raw) -> tuple[str, str | None]:
+    """``validate_caption`` of a held-out sample, its lines kept apart: each line's whitespace collapsed, empty lines
+    left out, the rest joined by newlines — the captions of its image (CLIP_benchmark's retrieval shards hold an
+    image's captions as the lines of one text)."""
+    text, reason = validate_caption(raw)
+    if reason:
+        return text, reason
+    if isinstance(raw, bytes):
+        raw = raw.decode("utf-8")
+    return "\n".join(line for line in (" ".join(part.split()) for part in str(raw).splitlines()) if line), None
+
+
 @lru_cache(maxsize=4)
 def load_tokenizer(path: str):
     """The HF tokenizer of a model folder, loaded once per process."""

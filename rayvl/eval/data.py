@@ -20,15 +20,16 @@ import ray
 
 from rayvl.data import fashion_mnist
 from rayvl.data.images import decode_and_crop
-from rayvl.data.prompts import read_class_file, templates
-from rayvl.data.pipeline import Rows, image_column_names
+from rayvl.data.prompts import DEFAULT_TEMPLATES, read_class_file, templates
+from rayvl.data.pipeline import DIGEST, Rows, image_column_names
 from rayvl.data.shard_read import readers_per_shard
 from rayvl.data.shards import Reading, read_shards
 from rayvl.data.specs import resolve_shards
 from rayvl.eval import local_read
 from rayvl.eval.sts import read_sts
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+# torchvision's ImageFolder's (datasets.folder.IMG_EXTENSIONS), which CLIP_benchmark reads such trees with
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
 @dataclass
@@ -41,7 +42,9 @@ class EvalData:
     classes: list[str] = field(default_factory=list)
     templates: list[str] = field(default_factory=list)
     captions: list[str] = field(default_factory=list)
-    caption_to_image: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    caption_to_image: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # into ``gallery``
+    # retrieval's images: the row of each distinct image, in key order (empty: every row)
+    gallery: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     keys: list[str] = field(default_factory=list)
     paraphrases: list[dict] = field(default_factory=list)  # {caption, paraphrase[, expansions]}
     sts: tuple[list[str], list[str], np.ndarray] | None = None  # (sentences 1, sentences 2, gold scores)
@@ -58,22 +61,39 @@ class EvalData:
         return out
 
     def with_rows(self, rows: dict) -> "EvalData":
-        """The set whose rows, in order, are ``rows``: shards' (key, caption and cls columns: one caption and one
-        label per image, in key order), or an image set's read as a stream (index and cls)."""
+        """The set whose rows, in order, are ``rows``: shards' (key, caption, cls and image digest columns: one
+        label per sample, in key order), or an image set's read as a stream (index and cls). Retrieval's captions
+        are the lines of each row's caption, and its gallery the distinct images: rows of one digest — one photo
+        under several keys, as COCO-style shards hold an image's captions — are one image, whose captions are all
+        theirs (CLIP_benchmark's: a query is right when any of its image's captions, or its image, is in the top k)."""
         n = len(rows["cls"])
         if "key" not in rows:
             return replace(self, size=n, labels=np.asarray(rows["cls"], np.int64))
+        digests = np.asarray(rows[DIGEST], np.int64) if DIGEST in rows else np.arange(n)
+        _, first, image_of_row = np.unique(digests, return_index=True, return_inverse=True)
+        order = np.argsort(first, kind="stable")  # the distinct images in the order of their first row
+        position = np.empty(len(first), np.int64)
+        position[order] = np.arange(len(first))
+        lines = [str(c).split("\n") for c in rows["caption"]]
+        caption_to_image = np.repeat(position[image_of_row.reshape(-1)], [len(x) for x in lines])
         return replace(self, size=n, labels=np.asarray(rows["cls"], np.int64),
-                       captions=[str(c) for c in rows["caption"]], caption_to_image=np.arange(n),
-                       keys=[str(k) for k in rows["key"]])
+                       captions=[line for x in lines for line in x], caption_to_image=caption_to_image,
+                       gallery=first[order], keys=[str(k) for k in rows["key"]])
+
+    def retrieval_images(self) -> np.ndarray:
+        """The rows of retrieval's gallery (every row where no digests grouped them)."""
+        return self.gallery if len(self.gallery) else np.arange(self.size)
 
     def head(self, n: int) -> "EvalData":
-        """The first n images with their captions (one caption per image), in memory: a quick held-out check."""
+        """The first n rows with their images' captions, in memory: a quick held-out check."""
         n = min(n, self.size)
-        keep = self.caption_to_image < n
+        kept = self.retrieval_images() < n  # distinct images whose first row is among the first n
+        position = np.cumsum(kept) - 1
+        keep = kept[self.caption_to_image]
         captions = [c for c, k in zip(self.captions, keep) if k]
         return EvalData(self.images[:n], n, self.labels[:n], captions=captions,
-                        caption_to_image=self.caption_to_image[keep], keys=self.keys[:n])
+                        caption_to_image=position[self.caption_to_image[keep]],
+                        gallery=self.retrieval_images()[kept], keys=self.keys[:n])
 
 
 def detect_kind(spec: str) -> str:
@@ -90,12 +110,13 @@ def detect_kind(spec: str) -> str:
 
 def from_batches(batches: list[dict]) -> EvalData:
     """In memory, from numpy batches of preprocessed shard rows (key, caption, image, cls), in key order."""
-    cols = {c: np.concatenate([b[c] for b in batches]) for c in ("key", "caption", "image", "cls")}
+    cols = {c: np.concatenate([b[c] for b in batches]) for c in ("key", "caption", "image", "cls", DIGEST)
+            if c in batches[0]}
     order = np.argsort(cols["key"].astype(str), kind="stable")
     return EvalData(cols["image"][order], 0, np.zeros(0, np.int64)).with_rows({c: cols[c][order] for c in cols})
 
 
-SHARD_COLUMNS = ["key", "caption", "cls"]  # and the image's (pipeline.image_column_names)
+SHARD_COLUMNS = ["key", "caption", "cls", DIGEST]  # and the image's (pipeline.image_column_names)
 
 
 def load_shards(spec: str, image_size: int, tokenizer_path: str, max_tokens: int, read_cpus: float,
@@ -131,15 +152,13 @@ def local_shards(spec: str, image_size: int, tokenizer_path: str, max_tokens: in
 def local_imagefolder(root: str, image_size: int, workers: int = 0, batch_size: int = 64) -> EvalData:
     """``load_imagefolder`` without Ray: the images read and decoded by a local loader's ``workers`` processes as
     they are embedded; the labels and size come with the rows (``with_rows``), undecodable files dropped."""
-    classes, files = _imagefolder_files(root)
-    class_of = {c: i for i, c in enumerate(classes)}
-    columns = {"index": np.arange(len(files)), "path": np.array(files, dtype=object)}
+    classes, files, labels = _imagefolder_files(root)
+    columns = {"index": np.arange(len(files)), "path": np.array(files, dtype=object), "cls": labels}
     images = local_read.Batches(
-        local_read.ListBatches(columns, batch_size, partial(_read_and_decode, image_size=image_size,
-                                                            class_of=class_of)),
+        local_read.ListBatches(columns, batch_size, partial(_read_and_decode, image_size=image_size)),
         local_read.loader_workers(workers), batch_size * 3 * image_size ** 2)
     return EvalData(images, 0, np.zeros(0, np.int64), [c.replace("_", " ") for c in classes],
-                    list(templates("clip_imagenet_short")))
+                    list(templates(DEFAULT_TEMPLATES)))
 
 
 def local_fashion_mnist(root: str, image_size: int, workers: int = 0, batch_size: int = 64, split: str = "t10k",
@@ -150,46 +169,57 @@ def local_fashion_mnist(root: str, image_size: int, workers: int = 0, batch_size
     images = local_read.Batches(
         local_read.ListBatches(columns, batch_size, partial(_to_rgb, image_size=image_size)),
         local_read.loader_workers(workers), batch_size * 3 * image_size ** 2)
-    return EvalData(images, len(labels), labels, list(fashion_mnist.CLASSES), list(templates("clip_imagenet_short")))
+    return EvalData(images, len(labels), labels, list(fashion_mnist.CLASSES), list(templates(DEFAULT_TEMPLATES)))
 
 
-def _read_and_decode(batch: dict, image_size: int, class_of: dict) -> dict:
-    out = _decode_files(_read_files(batch), image_size, class_of)
+def _read_and_decode(batch: dict, image_size: int) -> dict:
+    out = _decode_files(_read_files(batch), image_size)
     dropped = len(batch["index"]) - len(out["index"])
     return {**out, local_read.COUNTS: {"dropped_corrupt_image": dropped} if dropped else {}}
 
 
-def _decode_files(batch: dict, image_size: int, class_of: dict) -> dict:
+def _decode_files(batch: dict, image_size: int) -> dict:
     images, cls, index = [], [], []
-    for i, (path, data) in enumerate(zip(batch["path"], batch["bytes"])):
+    for i, data in enumerate(batch["bytes"]):
         img = decode_and_crop(data, image_size, None)
         if img is None:
             continue
         images.append(img)
-        cls.append(class_of[os.path.basename(os.path.dirname(path))])
+        cls.append(batch["cls"][i])
         index.append(batch["index"][i])
     return {"index": np.array(index, np.int64), "image": np.stack(images) if images else
             np.zeros((0, 3, image_size, image_size), np.uint8), "cls": np.array(cls, np.int64)}
 
 
-def _imagefolder_files(root: str) -> tuple[list[str], list[str]]:
-    """(the class folders' names, sorted; every image file under them, sorted)."""
+def _imagefolder_files(root: str) -> tuple[list[str], list[str], np.ndarray]:
+    """(the class folders' names, sorted; every image file under each, in its subfolders too; each file's class) as
+    torchvision's ImageFolder lists them (``make_dataset``: class by class, ``os.walk`` sorted, following links,
+    files by extension). Files of other extensions are left out and said, never silently."""
     root_path = Path(root).expanduser()
-    classes = sorted(d.name for d in root_path.iterdir() if d.is_dir())
-    files = sorted(str(p) for c in classes for p in (root_path / c).iterdir()
-                   if p.suffix.lower() in IMAGE_EXTENSIONS)
+    classes = sorted(d.name for d in os.scandir(root_path) if d.is_dir())
+    files, labels, other = [], [], 0
+    for i, c in enumerate(classes):
+        for folder, _, names in sorted(os.walk(root_path / c, followlinks=True)):
+            for name in sorted(names):
+                if name.lower().endswith(IMAGE_EXTENSIONS):
+                    files.append(os.path.join(folder, name))
+                    labels.append(i)
+                else:
+                    other += 1
     if not files:
         raise ValueError(f"{root}: no images in class folders")
-    return classes, files
+    if other:
+        print(f"rayvl eval: left out {other} files under {root} whose extension is not an image's "
+              f"({' '.join(IMAGE_EXTENSIONS)}, as torchvision's ImageFolder)")
+    return classes, files, np.array(labels, np.int64)
 
 
 def load_imagefolder(root: str, image_size: int, read_cpus: float) -> EvalData:
-    classes, files = _imagefolder_files(root)
-    class_of = {c: i for i, c in enumerate(classes)}
-    paths = ray.data.from_items([{"index": i, "path": f} for i, f in enumerate(files)])
+    classes, files, file_labels = _imagefolder_files(root)
+    paths = ray.data.from_items([{"index": i, "path": f, "cls": int(c)} for i, (f, c) in enumerate(zip(files,
+                                                                                                      file_labels))])
     ds = paths.map_batches(_read_files, batch_format="numpy", num_cpus=read_cpus).map_batches(
-        _decode_files, fn_kwargs={"image_size": image_size, "class_of": class_of}, batch_format="numpy",
-        num_cpus=read_cpus).materialize()
+        _decode_files, fn_kwargs={"image_size": image_size}, batch_format="numpy", num_cpus=read_cpus).materialize()
     labels = np.full(len(files), -1, np.int64)
     for row in ds.select_columns(["index", "cls"]).take_all():
         labels[row["index"]] = row["cls"]
@@ -200,11 +230,11 @@ def load_imagefolder(root: str, image_size: int, read_cpus: float) -> EvalData:
         ds = ds.map_batches(lambda b: {**b, "index": remap[b["index"]]}, batch_format="numpy")
         print(f"rayvl eval: dropped {int((~kept).sum())} undecodable images under {root}")
     return EvalData(ds, int(kept.sum()), labels[kept], [c.replace("_", " ") for c in classes],
-                    list(templates("clip_imagenet_short")))
+                    list(templates(DEFAULT_TEMPLATES)))
 
 
 def _read_files(batch: dict) -> dict:
-    return {"index": batch["index"], "path": batch["path"],
+    return {"index": batch["index"], "path": batch["path"], "cls": batch["cls"],
             "bytes": np.array([Path(p).read_bytes() for p in batch["path"]], dtype=object)}
 
 
@@ -218,7 +248,7 @@ def load_fashion_mnist(root: str, image_size: int, read_cpus: float, split: str 
     pixels, labels = fashion_mnist.read(root, split, limit)
     ds = fashion_mnist.rows(pixels, labels, split).map_batches(_to_rgb, fn_kwargs={"image_size": image_size},
                                                                batch_format="numpy", num_cpus=read_cpus)
-    return EvalData(ds, len(labels), labels, list(fashion_mnist.CLASSES), list(templates("clip_imagenet_short")))
+    return EvalData(ds, len(labels), labels, list(fashion_mnist.CLASSES), list(templates(DEFAULT_TEMPLATES)))
 
 
 def read_paraphrases(path: str | Path) -> list[dict]:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from rayvl.config import EVAL_TASKS
+from rayvl.data.prompts import SINGLE_TEMPLATE
 from rayvl.eval.data import EvalData
 from rayvl.eval.linear_probe import linear_probe as fit_linear_probe
 from rayvl.eval.linear_probe import split_indices
@@ -92,7 +93,8 @@ class TextsOnce:
 
 
 def zeroshot(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | None:
-    """Template-ensemble class embeddings (CLIP) and the first template alone."""
+    """Template-ensemble class embeddings (CLIP) and one template alone: CLIP's "a photo of a {}." where the set
+    has it, else its first."""
     known = data.labels >= 0
     prompts = zeroshot_texts(data)
     if not prompts:
@@ -100,7 +102,8 @@ def zeroshot(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | No
     per_template = embedder.texts(prompts).reshape(len(data.classes), len(data.templates), -1)
     images, labels = torch.from_numpy(emb["image"][known]), torch.from_numpy(data.labels[known])
     out = zeroshot_metrics(images, labels, torch.from_numpy(class_embeddings(per_template)))
-    single = zeroshot_metrics(images, labels, torch.from_numpy(class_embeddings(per_template[:, :1])))
+    one = data.templates.index(SINGLE_TEMPLATE) if SINGLE_TEMPLATE in data.templates else 0
+    single = zeroshot_metrics(images, labels, torch.from_numpy(class_embeddings(per_template[:, one:one + 1])))
     out.update({f"single_template_{name}": v for name, v in single.items() if "chance" not in name})
     out["zeroshot_classes"], out["zeroshot_templates"] = len(data.classes), len(data.templates)
     return out
@@ -117,7 +120,8 @@ def retrieval(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | N
     if not data.captions:
         return None
     emb["caption"] = embedder.texts(data.captions)
-    return retrieval_metrics(emb["image"], emb["caption"], data.caption_to_image)
+    # the distinct images: rows of one photo under several keys are one image with all their captions (EvalData)
+    return retrieval_metrics(emb["image"][data.retrieval_images()], emb["caption"], data.caption_to_image)
 
 
 def paraphrase(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | None:

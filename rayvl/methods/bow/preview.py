@@ -3,7 +3,9 @@ committing to a BoW run. The base-split statistics come from the same Ray Data p
 from __future__ import annotations
 
 import dataclasses
+import tarfile
 import tempfile
+import zlib
 from pathlib import Path
 
 from rayvl import session
@@ -49,11 +51,14 @@ def _captions(paths: list[str], n: int):
     shown = 0
     for path in paths:
         with open_shard(path) as f:
-            for sample in iter_tar_samples(f, ("key", "txt")):
-                text, reason = validate_caption(sample.get("txt"))
-                if reason:
-                    continue
-                yield sample["key"], text
-                shown += 1
-                if shown >= n:
-                    return
+            try:
+                for sample in iter_tar_samples(f, ("key", "txt")):
+                    text, reason = validate_caption(sample.get("txt"))
+                    if reason:
+                        continue
+                    yield sample["key"], text
+                    shown += 1
+                    if shown >= n:
+                        return
+            except (tarfile.TarError, EOFError, zlib.error):
+                continue  # a damaged shard's tail: the next shard's captions

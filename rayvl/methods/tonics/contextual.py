@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import tarfile
+import zlib
 
 import numpy as np
 
@@ -47,7 +49,7 @@ def tonics_heldout(result, data: str = "") -> dict:
     from rayvl.data.shard_io import open_shard
     from rayvl.data.specs import resolve_shards
     from rayvl.data.tar import iter_tar_samples
-    from rayvl.data.text import validate_caption
+    from rayvl.data.text import validate_caption_lines
     from rayvl.eval.runner import after_training
 
     out = after_training(result, data, ("retrieval",), "heldout_")
@@ -58,13 +60,22 @@ def tonics_heldout(result, data: str = "") -> dict:
     ontology = Ontology.build(x["classes"], x["overrides"], x["tags_field"])
     found: dict[str, set[int]] = {}
     spec = data or config["data"]["eval"]
+    lines: dict[str, int] = {}  # each sample's captions: `rayvl eval` embeds each line of a held-out caption
     for path in resolve_shards(spec):
         with open_shard(path) as f:
-            for sample in iter_tar_samples(f, ("key", "txt", "json")):
-                text, reason = validate_caption(sample.get("txt"))
-                if not reason:
-                    found[sample["key"]] = set(ontology.row_objects(text, sample.get("json"))) - {UNALIGNED}
+            try:
+                for sample in iter_tar_samples(f, ("key", "txt", "json")):
+                    text, reason = validate_caption_lines(sample.get("txt"))
+                    if not reason:
+                        found[sample["key"]] = set(ontology.row_objects(" ".join(text.split("\n")),
+                                                                        sample.get("json"))) - {UNALIGNED}
+                        lines[sample["key"]] = text.count("\n") + 1
+            except (tarfile.TarError, EOFError, zlib.error):
+                pass  # a damaged shard's tail: its samples were not evaluated either (counted in the eval's report)
     images, captions = (np.load(io.BytesIO(storage.read_bytes(storage.join(where, f"{name}_embeddings.npy"))))
                         for name in ("image", "caption"))
+    per_row = [lines.get(k, 1) for k in keys]
+    if len(captions) == sum(per_row) != len(keys):  # each row's first caption
+        captions = captions[np.cumsum([0, *per_row[:-1]])]
     metrics = same_object_recall(images, captions, [found.get(k, set()) for k in keys])
     return {**out, **{f"heldout_{k}": v for k, v in metrics.items()}}

@@ -1,0 +1,166 @@
+"""rayvl's evaluation scores as open_clip and CLIP_benchmark score: the crop is open_clip's evaluation transform
+(against its own ``preprocess``), retrieval groups an image's captions (the lines of one caption, one photo under
+several keys) and counts a query right as CLIP_benchmark does (a float64 reference over `rayvl eval`'s saved
+embeddings), zero-shot averages open_clip's 80 templates where a set brings none, ImageFolder trees are listed as
+torchvision's ImageFolder lists them."""
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from rayvl.compat import ensure_torchvision_importable
+
+ensure_torchvision_importable()  # open_clip and torchvision's datasets import it
+
+
+def photo(width: int, height: int, seed: int) -> Image.Image:
+    """A smooth photo-like RGB image: noise upsampled, so every crop offset and filter tap shows in the pixels."""
+    rng = np.random.default_rng(seed)
+    small = Image.fromarray(rng.integers(0, 256, (max(2, height // 8), max(2, width // 8), 3), dtype=np.uint8))
+    return small.resize((width, height), Image.BICUBIC)
+
+
+@pytest.mark.parametrize("size", [224, 32])
+def test_the_evaluation_crop_is_open_clips_preprocess(size):
+    """Landscape, portrait, near-square, odd and upscaled shapes: rayvl's crop (the CPU path, `rayvl eval`'s and
+    rayvl.load's) equals open_clip's evaluation transform pixel for pixel."""
+    import open_clip
+
+    from rayvl.data.images import centre_crop, crop
+
+    theirs = open_clip.image_transform(size, is_train=False)
+    mean = torch.tensor(open_clip.OPENAI_DATASET_MEAN).view(3, 1, 1)
+    std = torch.tensor(open_clip.OPENAI_DATASET_STD).view(3, 1, 1)
+    for i, (w, h) in enumerate([(640, 427), (427, 640), (512, 600), (225, 224), (1000, 333), (97, 150), (300, 300),
+                                (223, 1000), (1001, 999), (33, 61)]):
+        img = photo(w, h, i)
+        levels = ((theirs(img) * std + mean) * 255).round().to(torch.uint8).numpy()
+        mine = crop(img, size, None)
+        assert mine.shape == (3, size, size) and np.array_equal(mine, centre_crop(img, size))
+        assert np.abs(mine.astype(int) - levels.astype(int)).max() == 0, (w, h)
+
+
+def test_the_device_paths_evaluation_crop_is_the_whole_frame_resized_then_cut(demo_dir):
+    """--decode device: a JPEG's evaluation crop travels as its bytes with the CENTRE box; the device path (its
+    tensor code, run here on CPU tensors) resizes the whole frame and cuts its centre, within its stated tolerance
+    of the CPU path's crop."""
+    from rayvl import device_decode
+    from rayvl.data import encoded_jpegs
+    from rayvl.data.images import decode_and_crop
+
+    jpegs = []
+    for i, (w, h) in enumerate([(300, 220), (180, 260), (224, 224), (400, 301)]):
+        out = io.BytesIO()
+        photo(w, h, i).save(out, "JPEG", quality=95)
+        jpegs.append(out.getvalue())
+    prepared = [encoded_jpegs.prepare(d, 64, None, None) for d in jpegs]
+    assert all(box == (encoded_jpegs.CENTRE,) * 4 for _, box in prepared)
+    crops, ok = device_decode.decoded([d for d, _ in prepared], [b for _, b in prepared], 64, torch.device("cpu"))
+    reference = np.stack([decode_and_crop(d, 64, None) for d in jpegs]).astype(int)
+    diff = np.abs(crops.numpy().astype(int) - reference)
+    assert ok.all() and diff.mean() <= 0.5 and np.percentile(diff, 99.9) <= 4
+
+
+def _coco_style_shard(demo_dir, out) -> tuple[int, int]:
+    """The demo's held-out images stored as COCO-style shards store them — each photo under 3 keys with a caption
+    each — and 4 more samples whose text holds 2 captions, one a line (CLIP_benchmark's retrieval shards); (distinct
+    images, captions)."""
+    with tarfile.open(demo_dir / "eval" / "00000.tar") as src:
+        members = {m.name: src.extractfile(m).read() for m in src if m.isfile()}
+    stems = sorted(n[:-4] for n in members if n.endswith(".jpg"))[:24]
+    images, captions = 0, 0
+    with tarfile.open(out, "w") as tar:
+        def add(name: str, data: bytes) -> None:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+        for i, stem in enumerate(stems):
+            caption = members[f"{stem}.txt"].decode()
+            copies = [caption, f"{caption} again", f"another view: {caption}"] if i < 20 else [
+                f"{caption}\n  a second  caption of it \n"]
+            for j, text in enumerate(copies):
+                key = f"{i:04d}{j}"
+                add(f"{key}.jpg", members[f"{stem}.jpg"])
+                add(f"{key}.txt", text.encode())
+                add(f"{key}.json", b"{}")
+            images += 1
+            captions += 3 if i < 20 else 2
+    return images, captions
+
+
+def _clip_benchmark_recall(images: np.ndarray, texts: np.ndarray, positive: np.ndarray, k: int) -> tuple[float, float]:
+    """CLIP_benchmark's zeroshot_retrieval: scores = texts @ images.T, positive pairs a (texts, images) matrix; a
+    text is right when any of its positive images is in its top k, an image when any of its positive texts is."""
+    scores = texts.astype(np.float64) @ images.astype(np.float64).T
+    top_images = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    t2i = np.take_along_axis(positive, top_images, axis=1).any(1).mean()
+    top_texts = np.argsort(-scores.T, axis=1, kind="stable")[:, :k]
+    i2t = np.take_along_axis(positive.T, top_texts, axis=1).any(1).mean()
+    return 100 * t2i, 100 * i2t
+
+
+def test_retrieval_groups_an_images_captions_as_clip_benchmark_does(demo_dir, tmp_path):
+    """`rayvl eval` (one model in its process, no Ray) of COCO-style shards: each distinct image once in the
+    gallery with all its captions, and R@k as CLIP_benchmark's rule gives it from the same saved embeddings."""
+    from conftest import untrained_checkpoint
+    from rayvl.cli import main
+
+    shards = tmp_path / "coco"
+    shards.mkdir()
+    images, captions = _coco_style_shard(demo_dir, shards / "00000.tar")
+    checkpoint = untrained_checkpoint(demo_dir, tmp_path / "ckpt") / "checkpoint_000000"
+    out = tmp_path / "eval"
+    assert main(["eval", str(checkpoint), "--tasks", "retrieval", "--data", str(shards), "--out", str(out)]) == 0
+    scored = json.loads((out / "eval.json").read_text())["retrieval"]
+    assert (scored["retrieval_images"], scored["retrieval_captions"]) == (images, captions) == (24, 68)
+    rows = np.load(out / "image_embeddings.npy")  # a row a sample: 68 - 4 = 64
+    texts = np.load(out / "caption_embeddings.npy")
+    keys = json.loads((out / "keys.json").read_text())
+    assert len(rows) == len(keys) == 64 and len(texts) == captions
+    # the reference's own grouping, from the keys this test wrote: photo i is samples "i j", its captions in order
+    photo_of_row = np.array([int(k[:4]) for k in keys])
+    gallery = np.array([np.flatnonzero(photo_of_row == i)[0] for i in range(images)])
+    text_photo = np.concatenate([[int(k[:4])] * (1 if int(k[:4]) < 20 else 2) for k in keys])
+    positive = text_photo[:, None] == np.arange(images)[None, :]
+    for k in (1, 5, 10):
+        t2i, i2t = _clip_benchmark_recall(rows[gallery], texts, positive, k)
+        assert scored[f"t2i_R@{k}"] == pytest.approx(t2i, abs=1e-9) and scored[f"i2t_R@{k}"] == pytest.approx(
+            i2t, abs=1e-9), k
+
+
+def test_zero_shot_averages_open_clips_80_templates_where_a_set_brings_none(tmp_path):
+    """A class file without templates gets open_clip's 80 (its OPENAI_IMAGENET_TEMPLATES, in order); the single-
+    template rows take CLIP's "a photo of a {}."."""
+    from open_clip.zero_shot_metadata import OPENAI_IMAGENET_TEMPLATES
+
+    from rayvl.data.prompts import SINGLE_TEMPLATE, read_class_file
+
+    path = tmp_path / "classes.json"
+    path.write_text(json.dumps(["cat", "dog"]))
+    classes, templates = read_class_file(path)
+    assert classes == ["cat", "dog"] and len(templates) == 80
+    assert [t.format("cat") for t in templates] == [t("cat") for t in OPENAI_IMAGENET_TEMPLATES]
+    assert SINGLE_TEMPLATE in templates and templates.index(SINGLE_TEMPLATE) > 0
+
+
+def test_an_image_folder_lists_what_torchvisions_image_folder_lists(tmp_path, capsys):
+    """Subfolders, upper-case and .tif files are images; a .txt is left out and said."""
+    from torchvision.datasets import ImageFolder
+
+    from rayvl.eval.data import _imagefolder_files
+
+    for path in ("cat/a.jpg", "cat/nested/b.PNG", "cat/c.tif", "dog/d.webp", "dog/deeper/more/e.jpeg"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        photo(8, 8, 0).save(tmp_path / path, "TIFF" if path.endswith(".tif") else "PNG")
+    (tmp_path / "dog" / "notes.txt").write_text("not an image")
+    classes, files, labels = _imagefolder_files(str(tmp_path))
+    theirs = ImageFolder(str(tmp_path))
+    assert classes == theirs.classes and [(f, int(c)) for f, c in zip(files, labels)] == theirs.samples
+    assert "left out 1 files" in capsys.readouterr().out
