@@ -232,16 +232,32 @@ def _cpus(values: list[float]) -> str:
     return "/".join(f"{v:g}" for v in values)
 
 
-def check_storage(cfg: RayvlConfig, nodes: int | None = None) -> None:
-    """Every node writes its workers' checkpoint shards to ``train.storage_path`` and the driver reads them back:
-    on a cluster of several nodes a plain local path would scatter a run over the nodes' own disks."""
+def check_storage(cfg: RayvlConfig, nodes: int | None = None, key: str = "train.storage_path",
+                  grows: bool = False) -> None:
+    """Every node writes its workers' checkpoint shards to the run's storage and the driver reads them back: on a
+    cluster of several nodes — or of one node now whose autoscaler may add more (cluster.yaml's GPU workers start
+    from 0; ``grows``, read from the autoscaler's config when ``nodes`` is not given) — a plain local path would
+    scatter a run over the nodes' own disks, and Ray Train's workers fail at their first checkpoint. ``key``: the
+    storage the command writes — a training run's ``train.storage_path``, a sweep's ``tune.storage_path`` (its
+    trials' runs go under it, whatever train.storage_path says)."""
     if nodes is None:
         nodes = sum(1 for n in ray.nodes() if n["Alive"])
-    for key, path in (("train.storage_path", cfg.train.storage_path), ("tune.storage_path", cfg.tune.storage_path)):
-        if nodes > 1 and storage.local_path(path) is not None and not cfg.train.shared_storage:
-            raise ConfigError(f"{key}: {path!r} is on this machine's disk, but the cluster has {nodes} nodes: use "
-                              f"object storage (s3://..., gs://...) or set train.shared_storage=true if it is a mount "
-                              f"every node shares")
+        config = autoscaler_config() if nodes <= 1 else None
+        grows = config is not None and any(most > 0 for _, most in _worker_types(config))
+    path = cfg.train.storage_path if key == "train.storage_path" else cfg.tune.storage_path
+    if (nodes > 1 or grows) and storage.local_path(path) is not None and not cfg.train.shared_storage:
+        where = f"the cluster has {nodes} nodes" if nodes > 1 else \
+            "the cluster's autoscaler may add nodes (its config has worker node types)"
+        raise ConfigError(f"{key}: {path!r} is on this machine's disk, but {where}: use object storage "
+                          f"(s3://..., gs://...), or set train.shared_storage=true if it is a mount every node "
+                          f"shares")
+    clip = cfg.model.init_from_clip  # every worker reads it (rayvl.models.whole_clip.local)
+    if clip and (nodes > 1 or grows) and not storage.is_url(clip) and not cfg.train.shared_storage:
+        where = f"the cluster has {nodes} nodes" if nodes > 1 else "the cluster's autoscaler may add nodes"
+        raise ConfigError(f"model.init_from_clip: {clip!r} is on this machine's disk, but {where} and every "
+                          f"worker reads it: give its weights file on object storage (s3://..., gs://...; each node "
+                          f"copies it once), or set train.shared_storage=true if the path is on a mount every node "
+                          f"shares")
 
 
 def largest_cluster() -> tuple[dict[str, float], bool]:

@@ -168,6 +168,32 @@ def download(path: str) -> Path:
     return target
 
 
+def download_file(path: str) -> Path:
+    """A local copy of a remote file (a whole CLIP's weights), cached under ~/.cache/rayvl by URL as ``download``
+    caches folders: each node copies it once, the processes of one node wait for one copy (a lock), and a copy
+    is complete before it is used (written under another name, then renamed)."""
+    from filelock import FileLock
+
+    local = local_path(path)
+    if local is not None:
+        return local
+    cache = Path(os.environ.get("RAYVL_CACHE", "~/.cache/rayvl")).expanduser() / "downloads"
+    target = cache / hashlib.sha1(path.encode()).hexdigest()[:16] / posixpath.basename(path.rstrip("/"))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.parent / ".lock")):
+        if not target.exists():
+            fs, inner = filesystem(path)
+            with fs.open_input_stream(inner) as src:
+                replaced(target, lambda tmp: _copy_stream(src, tmp))
+    return target
+
+
+def _copy_stream(src, out: Path, chunk: int = 16 << 20) -> None:
+    with open(out, "wb") as f:
+        while data := src.read(chunk):
+            f.write(data)
+
+
 def download_to(path: str, local: Path) -> None:
     """Copy a folder of the storage (a URL) into a local folder, keeping the files' relative paths (uncached: for
     folders that change, unlike ``download``'s checkpoints)."""

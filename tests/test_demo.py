@@ -114,5 +114,12 @@ def test_expected_samples_are_img2dataset_successes(demo_dir, tmp_path):
             table = table.set_column(table.column_names.index("status"), "status", pa.array(status))
         pq.write_table(table, tmp_path / f"{name}.parquet")
     assert expected_samples(str(tmp_path)) == 128 + 125
-    (tmp_path / "00001.parquet").unlink()  # a shard without its parquet counts for nothing, the rest still counts
-    assert expected_samples(str(tmp_path)) == 128
+    (tmp_path / "00001.parquet").unlink()  # a shard without its parquet counts as the counted ones average
+    assert expected_samples(str(tmp_path)) == 256
+    # an interrupted img2dataset's parquet (no footer): left out and said, not a crash before Ray starts
+    cut = tmp_path / "00000.parquet"
+    cut.write_bytes(cut.read_bytes()[:300])
+    from rayvl.data.shards import pass_size
+
+    size, how = pass_size(sorted(str(p) for p in tmp_path.glob("*.tar")))
+    assert size is None and how.startswith(f"1 parquet files beside the shards are unreadable (e.g. {cut}")

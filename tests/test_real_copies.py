@@ -67,9 +67,10 @@ def test_shards_of_every_image_format_and_metadata_are_checked_and_trained_with_
     spec = f"{copies}/{{00000..00003}}.tar"
     code, out, err = cli(capsys, "data", "check", spec, "-n", "4")
     assert code == 0, err
-    # the two img2dataset parquets count, the DataComp one is named and not counted, the last shard has none
-    assert ("64 samples a pass (counted in the img2dataset parquet files of 2 of 4 local shards; 1 parquet files "
-            "beside the shards are not img2dataset's (no status column): not counted)") in out
+    # the two img2dataset parquets count, for the four shards (the DataComp one is named and not counted, the last
+    # shard has none): their average times four
+    assert ("128 samples a pass (counted in the img2dataset parquet files of 2 of 4 local shards, extrapolated; 1 "
+            "parquet files beside the shards are not img2dataset's (no status column): not counted)") in out
     assert f"00000.tar: {demo_key(copies)}: 112×112 webp, '" in out
     assert f"of the first 32 samples of the first and the last shard: dropped_missing_image {TIFF_ONLY}, kept " \
            f"{2 * PER_SHARD - TIFF_ONLY}" in out

@@ -71,6 +71,11 @@ def test_truncated_shard_costs_only_its_tail(ray_local, demo_dir, tmp_path):
     whole = (demo_dir / "train" / "00000.tar").read_bytes()
     (tmp_path / "00000.tar").write_bytes(whole[: len(whole) // 2 + 777])  # cut inside a member
     (tmp_path / "00001.tar").write_bytes((demo_dir / "train" / "00001.tar").read_bytes())
+    # cut where a member's header starts (a copy that stopped between members): tarfile's stream reads the missing
+    # header as the archive's end; rayvl finds no end-of-archive blocks there and counts the shard
+    with tarfile.open(demo_dir / "train" / "00002.tar") as tar:
+        boundary = [m.offset for m in tar.getmembers()][90]  # 30 whole samples of jpg, json, txt before it
+    (tmp_path / "00002.tar").write_bytes((demo_dir / "train" / "00002.tar").read_bytes()[:boundary])
     name = "test-report-truncated"
     report = create_report(name)
     rows = _read(str(tmp_path), name)
@@ -79,9 +84,11 @@ def test_truncated_shard_costs_only_its_tail(ray_local, demo_dir, tmp_path):
     assert {f"00001{i:04d}" for i in range(128)} <= keys  # the intact shard is read completely
     from_cut = sorted(k for k in keys if k.startswith("00000"))
     assert 55 <= len(from_cut) < 128 and from_cut == [f"00000{i:04d}" for i in range(len(from_cut))]
-    (path, why), = snap["bad_shards"].items()
+    assert sorted(k for k in keys if k.startswith("00002")) == [f"00002{i:04d}" for i in range(30)]
+    (path, why), (at_header, ended) = sorted(snap["bad_shards"].items())
     assert path.endswith("00000.tar") and "after" in why
-    assert snap["counts"]["samples_kept"] == len(rows) and snap["counts"]["truncated_shards"] == 1
+    assert at_header.endswith("00002.tar") and f"no end-of-archive blocks at byte {boundary:,}" in ended
+    assert snap["counts"]["samples_kept"] == len(rows) and snap["counts"]["truncated_shards"] == 2
 
 
 def test_eval_rows_carry_class_and_center_crop(ray_local, demo_dir):

@@ -62,6 +62,33 @@ def test_every_local_form(shard_dir):
                                   f"'{a}/{{00000..00009}}.tar' names)")
 
 
+def test_folders_and_globs_list_shards_not_img2datasets_side_files(shard_dir, tmp_path, capsys):
+    """img2dataset writes a .parquet and a _stats.json beside each shard: a folder, a glob over its output (`0000*`)
+    and the same as a file:// URL list the shards alone, .tar.gz ones too; a first shard that is no tar is a line
+    of the dry run's data check, not a traceback."""
+    import gzip
+
+    from rayvl.cli import main
+
+    out = tmp_path / "laion"
+    out.mkdir()
+    shutil.copy(shard_dir / "a" / "00000.tar", out / "00000.tar")
+    (out / "00001.tar.gz").write_bytes(gzip.compress((shard_dir / "a" / "00001.tar").read_bytes()))
+    for name in ("00000.parquet", "00000_stats.json", "00001.parquet", "00001_stats.json"):
+        (out / name).write_bytes(b"side file")
+    shards = [str(out / "00000.tar"), str(out / "00001.tar.gz")]
+    assert resolve_shards(str(out)) == resolve_shards(f"{out}/0000*") == shards
+    assert resolve_shards(f"file://{out}/0000*") == [f"file://{s}" for s in shards]
+    empty = tmp_path / "damaged"
+    empty.mkdir()
+    (empty / "00000.tar").write_bytes(b"")  # a shard img2dataset had not begun
+    shutil.copy(shard_dir / "a" / "00001.tar", empty / "00001.tar")
+    assert main(["data", "check", str(empty), "-n", "2"]) == 0
+    said = capsys.readouterr().out
+    assert f"{empty / '00000.tar'}: no sample (an empty or damaged shard)" in said
+    assert "damaged after 0 samples (ReadError: empty file): the run reads those and counts the shard" in said
+
+
 def test_pipe_commands_are_shards(shard_dir, tmp_path):
     """``pipe:`` streams a command's output (webdataset's convention); a command that fails half-way is run again
     and its first bytes skipped, so the tar parser sees one whole shard."""

@@ -134,6 +134,10 @@ def test_cluster_yaml_passes_rays_schema_and_keeps_the_dashboard_private(tmp_pat
     assert len(hosts) == 1 and hosts.pop().startswith("ami-")
     starts = " ".join(config["head_start_ray_commands"])
     assert "--dashboard-host=127.0.0.1" in starts and "0.0.0.0" not in starts
+    # every worker type reads S3 with its own role (Ray gives its role to the head only)
+    assert all("IamInstanceProfile" in t["node_config"] for name, t in types.items() if name != "head")
+    # the working tree goes to every node without .venv/ and the rest .gitignore leaves out, and without .git
+    assert config["rsync_filter"] == [".gitignore"] and "**/.git" in config["rsync_exclude"]
     ports = [(p["FromPort"], p["ToPort"]) for p in raw["provider"]["security_group"]["IpPermissions"]]
     assert ports == [(22, 22)]  # SSH is the only way in
     setup = config["setup_commands"]
@@ -203,6 +207,17 @@ def test_local_storage_on_several_nodes_is_refused_naming_the_key():
         check_storage(load_config(None, ["train.storage_path=file:///tmp/runs"]), nodes=3)
     check_storage(load_config(None, ["train.storage_path=s3://bucket/runs", "tune.storage_path=gs://b/s"]), nodes=3)
     check_storage(load_config(None, ["train.shared_storage=true"]), nodes=3)  # a mount every node shares
+    # each command checks the storage it writes: a training run its train.storage_path (the README's cluster command
+    # sets only that one), a sweep its tune.storage_path (its trials' runs go under it)
+    run = load_config(None, ["train.storage_path=s3://bucket/runs"])  # tune.storage_path left local
+    check_storage(run, nodes=3)
+    with pytest.raises(ConfigError, match=r"^tune\.storage_path: '~/rayvl-sweeps' is on this machine's disk"):
+        check_storage(run, nodes=3, key="tune.storage_path")
+    check_storage(load_config(None, ["tune.storage_path=s3://bucket/sweeps"]), nodes=3, key="tune.storage_path")
+    # one node now, but an autoscaler that may add workers (cluster.yaml's start from 0): refused before Ray starts
+    with pytest.raises(ConfigError, match=r"^train\.storage_path: '/tmp/runs' is on this machine's disk, but the "
+                                          r"cluster's autoscaler may add nodes"):
+        check_storage(cfg, nodes=1, grows=True)
 
 
 @pytest.mark.ray
@@ -335,7 +350,7 @@ def test_a_start_stopped_by_a_check_writes_no_settings_and_starts_again(tmp_path
     sweep = load_sweep(_space(tmp_path), [f"tune.storage_path={tmp_path / 'sweeps'}"])
     sweep_dir = directory.sweep_directory(sweep.base_config(), "space")
 
-    def refused(cfg, nodes=None):
+    def refused(cfg, nodes=None, key="train.storage_path", grows=False):
         raise ConfigError("tune.storage_path: on this machine's disk, but the cluster has 3 nodes")
 
     monkeypatch.setattr(session, "connect", lambda *args, **kwargs: False)  # a cluster joined, on paper

@@ -487,3 +487,41 @@ def test_a_whole_clip_trains_as_open_clip_trains_it(tmp_path):
     assert sum(p.numel() for p in decay["params"]) == sum(
         p.numel() for name, p in released.named_parameters() if decayed_theirs(name, p))
     assert any(p is model.vision.backbone.cls_token for p in no_decay["params"])
+
+
+def test_a_whole_clip_on_object_storage_is_copied_once_a_node_and_a_local_one_is_refused_on_a_cluster(
+        s3, tmp_path, monkeypatch):
+    """On a cluster every worker reads model.init_from_clip: a weights file on object storage is copied into each
+    node's download cache once and read from there; a path on the driver's disk is refused before Ray starts on a
+    cluster of several nodes (or one whose autoscaler may add some), unless it is on a shared mount."""
+    from rayvl import storage
+    from rayvl.models import whole_clip
+    from rayvl.session import check_storage
+
+    monkeypatch.setenv("RAYVL_CACHE", str(tmp_path / "cache"))
+    local = tmp_path / "clip.pt"
+    torch.save(open_clip_model().state_dict(), local)
+    url = "s3://rayvl-test/models/clip.pt"
+    storage.write_bytes(url, local.read_bytes())
+    cfg = load_config("configs/clip_finetune.yaml", [f"model.init_from_clip={url}",
+                                                     "train.storage_path=s3://rayvl-test/runs"])
+    assert cfg.model.clip.vision_width == 64 and cfg.data.max_text_tokens == 77
+    copy = whole_clip.local(url)
+    assert copy.read_bytes() == local.read_bytes() and str(copy).startswith(str(tmp_path / "cache"))
+    storage.write_bytes(url, b"changed")  # read from the node's copy from now on, not fetched again
+    assert whole_clip.local(url) == copy and copy.read_bytes() == local.read_bytes()
+    mine = build_model(cfg.model).state_dict()
+    theirs = build_model(load_config("configs/clip_finetune.yaml",
+                                     [f"model.init_from_clip={local}"]).model).state_dict()
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    check_storage(cfg, nodes=3)  # every node reaches it
+    on_driver = load_config("configs/clip_finetune.yaml", [f"model.init_from_clip={local}",
+                                                           "train.storage_path=s3://rayvl-test/runs"])
+    check_storage(on_driver, nodes=1)
+    for nodes, grows in ((3, False), (1, True)):
+        with pytest.raises(ConfigError, match=r"^model\.init_from_clip: .* on this machine's disk, but the cluster"):
+            check_storage(on_driver, nodes=nodes, grows=grows)
+    check_storage(load_config("configs/clip_finetune.yaml", [f"model.init_from_clip={local}",
+                                                             "train.shared_storage=true"]), nodes=3)
+    with pytest.raises(ConfigError, match=r"^model\.init_from_clip: .*a Hugging Face CLIP folder must be a local"):
+        whole_clip.local("s3://rayvl-test/models/hf-clip/")

@@ -662,8 +662,10 @@ def base_run(check: Check) -> str:
 
 def copied_shards(shards: list[str], images: int, out: Path, shard_size: int = 1000) -> str:
     """At least ``images`` samples written as new img2dataset shards under ``out``: the samples of ``shards`` again
-    and again, each copy under new keys (a key's digits prefixed by the copy number). Throughput at scale without
-    generating scenes; the comma-separated shard paths."""
+    and again, each copy under new keys (a key's digits prefixed by the copy number), each copied image's bytes
+    followed by a few of their own after its end (which decoders leave unread), so that retrieval, which takes
+    samples of the same image bytes for one image (rayvl.eval.data), searches every copy. Throughput at scale
+    without generating scenes; the comma-separated shard paths."""
     import io
     import tarfile
 
@@ -683,8 +685,11 @@ def copied_shards(shards: list[str], images: int, out: Path, shard_size: int = 1
         with tarfile.open(path, "w") as tar:
             for i in range(min(shard_size, images - written)):
                 key, files = samples[(written + i) % len(samples)]
-                new = f"{(written + i) // len(samples):03d}{key}"
+                copy = (written + i) // len(samples)
+                new = f"{copy:03d}{key}"
                 for ext, data in files.items():
+                    if ext in ("jpg", "jpeg", "png", "webp") and copy:
+                        data += f"copy{copy}".encode()
                     if ext == "json":
                         meta = json.loads(data)
                         meta["key"] = new

@@ -41,9 +41,31 @@ _BLOCKS = re.compile(r"(visual\.)?transformer\.resblocks\.(\d+)\.(.+)")
 
 # ----------------------------------------------------------------------------- reading
 
+WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
+
+
+def local(source: str) -> Path:
+    """The CLIP's path on this machine: a local path as it is; a weights file on object storage (``s3://``,
+    ``gs://``: what every node of a cluster reads) copied once a node into rayvl's download cache. A Hugging Face
+    folder is read where it is: a local path, or a mount every node shares."""
+    from rayvl import storage
+
+    if not storage.is_url(source):
+        return Path(source).expanduser()
+    if not source.endswith(WEIGHT_SUFFIXES):
+        raise ConfigError(f"{KEY}: {source!r}: on object storage rayvl reads a CLIP's weights file "
+                          f"({', '.join(WEIGHT_SUFFIXES)}); a Hugging Face CLIP folder must be a local path or on a "
+                          f"mount every node shares")
+    try:
+        return storage.download_file(source)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{KEY}: cannot read {source!r}: {' '.join(str(e).split())}") from None
+
+
 def read(source: str) -> dict:
-    """The whole CLIP at ``source`` as an OpenAI-layout state dict (tensors memory-mapped where the format allows)."""
-    path = Path(source).expanduser()
+    """The whole CLIP at ``source`` (a path, or a weights file's URL: ``local``) as an OpenAI-layout state dict
+    (tensors memory-mapped where the format allows)."""
+    path = local(source)
     if path.is_dir():
         return from_hugging_face(path)
     if not path.is_file():
@@ -263,8 +285,8 @@ def settings(source: str) -> dict:
     temperature, and the image size and text context it was trained at (open_clip tokenizes to the whole context:
     77 tokens for every released CLIP; rayvl's default for other text towers is fewer)."""
     state = read(source)
-    arch = architecture(state, source)
-    path = Path(source).expanduser()
+    path = local(source)  # a URL's copy, read once above
+    arch = architecture(state, str(path))
     return {
         "model": {"vision": "clip", "text": str(path) if path.is_dir() else "clip", "clip": arch,
                   "embed_dim": arch["embed_dim"], "vision_projection": "linear", "text_projection": "linear",

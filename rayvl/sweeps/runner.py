@@ -29,7 +29,7 @@ def run_sweep(sweep: Sweep, overrides: list[str] = (), name: str = "", resume: b
     fs, inner = storage.filesystem(storage.normalize(base.tune.storage_path), patient=True)  # Tune's state
     session.check_local_gpus(base)
     fixed_size = session.connect(base.ray_address, base.local_num_cpus)
-    session.check_storage(base)
+    session.check_storage(base, key="tune.storage_path")  # the trials' runs go under it
     session.check_gpus(base, fixed_size)
     at_once = 0 if resume else capacity.trials_at_once(sweep, base, fixed_size)
     trainable = tune.with_resources(trial, base.tune.driver_bundle())
