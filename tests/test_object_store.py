@@ -90,6 +90,14 @@ def test_a_run_on_object_storage_through_faults_trains_every_row_once_and_resume
     assert history[-1]["data_rows_trained"] == 384 and history[-1]["data_duplicate_rows"] == 0
     record = json.loads(storage.read_text(f"{resumed.uri}/run.json"))  # each start's end, in the bucket
     assert [i["status"] for i in record["invocations"]] == ["stopped", "finished"] and record["status"] == "finished"
+    # the shards it reads, which a resume must list again: another list is refused before Ray starts
+    assert record["train_shards"]["shards"] == 12
+    from rayvl.config import ConfigError
+    from rayvl.train.run_plan import plan_run
+
+    other = [a for a in args if not a.startswith("data.train=")] + ["data.train=" + spec.replace("00011", "00010")]
+    with pytest.raises(ConfigError, match=r"^data\.train: this resume lists 11 instead of its 12 shards"):
+        plan_run(small_config(demo_dir, tmp_path, *other, "train.resume=true"))
     assert json.loads(storage.read_text(f"{resumed.uri}/eval.json"))["step"] == 12
     (tmp_path / "mlflow.db").write_bytes(storage.read_bytes(f"{resumed.uri}/mlruns/mlflow.db"))
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")  # MLflow's store beside the run: one run, both starts

@@ -2,8 +2,10 @@
 every form resolves to the shards it names, checks cost no more for 41,408 objects than for 2, and an I/O error
 costs no row — it is retried and resumed, or it fails naming the shard (no Ray here; the training run over S3
 is in test_object_store.py)."""
+import io
 import os
 import shutil
+import tarfile
 from collections import Counter
 
 import pytest
@@ -49,6 +51,10 @@ def test_every_local_form(shard_dir):
     listing = shard_dir / "list.txt"
     listing.write_text(f"{three[1]}\n\n{three[0]}\n")
     assert resolve_shards(str(listing)) == [three[1], three[0]]
+    gone = shard_dir / "gone.txt"  # a list's local names must exist too, checked before Ray starts
+    gone.write_text(f"{three[1]}\n{a}/00009.tar\n")
+    with pytest.raises(DataPlaneError, match=r"00009\.tar' does not exist"):
+        resolve_shards(str(gone))
     for bad, named in ((f"{a}/{{00000..00003}}.tar", "00003.tar"), (f"{a}::{shard_dir}/nothing", "nothing"),
                        (f"{a}/x*.tar", "x*.tar")):
         with pytest.raises(DataPlaneError, match=named):  # each part must name something: no silent typo
@@ -77,6 +83,18 @@ def test_folders_and_globs_list_shards_not_img2datasets_side_files(shard_dir, tm
     for name in ("00000.parquet", "00000_stats.json", "00001.parquet", "00001_stats.json"):
         (out / name).write_bytes(b"side file")
     shards = [str(out / "00000.tar"), str(out / "00001.tar.gz")]
+    # macOS's tar puts a ._ file before each member (its extended attributes): no key, not a sample (as webdataset)
+    mac = tmp_path / "mac.tar"
+    with tarfile.open(shard_dir / "a" / "00000.tar") as src, tarfile.open(mac, "w") as dst:
+        for m in src.getmembers()[:6]:
+            for name in (f"._{m.name}", m.name):
+                data = src.extractfile(m).read() if name == m.name else b"\x00\x05\x16\x07 attributes"
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                dst.addfile(info, io.BytesIO(data))
+    with open(mac, "rb") as f:
+        got = [sorted(k for k in x if x[k] is not None) for x in iter_tar_samples(f)]
+    assert got == [["img", "img_ext", "json", "key", "txt"]] * 2
     assert resolve_shards(str(out)) == resolve_shards(f"{out}/0000*") == shards
     assert resolve_shards(f"file://{out}/0000*") == [f"file://{s}" for s in shards]
     empty = tmp_path / "damaged"

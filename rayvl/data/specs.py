@@ -139,9 +139,12 @@ def _add_local(path: str, found: Resolved) -> None:
         listed = sorted(p for p in glob.glob(os.path.join(glob.escape(path), "*")) if p.endswith(SHARD_SUFFIXES)
                         and os.path.isfile(p))
     elif path.endswith(".txt") and os.path.isfile(path):
-        # a list file: one shard (path, URL or pipe:) per line, taken as written
+        # a list file: one shard (path, URL or pipe:) per line, taken as written; a local one must exist, as every
+        # local name a spec gives (a missing one would fail the run when its turn comes)
         lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
-        found.paths += lines
+        local = [x for x in lines if not is_pipe(x) and not storage.is_url(x)]
+        found.missing += [x for x in local if not os.path.isfile(os.path.expanduser(x))]
+        found.paths += [x for x in lines if x not in set(found.missing)]
         found.from_lists += len(lines)
         return
     elif any(c in os.path.basename(path) for c in GLOB_CHARS):  # the shards it matches, as a folder's

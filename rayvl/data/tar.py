@@ -53,6 +53,8 @@ def iter_tar_samples(f, columns: tuple[str, ...] = COLUMNS) -> Iterator[dict]:
             if not member.isreg():
                 continue
             stem, _, ext = os.path.basename(member.name).partition(".")
+            if not stem:  # no key before the first dot: macOS's ._ files, dotfiles (webdataset skips them too)
+                continue
             if current and current["key"] != stem:
                 yield current
                 current = {}

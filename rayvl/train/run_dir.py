@@ -197,13 +197,39 @@ def continue_records(run_dir: str, logs: Path, resume: bool) -> None:
                 storage.download_to(remote, target)
 
 
-def run_record(cfg: RayvlConfig, run_dir: str, name: str) -> dict:
-    """What started the run: its config, the git commit of the code, the command line — saved as ``run.json`` in
-    the run directory (each resume adds its invocation) and given to the experiment loggers."""
+def shard_list(paths) -> dict:
+    """The training shards a run reads, as its run.json keeps them: their count and a digest of the list in its
+    order (the data position counts finished shards by their place in it: rayvl.data.position)."""
+    paths = list(paths)
+    return {"shards": len(paths), "digest": hashlib.sha1("\n".join(paths).encode()).hexdigest()[:16]}
+
+
+def check_same_shards(run_dir: str, paths, step: int) -> None:
+    """A resume reads the shards the run started on, in the same order: another list — shards added to its folder,
+    another brace range, one replaced — would mark other shards finished, or fail inside a worker. Refused before
+    Ray starts, naming data.train; runs whose run.json does not say (an earlier rayvl's) are not compared."""
+    path = storage.join(run_dir, RUN_FILE)
+    if not paths or not storage.is_file(path):
+        return
+    then, now = json.loads(storage.read_text(path)).get("train_shards"), shard_list(paths)
+    if then is not None and then != now:
+        same = "the same number of" if then["shards"] == now["shards"] else f"{now['shards']} instead of its"
+        raise ConfigError(
+            f"data.train: this resume lists {same} {then['shards']} shards, but not the run's own list (its run.json: "
+            f"digest {then['digest']}, now {now['digest']}; checkpoint at step {step}) — a resume continues the run's "
+            f"data position, which counts its shards by their place: resume with the data.train the run started "
+            f"with, or start a new run from its weights with --init-from {run_dir}")
+
+
+def run_record(cfg: RayvlConfig, run_dir: str, name: str, train_shards=()) -> dict:
+    """What started the run: its config, the training shards it reads (``shard_list``), the git commit of the code,
+    the command line — saved as ``run.json`` in the run directory (each resume adds its invocation) and given to the
+    experiment loggers."""
     path = storage.join(run_dir, RUN_FILE)
     earlier = json.loads(storage.read_text(path))["invocations"] if storage.is_file(path) else []
     record = {"name": name, "run_dir": run_dir, "config": cfg.to_dict(), "git_commit": git_commit(),
-              "argv": list(sys.argv), "rayvl_version": __version__}
+              "argv": list(sys.argv), "rayvl_version": __version__,
+              **({"train_shards": shard_list(train_shards)} if train_shards else {})}
     invocation = {k: record[k] for k in ("git_commit", "argv")} | {"started": _stamp(), "started_unix": time.time(),
                                                                    "status": "running"}
     storage.write_text(path, json.dumps({**record, "status": "running", "invocations": earlier + [invocation]},

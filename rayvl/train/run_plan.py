@@ -17,7 +17,7 @@ from rayvl.data.demo import DEMO_SHARD_SIZE
 from rayvl.train import datasets
 from rayvl.train.datasets import ResolvedData
 from rayvl.train.layout import Layout, resolve
-from rayvl.train.run_dir import refuse_finished, run_paths
+from rayvl.train.run_dir import check_same_shards, refuse_finished, run_paths
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,8 @@ def plan_run(cfg: RayvlConfig, finished_ok: bool = True, dry: bool = False) -> R
         data = dataclasses.replace(data, cfg=steps_for_passes(data.cfg, data.parts, pass_size))
     cfg = data.cfg
     store, name, step, written = run_paths(cfg, data.train_mix.sizes if data.train_mix else ())
+    if step:
+        check_same_shards(storage.join(store, name), data.train_shards, step)
     if not finished_ok:
         refuse_finished(cfg, storage.join(store, name), step)
     init = check_init_from(cfg)

@@ -85,7 +85,7 @@ def _run(cfg: RayvlConfig, planned, startup: Startup, reports: dict[str, str], c
     startup.mark("data")
     logs = log_dir(storage, name)
     continue_records(run_dir, logs, cfg.train.resume)
-    run_log = RunLog(str(logs), run_record(cfg, run_dir, name), cfg.train.report_to,
+    run_log = RunLog(str(logs), run_record(cfg, run_dir, name, data.train_shards), cfg.train.report_to,
                      mlflow_uri(cfg, logs) if "mlflow" in cfg.train.report_to else "", cfg.train.sync_every_s)
     streams = {stream: name for stream, name in reports.items() if stream not in ("train", "eval")}
     setup = WorkerSetup(cfg, report_name=report_name, stream_reports=streams,
