@@ -297,12 +297,17 @@ def check_data(spec: str, samples: int, policy: ReadPolicy = ReadPolicy()) -> st
     check = checked(spec, spec)  # the spec names itself in the lines and the errors
     seen: dict = {}
     lines, _ = data_lines(spec, check, policy, read=seen)
+    damage: dict = {}
     try:  # the first SAMPLED were read already
-        read = seen[check.paths[0]][:samples] if samples <= SAMPLED else first_samples(check.paths[0], samples, policy)
+        read = seen[check.paths[0]][:samples] if samples <= SAMPLED else first_samples(check.paths[0], samples, policy,
+                                                                                     damage)
     except ShardIOError as e:
         raise ConfigError(f"{spec}: {e}") from None
     reasons: Counter = Counter()
     lines.append(f"  first {len(read)} samples of {check.paths[0]}:")
+    if damage:
+        lines.append(f"    damaged after {len(read)} samples ({damage[check.paths[0]]}): the run reads those and "
+                     f"counts the shard in truncated_shards")
     for sample in read:
         line, reason = describe_sample(sample)
         reasons[reason or "kept"] += 1

@@ -252,7 +252,7 @@ def check_storage(cfg: RayvlConfig, nodes: int | None = None, key: str = "train.
                           f"(s3://..., gs://...), or set train.shared_storage=true if it is a mount every node "
                           f"shares")
     clip = cfg.model.init_from_clip  # every worker reads it (rayvl.models.whole_clip.local)
-    if clip and (nodes > 1 or grows) and not storage.is_url(clip) and not cfg.train.shared_storage:
+    if clip and (nodes > 1 or grows) and storage.local_path(clip) is not None and not cfg.train.shared_storage:
         where = f"the cluster has {nodes} nodes" if nodes > 1 else "the cluster's autoscaler may add nodes"
         raise ConfigError(f"model.init_from_clip: {clip!r} is on this machine's disk, but {where} and every "
                           f"worker reads it: give its weights file on object storage (s3://..., gs://...; each node "

@@ -171,7 +171,9 @@ def download(path: str) -> Path:
 def download_file(path: str) -> Path:
     """A local copy of a remote file (a whole CLIP's weights), cached under ~/.cache/rayvl by URL as ``download``
     caches folders: each node copies it once, the processes of one node wait for one copy (a lock), and a copy
-    is complete before it is used (written under another name, then renamed)."""
+    is complete before it is used (written under another name, then renamed). The object's size and modification
+    time are kept with the copy: an object replaced at the same URL is copied again, so a node that joins later
+    and the nodes before it read the same weights."""
     from filelock import FileLock
 
     local = local_path(path)
@@ -180,11 +182,16 @@ def download_file(path: str) -> Path:
     cache = Path(os.environ.get("RAYVL_CACHE", "~/.cache/rayvl")).expanduser() / "downloads"
     target = cache / hashlib.sha1(path.encode()).hexdigest()[:16] / posixpath.basename(path.rstrip("/"))
     target.parent.mkdir(parents=True, exist_ok=True)
+    fs, inner = filesystem(path)
+    info = fs.get_file_info(inner)
+    if info.type != pafs.FileType.File:
+        raise FileNotFoundError(f"{path} is not a file on its storage")
+    stamp, stamp_file = f"{info.size} {info.mtime_ns}", target.parent / ".object"
     with FileLock(str(target.parent / ".lock")):
-        if not target.exists():
-            fs, inner = filesystem(path)
+        if not target.exists() or not stamp_file.exists() or stamp_file.read_text() != stamp:
             with fs.open_input_stream(inner) as src:
                 replaced(target, lambda tmp: _copy_stream(src, tmp))
+            stamp_file.write_text(stamp)
     return target
 
 

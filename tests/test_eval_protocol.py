@@ -164,3 +164,19 @@ def test_an_image_folder_lists_what_torchvisions_image_folder_lists(tmp_path, ca
     theirs = ImageFolder(str(tmp_path))
     assert classes == theirs.classes and [(f, int(c)) for f, c in zip(files, labels)] == theirs.samples
     assert "left out 1 files" in capsys.readouterr().out
+
+
+def test_a_quick_held_out_check_takes_its_first_distinct_images_with_all_their_captions():
+    """EvalData.head(n), TOnICS's refresh signal: n distinct images (not n samples, of which COCO-style shards hold
+    five an image), each with every caption it has."""
+    from rayvl.data.pipeline import DIGEST
+    from rayvl.eval.data import EvalData
+
+    rows = {"key": np.array(["a", "b", "c", "d", "e"]), "caption": np.array(["x", "y\nz", "w", "v", "u"], object),
+            "cls": np.arange(5), DIGEST: np.array([5, 5, 9, 5, 7])}
+    data = EvalData(np.arange(5 * 3 * 2 * 2).reshape(5, 3, 2, 2), 0, np.zeros(0, np.int64)).with_rows(rows)
+    assert data.captions == ["x", "y", "z", "w", "v", "u"] and list(data.caption_to_image) == [0, 0, 0, 1, 0, 2]
+    two = data.head(2)
+    assert two.size == 2 and two.keys == ["a", "c"] and list(two.labels) == [0, 2]
+    assert two.captions == ["x", "y", "z", "w", "v"] and list(two.caption_to_image) == [0, 0, 0, 1, 0]
+    assert np.array_equal(two.images, data.images[[0, 2]]) and list(two.retrieval_images()) == [0, 1]

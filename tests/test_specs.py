@@ -68,7 +68,7 @@ def test_every_local_form(shard_dir):
                                   f"'{a}/{{00000..00009}}.tar' names)")
 
 
-def test_folders_and_globs_list_shards_not_img2datasets_side_files(shard_dir, tmp_path, capsys):
+def test_folders_and_globs_list_shards_not_img2datasets_side_files(shard_dir, tmp_path, capsys, monkeypatch):
     """img2dataset writes a .parquet and a _stats.json beside each shard: a folder, a glob over its output (`0000*`)
     and the same as a file:// URL list the shards alone, .tar.gz ones too; a first shard that is no tar is a line
     of the dry run's data check, not a traceback."""
@@ -95,8 +95,18 @@ def test_folders_and_globs_list_shards_not_img2datasets_side_files(shard_dir, tm
     with open(mac, "rb") as f:
         got = [sorted(k for k in x if x[k] is not None) for x in iter_tar_samples(f)]
     assert got == [["img", "img_ext", "json", "key", "txt"]] * 2
+    from rayvl.data.shards import shard_samples
+
+    assert shard_samples(str(mac)) == 2  # what a pass size counts from the headers alone
     assert resolve_shards(str(out)) == resolve_shards(f"{out}/0000*") == shards
     assert resolve_shards(f"file://{out}/0000*") == [f"file://{s}" for s in shards]
+    # a compressed shard on object storage: its count from its head scales by the head's share of the file
+    from rayvl.data import shards as shard_module
+
+    gz = f"file://{out}/00001.tar.gz"
+    assert shard_module.remote_shard_samples(gz) == (128, "holds")
+    monkeypatch.setattr(shard_module, "ESTIMATE_BYTES", (out / "00001.tar.gz").stat().st_size // 2)
+    assert 100 <= shard_module.remote_shard_samples(gz)[0] <= 160
     empty = tmp_path / "damaged"
     empty.mkdir()
     (empty / "00000.tar").write_bytes(b"")  # a shard img2dataset had not begun

@@ -508,16 +508,24 @@ def test_a_whole_clip_on_object_storage_is_copied_once_a_node_and_a_local_one_is
     assert cfg.model.clip.vision_width == 64 and cfg.data.max_text_tokens == 77
     copy = whole_clip.local(url)
     assert copy.read_bytes() == local.read_bytes() and str(copy).startswith(str(tmp_path / "cache"))
-    storage.write_bytes(url, b"changed")  # read from the node's copy from now on, not fetched again
-    assert whole_clip.local(url) == copy and copy.read_bytes() == local.read_bytes()
+    assert whole_clip.local(url) == copy  # the node's copy, not fetched again
     mine = build_model(cfg.model).state_dict()
     theirs = build_model(load_config("configs/clip_finetune.yaml",
                                      [f"model.init_from_clip={local}"]).model).state_dict()
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    # open_clip's hub folder: its open_clip_config.json beside the weights says QuickGELU, and comes with them
+    storage.write_bytes("s3://rayvl-test/models/open_clip_config.json",
+                        json.dumps({"model_cfg": {"quick_gelu": True}}).encode())
+    assert load_config("configs/clip_finetune.yaml", [f"model.init_from_clip={url}"]).model.clip.quick_gelu
+    storage.write_bytes(url, b"replaced")  # an object replaced at its URL is copied again: every node reads one file
+    assert whole_clip.local(url).read_bytes() == b"replaced"
     check_storage(cfg, nodes=3)  # every node reaches it
     on_driver = load_config("configs/clip_finetune.yaml", [f"model.init_from_clip={local}",
                                                            "train.storage_path=s3://rayvl-test/runs"])
     check_storage(on_driver, nodes=1)
+    with pytest.raises(ConfigError, match=r"^model\.init_from_clip: 'file://"):  # a URL of this machine's disk
+        check_storage(load_config("configs/clip_finetune.yaml", [f"model.init_from_clip=file://{local}",
+                                                                 "train.storage_path=s3://rayvl-test/runs"]), nodes=3)
     for nodes, grows in ((3, False), (1, True)):
         with pytest.raises(ConfigError, match=r"^model\.init_from_clip: .* on this machine's disk, but the cluster"):
             check_storage(on_driver, nodes=nodes, grows=grows)

@@ -340,11 +340,16 @@ def remote_shard_samples(url: str) -> tuple[int, str]:
     size = fs.get_file_info(inner).size or 0
     with fs.open_input_file(inner) as f:
         head = f.read(ESTIMATE_BYTES)
+    compressed = url.endswith((".gz", ".tgz"))
     try:
-        # r|*: a .tar.gz shard's head is read through its decompression, as the shard readers read it
-        keys, complete = _keys(tarfile.open(fileobj=io.BytesIO(head), mode="r|*"), within=len(head))
+        # r|*: a .tar.gz shard's head is read through its decompression, as the shard readers read it; its
+        # members' offsets are the archive's, not the file's: the head's share of the file scales its count
+        keys, complete = _keys(tarfile.open(fileobj=io.BytesIO(head), mode="r|*"),
+                               within=float("inf") if compressed else len(head))
     except tarfile.TarError:  # not a tar from its first block: nothing to count
         keys, complete = 0, 0
+    if compressed and keys:
+        complete = len(head)
     if len(head) >= size or not complete:
         return keys, "holds"
     return round(keys * size / complete), (f"holds ≈ ({keys:,} in its first {complete / 2**20:.1f} MiB of "
@@ -370,7 +375,7 @@ def _keys(tar: tarfile.TarFile, within: float = float("inf")) -> tuple[int, int]
                 if member.offset_data + member.size > within:
                     break
                 stem = os.path.basename(member.name).partition(".")[0]
-                if member.isreg() and stem != last:
+                if member.isreg() and stem and stem != last:  # no key (macOS's ._ files): no sample
                     keys, last = keys + 1, stem
                 end = member.offset_data + member.size
     except (tarfile.TarError, EOFError, OSError):

@@ -89,6 +89,8 @@ def member_extensions(f, samples: int) -> dict[str, int]:
                 if not member.isreg():
                     continue
                 stem, _, ext = os.path.basename(member.name).partition(".")
+                if not stem:  # no key: macOS's ._ files (iter_tar_samples skips them)
+                    continue
                 if not keys or keys[-1] != stem:
                     if len(keys) == samples:
                         break

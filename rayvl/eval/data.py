@@ -85,15 +85,14 @@ class EvalData:
         return self.gallery if len(self.gallery) else np.arange(self.size)
 
     def head(self, n: int) -> "EvalData":
-        """The first n rows with their images' captions, in memory: a quick held-out check."""
-        n = min(n, self.size)
-        kept = self.retrieval_images() < n  # distinct images whose first row is among the first n
-        position = np.cumsum(kept) - 1
-        keep = kept[self.caption_to_image]
+        """The first n distinct images with all their captions, in memory: a quick held-out check whose gallery is n
+        images however many samples or caption lines each has (TOnICS's refresh reads its R@1 against a threshold)."""
+        chosen = self.retrieval_images()[:n]
+        keep = self.caption_to_image < len(chosen)
         captions = [c for c, k in zip(self.captions, keep) if k]
-        return EvalData(self.images[:n], n, self.labels[:n], captions=captions,
-                        caption_to_image=position[self.caption_to_image[keep]],
-                        gallery=self.retrieval_images()[kept], keys=self.keys[:n])
+        return EvalData(self.images[chosen], len(chosen), self.labels[chosen], captions=captions,
+                        caption_to_image=self.caption_to_image[keep], gallery=np.arange(len(chosen)),
+                        keys=[self.keys[i] for i in chosen] if self.keys else [])
 
 
 def detect_kind(spec: str) -> str:

@@ -42,6 +42,7 @@ _BLOCKS = re.compile(r"(visual\.)?transformer\.resblocks\.(\d+)\.(.+)")
 # ----------------------------------------------------------------------------- reading
 
 WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
+OPEN_CLIP_CONFIG = "open_clip_config.json"  # beside the weights in open_clip's hub folders
 
 
 def local(source: str) -> Path:
@@ -57,7 +58,16 @@ def local(source: str) -> Path:
                           f"({', '.join(WEIGHT_SUFFIXES)}); a Hugging Face CLIP folder must be a local path or on a "
                           f"mount every node shares")
     try:
-        return storage.download_file(source)
+        path = storage.download_file(source)
+        # open_clip's hub folders say the heads and QuickGELU in open_clip_config.json beside the weights
+        # (architecture reads it there): copied with them where the storage has one
+        beside = storage.join(storage.parent(source), OPEN_CLIP_CONFIG)
+        if storage.is_file(beside):
+            copy = storage.download_file(beside)
+            if not (path.parent / OPEN_CLIP_CONFIG).is_file() or (path.parent / OPEN_CLIP_CONFIG).read_bytes() != \
+                    copy.read_bytes():
+                (path.parent / OPEN_CLIP_CONFIG).write_bytes(copy.read_bytes())
+        return path
     except (OSError, ValueError) as e:
         raise ConfigError(f"{KEY}: cannot read {source!r}: {' '.join(str(e).split())}") from None
 
@@ -263,8 +273,8 @@ def architecture(state: dict, source: str) -> dict:
         arch.quick_gelu = text.get("hidden_act", "quick_gelu") == "quick_gelu"  # CLIPTextConfig's default
     elif is_torchscript(path):
         arch.quick_gelu = True  # every OpenAI release
-    elif (path.parent / "open_clip_config.json").is_file():  # open_clip's hub folders: its model config beside
-        model = json.loads((path.parent / "open_clip_config.json").read_text()).get("model_cfg", {})
+    elif (path.parent / OPEN_CLIP_CONFIG).is_file():  # open_clip's hub folders: its model config beside
+        model = json.loads((path.parent / OPEN_CLIP_CONFIG).read_text()).get("model_cfg", {})
         vision, text = model.get("vision_cfg", {}), model.get("text_cfg", {})
         arch.vision_heads = vision_width // vision.get("head_width", HEAD_WIDTH)
         arch.text_heads = text.get("heads", arch.text_heads)
