@@ -7,8 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import tarfile
-import zlib
 from collections import Counter
 from itertools import islice
 
@@ -20,7 +18,7 @@ from rayvl.data.mix import Mix
 from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
 from rayvl.data.shards import samples_per_pass
 from rayvl.data.specs import SpecCheck, checked
-from rayvl.data.tar import IMAGE_EXTENSIONS, iter_tar_samples, member_extensions
+from rayvl.data.tar import DAMAGED, IMAGE_EXTENSIONS, iter_tar_samples, member_extensions
 from rayvl.data.text import validate_caption
 
 
@@ -31,7 +29,7 @@ def first_samples(path: str, n: int, policy: ReadPolicy, damage: dict | None = N
     with open_shard(path, policy) as f:
         try:
             out.extend(islice(iter_tar_samples(f), n))
-        except (tarfile.TarError, EOFError, zlib.error) as e:
+        except DAMAGED as e:
             if damage is not None:
                 damage[path] = f"{type(e).__name__}: {e}"
     return out

@@ -244,16 +244,17 @@ def check_storage(cfg: RayvlConfig, nodes: int | None = None, key: str = "train.
         nodes = sum(1 for n in ray.nodes() if n["Alive"])
         config = autoscaler_config() if nodes <= 1 else None
         grows = config is not None and any(most > 0 for _, most in _worker_types(config))
+    if nodes <= 1 and not grows or cfg.train.shared_storage:
+        return
+    where = f"the cluster has {nodes} nodes" if nodes > 1 else \
+        "the cluster's autoscaler may add nodes (its config has worker node types)"
     path = cfg.train.storage_path if key == "train.storage_path" else cfg.tune.storage_path
-    if (nodes > 1 or grows) and storage.local_path(path) is not None and not cfg.train.shared_storage:
-        where = f"the cluster has {nodes} nodes" if nodes > 1 else \
-            "the cluster's autoscaler may add nodes (its config has worker node types)"
+    if storage.local_path(path) is not None:
         raise ConfigError(f"{key}: {path!r} is on this machine's disk, but {where}: use object storage "
                           f"(s3://..., gs://...), or set train.shared_storage=true if it is a mount every node "
                           f"shares")
     clip = cfg.model.init_from_clip  # every worker reads it (rayvl.models.whole_clip.local)
-    if clip and (nodes > 1 or grows) and storage.local_path(clip) is not None and not cfg.train.shared_storage:
-        where = f"the cluster has {nodes} nodes" if nodes > 1 else "the cluster's autoscaler may add nodes"
+    if clip and storage.local_path(clip) is not None:
         raise ConfigError(f"model.init_from_clip: {clip!r} is on this machine's disk, but {where} and every "
                           f"worker reads it: give its weights file on object storage (s3://..., gs://...; each node "
                           f"copies it once), or set train.shared_storage=true if the path is on a mount every node "

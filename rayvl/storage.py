@@ -155,10 +155,8 @@ def download(path: str) -> Path:
     local = local_path(path)
     if local is not None:
         return local
-    cache = Path(os.environ.get("RAYVL_CACHE", "~/.cache/rayvl")).expanduser() / "downloads"
-    target = cache / hashlib.sha1(path.encode()).hexdigest()[:16] / posixpath.basename(path.rstrip("/"))
+    target = _cached(path)
     done = target.parent / ".complete"
-    target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target.parent / ".lock")):
         if not done.exists():
             fs, inner = filesystem(path)
@@ -179,9 +177,7 @@ def download_file(path: str) -> Path:
     local = local_path(path)
     if local is not None:
         return local
-    cache = Path(os.environ.get("RAYVL_CACHE", "~/.cache/rayvl")).expanduser() / "downloads"
-    target = cache / hashlib.sha1(path.encode()).hexdigest()[:16] / posixpath.basename(path.rstrip("/"))
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target = _cached(path)
     fs, inner = filesystem(path)
     info = fs.get_file_info(inner)
     if info.type != pafs.FileType.File:
@@ -192,6 +188,14 @@ def download_file(path: str) -> Path:
             with fs.open_input_stream(inner) as src:
                 replaced(target, lambda tmp: _copy_stream(src, tmp))
             stamp_file.write_text(stamp)
+    return target
+
+
+def _cached(path: str) -> Path:
+    """Where ``download`` and ``download_file`` keep a URL's copy: a folder of its own under $RAYVL_CACHE (made)."""
+    cache = Path(os.environ.get("RAYVL_CACHE", "~/.cache/rayvl")).expanduser() / "downloads"
+    target = cache / hashlib.sha1(path.encode()).hexdigest()[:16] / posixpath.basename(path.rstrip("/"))
+    target.parent.mkdir(parents=True, exist_ok=True)
     return target
 
 

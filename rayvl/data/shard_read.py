@@ -8,8 +8,6 @@ one that I/O cannot read (shard_io.py) fails the read, or under ``data.unreadabl
 """
 from __future__ import annotations
 
-import tarfile
-import zlib
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -17,7 +15,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
-from rayvl.data.tar import iter_tar_samples
+from rayvl.data.tar import DAMAGED, iter_tar_samples
 
 if TYPE_CHECKING:
     from rayvl.config import RayvlConfig
@@ -97,7 +95,7 @@ def raw_batches(path: str, reading: Reading, columns: tuple[str, ...], bad: list
         if reading.io.unreadable == "fail":
             raise
         bad.append((path, "unreadable_shards", f"{e.reason}: {e.detail} after {read + len(rows)} samples"))
-    except (tarfile.TarError, EOFError, zlib.error) as e:
+    except DAMAGED as e:
         # A damaged shard costs only its own bad tail (at most the one sample being read when it broke).
         bad.append((path, "truncated_shards", f"{type(e).__name__}: {e} after {read + len(rows)} samples"))
     if rows:

@@ -39,7 +39,7 @@ from rayvl.data.position import row_ids
 from rayvl.data.report import current_token, record, record_async, report_actor
 from rayvl.data.shard_read import Reading, raw_batches, transformed_ahead  # Reading: imported from here too
 from rayvl.data.specs import is_pipe, resolve_shards
-from rayvl.data.tar import COLUMNS
+from rayvl.data.tar import COLUMNS, member_key
 
 MAX_TASKS_PER_PASS = 200  # Ray Data's default read parallelism; LAION's 41k shards → ≈200 shards a task
 
@@ -374,7 +374,7 @@ def _keys(tar: tarfile.TarFile, within: float = float("inf")) -> tuple[int, int]
             for member in tar:
                 if member.offset_data + member.size > within:
                     break
-                stem = os.path.basename(member.name).partition(".")[0]
+                stem = member_key(member.name)[0]
                 if member.isreg() and stem and stem != last:  # no key (macOS's ._ files): no sample
                     keys, last = keys + 1, stem
                 end = member.offset_data + member.size

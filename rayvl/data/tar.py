@@ -10,6 +10,7 @@ import io
 import json
 import os
 import tarfile
+import zlib
 from pathlib import Path
 from typing import Iterator
 
@@ -25,6 +26,17 @@ writes jpg, png or webp by its ``--encode_format``), in any case; of several, th
 COLUMNS = ("key", "img", "img_ext", "txt", "json")
 """``img``: the bytes of the sample's image member, whichever its extension; ``img_ext``: that extension, lower
 case; ``txt``, ``json``: those members' bytes. Every value is None where the sample has no such member."""
+
+
+# what reading a damaged tar stream raises (a cut or bad member, a broken gzip): the caller keeps what it read
+DAMAGED = (tarfile.TarError, EOFError, zlib.error)
+
+
+def member_key(name: str) -> tuple[str, str]:
+    """(sample key, extension) of a tar member: the basename's text before its first dot, and after it, as
+    img2dataset and webdataset split it; the key is empty for macOS's ._ files and dotfiles, which no sample holds."""
+    stem, _, ext = os.path.basename(name).partition(".")
+    return stem, ext
 
 
 class _Ending(tarfile.TarInfo):
@@ -52,8 +64,8 @@ def iter_tar_samples(f, columns: tuple[str, ...] = COLUMNS) -> Iterator[dict]:
         for member in tar:
             if not member.isreg():
                 continue
-            stem, _, ext = os.path.basename(member.name).partition(".")
-            if not stem:  # no key before the first dot: macOS's ._ files, dotfiles (webdataset skips them too)
+            stem, ext = member_key(member.name)
+            if not stem:  # macOS's ._ files, dotfiles (webdataset skips them too)
                 continue
             if current and current["key"] != stem:
                 yield current
@@ -88,8 +100,8 @@ def member_extensions(f, samples: int) -> dict[str, int]:
             for member in tar:
                 if not member.isreg():
                     continue
-                stem, _, ext = os.path.basename(member.name).partition(".")
-                if not stem:  # no key: macOS's ._ files (iter_tar_samples skips them)
+                stem, ext = member_key(member.name)
+                if not stem:  # macOS's ._ files (iter_tar_samples skips them)
                     continue
                 if not keys or keys[-1] != stem:
                     if len(keys) == samples:

@@ -75,7 +75,11 @@ def local(source: str) -> Path:
 def read(source: str) -> dict:
     """The whole CLIP at ``source`` (a path, or a weights file's URL: ``local``) as an OpenAI-layout state dict
     (tensors memory-mapped where the format allows)."""
-    path = local(source)
+    return _read(local(source), source)
+
+
+def _read(path: Path, source: str) -> dict:
+    """``read`` of the CLIP's copy on this machine (``local``'s)."""
     if path.is_dir():
         return from_hugging_face(path)
     if not path.is_file():
@@ -294,8 +298,8 @@ def settings(source: str) -> dict:
     tokenizer as ``model.text``), CLIP's linear projections, its embedding size, end-of-text pooling, its
     temperature, and the image size and text context it was trained at (open_clip tokenizes to the whole context:
     77 tokens for every released CLIP; rayvl's default for other text towers is fewer)."""
-    state = read(source)
-    path = local(source)  # a URL's copy, read once above
+    path = local(source)  # a URL's copy: fetched (or checked) once
+    state = _read(path, source)
     arch = architecture(state, str(path))
     return {
         "model": {"vision": "clip", "text": str(path) if path.is_dir() else "clip", "clip": arch,

@@ -3,9 +3,7 @@ committing to a BoW run. The base-split statistics come from the same Ray Data p
 from __future__ import annotations
 
 import dataclasses
-import tarfile
 import tempfile
-import zlib
 from pathlib import Path
 
 from rayvl import session
@@ -13,7 +11,7 @@ from rayvl.config import RayvlConfig
 from rayvl.data.demo import DEMO_SEED, ensure_demo
 from rayvl.data.shard_io import open_shard
 from rayvl.data.specs import resolve_shards
-from rayvl.data.tar import iter_tar_samples
+from rayvl.data.tar import DAMAGED, iter_tar_samples
 from rayvl.data.text import validate_caption
 from rayvl.methods.bow.check import needs_stats as bow_needs_stats
 from rayvl.methods.bow.check import parse_ops as parse_bow_ops
@@ -60,5 +58,5 @@ def _captions(paths: list[str], n: int):
                     shown += 1
                     if shown >= n:
                         return
-            except (tarfile.TarError, EOFError, zlib.error):
+            except DAMAGED:
                 continue  # a damaged shard's tail: the next shard's captions

@@ -38,9 +38,7 @@ import glob
 import json
 import logging
 import os
-import tarfile
 import time
-import zlib
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
@@ -65,7 +63,7 @@ from rayvl.data.shards import Reading, ShardStream, read, sum_over_shards
 from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
 from rayvl.data import specs
 from rayvl.data.specs import resolve_shards
-from rayvl.data.tar import IMAGE_EXTENSIONS as TAR_IMAGE_EXTENSIONS, iter_tar_samples, write_img2dataset_shard
+from rayvl.data.tar import DAMAGED, IMAGE_EXTENSIONS as TAR_IMAGE_EXTENSIONS, iter_tar_samples, write_img2dataset_shard
 from rayvl.data.text import validate_caption, words
 from rayvl.methods.bow import deformation as bow
 from rayvl.methods.bow.config import PseudoLabelConfig
@@ -272,7 +270,7 @@ def unit_samples(unit: Unit, io: ReadPolicy = ReadPolicy()) -> tuple[list[tuple[
         with open_shard(unit.paths[0], io) as f:
             out += [(s["key"], s.get("img"), s["key"], s.get("img_ext"))
                     for s in iter_tar_samples(f, ("key", "img", "img_ext"))]
-    except (tarfile.TarError, EOFError, zlib.error) as e:
+    except DAMAGED as e:
         return out, f"{unit.paths[0]}: {e}"
     return out, None
 

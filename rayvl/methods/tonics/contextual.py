@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import tarfile
-import zlib
 
 import numpy as np
 
@@ -48,7 +46,7 @@ def tonics_heldout(result, data: str = "") -> dict:
     from rayvl.methods.tonics.ontology import UNALIGNED, Ontology
     from rayvl.data.shard_io import open_shard
     from rayvl.data.specs import resolve_shards
-    from rayvl.data.tar import iter_tar_samples
+    from rayvl.data.tar import DAMAGED, iter_tar_samples
     from rayvl.data.text import validate_caption_lines
     from rayvl.eval.runner import after_training
 
@@ -70,7 +68,7 @@ def tonics_heldout(result, data: str = "") -> dict:
                         found[sample["key"]] = set(ontology.row_objects(" ".join(text.split("\n")),
                                                                         sample.get("json"))) - {UNALIGNED}
                         lines[sample["key"]] = text.count("\n") + 1
-            except (tarfile.TarError, EOFError, zlib.error):
+            except DAMAGED:
                 pass  # a damaged shard's tail: its samples were not evaluated either (counted in the eval's report)
     images, captions = (np.load(io.BytesIO(storage.read_bytes(storage.join(where, f"{name}_embeddings.npy"))))
                         for name in ("image", "caption"))
