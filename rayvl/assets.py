@@ -147,8 +147,13 @@ def vision_state_dict(name: str, checkpoint: str = "") -> dict | None:
                          weights_only=True)
         return efficientnet_to_timm(raw)
     if checkpoint:
-        path = Path(checkpoint).expanduser()
-        if not path.is_file():
+        from rayvl import storage
+
+        try:  # a file on object storage: copied once a node into rayvl's download cache (storage.download_file)
+            path = storage.download_file(checkpoint) if storage.is_url(checkpoint) else Path(checkpoint).expanduser()
+        except (FileNotFoundError, OSError):
+            path = None
+        if path is None or not path.is_file():
             raise MissingAssetError(f"model.vision_checkpoint: {checkpoint!r} does not exist")
         state = _load_weights(path)
         return state.get("state_dict", state)

@@ -34,7 +34,8 @@ class DataConfig:
     """held-out img2dataset shards for evaluation, the same forms as ``train`` ('' = the demo's held-out split;
     with ``train`` set, evaluation needs it)."""
     classes: str = ""
-    """zero-shot class list + prompt templates (JSON: {"classes": [...], "templates": [...]}; '' = the demo's)."""
+    """zero-shot class list + prompt templates (JSON: {"classes": [...], "templates": [...]}, or CLIP_benchmark's
+    classnames.txt with the zeroshot_classification_templates.txt beside it; '' = the demo's)."""
     paraphrases: str = ""
     """paraphrase pairs over the eval images (JSON lines: caption, paraphrase; '' = the demo's)."""
     sts: str = ""
@@ -143,7 +144,8 @@ class ModelConfig:
     """image tower: a rayvl asset name or any timm model name (``clip``: the image transformer of
     ``init_from_clip``)."""
     vision_checkpoint: str = ""
-    """checkpoint file for a timm model name ('' = random init unless ``vision`` is an asset)."""
+    """checkpoint file for a timm model name, a local path or on object storage (s3://, gs://: each node copies it
+    once) ('' = random init unless ``vision`` is an asset)."""
     text: str = "minilm-l6"
     """text tower: a rayvl asset name or a local HF model directory (``clip``: the text transformer of
     ``init_from_clip``, with CLIP's tokenizer)."""

@@ -5,7 +5,6 @@ arithmetic, the storage and the resources the cluster is asked for. No Ray is st
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections import Counter
 from itertools import islice
@@ -15,6 +14,7 @@ from rayvl.assets import VISION_ASSETS
 from rayvl.config import ConfigError, RayvlConfig, precision
 from rayvl.data.images import decode
 from rayvl.data.mix import Mix
+from rayvl.data.pipeline import class_of
 from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
 from rayvl.data.shards import samples_per_pass
 from rayvl.data.specs import SpecCheck, checked
@@ -39,10 +39,13 @@ SAMPLED = 32  # samples read from the start of the first and of the last shard
 IMAGE_DROPS = ("dropped_missing_image", "dropped_corrupt_image")  # the data report's names
 
 
-def describe_sample(sample: dict) -> tuple[str, str | None]:
+def describe_sample(sample: dict, held_out: bool = False) -> tuple[str, str | None]:
     """(a line describing the sample, the reason it would be dropped or None): an image reason before a caption
-    reason (a method may source the caption elsewhere; nothing sources the image)."""
+    reason (a method may source the caption elsewhere; nothing sources the image). A ``held_out`` sample with a
+    class needs no caption (rayvl.data.pipeline)."""
     text, reason = validate_caption(sample.get("txt"))
+    if held_out and sample.get("txt") is None and class_of(sample) >= 0:
+        text, reason = f"class {class_of(sample)}, no caption", None
     image = decode(sample["img"]) if sample.get("img") is not None else None
     if sample.get("img") is None:
         reason = "dropped_missing_image"
@@ -65,7 +68,7 @@ def sample_lines(key: str, paths: list[str], policy: ReadPolicy, read: dict | No
             raise ConfigError(f"{key}: {e}") from None
         if read is not None:
             read[path] = samples
-        described = [describe_sample(x) for x in samples]
+        described = [describe_sample(x, held_out=key == "data.eval") for x in samples]
         lines.append(f"    {path}: {described[0][0] if described else 'no sample (an empty or damaged shard)'}")
         if path in damage:
             lines.append(f"      damaged after {len(samples)} samples ({damage[path]}): the run reads those and "
@@ -150,7 +153,8 @@ def describe(cfg: RayvlConfig, given: frozenset[str] = frozenset()) -> str:
         lines.append(f"  {steps:,.0f} steps a pass; train.max_steps={t.max_steps:,} is "
                      f"{t.max_steps / steps:,.2f} passes")
     lines += _scale_warnings(cfg, steps if per_pass and text_rows else None, given)
-    lines += model_lines(cfg) + evaluation_lines(cfg, checks.get("data.eval"), read)
+    lines += model_lines(cfg) + evaluation_lines(cfg, checks.get("data.eval"), read,
+                                                 planned.data.files.get("classes_file", ""))
     gpu = {"GPU": 1} if t.use_gpu else {}
     lines += ["cluster:",
               f"  {t.num_workers} Ray Train workers of {{CPU: {t.cpus_per_worker:g}"
@@ -257,36 +261,29 @@ def _schedule_words(t) -> str:
     return f"cosine decay to 0 at step {t.max_steps:,}"
 
 
-def evaluation_lines(cfg: RayvlConfig, held_out: SpecCheck | None, read: dict) -> list[str]:
-    """Which evaluation tasks will run and when, which are skipped and why — from the files the run is given and
-    the first samples of the held-out shards, as the data lines read them (``read``; the demo's held-out split has
-    every field)."""
+def evaluation_lines(cfg: RayvlConfig, held_out: SpecCheck | None, read: dict, classes: str = "") -> list[str]:
+    """Which evaluation tasks will run and when, which are skipped and why — from the files the run is given
+    (``classes``: the class file it resolved, data.classes or a CLIP_benchmark set's) and the first samples of the
+    held-out shards, as the data lines read them (``read``; the demo's held-out split has every field)."""
     d, e = cfg.data, cfg.eval
     if not e.tasks:
         return ["evaluation: none (eval.tasks=[])"]
     if d.train and held_out is None:
         return ["evaluation: none — no held-out shards (data.eval, --eval-data)"]
     samples = read[held_out.paths[0]] if held_out is not None else []
-    labelled = sum(_meta_cls(x) for x in samples)
+    labelled = sum(class_of(x) >= 0 for x in samples)
     captioned = sum(x.get("txt") is not None for x in samples)
     demo = not d.train  # the demo's held-out split and files
     skipped = {
-        "zeroshot": None if (d.classes or demo) and (labelled or demo) else
-        "no class list (data.classes)" if not (d.classes or demo) else
-        f"none of the first {len(samples)} held-out samples has a `cls` field in its json",
+        "zeroshot": None if (classes or d.classes or demo) and (labelled or demo) else
+        "no class list (data.classes)" if not (classes or d.classes or demo) else
+        f"none of the first {len(samples)} held-out samples has a class (a `cls` member or JSON field)",
         "retrieval": None if captioned or demo else f"none of the first {len(samples)} held-out samples has a caption",
         "paraphrase": None if d.paraphrases or demo else "no paraphrase file (data.paraphrases)",
         "sts": None if d.sts or demo else "no STS file (data.sts)"}
     when = f"every {e.every_steps:,} steps and at the last" if e.every_steps else "at the last step only"
     return [f"evaluation: {when}", *(f"  {task}: " + (f"skipped: {skipped[task]}" if skipped.get(task) else "runs")
                                     for task in e.tasks)]
-
-
-def _meta_cls(sample: dict) -> bool:
-    try:
-        return "cls" in json.loads(sample.get("json") or b"{}")
-    except (ValueError, TypeError):
-        return False
 
 
 def check_data(spec: str, samples: int, policy: ReadPolicy = ReadPolicy()) -> str:

@@ -253,12 +253,14 @@ def check_storage(cfg: RayvlConfig, nodes: int | None = None, key: str = "train.
         raise ConfigError(f"{key}: {path!r} is on this machine's disk, but {where}: use object storage "
                           f"(s3://..., gs://...), or set train.shared_storage=true if it is a mount every node "
                           f"shares")
-    clip = cfg.model.init_from_clip  # every worker reads it (rayvl.models.whole_clip.local)
-    if clip and storage.local_path(clip) is not None:
-        raise ConfigError(f"model.init_from_clip: {clip!r} is on this machine's disk, but {where} and every "
-                          f"worker reads it: give its weights file on object storage (s3://..., gs://...; each node "
-                          f"copies it once), or set train.shared_storage=true if the path is on a mount every node "
-                          f"shares")
+    # weights every worker reads (rayvl.models.whole_clip.local, rayvl.assets.vision_state_dict)
+    for name in ("init_from_clip", "vision_checkpoint"):
+        weights = getattr(cfg.model, name)
+        if weights and storage.local_path(weights) is not None:
+            raise ConfigError(f"model.{name}: {weights!r} is on this machine's disk, but {where} and every "
+                              f"worker reads it: give its weights file on object storage (s3://..., gs://...; each "
+                              f"node copies it once), or set train.shared_storage=true if the path is on a mount every "
+                              f"node shares")
 
 
 def largest_cluster() -> tuple[dict[str, float], bool]:

@@ -2,7 +2,7 @@
 (against its own ``preprocess``), retrieval groups an image's captions (the lines of one caption, one photo under
 several keys) and counts a query right as CLIP_benchmark does (a float64 reference over `rayvl eval`'s saved
 embeddings), zero-shot averages open_clip's 80 templates where a set brings none, ImageFolder trees are listed as
-torchvision's ImageFolder lists them."""
+torchvision's ImageFolder lists them, CLIP_benchmark's webdataset sets are read as CLIP_benchmark reads them."""
 from __future__ import annotations
 
 import io
@@ -180,3 +180,97 @@ def test_a_quick_held_out_check_takes_its_first_distinct_images_with_all_their_c
     assert two.size == 2 and two.keys == ["a", "c"] and list(two.labels) == [0, 2]
     assert two.captions == ["x", "y", "z", "w", "v"] and list(two.caption_to_image) == [0, 0, 0, 1, 0]
     assert np.array_equal(two.images, data.images[[0, 2]]) and list(two.retrieval_images()) == [0, 1]
+
+
+def _clip_benchmark_set(demo_dir, root, images: int = 24, retrieval: bool = False) -> list[int]:
+    """The demo's first held-out images as CLIP_benchmark's ``clip_benchmark_export_wds`` writes a set: lossless webp
+    (the JPEG's pixels), keys s0000000…, two shards in ``test/`` with nshards.txt; a classification set has a
+    ``cls`` member (the class index as text), classnames.txt and two templates with ``{c}``, and one more sample of
+    a class id past the names; a retrieval set a ``txt`` of two captions, one a line, and dataset_type.txt.
+    Returns the images' class ids."""
+    with tarfile.open(demo_dir / "eval" / "00000.tar") as src:
+        members = {m.name: src.extractfile(m).read() for m in src if m.isfile()}
+    stems = sorted(n[:-4] for n in members if n.endswith(".jpg"))[:images]
+    (root / "test").mkdir(parents=True)
+    classes = json.loads((demo_dir / "classes.json").read_text())["classes"]
+    labels = [json.loads(members[f"{s}.json"])["cls"] for s in stems] + ([] if retrieval else [len(classes) + 91])
+    for shard in range(2):
+        with tarfile.open(root / "test" / f"{shard}.tar", "w") as tar:
+            for i in range(shard, len(labels), 2):
+                webp = io.BytesIO()
+                Image.open(io.BytesIO(members[f"{stems[i % len(stems)]}.jpg"])).save(webp, "webp", lossless=True)
+                caption = members[f"{stems[i % len(stems)]}.txt"].decode()
+                other = (f"{caption}\nthe same picture", b"txt") if retrieval else (str(labels[i]), b"cls")
+                for ext, data in (("webp", webp.getvalue()), (other[1].decode(), other[0].encode())):
+                    info = tarfile.TarInfo(f"s{i:07d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    (root / "test" / "nshards.txt").write_text("2\n")
+    if retrieval:
+        (root / "dataset_type.txt").write_text("retrieval\n")
+    else:
+        (root / "classnames.txt").write_text("\n".join(classes) + "\n")
+        (root / "zeroshot_classification_templates.txt").write_text("a photo of a {c}.\na {c} in {braces}.\n")
+    return labels
+
+
+def test_a_clip_benchmark_set_is_read_as_clip_benchmark_reads_it(demo_dir, tmp_path, capsys):
+    """`rayvl eval --data ROOT` of a set in CLIP_benchmark's webdataset layout: its test split's shards, labels from
+    their ``cls`` members, its class names and ``{c}`` templates — scoring exactly what the same images score as
+    img2dataset shards with the class in their JSON and the same names and templates in a class file; a class id
+    past the names is left out and counted; ROOT/test names the same set; a retrieval set's captions are its
+    lines; a multilabel set and --kind clip_benchmark on other data are refused, naming the file."""
+    from conftest import untrained_checkpoint
+    from rayvl.cli import main
+    from rayvl.data.prompts import benchmark_template, read_class_file
+
+    assert benchmark_template(" a {c} in {braces}. ").format("cat") == "a cat in {braces}."
+    root = tmp_path / "wds_shapes"
+    labels = _clip_benchmark_set(demo_dir, root)
+    classes, templates = read_class_file(root / "classnames.txt")
+    assert templates == ["a photo of a {}.", "a {} in {{braces}}."] and len(classes) == 8
+    checkpoint = untrained_checkpoint(demo_dir, tmp_path / "ckpt") / "checkpoint_000000"
+
+    def scored(*args: str) -> dict:
+        out = tmp_path / f"eval{len(list(tmp_path.glob('eval*')))}"
+        assert main(["eval", str(checkpoint), "--tasks", "zeroshot,retrieval", *args, "--out", str(out)]) == 0, \
+            capsys.readouterr().err
+        return json.loads((out / "eval.json").read_text())
+
+    ours = scored("--data", str(root))
+    assert ours["embedding"]["images"] == len(labels) == 25 and ours["skipped"] == {
+        "retrieval": "the data has no captions"}
+    zs = ours["zeroshot"]
+    assert (zs["zeroshot_classes"], zs["zeroshot_templates"], zs["zeroshot_unlisted_images"]) == (8, 2, 1)
+    assert scored("--data", str(root / "test"))["zeroshot"] == zs
+
+    # the same 24 images as img2dataset shards (JPEG, JSON cls, a caption), the names and templates in a class file
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    with tarfile.open(demo_dir / "eval" / "00000.tar") as src, tarfile.open(plain / "00000.tar", "w") as tar:
+        members = {m.name: src.extractfile(m).read() for m in src if m.isfile()}
+        for i, stem in enumerate(sorted(n[:-4] for n in members if n.endswith(".jpg"))[:24]):
+            for ext in ("jpg", "txt", "json"):
+                info = tarfile.TarInfo(f"s{i:07d}.{ext}")
+                info.size = len(members[f"{stem}.{ext}"])
+                tar.addfile(info, io.BytesIO(members[f"{stem}.{ext}"]))
+    (tmp_path / "classes.json").write_text(json.dumps({"classes": classes, "templates": templates}))
+    theirs = scored("--data", str(plain), "--classes", str(tmp_path / "classes.json"))["zeroshot"]
+    assert {k: v for k, v in zs.items() if k != "zeroshot_unlisted_images"} == theirs
+
+    retrieval_root = tmp_path / "wds_captions"
+    _clip_benchmark_set(demo_dir, retrieval_root, images=10, retrieval=True)
+    r = scored("--data", str(retrieval_root))
+    assert (r["retrieval"]["retrieval_images"], r["retrieval"]["retrieval_captions"]) == (10, 20)
+    assert r["skipped"] == {"zeroshot": "no class names or labels"}
+
+    # the same folder as a training run's held-out data: its split's shards, its class names, zero-shot runs
+    assert main(["train", "--dry-run", "--data", str(demo_dir / "train"), "--eval-data", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert f"{root}/test/{{0..1}}.tar" in out and "  zeroshot: runs" in out and "  retrieval: skipped" in out
+
+    (retrieval_root / "dataset_type.txt").write_text("multilabel\n")
+    assert main(["eval", str(checkpoint), "--data", str(retrieval_root)]) == 2
+    assert "dataset_type.txt: multilabel sets" in capsys.readouterr().err
+    assert main(["eval", str(checkpoint), "--data", str(plain), "--kind", "clip_benchmark"]) == 2
+    assert "no nshards.txt in it or in its test/ folder" in capsys.readouterr().err

@@ -493,7 +493,8 @@ def test_a_whole_clip_on_object_storage_is_copied_once_a_node_and_a_local_one_is
         s3, tmp_path, monkeypatch):
     """On a cluster every worker reads model.init_from_clip: a weights file on object storage is copied into each
     node's download cache once and read from there; a path on the driver's disk is refused before Ray starts on a
-    cluster of several nodes (or one whose autoscaler may add some), unless it is on a shared mount."""
+    cluster of several nodes (or one whose autoscaler may add some), unless it is on a shared mount. An image
+    tower's model.vision_checkpoint goes the same way."""
     from rayvl import storage
     from rayvl.models import whole_clip
     from rayvl.session import check_storage
@@ -533,3 +534,16 @@ def test_a_whole_clip_on_object_storage_is_copied_once_a_node_and_a_local_one_is
                                                              "train.shared_storage=true"]), nodes=3)
     with pytest.raises(ConfigError, match=r"^model\.init_from_clip: .*a Hugging Face CLIP folder must be a local"):
         whole_clip.local("s3://rayvl-test/models/hf-clip/")
+
+    from rayvl.assets import MissingAssetError, vision_state_dict
+
+    tower = {"blocks.0.weight": torch.arange(6.0)}
+    torch.save(tower, tmp_path / "tower.pt")
+    storage.write_bytes("s3://rayvl-test/models/tower.pt", (tmp_path / "tower.pt").read_bytes())
+    read = vision_state_dict("vit_tiny_patch16_224", "s3://rayvl-test/models/tower.pt")
+    assert list(read) == list(tower) and torch.equal(read["blocks.0.weight"], tower["blocks.0.weight"])
+    with pytest.raises(MissingAssetError, match=r"^model\.vision_checkpoint: 's3://rayvl-test/models/no.pt' does"):
+        vision_state_dict("vit_tiny_patch16_224", "s3://rayvl-test/models/no.pt")
+    with pytest.raises(ConfigError, match=r"^model\.vision_checkpoint: .* on this machine's disk, but the cluster"):
+        check_storage(load_config("configs/laion_adapt.yaml", [f"model.vision_checkpoint={tmp_path / 'tower.pt'}",
+                                                               "train.storage_path=s3://rayvl-test/runs"]), nodes=3)

@@ -106,11 +106,14 @@ def _eval_parser(sub) -> None:
                         "win where both are given)")
     e.add_argument("--tasks", default=None, metavar="A,B,...",
                    help=f"comma list of tasks (default: eval.checkpoint_tasks, {','.join(d.checkpoint_tasks)})")
-    e.add_argument("--data", default="", help="img2dataset shards, an ImageFolder tree or Fashion-MNIST IDX files "
-                                              "(default: the checkpoint's held-out data)")
-    e.add_argument("--kind", default="auto", choices=["auto", "shards", "imagefolder", "fashion-mnist"],
+    e.add_argument("--data", default="", help="img2dataset shards, a CLIP_benchmark webdataset set (its folder: the "
+                                              "test split; or a split's folder), an ImageFolder tree or Fashion-MNIST "
+                                              "IDX files (default: the checkpoint's held-out data)")
+    e.add_argument("--kind", default="auto",
+                   choices=["auto", "shards", "clip_benchmark", "imagefolder", "fashion-mnist"],
                    help="what --data holds (default: auto, told from the files)")
-    e.add_argument("--classes", default="", help="JSON {classes, templates} for zero-shot (default: the run's)")
+    e.add_argument("--classes", default="", help="JSON {classes, templates}, or CLIP_benchmark's classnames.txt, "
+                                                 "for zero-shot (default: the run's, or the CLIP_benchmark set's)")
     e.add_argument("--paraphrases", default="", help="JSON lines {caption, paraphrase[, expansions]} (default: "
                                                      "the run's)")
     e.add_argument("--sts", default="", help="TSV sentence1, sentence2, score (default: the run's)")

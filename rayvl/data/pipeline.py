@@ -95,11 +95,12 @@ def preprocess(batch: dict, counts: Counter, rows: Rows) -> dict:
     # a row's draws follow its shard's read (its cycle, data/mix.py: the pass, unless its source is upsampled)
     passes = np.full(len(ids), batch["cycle"]) if "cycle" in batch else unit_of(np.asarray(ids, dtype=np.int64))[0]
     draws = rows.draws
-    exts = batch["img_ext"] if "img_ext" in batch else [None] * len(batch["key"])
-    for key, img, ext, txt, meta, row, pass_ in zip(batch["key"], batch["img"], exts, batch["txt"], batch["json"],
-                                                    ids, passes):
+    none = [None] * len(batch["key"])
+    exts, members = batch.get("img_ext", none), batch.get("cls", none)
+    for key, img, ext, txt, meta, member, row, pass_ in zip(batch["key"], batch["img"], exts, batch["txt"],
+                                                            batch["json"], members, ids, passes):
         info = _meta(meta)
-        sample = Sample(key, meta, info, _cls(info), row_rng(rows.seed, key, pass_) if draws else None)
+        sample = Sample(key, meta, info, _cls(member, info), row_rng(rows.seed, key, pass_) if draws else None)
         if ext is not None:  # the image members read, by format (jpeg and jpg are one)
             counts[f"format_{FORMATS.get(ext, ext)}"] += 1
         text, reason = _caption(rows, txt, sample, counts)
@@ -168,13 +169,16 @@ def read_columns(decode: str) -> list[str]:
 
 def _caption(rows: Rows, raw, sample: Sample, counts: Counter) -> tuple[str, str | None]:
     """The caption the row trains on, or ("", the reason it is dropped): the first transform that sources one
-    (else the sample's own text, validated), then each transform's change to it."""
+    (else the sample's own text, validated; a held-out sample with a class may have none), then each transform's
+    change to it."""
     for t in rows.transforms:
         sourced = t.source(raw, sample)
         if sourced is not None:
             text, reason = sourced
             break
     else:
+        if raw is None and not rows.train and sample.cls >= 0:
+            return "", None  # a held-out image with a class and no caption (a classification set): no caption lines
         text, reason = validate_caption(raw) if rows.train else validate_caption_lines(raw)
     for t in rows.transforms:
         if reason:
@@ -211,8 +215,15 @@ def _meta(meta) -> dict:
     return info if isinstance(info, dict) else {}
 
 
-def _cls(info: dict) -> int:
+def class_of(sample: dict) -> int:
+    """The class of a raw shard sample (its ``cls`` and ``json`` members, tar.COLUMNS) as ``preprocess`` reads it."""
+    return _cls(sample.get("cls"), _meta(sample.get("json")))
+
+
+def _cls(member: bytes | None, info: dict) -> int:
+    """The sample's class: its ``cls`` member (CLIP_benchmark's classification shards), else its JSON's ``cls``
+    (−1 for neither, or one that is not an integer)."""
     try:
-        return int(info.get("cls", -1))
+        return int(member if member is not None else info.get("cls", -1))
     except (ValueError, TypeError):
         return -1

@@ -24,10 +24,30 @@ def templates(name: str = "clip_imagenet") -> tuple[str, ...]:
     return tuple(sets[name]["templates"])
 
 
+BENCHMARK_TEMPLATES = "zeroshot_classification_templates.txt"  # CLIP_benchmark's, beside its classnames.txt
+
+
 def read_class_file(path: str | Path, default_templates: str = DEFAULT_TEMPLATES) -> tuple[list[str], list[str]]:
-    """(class names, templates) of a JSON file {"classes": [...], "templates": [...]} (or a bare list of names);
-    a file without templates gets the named default set."""
-    raw = json.loads(Path(path).expanduser().read_text())
+    """(class names, templates) of a JSON file {"classes": [...], "templates": [...]} (or a bare list of names), or
+    of CLIP_benchmark's ``classnames.txt`` (a name a line) with the templates of the
+    ``zeroshot_classification_templates.txt`` beside it; a local path or a URL. A file without templates gets the
+    named default set."""
+    from rayvl import storage
+
+    path = str(path)
+    text = storage.read_text(path)
+    if path.endswith(".txt"):
+        beside = storage.join(storage.parent(path), BENCHMARK_TEMPLATES)
+        given = [benchmark_template(t) for t in storage.read_text(beside).splitlines() if t.strip()] \
+            if storage.is_file(beside) else None
+        return [line.strip() for line in text.splitlines()], list(given or templates(default_templates))
+    raw = json.loads(text)
     classes = raw["classes"] if isinstance(raw, dict) else raw
     given = raw.get("templates") if isinstance(raw, dict) else None
     return list(classes), list(given or templates(default_templates))
+
+
+def benchmark_template(line: str) -> str:
+    """A CLIP_benchmark template (``{c}`` where the class name goes, filled by ``format(c=...)``) as rayvl's
+    (``{}``, filled by ``format(name)``), any other brace kept as written."""
+    return line.strip().replace("{", "{{").replace("}", "}}").replace("{{c}}", "{}")

@@ -74,7 +74,7 @@ class EvalData:
         order = np.argsort(first, kind="stable")  # the distinct images in the order of their first row
         position = np.empty(len(first), np.int64)
         position[order] = np.arange(len(first))
-        lines = [str(c).split("\n") for c in rows["caption"]]
+        lines = [str(c).split("\n") if c else [] for c in rows["caption"]]  # none: a classification set's image
         caption_to_image = np.repeat(position[image_of_row.reshape(-1)], [len(x) for x in lines])
         return replace(self, size=n, labels=np.asarray(rows["cls"], np.int64),
                        captions=[line for x in lines for line in x], caption_to_image=caption_to_image,

@@ -24,6 +24,7 @@ from rayvl import assets, storage
 from rayvl.checkpoints import checkpoint_uri, read_meta
 from rayvl.config import EvalConfig, from_dict
 from rayvl.data.report import create_report, release_reports, snapshot
+from rayvl.eval import clip_benchmark
 from rayvl.eval import data as eval_data
 from rayvl.eval import local_read
 from rayvl.eval.embed import ActorEmbedder, LocalEmbedder
@@ -45,7 +46,8 @@ class Sources:
 def default_sources(config: dict, data: str = "", kind: str = "auto", classes: str = "", paraphrases: str = "",
                     sts: str = "") -> Sources:
     """Unset sources default to the checkpoint's own held-out data and files (the demo's when it trained on the
-    demo), then to files of those names next to the data."""
+    demo), then to files of those names next to the data. A CLIP_benchmark set (its root or a split's folder,
+    rayvl.eval.clip_benchmark) is its split's shards with its class names and templates."""
     d = config["data"]
     demo = Path(d["demo_dir"]).expanduser()
     own = not data  # the checkpoint's own held-out data: its own files go with it
@@ -58,6 +60,14 @@ def default_sources(config: dict, data: str = "", kind: str = "auto", classes: s
         return (given or (configured if own else "")
                 or (str(beside / name) if (beside / name).exists() else ""))
 
+    found = clip_benchmark.find(data) if kind in ("auto", "clip_benchmark") else None
+    if found:
+        log.info(f"eval: CLIP_benchmark set {found.root}, split {found.split}: {found.shards}")
+        return Sources(found.shards, "shards", classes or (d["classes"] if own else "") or found.classes,
+                       pick(paraphrases, d["paraphrases"], "paraphrases.jsonl"), pick(sts, d["sts"], "sts.tsv"))
+    if kind == "clip_benchmark":
+        raise ValueError(f"--data {data}: no {clip_benchmark.NSHARDS} in it or in its {clip_benchmark.SPLIT}/ folder "
+                         "(CLIP_benchmark's webdataset layout)")
     return Sources(data, eval_data.detect_kind(data) if kind == "auto" else kind,
                    pick(classes, d["classes"], "classes.json"),
                    pick(paraphrases, d["paraphrases"], "paraphrases.jsonl"), pick(sts, d["sts"], "sts.tsv"))

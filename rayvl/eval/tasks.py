@@ -95,9 +95,16 @@ class TextsOnce:
 def zeroshot(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | None:
     """Template-ensemble class embeddings (CLIP) and one template alone: CLIP's "a photo of a {}." where the set
     has it, else its first."""
-    known = data.labels >= 0
     prompts = zeroshot_texts(data)
     if not prompts:
+        return None
+    known = (data.labels >= 0) & (data.labels < len(data.classes))
+    # a class id past the class list (a class file not the set's): those images are left out and counted
+    unlisted = int((data.labels >= len(data.classes)).sum())
+    if unlisted:
+        log.warning(f"eval: zeroshot: {unlisted} images have a class id ≥ the {len(data.classes)} names of the class "
+                    f"list (largest {int(data.labels.max())}); they are left out of the zero-shot metrics")
+    if not known.any():
         return None
     per_template = embedder.texts(prompts).reshape(len(data.classes), len(data.templates), -1)
     images, labels = torch.from_numpy(emb["image"][known]), torch.from_numpy(data.labels[known])
@@ -106,6 +113,8 @@ def zeroshot(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | No
     single = zeroshot_metrics(images, labels, torch.from_numpy(class_embeddings(per_template[:, one:one + 1])))
     out.update({f"single_template_{name}": v for name, v in single.items() if "chance" not in name})
     out["zeroshot_classes"], out["zeroshot_templates"] = len(data.classes), len(data.templates)
+    if unlisted:
+        out["zeroshot_unlisted_images"] = unlisted
     return out
 
 

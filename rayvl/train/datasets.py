@@ -12,7 +12,7 @@ from pathlib import Path
 
 import ray
 
-from rayvl import plugins
+from rayvl import plugins, storage
 from rayvl.config import ConfigError, RayvlConfig, upsampling_factors
 from rayvl.data import shards, specs
 from rayvl.data.demo import DEMO_SEED, ensure_demo
@@ -21,6 +21,7 @@ from rayvl.data.parts import DataPart, RowTransform, RunData
 from rayvl.data.pipeline import Rows, read_columns
 from rayvl.data.position import MAX_SHARDS
 from rayvl.data.shards import Reading
+from rayvl.eval import clip_benchmark
 from rayvl.train.batches import ROW
 
 log = logging.getLogger("rayvl")
@@ -79,7 +80,7 @@ def resolve(cfg: RayvlConfig, make_demo: bool = True) -> ResolvedData:
     checked nor listed, its methods' parts planned on its paths."""
     train, evalset, files = resolve_data(cfg, make_demo)
     made = make_demo or bool(cfg.data.train)
-    checks = check_inputs(cfg, train if made else "", evalset if made else cfg.data.eval)
+    checks = check_inputs(cfg, train if made else "", evalset if made or cfg.data.eval else "")
     parts = plugins.data_parts(cfg, train, evalset)
     cfg = with_classes(evaluation_or_off(cfg, evalset), parts)
     listed = {key: tuple(check.paths) for key, check in checks.items()}
@@ -162,11 +163,18 @@ def check_inputs(cfg: RayvlConfig, train: str, evalset: str) -> dict[str, specs.
 
 def resolve_data(cfg: RayvlConfig, make_demo: bool = True) -> tuple[str, str, dict]:
     """(train shards, eval shards, eval files); generates the embedded demo dataset when no data is given (its
-    paths only with ``make_demo=False``)."""
+    paths only with ``make_demo=False``). A CLIP_benchmark set as data.eval (rayvl.eval.clip_benchmark) is its
+    split's shards, with its class names and templates unless data.classes names others."""
     d = cfg.data
     train, evalset = d.train, d.eval
     given = {"classes_file": d.classes, "paraphrases_file": d.paraphrases, "sts_file": d.sts}
     files = dict(given)
+    try:
+        found = clip_benchmark.find(evalset) if evalset else None
+    except ValueError as e:
+        raise ConfigError(f"data.eval: {e}") from None
+    if found:
+        evalset, files["classes_file"] = found.shards, d.classes or found.classes
     if not train and not make_demo:  # its paths, as a run would make them
         root = Path(d.demo_dir).expanduser()
     elif not train:
@@ -182,9 +190,10 @@ def resolve_data(cfg: RayvlConfig, make_demo: bool = True) -> tuple[str, str, di
                           ("sts_file", "sts.tsv")):
             files[key] = files[key] or str(root / name)
     for key, value in files.items():
-        if value and (make_demo or given[key]) and not Path(value).expanduser().is_file():
+        if value and (make_demo or given[key]) and not storage.is_file(value):
             raise ConfigError(f"data.{EVAL_FILES[key]}: {value!r} does not exist")
-    return train, evalset, {k: str(Path(v).expanduser()) if v else "" for k, v in files.items()}
+    return train, evalset, {k: v if storage.is_url(v) else str(Path(v).expanduser()) if v else ""
+                            for k, v in files.items()}
 
 
 def rows_needed(data: ResolvedData) -> int:

@@ -1,0 +1,62 @@
+"""CLIP_benchmark's webdataset layout — what its ``build_wds_dataset`` reads and its ``clip_benchmark_export_wds``
+writes (the ``wds_*`` sets it publishes) — as `rayvl eval --data` takes it, local or on object storage::
+
+    ROOT/classnames.txt                          a class name a line (classification sets)
+    ROOT/zeroshot_classification_templates.txt   a template a line, ``{c}`` where the name goes (optional)
+    ROOT/dataset_type.txt                        ``retrieval`` for caption sets (absent: classification)
+    ROOT/<split>/nshards.txt                     the split's shard count n: its shards are 0.tar … n-1.tar
+    ROOT/<split>/<i>.tar                         samples of an image (webp, png, jpg) and a ``cls`` member (the
+                                                 class index) or a ``txt`` (the image's captions, a line each)
+
+``ROOT`` is read as its ``test`` split, CLIP_benchmark's default; ``ROOT/<split>`` as that split. The shards are
+then read as any shards are (their samples' ``cls`` members are the labels, rayvl.data.pipeline); the class names
+and templates are the text sets beside them (rayvl.data.prompts.read_class_file).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rayvl import storage
+from rayvl.data.specs import GLOB_CHARS
+
+SPLIT = "test"  # CLIP_benchmark's default split
+NSHARDS, TYPE, CLASSNAMES = "nshards.txt", "dataset_type.txt", "classnames.txt"
+
+
+@dataclass(frozen=True)
+class BenchmarkSet:
+    root: str
+    split: str
+    shards: str  # the split's shard spec: <root>/<split>/{0..n-1}.tar
+    classes: str  # its classnames.txt ('' for a retrieval set, or a classification set without one)
+
+
+def find(data: str) -> BenchmarkSet | None:
+    """The CLIP_benchmark set ``data`` names — its root (the test split) or a split's folder, one with an
+    ``nshards.txt`` —, or None when ``data`` is not a folder in that layout (shards, globs, other trees). Its
+    ``dataset_type.txt`` may say classification or retrieval; a multilabel set is refused, naming it."""
+    if any(c in data for c in GLOB_CHARS + "{,") or data.endswith((".tar", ".tgz", ".gz")) or "::" in data:
+        return None
+    data = storage.normalize(data)
+    for root, split in ((data, SPLIT), (storage.parent(data), data.rstrip("/").rsplit("/", 1)[-1])):
+        if storage.is_file(storage.join(root, split, NSHARDS)):
+            return _opened(root, split)
+    return None
+
+
+def _opened(root: str, split: str) -> BenchmarkSet:
+    count_file = storage.join(root, split, NSHARDS)
+    try:
+        n = int(storage.read_text(count_file).strip())
+    except ValueError:
+        raise ValueError(f"{count_file}: not a shard count (CLIP_benchmark writes the number of shards)") from None
+    if n < 1:
+        raise ValueError(f"{count_file}: {n} shards")
+    type_file = storage.join(root, TYPE)
+    kind = storage.read_text(type_file).strip().lower() if storage.is_file(type_file) else "classification"
+    if kind == "multilabel":
+        raise ValueError(f"{type_file}: multilabel sets (an .npy of labels a sample) are not evaluated by rayvl eval; "
+                         "classification and retrieval sets are")
+    names = storage.join(root, CLASSNAMES)
+    classes = names if kind != "retrieval" and storage.is_file(names) else ""
+    return BenchmarkSet(root, split, storage.join(root, split, f"{{0..{n - 1}}}.tar"), classes)
