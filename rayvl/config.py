@@ -9,36 +9,51 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.resources
+import os
 import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 
-from rayvl import plugins
+from rayvl import plugins, spec_syntax
 from rayvl.errors import ConfigError  # raised here; callers import it from here too
 
 REPORT_TO = ("tensorboard", "mlflow", "wandb")
 
 
+@dataclass(frozen=True)
+class Relative:
+    """How a field's relative local path is made absolute when the config is loaded (``absolute_paths``): Ray Train's
+    workers and Tune's trials run in other working directories (each trial's own folder), where the command's
+    relative paths would name nothing."""
+
+    kind: Literal["spec", "file", "named"]
+
+
+SpecPath = Annotated[str, Relative("spec")]  # shards (rayvl.spec_syntax): each relative local part
+FilePath = Annotated[str, Relative("file")]  # a local file or folder, or a URL
+NamedOrPath = Annotated[str, Relative("named")]  # a name (an asset, a run) or a path: only where the path exists
+
+
 @dataclass
 class DataConfig:
-    train: str = ""
+    train: SpecPath = ""
     """img2dataset shards for training, written as webdataset / open_clip write them: brace ranges
     (``s3://b/laion/{00000..41407}.tar``), ``::`` between sources, comma lists, folders, globs, ``.txt`` list files,
     URLs (s3://, gs://, file://, any fsspec scheme) and ``pipe:COMMAND`` ('' = embedded demo dataset)."""
-    eval: str = ""
+    eval: SpecPath = ""
     """held-out img2dataset shards for evaluation, the same forms as ``train`` ('' = the demo's held-out split;
     with ``train`` set, evaluation needs it)."""
-    classes: str = ""
+    classes: FilePath = ""
     """zero-shot class list + prompt templates (JSON: {"classes": [...], "templates": [...]}, or CLIP_benchmark's
     classnames.txt with the zeroshot_classification_templates.txt beside it; '' = the demo's)."""
-    paraphrases: str = ""
+    paraphrases: FilePath = ""
     """paraphrase pairs over the eval images (JSON lines: caption, paraphrase; '' = the demo's)."""
-    sts: str = ""
+    sts: FilePath = ""
     """STS sentence pairs (TSV: sentence1, sentence2, score; '' = the demo's)."""
     samples_per_pass: int = 0
     """samples one pass over ``train`` holds (open_clip's ``--train-num-samples``), for shards without img2dataset's
@@ -49,7 +64,7 @@ class DataConfig:
     source's shards 4 times a pass; ``0.5``: half of them, the other half the next pass) — open_clip's
     ``--train-data-upsampling-factors``, without its sampling with replacement, so a run still resumes row for row
     ('' = every shard once a pass)."""
-    demo_dir: str = "~/.cache/rayvl/demo"
+    demo_dir: FilePath = "~/.cache/rayvl/demo"
     """where the embedded demo dataset is written when ``train`` is empty."""
     demo_samples: int = 4000
     """training samples of the generated demo dataset."""
@@ -143,13 +158,13 @@ class ModelConfig:
     vision: str = "efficientnet-lite0"
     """image tower: a rayvl asset name or any timm model name (``clip``: the image transformer of
     ``init_from_clip``)."""
-    vision_checkpoint: str = ""
+    vision_checkpoint: FilePath = ""
     """checkpoint file for a timm model name, a local path or on object storage (s3://, gs://: each node copies it
     once) ('' = random init unless ``vision`` is an asset)."""
-    text: str = "minilm-l6"
+    text: NamedOrPath = "minilm-l6"
     """text tower: a rayvl asset name or a local HF model directory (``clip``: the text transformer of
     ``init_from_clip``, with CLIP's tokenizer)."""
-    init_from_clip: str = ""
+    init_from_clip: FilePath = ""
     """a whole pretrained CLIP to start from: OpenAI's .pt (TorchScript or state dict), an open_clip checkpoint
     (.pt/.bin/.safetensors, plain or as its training saves it) or a Hugging Face CLIPModel folder. Both towers, both
     projections and the temperature load; model.vision/text/embed_dim/projections/pooling/clip and data.image_size
@@ -310,7 +325,7 @@ class TrainConfig:
     """checkpoints kept in the run directory."""
     max_failures: int = 1
     """worker-group restarts Ray Train may do from the latest checkpoint."""
-    storage_path: str = "~/rayvl-runs"
+    storage_path: FilePath = "~/rayvl-runs"
     """where runs are stored: a local path, or a URL (s3://, gs://, file://, any fsspec scheme)."""
     shared_storage: bool = False
     """a local ``storage_path`` is a mount every node shares (NFS, Lustre); otherwise a cluster of several nodes
@@ -319,7 +334,7 @@ class TrainConfig:
     """run directory name ('' = <recipe>-<timestamp>)."""
     resume: bool = False
     """continue from the latest checkpoint of ``run_name`` (``--resume [RUN|latest]`` sets both)."""
-    init_from: str = ""
+    init_from: NamedOrPath = ""
     """start a new run from the weights of another run: a run directory (its newest checkpoint), a checkpoint or a
     ``rayvl export`` directory; its model settings must match this run's ('' = pretrained towers)."""
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
@@ -385,7 +400,7 @@ class EvalConfig:
 class SweepConfig:
     """How `rayvl tune` runs trials (the search space itself is a tune_spaces/*.yaml file)."""
 
-    storage_path: str = "~/rayvl-sweeps"
+    storage_path: FilePath = "~/rayvl-sweeps"
     """where sweeps are stored: <storage_path>/<sweep name>/ (Tune's state, each trial's Train run, the report)."""
     driver_cpus: float | None = None
     """CPUs reserved for each trial's driver, the function that builds and fits the TorchTrainer (it mostly waits;
@@ -618,8 +633,10 @@ def _check_required(values: dict, requires: dict, path) -> None:
             raise ConfigError(f"{key}: the {recipe} recipe needs it: {' '.join(str(what).split())}")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RayvlConfig:
-    """Defaults ← recipe YAML ← ``--set`` overrides, then validated."""
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                cwd: str | None = None) -> RayvlConfig:
+    """Defaults ← recipe YAML ← ``--set`` overrides, relative local paths made absolute against ``cwd`` (the
+    working directory where the command runs: ``absolute_paths``), then validated."""
     values: dict = {}
     requires: dict = {}
     if path:
@@ -636,12 +653,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     values = _merge(values, given)
     _check_required(values, requires, path)
     values = _clip_settings(values, given)
-    cfg = _build(RayvlConfig, _loss_defaults(values))
+    cfg = absolute_paths(_build(RayvlConfig, _loss_defaults(values)), cwd or os.getcwd())
     validate(cfg)
     return cfg
 
 
-def with_overrides(cfg: RayvlConfig, overrides: list[str]) -> RayvlConfig:
+def with_overrides(cfg: RayvlConfig, overrides: list[str], cwd: str | None = None) -> RayvlConfig:
     """``cfg`` with ``key=value`` overrides applied as load_config applies them to a recipe, validated again."""
     if not overrides:
         return cfg
@@ -649,8 +666,37 @@ def with_overrides(cfg: RayvlConfig, overrides: list[str]) -> RayvlConfig:
     for text in overrides:
         given = _merge(given, parse_override(text))
     cfg = _build(RayvlConfig, _loss_defaults(_clip_settings(_merge(cfg.to_dict(), given), given)))
+    cfg = absolute_paths(cfg, cwd or os.getcwd())
     validate(cfg)
     return cfg
+
+
+def absolute_paths(cfg: Any, base: str) -> Any:
+    """``cfg`` (a config or a section) with the relative local paths of its path fields (SpecPath, FilePath,
+    NamedOrPath) under ``base``: URLs, ``pipe:`` commands, absolute and ``~`` paths, and names stay as written."""
+    hints = typing.get_type_hints(type(cfg), include_extras=True)
+    changes = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        marks = [m for m in getattr(hints.get(f.name), "__metadata__", ()) if isinstance(m, Relative)]
+        if dataclasses.is_dataclass(value):
+            new = absolute_paths(value, base)
+        elif marks and isinstance(value, str) and value:
+            new = _absolute(value, marks[0].kind, base)
+        else:
+            continue
+        if new is not value and new != value:
+            changes[f.name] = new
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+def _absolute(value: str, kind: str, base: str) -> str:
+    if kind == "spec":
+        return spec_syntax.absolute(value, base)
+    if not spec_syntax.is_relative(value):
+        return value
+    under = os.path.join(base, value)
+    return under if kind == "file" or os.path.exists(under) else value
 
 
 # what a whole CLIP's weights cannot say, so model.clip may set it by hand

@@ -292,3 +292,26 @@ def test_init_from_a_checkpoint_written_before_a_model_key_existed(tmp_path):
     assert check_init_from(load_config(None, [f"train.init_from={checkpoint}"])).endswith("checkpoint_000003")
     with pytest.raises(ConfigError, match=r"^model.embed_dim: 64 differs from 256 in train.init_from"):
         check_init_from(load_config(None, [f"train.init_from={checkpoint}", "model.embed_dim=64"]))
+
+
+def test_relative_paths_are_made_absolute_against_the_commands_working_directory(tmp_path, monkeypatch):
+    """Ray Train's workers and Tune's trials run in folders of their own, where a relative path names nothing: the
+    config holds each relative local path under the command's working directory — every part of a shard spec, a
+    file, a name only where a path of that name exists — and leaves URLs, pipe: commands, ~ paths and names."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "old").mkdir(parents=True)
+    cfg = load_config(str(REPO / "configs" / "laion_adapt.yaml"), [
+        "data.train=shards/{00000..00003}.tar,/abs/a.tar::s3://b/c.tar,more/*.tar",
+        "data.eval=pipe:cat held,out.tar", "data.classes=classes.json", "data.sts=~/sts.tsv",
+        "model.text=minilm-l6", "train.init_from=runs/old", "train.storage_path=runs",
+        "pseudo_label.out=labels", "pseudo_label.checkpoint=latest"])
+    here = str(tmp_path)
+    assert cfg.data.train == f"{here}/shards/{{00000..00003}}.tar,/abs/a.tar::s3://b/c.tar,{here}/more/*.tar"
+    assert (cfg.data.eval, cfg.data.classes, cfg.data.sts) == ("pipe:cat held,out.tar", f"{here}/classes.json",
+                                                                "~/sts.tsv")
+    assert (cfg.model.text, cfg.train.init_from, cfg.train.storage_path) == ("minilm-l6", f"{here}/runs/old",
+                                                                             f"{here}/runs")
+    assert (cfg.pseudo_label.out, cfg.pseudo_label.checkpoint) == (f"{here}/labels", "latest")
+    assert cfg.tune.storage_path == "~/rayvl-sweeps" and cfg.data.demo_dir == "~/.cache/rayvl/demo"
+    elsewhere = load_config(None, ["data.classes=classes.json"], cwd="/where/the/sweep/ran")
+    assert elsewhere.data.classes == "/where/the/sweep/ran/classes.json"

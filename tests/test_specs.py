@@ -12,7 +12,8 @@ import pytest
 
 from rayvl.data.report import DataPlaneError
 from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
-from rayvl.data.specs import ACCESS_HINT, REACH_HINT, check, parts, resolve_shards, way_out
+from rayvl.data.specs import ACCESS_HINT, REACH_HINT, check, resolve_shards, way_out
+from rayvl.spec_syntax import parts
 from rayvl.data.tar import iter_tar_samples
 
 FAST = ReadPolicy(retries=3, wait_s=0.05)

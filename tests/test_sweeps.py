@@ -225,7 +225,8 @@ def test_an_interrupted_sweep_resumes_and_a_failing_trial_is_recorded(demo_dir, 
     """Two trials side by side: `rayvl tune` stopped with Ctrl-C (SIGINT) after the demo trial's first checkpoint;
     `rayvl tune --resume` continues it: the trial resumes from its checkpoint (its train state records the step),
     the other trial — whose shards hold only undecodable images — fails with the data plane's error, which the
-    report shows, and the sweep still finishes with a best config. The two data sets are the space's variants, so the
+    report shows (its shards given relative to the command's folder), and the sweep still finishes with a best
+    config. The two data sets are the space's variants, so the
     sweep is also a comparison: its table names the failed variant. Each command runs in its own process and Ray,
     as a user runs them; the sweep (and every trial's Train run) lives at a file:// URL, so the trial's resume finds its
     checkpoint through the URL code path."""
@@ -245,7 +246,9 @@ def test_an_interrupted_sweep_resumes_and_a_failing_trial_is_recorded(demo_dir, 
     space = tmp_path / "resume.yaml"
     space.write_text(yaml.safe_dump({
         "recipe": str(REPO / "configs" / "laion_adapt.yaml"), "metric": "loss", "mode": "min", "name": "resume",
-        "variants": {"demo": {"data.train": str(demo_dir / "train")}, "broken": {"data.train": str(broken)}},
+        # the broken shards relative to the commands' folder (tmp_path): a trial, run in a folder of its own, reads
+        # them there (its error is theirs, not a path that names nothing)
+        "variants": {"demo": {"data.train": str(demo_dir / "train")}, "broken": {"data.train": "broken"}},
         "space": {}, "max_concurrent_trials": 2,
         "set": {"train.max_steps": 6, "train.checkpoint_every": 2, "train.log_every": 2, "eval.tasks": [],
                 "train.max_failures": 0, "train.micro_batch_size": 8, "train.num_workers": 1}}))

@@ -11,7 +11,7 @@ from typing import Callable
 import pyarrow.fs as pafs
 
 from rayvl import storage
-from rayvl.data.specs import is_pipe
+from rayvl.spec_syntax import is_pipe
 
 
 class ArtifactMismatch(RuntimeError):

@@ -26,7 +26,8 @@ from typing import Literal
 
 from rayvl import storage
 from rayvl.errors import DataPlaneError
-from rayvl.data.specs import DENIED_WORDS, PIPE
+from rayvl.data.specs import DENIED_WORDS
+from rayvl.spec_syntax import PIPE
 
 # what pyarrow's S3/GCS clients say when retrying cannot help (its errors are OSErrors with the service's words)
 _DENIED = DENIED_WORDS

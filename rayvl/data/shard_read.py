@@ -69,7 +69,7 @@ def readers_per_shard(paths: list[str], read_cpus: float, cpus: float) -> int:
     file — reading a file again costs a page-cache read; a shard on object storage or behind ``pipe:`` would be
     fetched once per reader —, else 1."""
     from rayvl import storage
-    from rayvl.data.specs import is_pipe
+    from rayvl.spec_syntax import is_pipe
 
     if not paths or any(storage.is_url(p) or is_pipe(p) for p in paths) or read_cpus <= 0:
         return 1

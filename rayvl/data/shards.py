@@ -38,8 +38,9 @@ from rayvl.data.pipeline import Rows, preprocess_columns, row_bytes  # row_bytes
 from rayvl.data.position import row_ids
 from rayvl.data.report import current_token, record, record_async, report_actor
 from rayvl.data.shard_read import Reading, raw_batches, transformed_ahead  # Reading: imported from here too
-from rayvl.data.specs import is_pipe, resolve_shards
+from rayvl.data.specs import resolve_shards
 from rayvl.data.tar import COLUMNS, member_key
+from rayvl.spec_syntax import is_pipe
 
 MAX_TASKS_PER_PASS = 200  # Ray Data's default read parallelism; LAION's 41k shards → ≈200 shards a task
 

@@ -26,8 +26,8 @@ from braceexpand import braceexpand
 from rayvl import storage
 from rayvl.config import ConfigError
 from rayvl.errors import DataPlaneError
+from rayvl.spec_syntax import is_pipe, source_parts, sources
 
-PIPE = "pipe:"
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 GLOB_CHARS = "*?["
 CHECK_ALL_UP_TO = 8  # a brace range this short has every object checked
@@ -47,33 +47,6 @@ class Resolved:
     sources: list[int] = field(default_factory=list)  # shards of each ``::`` source, in spec order (data/mix.py)
 
 
-def is_pipe(path: str) -> bool:
-    return path.startswith(PIPE)
-
-
-def sources(spec: str) -> list[str]:
-    """``a::b,c`` → [a, "b,c"]: the sources of a mix (open_clip's ``::``), empty ones left out."""
-    return [s.strip() for s in spec.split("::") if s.strip()]
-
-
-def parts(spec: str) -> list[str]:
-    """``a::b,c`` → [a, b, c]: sources split at ``::``, then at commas outside braces (``{a,b}`` stays whole); a
-    ``pipe:`` source is one command, commas and all."""
-    return [p for source in sources(spec) for p in _source_parts(source)]
-
-
-def _source_parts(source: str) -> list[str]:
-    if is_pipe(source):
-        return [source]
-    out, depth, start = [], 0, 0
-    for i, c in enumerate(source + ","):
-        depth += (c == "{") - (c == "}")
-        if c == "," and depth == 0:
-            out.append(source[start:i].strip())
-            start = i + 1
-    return [p for p in out if p]
-
-
 def resolve(spec: str) -> Resolved:
     """Every shard a spec names, in spec order; a part that names nothing is an error naming it."""
     if not spec or not spec.strip():
@@ -81,7 +54,7 @@ def resolve(spec: str) -> Resolved:
     found = Resolved(spec)
     for source in sources(spec):
         first = len(found.paths)
-        for part in _source_parts(source):
+        for part in source_parts(source):
             _add_part(part, spec, found)
         found.sources.append(len(found.paths) - first)
     if found.missing:

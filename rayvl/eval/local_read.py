@@ -30,7 +30,7 @@ from rayvl import storage
 from rayvl.data.pipeline import Rows, preprocess_columns, row_bytes
 from rayvl.data.position import row_ids
 from rayvl.data.shard_read import Reading, raw_batches, transformed_ahead
-from rayvl.data.specs import is_pipe
+from rayvl.spec_syntax import is_pipe
 from rayvl.data.tar import COLUMNS
 from rayvl.errors import DataPlaneError
 

@@ -4,6 +4,7 @@ interrupted sweep from Tune's saved state."""
 from __future__ import annotations
 
 import json
+import os
 import posixpath
 
 from rayvl import storage
@@ -125,6 +126,7 @@ def _param_space(sweep: Sweep, overrides: list[str], sweep_dir: str, registry: s
     space = {"set": {k: _tune_domain(d) for k, d in sweep.space.items()}, "recipe": sweep.recipe,
              "fixed": sweep.fixed + list(overrides), "metric": sweep.metric,
              "storage": storage.join(sweep_dir, "runs"), "registry": registry, "after": after.function,
+             "cwd": os.getcwd(),  # what the command line's relative paths are relative to (trials run elsewhere)
              "after_kwargs": after.kwargs}
     if sweep.variants:  # the named override sets: one more grid dimension
         space.update(variant=tune.grid_search(list(sweep.variants)), variants=sweep.variants)

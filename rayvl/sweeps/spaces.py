@@ -58,9 +58,12 @@ class Sweep:
         return load_config(self.recipe, self.fixed + list(overrides))
 
 
-def trial_config(recipe: str, fixed: list[str], values: dict, variant: list[str] = ()) -> RayvlConfig:
-    """The full config of one trial: the recipe, the sweep's fixed overrides, its variant's, then its values."""
-    return load_config(recipe, list(fixed) + list(variant) + [f"{k}={as_yaml(v)}" for k, v in values.items()])
+def trial_config(recipe: str, fixed: list[str], values: dict, variant: list[str] = (),
+                 cwd: str | None = None) -> RayvlConfig:
+    """The full config of one trial: the recipe, the sweep's fixed overrides, its variant's, then its values; their
+    relative paths under ``cwd`` (a trial runs in its own folder: the sweep's command's working directory)."""
+    return load_config(recipe, list(fixed) + list(variant) + [f"{k}={as_yaml(v)}" for k, v in values.items()],
+                       cwd=cwd)
 
 
 def load_sweep(path: str | os.PathLike, overrides: list[str] = ()) -> Sweep:

@@ -33,7 +33,8 @@ def trial(config: dict) -> None:
     from rayvl.train.trainer import train
 
     variant = config.get("variant", "")
-    cfg = trial_config(config["recipe"], config["fixed"], config["set"], config.get("variants", {}).get(variant, []))
+    cfg = trial_config(config["recipe"], config["fixed"], config["set"], config.get("variants", {}).get(variant, []),
+                       config.get("cwd"))
     name = f"trial-{tune.get_context().get_trial_id()}"
     resume = latest_checkpoint_dir(storage.join(config["storage"], name)) is not None
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_name=name, resume=resume,

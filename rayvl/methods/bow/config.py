@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rayvl.config import FilePath, NamedOrPath, SpecPath
+
 
 @dataclass
 class BowConfig:
@@ -20,7 +22,7 @@ class BowConfig:
     """share of captions kept intact (the "base" split, chosen by hashing the sample key); 0 = only BoW."""
     seed: int = 0
     """seed of the base split and of each caption's shuffle (hash of seed and sample key)."""
-    stats_path: str = ""
+    stats_path: FilePath = ""
     """base-split statistics artifact (JSON, local or URL); reused when its fingerprint matches the shards and
     split, computed with Ray Data otherwise ('' = <run directory>/bow_stats.json)."""
     keep_base_intact: bool = True
@@ -53,14 +55,14 @@ class MemoryBankConfig:
 class PseudoLabelConfig:
     """Pseudo-BoW captions for images without captions ([BoW] §2.3): `rayvl pseudo-label`, jobs/pseudo_label.py."""
 
-    checkpoint: str = ""
+    checkpoint: NamedOrPath = ""
     """the labelling model: a run directory, a checkpoint or an export (normally a BoW run)."""
-    aligned: str = ""
+    aligned: SpecPath = ""
     """S_a, the aligned shards whose intact captions are retrieved (normally the labelling model's training data)."""
-    unaligned: str = ""
+    unaligned: SpecPath = ""
     """the images to label: img2dataset shards (their captions ignored) or a folder of image files (searched
     recursively)."""
-    out: str = ""
+    out: FilePath = ""
     """output folder: one img2dataset-layout shard set per rule, <out>/<rule>/, and the index cache <out>/index/."""
     rules: list[str] = field(default_factory=lambda: ["weighted_count"])
     """word ranking rules (max_count, rm_top_max_count, rm_top_rand, weighted_count; Table 7's best is the last);

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rayvl.config import FilePath
+
 
 @dataclass
 class TonicsConfig:
@@ -13,7 +15,7 @@ class TonicsConfig:
     classes: list[str] = field(default_factory=list)
     """object classes: WordNet nouns ("dog": its first noun sense that is a physical entity), synset ids
     ("dog.n.01") or a name for a synset ("diamond=rhombus.n.01")."""
-    overrides: str = ""
+    overrides: FilePath = ""
     """JSON file {noun: class} applied before WordNet (the paper corrects its noun→object mapping by hand)."""
     tags_field: str = "objects"
     """JSON metadata field with detector tags (strings, [label, ...] lists or {label|name|class: ...}): the objects
@@ -40,7 +42,7 @@ class TonicsConfig:
     """P_S(root) ← α·P_S(root) at a refresh (paper: 0.9)."""
     beta: float = 0.2
     """floor of P_S(root) (paper: 0.2)."""
-    counts_path: str = ""
+    counts_path: FilePath = ""
     """per-class row counts |X(η_o)| (JSON artifact, summed over a Ray Data pass); reused when its fingerprint matches
     ('' = <storage path>/artifacts/tonics_counts-<hash of the shards' sizes and the ontology>.json: counted once per
     data set, for every run over it)."""

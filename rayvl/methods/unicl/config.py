@@ -3,17 +3,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rayvl.config import FilePath, NamedOrPath
+
 
 @dataclass
 class ImageLabelConfig:
     """Image-label data mixed with image-text data ([UniCL] §3, App. B.2)."""
 
-    data: str = ""
+    data: NamedOrPath = ""
     """'' = none; "fashion-mnist" (Debian dataset-fashion-mnist), a folder of Fashion-MNIST IDX files, or
     img2dataset-style shards whose JSON carries ``cls``."""
-    classes: str = ""
+    classes: FilePath = ""
     """JSON {"classes": [...]}: the name of each class id ('' = Fashion-MNIST's names for Fashion-MNIST)."""
-    templates: str = ""
+    templates: FilePath = ""
     """JSON {"templates": [...]} with "{}" for the class name ('' = CLIP's 80 ImageNet templates)."""
     train_classes: list[int] = field(default_factory=list)
     """class ids trained on ([] = all); the others stay unseen, for zero-shot on held-out classes."""
