@@ -15,28 +15,15 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
 
 from rayvl import plugins, spec_syntax
+from rayvl.local_paths import FilePath, NamedOrPath, SpecPath, absolute_paths
 from rayvl.errors import ConfigError  # raised here; callers import it from here too
 
 REPORT_TO = ("tensorboard", "mlflow", "wandb")
-
-
-@dataclass(frozen=True)
-class Relative:
-    """How a field's relative local path is made absolute when the config is loaded (``absolute_paths``): Ray Train's
-    workers and Tune's trials run in other working directories (each trial's own folder), where the command's
-    relative paths would name nothing."""
-
-    kind: Literal["spec", "file", "named"]
-
-
-SpecPath = Annotated[str, Relative("spec")]  # shards (rayvl.spec_syntax): each relative local part
-FilePath = Annotated[str, Relative("file")]  # a local file or folder, or a URL
-NamedOrPath = Annotated[str, Relative("named")]  # a name (an asset, a run) or a path: only where the path exists
 
 
 @dataclass
@@ -652,7 +639,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         given = _merge(given, parse_override(text))
     values = _merge(values, given)
     _check_required(values, requires, path)
-    values = _clip_settings(values, given)
+    values = _clip_settings(_absolute_clip(values, cwd or os.getcwd()), given)
     cfg = absolute_paths(_build(RayvlConfig, _loss_defaults(values)), cwd or os.getcwd())
     validate(cfg)
     return cfg
@@ -661,42 +648,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def with_overrides(cfg: RayvlConfig, overrides: list[str], cwd: str | None = None) -> RayvlConfig:
     """``cfg`` with ``key=value`` overrides applied as load_config applies them to a recipe, validated again."""
     if not overrides:
-        return cfg
+        return absolute_paths(cfg, cwd or os.getcwd())
     given: dict = {}
     for text in overrides:
         given = _merge(given, parse_override(text))
-    cfg = _build(RayvlConfig, _loss_defaults(_clip_settings(_merge(cfg.to_dict(), given), given)))
-    cfg = absolute_paths(cfg, cwd or os.getcwd())
+    values = _absolute_clip(_merge(cfg.to_dict(), given), cwd or os.getcwd())
+    cfg = absolute_paths(_build(RayvlConfig, _loss_defaults(_clip_settings(values, given))), cwd or os.getcwd())
     validate(cfg)
     return cfg
 
 
-def absolute_paths(cfg: Any, base: str) -> Any:
-    """``cfg`` (a config or a section) with the relative local paths of its path fields (SpecPath, FilePath,
-    NamedOrPath) under ``base``: URLs, ``pipe:`` commands, absolute and ``~`` paths, and names stay as written."""
-    hints = typing.get_type_hints(type(cfg), include_extras=True)
-    changes = {}
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        marks = [m for m in getattr(hints.get(f.name), "__metadata__", ()) if isinstance(m, Relative)]
-        if dataclasses.is_dataclass(value):
-            new = absolute_paths(value, base)
-        elif marks and isinstance(value, str) and value:
-            new = _absolute(value, marks[0].kind, base)
-        else:
-            continue
-        if new is not value and new != value:
-            changes[f.name] = new
-    return dataclasses.replace(cfg, **changes) if changes else cfg
-
-
-def _absolute(value: str, kind: str, base: str) -> str:
-    if kind == "spec":
-        return spec_syntax.absolute(value, base)
-    if not spec_syntax.is_relative(value):
-        return value
-    under = os.path.join(base, value)
-    return under if kind == "file" or os.path.exists(under) else value
+def _absolute_clip(values: dict, base: str) -> dict:
+    """``values`` with a relative model.init_from_clip under ``base``: its weights decide settings before the
+    config is built (``_clip_settings``), where absolute_paths would come too late."""
+    clip = values.get("model", {}).get("init_from_clip") if isinstance(values.get("model"), dict) else None
+    if not isinstance(clip, str) or not spec_syntax.is_relative(clip):
+        return values
+    return {**values, "model": {**values["model"], "init_from_clip": os.path.join(base, clip)}}
 
 
 # what a whole CLIP's weights cannot say, so model.clip may set it by hand

@@ -297,14 +297,16 @@ def test_init_from_a_checkpoint_written_before_a_model_key_existed(tmp_path):
 def test_relative_paths_are_made_absolute_against_the_commands_working_directory(tmp_path, monkeypatch):
     """Ray Train's workers and Tune's trials run in folders of their own, where a relative path names nothing: the
     config holds each relative local path under the command's working directory — every part of a shard spec, a
-    file, a name only where a path of that name exists — and leaves URLs, pipe: commands, ~ paths and names."""
+    file, a path with a folder in it where a field takes a name too — and leaves URLs, pipe: commands, ~ paths and
+    bare names (even where a folder of that name exists)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs" / "old").mkdir(parents=True)
+    (tmp_path / "minilm-l6").mkdir()  # a folder named as the asset: the bare word stays the asset's name
     cfg = load_config(str(REPO / "configs" / "laion_adapt.yaml"), [
         "data.train=shards/{00000..00003}.tar,/abs/a.tar::s3://b/c.tar,more/*.tar",
         "data.eval=pipe:cat held,out.tar", "data.classes=classes.json", "data.sts=~/sts.tsv",
         "model.text=minilm-l6", "train.init_from=runs/old", "train.storage_path=runs",
-        "pseudo_label.out=labels", "pseudo_label.checkpoint=latest"])
+        "pseudo_label.out=labels", "pseudo_label.checkpoint=latest", "image_label.data=wds/{0..3}.tar"])
     here = str(tmp_path)
     assert cfg.data.train == f"{here}/shards/{{00000..00003}}.tar,/abs/a.tar::s3://b/c.tar,{here}/more/*.tar"
     assert (cfg.data.eval, cfg.data.classes, cfg.data.sts) == ("pipe:cat held,out.tar", f"{here}/classes.json",
@@ -313,5 +315,7 @@ def test_relative_paths_are_made_absolute_against_the_commands_working_directory
                                                                              f"{here}/runs")
     assert (cfg.pseudo_label.out, cfg.pseudo_label.checkpoint) == (f"{here}/labels", "latest")
     assert cfg.tune.storage_path == "~/rayvl-sweeps" and cfg.data.demo_dir == "~/.cache/rayvl/demo"
+    assert cfg.image_label.data == f"{here}/wds/{{0..3}}.tar"
+    assert load_config(None, ["image_label.data=fashion-mnist"]).image_label.data == "fashion-mnist"
     elsewhere = load_config(None, ["data.classes=classes.json"], cwd="/where/the/sweep/ran")
     assert elsewhere.data.classes == "/where/the/sweep/ran/classes.json"

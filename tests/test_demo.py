@@ -123,3 +123,14 @@ def test_expected_samples_are_img2dataset_successes(demo_dir, tmp_path):
 
     size, how = pass_size(sorted(str(p) for p in tmp_path.glob("*.tar")))
     assert size is None and how.startswith(f"1 parquet files beside the shards are unreadable (e.g. {cut}")
+    # open_clip's sizes.json beside the shards, when it names every one, is the pass's size (and wins over the
+    # parquets); one that misses a shard, or is not JSON, is not used
+    from rayvl.data.shards import samples_per_pass
+
+    shards = sorted(str(p) for p in tmp_path.glob("*.tar"))
+    (tmp_path / "sizes.json").write_text(json.dumps({"00000.tar": 100, "00001.tar": 20, "00009.tar": 7}))
+    assert samples_per_pass(0, shards) == (120, "the shards' folder's sizes.json (open_clip's)")
+    (tmp_path / "sizes.json").write_text(json.dumps({"00000.tar": 100}))
+    assert samples_per_pass(0, shards)[0] != 100 and samples_per_pass(0, shards[:1])[0] == 100
+    (tmp_path / "sizes.json").write_text("{not json")
+    assert samples_per_pass(0, shards[:1])[0] != 100

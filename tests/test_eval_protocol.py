@@ -180,6 +180,15 @@ def test_a_quick_held_out_check_takes_its_first_distinct_images_with_all_their_c
     assert two.size == 2 and two.keys == ["a", "c"] and list(two.labels) == [0, 2]
     assert two.captions == ["x", "y", "z", "w", "v"] and list(two.caption_to_image) == [0, 0, 0, 1, 0]
     assert np.array_equal(two.images, data.images[[0, 2]]) and list(two.retrieval_images()) == [0, 1]
+    # an image kept for the class tasks with no caption (a classification set's, beside captioned ones) is neither
+    # in the quick check nor searched by retrieval: its rows and captions are those of the images that have some
+    mixed = EvalData(np.arange(5 * 3 * 2 * 2).reshape(5, 3, 2, 2), 0, np.zeros(0, np.int64)).with_rows(
+        {**rows, "caption": np.array(["x", "", "w", "v", ""], object)})
+    assert mixed.captions == ["x", "w", "v"] and list(mixed.retrieval_images()) == [0, 2, 4]
+    searched, caption_to_image = mixed.captioned()
+    assert list(searched) == [0, 2] and list(caption_to_image) == [0, 1, 0]
+    one = mixed.head(1)
+    assert one.keys == ["a"] and one.captions == ["x", "v"] and list(one.caption_to_image) == [0, 0]
 
 
 def _clip_benchmark_set(demo_dir, root, images: int = 24, retrieval: bool = False) -> list[int]:

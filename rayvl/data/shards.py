@@ -18,6 +18,7 @@ next pass's shards are read while the current one ends.
 """
 from __future__ import annotations
 
+import json
 import os
 import tarfile
 import uuid
@@ -298,7 +299,7 @@ STATS_SAMPLE = 64  # remote shards whose stats file is read; the pass size is ex
 
 def samples_per_pass(given: int, paths: list[str], mix: Mix | None = None) -> tuple[int | None, str]:
     """(samples a pass of ``paths`` holds, how that was found): ``given`` (data.samples_per_pass) when set, else
-    pass_size; shards with no img2dataset files (all local or all on object storage), an estimate from the first
+    open_clip's sizes.json beside them, else pass_size; shards with no img2dataset files (all local or all on object storage), an estimate from the first
     shard. With a ``mix`` that upsamples, each source's count × its reads a pass ÷ its shards. Without a size a run
     lists ≈2,000 read tasks' worth of passes, and a run longer than a pass cannot say how many passes it trains
     (rayvl data check, the dry run)."""
@@ -306,7 +307,9 @@ def samples_per_pass(given: int, paths: list[str], mix: Mix | None = None) -> tu
         return given, "data.samples_per_pass"
     if mix is not None and mix.upsampled:
         return _upsampled_pass(paths, mix)
-    found, how = pass_size(paths)
+    found, how = open_clip_sizes(paths)
+    if found is None:
+        found, how = pass_size(paths)
     remote = bool(paths) and all(storage.is_url(p) for p in paths)
     local = bool(paths) and not any(storage.is_url(p) or is_pipe(p) for p in paths)
     if found is not None or not (remote or local):
@@ -315,6 +318,30 @@ def samples_per_pass(given: int, paths: list[str], mix: Mix | None = None) -> tu
     n = len(paths)
     return first * n, (f"estimated: the first shard {what} {first:,} samples, × {n:,} shard{'s' if n != 1 else ''}; "
                        f"{how.split(' — ')[0]} — data.samples_per_pass gives it exactly")
+
+
+SIZES_FILE = "sizes.json"  # open_clip's: {shard file name: samples} beside the shards (get_dataset_size)
+
+
+def open_clip_sizes(paths: list[str]) -> tuple[int | None, str]:
+    """(samples of ``paths`` as the ``sizes.json`` of their folders says — open_clip's own source of a webdataset's
+    size —, how), or (None, why not) unless every shard's folder has one naming it: one read a folder, local or on
+    object storage."""
+    if not paths or any(is_pipe(p) for p in paths):
+        return None, "no sizes.json"
+    folders: dict[str, list[str]] = {}
+    for p in paths:
+        folders.setdefault(storage.parent(p), []).append(p.rstrip("/").rsplit("/", 1)[-1])
+    total = 0
+    for folder, names in folders.items():
+        path = storage.join(folder, SIZES_FILE)
+        try:
+            sizes = json.loads(storage.read_text(path))
+            total += sum(int(sizes[name]) for name in names)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):  # absent, not JSON, a shard not in it
+            return None, f"no {SIZES_FILE} naming every shard"
+    where = f"{len(folders)} folders'" if len(folders) > 1 else "the shards' folder's"
+    return total, f"{where} {SIZES_FILE} (open_clip's)"
 
 
 def _upsampled_pass(paths: list[str], mix: Mix) -> tuple[int | None, str]:

@@ -84,14 +84,23 @@ class EvalData:
         """The rows of retrieval's gallery (every row where no digests grouped them)."""
         return self.gallery if len(self.gallery) else np.arange(self.size)
 
+    def captioned(self) -> tuple[np.ndarray, np.ndarray]:
+        """(the rows of retrieval's images that have a caption, in gallery order; each caption's index into them):
+        what retrieval searches — an image kept for the class tasks without a caption is no query and no target."""
+        with_captions = np.unique(self.caption_to_image)
+        position = np.full(len(self.retrieval_images()), -1, np.int64)
+        position[with_captions] = np.arange(len(with_captions))
+        return self.retrieval_images()[with_captions], position[self.caption_to_image]
+
     def head(self, n: int) -> "EvalData":
-        """The first n distinct images with all their captions, in memory: a quick held-out check whose gallery is n
-        images however many samples or caption lines each has (TOnICS's refresh reads its R@1 against a threshold)."""
-        chosen = self.retrieval_images()[:n]
-        keep = self.caption_to_image < len(chosen)
+        """The first n distinct images that have captions, with all their captions, in memory: a quick held-out check
+        whose gallery is n images however many samples or caption lines each has (TOnICS's refresh reads its R@1
+        against a threshold)."""
+        rows, caption_to_image = self.captioned()
+        chosen, keep = rows[:n], caption_to_image < n
         captions = [c for c, k in zip(self.captions, keep) if k]
         return EvalData(self.images[chosen], len(chosen), self.labels[chosen], captions=captions,
-                        caption_to_image=self.caption_to_image[keep], gallery=np.arange(len(chosen)),
+                        caption_to_image=caption_to_image[keep], gallery=np.arange(len(chosen)),
                         keys=[self.keys[i] for i in chosen] if self.keys else [])
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import time
 import uuid
 from collections import Counter
@@ -20,11 +21,11 @@ import numpy as np
 import ray
 import torch
 
-from rayvl import assets, storage
+from rayvl import assets, spec_syntax, storage
 from rayvl.checkpoints import checkpoint_uri, read_meta
 from rayvl.config import EvalConfig, from_dict
+from rayvl.data import clip_benchmark
 from rayvl.data.report import create_report, release_reports, snapshot
-from rayvl.eval import clip_benchmark
 from rayvl.eval import data as eval_data
 from rayvl.eval import local_read
 from rayvl.eval.embed import ActorEmbedder, LocalEmbedder
@@ -47,11 +48,13 @@ def default_sources(config: dict, data: str = "", kind: str = "auto", classes: s
                     sts: str = "") -> Sources:
     """Unset sources default to the checkpoint's own held-out data and files (the demo's when it trained on the
     demo), then to files of those names next to the data. A CLIP_benchmark set (its root or a split's folder,
-    rayvl.eval.clip_benchmark) is its split's shards with its class names and templates."""
+    rayvl.data.clip_benchmark) is its split's shards with its class names and templates."""
     d = config["data"]
     demo = Path(d["demo_dir"]).expanduser()
     own = not data  # the checkpoint's own held-out data: its own files go with it
-    data = data or d["eval"] or (str(demo / "eval") if not d["train"] else "")
+    # a relative --data means this folder (Ray Data's read tasks run in others)
+    data = (spec_syntax.absolute(data, os.getcwd()) if data
+            else d["eval"] or (str(demo / "eval") if not d["train"] else ""))
     if not data:
         raise ValueError("no evaluation data: pass --data (the checkpoint's config names no data.eval)")
     beside = Path(data).expanduser().parent  # the demo layout keeps these files next to the eval split

@@ -129,8 +129,10 @@ def retrieval(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | N
     if not data.captions:
         return None
     emb["caption"] = embedder.texts(data.captions)
-    # the distinct images: rows of one photo under several keys are one image with all their captions (EvalData)
-    return retrieval_metrics(emb["image"][data.retrieval_images()], emb["caption"], data.caption_to_image)
+    # the distinct images with captions: rows of one photo under several keys are one image with all their captions,
+    # an image kept for the class tasks without one is left out (EvalData.captioned)
+    rows, caption_to_image = data.captioned()
+    return retrieval_metrics(emb["image"][rows], emb["caption"], caption_to_image)
 
 
 def paraphrase(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | None:

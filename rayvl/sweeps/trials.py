@@ -5,6 +5,7 @@ carrying the sweep metric to Tune. When the run ends the trial writes its final 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 
 from rayvl import storage
@@ -32,6 +33,10 @@ def trial(config: dict) -> None:
     from rayvl.checkpoints import latest_checkpoint_dir
     from rayvl.train.trainer import train
 
+    # Tune runs a trial in its own folder: back to the sweep command's (where it exists on this node), so what the
+    # trial reads by a relative name — a shard list's lines, a comparison hook's files — is what the command meant
+    if config.get("cwd") and os.path.isdir(config["cwd"]):
+        os.chdir(config["cwd"])
     variant = config.get("variant", "")
     cfg = trial_config(config["recipe"], config["fixed"], config["set"], config.get("variants", {}).get(variant, []),
                        config.get("cwd"))

@@ -14,14 +14,13 @@ import ray
 
 from rayvl import plugins, storage
 from rayvl.config import ConfigError, RayvlConfig, upsampling_factors
-from rayvl.data import shards, specs
+from rayvl.data import clip_benchmark, shards, specs
 from rayvl.data.demo import DEMO_SEED, ensure_demo
 from rayvl.data.mix import Mix
 from rayvl.data.parts import DataPart, RowTransform, RunData
 from rayvl.data.pipeline import Rows, read_columns
 from rayvl.data.position import MAX_SHARDS
 from rayvl.data.shards import Reading
-from rayvl.eval import clip_benchmark
 from rayvl.train.batches import ROW
 
 log = logging.getLogger("rayvl")
@@ -163,7 +162,7 @@ def check_inputs(cfg: RayvlConfig, train: str, evalset: str) -> dict[str, specs.
 
 def resolve_data(cfg: RayvlConfig, make_demo: bool = True) -> tuple[str, str, dict]:
     """(train shards, eval shards, eval files); generates the embedded demo dataset when no data is given (its
-    paths only with ``make_demo=False``). A CLIP_benchmark set as data.eval (rayvl.eval.clip_benchmark) is its
+    paths only with ``make_demo=False``). A CLIP_benchmark set as data.eval (rayvl.data.clip_benchmark) is its
     split's shards, with its class names and templates unless data.classes names others."""
     d = cfg.data
     train, evalset = d.train, d.eval

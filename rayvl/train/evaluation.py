@@ -10,6 +10,7 @@ import time
 import torch
 
 from rayvl.config import RayvlConfig, precision
+from rayvl.errors import DataPlaneError
 from rayvl.eval import knn
 from rayvl.eval.data import EvalData, from_batches
 from rayvl.eval.embed import ModelEmbedder, batch_size
@@ -49,7 +50,10 @@ def held_out_retrieval(model, data: EvalData, n: int, cfg: RayvlConfig, tokenize
                        world: int) -> float:
     """Text→image R@1 (%) over the first n held-out instances: TOnICS' refresh signal ([TOnICS] §3, App. A.2:
     100 instances). Split across ranks and gathered, so every rank gets the same number."""
-    return evaluate(model, data.head(n), cfg, tokenizer_path, rank, world, ["retrieval"])["t2i_R@1"]
+    head = data.head(n)
+    if not head.captions:  # the method's data part refuses a CLIP_benchmark classification set before Ray starts
+        raise DataPlaneError("data.eval: the held-out split has no captions, which this held-out check ranks")
+    return evaluate(model, head, cfg, tokenizer_path, rank, world, ["retrieval"])["t2i_R@1"]
 
 
 class Evaluation:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rayvl.config import FilePath, NamedOrPath, SpecPath
+from rayvl.local_paths import FilePath, NamedOrPath, SpecPath
 
 
 @dataclass

@@ -44,6 +44,7 @@ def tonics_heldout(result, data: str = "") -> dict:
     found by the run's own ontology (tonics.classes, its caption nouns and detector tags)."""
     from rayvl.checkpoints import checkpoint_uri, read_meta
     from rayvl.methods.tonics.ontology import UNALIGNED, Ontology
+    from rayvl.data import clip_benchmark
     from rayvl.data.shard_io import open_shard
     from rayvl.data.specs import resolve_shards
     from rayvl.data.tar import DAMAGED, iter_tar_samples
@@ -58,6 +59,8 @@ def tonics_heldout(result, data: str = "") -> dict:
     ontology = Ontology.build(x["classes"], x["overrides"], x["tags_field"])
     found: dict[str, set[int]] = {}
     spec = data or config["data"]["eval"]
+    benchmark = clip_benchmark.find(spec)  # a CLIP_benchmark set's root: its split's shards
+    spec = benchmark.shards if benchmark else spec
     lines: dict[str, int] = {}  # each sample's captions: `rayvl eval` embeds each line of a held-out caption
     for path in resolve_shards(spec):
         with open_shard(path) as f:

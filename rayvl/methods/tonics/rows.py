@@ -10,6 +10,7 @@ import time
 from collections import Counter
 
 from rayvl import assets, storage
+from rayvl.data import clip_benchmark
 from rayvl.data.artifacts import ArtifactMismatch
 from rayvl.methods.tonics.ontology import UNALIGNED, Ontology, fingerprint, keep_frequent, load_or_count
 from rayvl.data.parts import Contribution, DataPart, RowTransform, RunData, Sample
@@ -56,6 +57,10 @@ def data_part(cfg, train: str, evalset: str) -> TonicsData | None:
         return None
     if not evalset:
         raise ConfigError("data.eval: the TOnICS curriculum refresh needs held-out shards (--eval-data)")
+    benchmark = clip_benchmark.find(cfg.data.eval) if cfg.data.eval else None
+    if benchmark is not None and benchmark.kind == "classification":
+        raise ConfigError(f"data.eval: {cfg.data.eval} is a CLIP_benchmark classification set (no captions); the "
+                          f"TOnICS curriculum refresh ranks held-out captions: give captioned held-out shards")
     try:
         assets.require_wordnet()  # a Debian asset a cluster fetches only when asked (cluster.yaml)
     except assets.MissingAssetError as e:

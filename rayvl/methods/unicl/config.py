@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rayvl.config import FilePath, NamedOrPath
+from rayvl.local_paths import FilePath, NamedOrPath
 
 
 @dataclass

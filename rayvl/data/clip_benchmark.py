@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from rayvl import storage
 from rayvl.data.specs import GLOB_CHARS
+from rayvl.spec_syntax import is_pipe
 
 SPLIT = "test"  # CLIP_benchmark's default split
 NSHARDS, TYPE, CLASSNAMES = "nshards.txt", "dataset_type.txt", "classnames.txt"
@@ -29,17 +30,24 @@ class BenchmarkSet:
     split: str
     shards: str  # the split's shard spec: <root>/<split>/{0..n-1}.tar
     classes: str  # its classnames.txt ('' for a retrieval set, or a classification set without one)
+    kind: str  # "classification" (a class a sample, no caption) or "retrieval" (captions)
 
 
 def find(data: str) -> BenchmarkSet | None:
     """The CLIP_benchmark set ``data`` names — its root (the test split) or a split's folder, one with an
-    ``nshards.txt`` —, or None when ``data`` is not a folder in that layout (shards, globs, other trees). Its
-    ``dataset_type.txt`` may say classification or retrieval; a multilabel set is refused, naming it."""
-    if any(c in data for c in GLOB_CHARS + "{,") or data.endswith((".tar", ".tgz", ".gz")) or "::" in data:
+    ``nshards.txt`` —, or None when ``data`` is not a folder in that layout (shards, globs, ``pipe:``, other trees):
+    one or two lookups (on object storage, requests). Its ``dataset_type.txt`` may say classification or retrieval;
+    a multilabel set is refused, naming it."""
+    if is_pipe(data) or any(c in data for c in GLOB_CHARS + "{,") or data.endswith((".tar", ".tgz", ".gz", ".txt")) \
+            or "::" in data:
         return None
     data = storage.normalize(data)
     for root, split in ((data, SPLIT), (storage.parent(data), data.rstrip("/").rsplit("/", 1)[-1])):
-        if storage.is_file(storage.join(root, split, NSHARDS)):
+        try:
+            here = storage.is_file(storage.join(root, split, NSHARDS))
+        except OSError as e:  # a store out of reach: said as the data's own error, naming it
+            raise ValueError(f"{data}: cannot look for {NSHARDS} ({' '.join(str(e).split())})") from None
+        if here:
             return _opened(root, split)
     return None
 
@@ -59,4 +67,5 @@ def _opened(root: str, split: str) -> BenchmarkSet:
                          "classification and retrieval sets are")
     names = storage.join(root, CLASSNAMES)
     classes = names if kind != "retrieval" and storage.is_file(names) else ""
-    return BenchmarkSet(root, split, storage.join(root, split, f"{{0..{n - 1}}}.tar"), classes)
+    return BenchmarkSet(root, split, storage.join(root, split, f"{{0..{n - 1}}}.tar"), classes,
+                        "retrieval" if kind == "retrieval" else "classification")
