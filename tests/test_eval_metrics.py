@@ -32,6 +32,27 @@ def test_paraphrase_metrics_on_a_gallery():
     assert r["paraphrase_JS@2"] == pytest.approx(100 * (1 + 1 / 3) / 2)
 
 
+def test_the_paraphrase_task_ranks_each_distinct_image_once():
+    """A photo stored under two keys (COCO-style shards) is one image of the ranked lists, as in retrieval: the task
+    scores what paraphrase_metrics gives over the distinct images, where the per-row gallery gives other numbers."""
+    from rayvl.eval.data import EvalData
+    from rayvl.eval.tasks import paraphrase
+
+    rows = np.array([[1, 0, 0, 0], [1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]], np.float32)
+    texts = {"q": [1, 0.5, 0.2, 0], "p": [1, 0.2, 0.5, 0]}
+
+    class Texts:
+        def texts(self, names):
+            return np.array([texts[t] for t in names], np.float32)
+
+    data = EvalData(np.zeros((5, 3, 2, 2), np.uint8), 5, np.full(5, -1), gallery=np.array([0, 2, 3, 4]),
+                    paraphrases=[{"caption": "q", "paraphrase": "p"}])
+    scored = paraphrase(data, {"image": rows}, Texts(), 2)
+    distinct = paraphrase_metrics(rows[[0, 2, 3, 4]], Texts().texts(["q"]), Texts().texts(["p"]), 2)
+    assert scored == distinct and scored["paraphrase_JS@2"] == pytest.approx(100 / 3)
+    assert paraphrase_metrics(rows, Texts().texts(["q"]), Texts().texts(["p"]), 2) != distinct
+
+
 def test_query_expansion_is_eq5_average():
     q = np.array([[1.0, 0.0]])
     e = np.array([[[0.0, 1.0], [1.0, 1.0], [0.0, 0.0]]])

@@ -143,10 +143,12 @@ def paraphrase(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | 
     n, n_exp = len(pairs), _expansions(pairs)
     texts = embedder.texts(paraphrase_texts(data))
     queries, paraphrases = texts[:n], texts[n:2 * n]
-    out = paraphrase_metrics(emb["image"], queries, paraphrases, k)
+    # the distinct images, as retrieval ranks them: one photo stored under several keys is one image of the lists
+    gallery = emb["image"][data.retrieval_images()]
+    out = paraphrase_metrics(gallery, queries, paraphrases, k)
     if n_exp:  # the query is replaced by eq. (5)'s average of itself and its expansions
         expanded = expand_queries(queries, texts[2 * n:].reshape(n, n_exp, -1))
-        out.update({f"qe_{name}": v for name, v in paraphrase_metrics(emb["image"], expanded, paraphrases, k).items()
+        out.update({f"qe_{name}": v for name, v in paraphrase_metrics(gallery, expanded, paraphrases, k).items()
                     if name != "paraphrase_pairs"})
     return out
 
