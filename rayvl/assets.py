@@ -70,6 +70,9 @@ def text_model_path(name: str) -> Path:
             f"model.text: {name!r} is neither a rayvl asset ({', '.join(TEXT_ASSETS)}) nor a local HF model "
             f"directory (rayvl never downloads from a hub at run time)"
         )
+    if "/" not in name:  # a bare word is a name (rayvl.local_paths): as a path, a worker elsewhere would miss it
+        raise MissingAssetError(f"model.text: {name!r} is not a rayvl asset ({', '.join(TEXT_ASSETS)}); the folder "
+                                f"of that name here is written ./{name}")
     return path
 
 

@@ -317,5 +317,13 @@ def test_relative_paths_are_made_absolute_against_the_commands_working_directory
     assert cfg.tune.storage_path == "~/rayvl-sweeps" and cfg.data.demo_dir == "~/.cache/rayvl/demo"
     assert cfg.image_label.data == f"{here}/wds/{{0..3}}.tar"
     assert load_config(None, ["image_label.data=fashion-mnist"]).image_label.data == "fashion-mnist"
+    # a text model's folder here is written ./name (the bare word is refused before Ray starts, saying so)
+    from rayvl.assets import MissingAssetError, text_model_path
+
+    (tmp_path / "mytext").mkdir()
+    assert load_config(None, ["model.text=./mytext"]).model.text == f"{here}/mytext"
+    with pytest.raises(MissingAssetError, match=r"^model\.text: 'mytext' is not a rayvl asset .* written ./mytext"):
+        text_model_path(load_config(None, ["model.text=mytext"]).model.text)
+    assert load_config(None, ["train.init_from=runs/a,b"]).train.init_from == f"{here}/runs/a,b"
     elsewhere = load_config(None, ["data.classes=classes.json"], cwd="/where/the/sweep/ran")
     assert elsewhere.data.classes == "/where/the/sweep/ran/classes.json"

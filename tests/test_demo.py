@@ -123,8 +123,8 @@ def test_expected_samples_are_img2dataset_successes(demo_dir, tmp_path):
 
     size, how = pass_size(sorted(str(p) for p in tmp_path.glob("*.tar")))
     assert size is None and how.startswith(f"1 parquet files beside the shards are unreadable (e.g. {cut}")
-    # open_clip's sizes.json beside the shards, when it names every one, is the pass's size (and wins over the
-    # parquets); one that misses a shard, or is not JSON, is not used
+    # open_clip's sizes.json beside the shards, when it names every one, is the pass's size where img2dataset's
+    # files give none (the parquets here are cut and missing); one that misses a shard, or is not JSON, is not used
     from rayvl.data.shards import samples_per_pass
 
     shards = sorted(str(p) for p in tmp_path.glob("*.tar"))

@@ -58,6 +58,8 @@ def _opened(root: str, split: str) -> BenchmarkSet:
         n = int(storage.read_text(count_file).strip())
     except ValueError:
         raise ValueError(f"{count_file}: not a shard count (CLIP_benchmark writes the number of shards)") from None
+    except OSError as e:
+        raise ValueError(f"{count_file}: cannot be read ({' '.join(str(e).split())})") from None
     if n < 1:
         raise ValueError(f"{count_file}: {n} shards")
     type_file = storage.join(root, TYPE)

@@ -299,17 +299,18 @@ STATS_SAMPLE = 64  # remote shards whose stats file is read; the pass size is ex
 
 def samples_per_pass(given: int, paths: list[str], mix: Mix | None = None) -> tuple[int | None, str]:
     """(samples a pass of ``paths`` holds, how that was found): ``given`` (data.samples_per_pass) when set, else
-    open_clip's sizes.json beside them, else pass_size; shards with no img2dataset files (all local or all on object storage), an estimate from the first
-    shard. With a ``mix`` that upsamples, each source's count × its reads a pass ÷ its shards. Without a size a run
-    lists ≈2,000 read tasks' worth of passes, and a run longer than a pass cannot say how many passes it trains
-    (rayvl data check, the dry run)."""
+    pass_size (img2dataset's files), else open_clip's sizes.json beside them; shards with none of them (all local or
+    all on object storage), an estimate from the first shard. With a ``mix`` that upsamples, each source's count ×
+    its reads a pass ÷ its shards. Without a size a run lists ≈2,000 read tasks' worth of passes, and a run longer
+    than a pass cannot say how many passes it trains (rayvl data check, the dry run)."""
     if given:
         return given, "data.samples_per_pass"
     if mix is not None and mix.upsampled:
         return _upsampled_pass(paths, mix)
-    found, how = open_clip_sizes(paths)
-    if found is None:
-        found, how = pass_size(paths)
+    found, how = pass_size(paths)
+    if found is None:  # no img2dataset files: open_clip's sizes.json, where one names the shards
+        sized, said = open_clip_sizes(paths)
+        found, how = (sized, said) if sized is not None else (found, how)
     remote = bool(paths) and all(storage.is_url(p) for p in paths)
     local = bool(paths) and not any(storage.is_url(p) or is_pipe(p) for p in paths)
     if found is not None or not (remote or local):

@@ -53,8 +53,8 @@ def default_sources(config: dict, data: str = "", kind: str = "auto", classes: s
     demo = Path(d["demo_dir"]).expanduser()
     own = not data  # the checkpoint's own held-out data: its own files go with it
     # a relative --data means this folder (Ray Data's read tasks run in others)
-    data = (spec_syntax.absolute(data, os.getcwd()) if data
-            else d["eval"] or (str(demo / "eval") if not d["train"] else ""))
+    data = (spec_syntax.absolute(data, os.getcwd()) if data and (os.sep in data or os.path.exists(data))
+            else data or d["eval"] or (str(demo / "eval") if not d["train"] else ""))
     if not data:
         raise ValueError("no evaluation data: pass --data (the checkpoint's config names no data.eval)")
     beside = Path(data).expanduser().parent  # the demo layout keeps these files next to the eval split

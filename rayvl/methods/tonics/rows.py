@@ -57,7 +57,10 @@ def data_part(cfg, train: str, evalset: str) -> TonicsData | None:
         return None
     if not evalset:
         raise ConfigError("data.eval: the TOnICS curriculum refresh needs held-out shards (--eval-data)")
-    benchmark = clip_benchmark.find(cfg.data.eval) if cfg.data.eval else None
+    try:
+        benchmark = clip_benchmark.find(cfg.data.eval) if cfg.data.eval else None
+    except ValueError as e:
+        raise ConfigError(f"data.eval: {e}") from None
     if benchmark is not None and benchmark.kind == "classification":
         raise ConfigError(f"data.eval: {cfg.data.eval} is a CLIP_benchmark classification set (no captions); the "
                           f"TOnICS curriculum refresh ranks held-out captions: give captioned held-out shards")

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rayvl.local_paths import FilePath, NamedOrPath
+from rayvl.local_paths import FilePath, NamedOrSpec
 
 
 @dataclass
 class ImageLabelConfig:
     """Image-label data mixed with image-text data ([UniCL] §3, App. B.2)."""
 
-    data: NamedOrPath = ""
+    data: NamedOrSpec = ""
     """'' = none; "fashion-mnist" (Debian dataset-fashion-mnist), a folder of Fashion-MNIST IDX files, or
     img2dataset-style shards whose JSON carries ``cls``."""
     classes: FilePath = ""
