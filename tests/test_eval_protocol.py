@@ -191,6 +191,29 @@ def test_a_quick_held_out_check_takes_its_first_distinct_images_with_all_their_c
     assert one.keys == ["a"] and one.captions == ["x", "v"] and list(one.caption_to_image) == [0, 0]
 
 
+def test_a_cls_member_is_the_class_and_a_held_out_sample_with_one_needs_no_caption(demo_dir):
+    """webdataset's ``cls`` member (CLIP_benchmark's and ImageNet-style classification shards) is a sample's class,
+    before its JSON's; held out, a sample with a class and no caption is kept for the class tasks, one with neither
+    dropped and counted; training still drops a sample without a caption (a method may source one: UniCL's prompts)."""
+    from collections import Counter
+
+    from rayvl import assets
+    from rayvl.data.pipeline import Rows, class_of, preprocess
+
+    with tarfile.open(demo_dir / "eval" / "00000.tar") as src:
+        jpg = next(src.extractfile(m).read() for m in src if m.name.endswith(".jpg"))
+    assert class_of({"cls": b"7", "json": b'{"cls": 3}'}) == 7 and class_of({"json": b'{"cls": 3}'}) == 3
+    assert class_of({"cls": b"seven"}) == -1 and class_of({}) == -1
+    batch = {"key": ["a", "b", "c"], "img": [jpg] * 3, "img_ext": ["jpg"] * 3, "txt": [None, None, b"a cat"],
+             "json": [None, None, b'{"cls": 1}'], "cls": [b"4", None, None]}
+    for train, kept, dropped in ((False, ["a", "c"], 1), (True, ["c"], 2)):
+        counts: Counter = Counter()
+        out = preprocess(batch, counts, Rows(16, 0.6, train, str(assets.text_model_path("minilm-l6")), 8))
+        assert list(out["key"]) == kept and counts["dropped_missing_caption"] == dropped, train
+        assert list(out["cls"]) == ([4, 1] if not train else [1]) and counts["samples_kept"] == len(kept)
+    assert list(out["caption"]) == ["a cat"]
+
+
 def _clip_benchmark_set(demo_dir, root, images: int = 24, retrieval: bool = False) -> list[int]:
     """The demo's first held-out images as CLIP_benchmark's ``clip_benchmark_export_wds`` writes a set: lossless webp
     (the JPEG's pixels), keys s0000000…, two shards in ``test/`` with nshards.txt; a classification set has a

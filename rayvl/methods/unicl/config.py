@@ -12,7 +12,7 @@ class ImageLabelConfig:
 
     data: NamedOrSpec = ""
     """'' = none; "fashion-mnist" (Debian dataset-fashion-mnist), a folder of Fashion-MNIST IDX files, or
-    img2dataset-style shards whose JSON carries ``cls``."""
+    shards whose samples carry ``cls`` (a member, as webdataset's classification shards do, or in their JSON)."""
     classes: FilePath = ""
     """JSON {"classes": [...]}: the name of each class id ('' = Fashion-MNIST's names for Fashion-MNIST)."""
     templates: FilePath = ""

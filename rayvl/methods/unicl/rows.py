@@ -1,6 +1,6 @@
 """[UniCL]'s data: image-label samples as (image, class prompt, class id) rows (§3, Algorithm 1) — from
-img2dataset shards whose JSON carries ``cls`` or from Fashion-MNIST — and the image-label stream the driver builds
-beside (or instead of) the image-text one (App. B.2)."""
+shards whose samples carry ``cls`` (a member or in their JSON) or from Fashion-MNIST — and the image-label stream
+the driver builds beside (or instead of) the image-text one (App. B.2)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -23,9 +23,9 @@ if TYPE_CHECKING:
 
 
 class Prompted(RowTransform):
-    """An image-label shard row: its JSON ``cls`` is the label and its caption a prompt drawn for that class (even
-    for evaluation rows: the prompt is the caption); a class outside ``prompts.train_classes`` is excluded and
-    counted, a row without a class dropped and counted."""
+    """An image-label shard row: its ``cls`` (member or JSON) is the label and its caption a prompt drawn for that
+    class (even for evaluation rows: the prompt is the caption); a class outside ``prompts.train_classes`` is
+    excluded and counted, a row without a class dropped and counted."""
 
     columns = {"label": UNLABELLED}
     draws = True
