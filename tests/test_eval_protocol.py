@@ -251,7 +251,8 @@ def test_a_clip_benchmark_set_is_read_as_clip_benchmark_reads_it(demo_dir, tmp_p
     their ``cls`` members, its class names and ``{c}`` templates — scoring exactly what the same images score as
     img2dataset shards with the class in their JSON and the same names and templates in a class file; a class id
     past the names is left out and counted; ROOT/test names the same set; a retrieval set's captions are its
-    lines; a multilabel set and --kind clip_benchmark on other data are refused, naming the file."""
+    lines; several sets in one command score as each alone; the folder works as training's held-out data; a
+    multilabel set and --kind clip_benchmark on other data are refused, naming the file."""
     from conftest import untrained_checkpoint
     from rayvl.cli import main
     from rayvl.data.prompts import benchmark_template, read_class_file
@@ -296,10 +297,31 @@ def test_a_clip_benchmark_set_is_read_as_clip_benchmark_reads_it(demo_dir, tmp_p
     assert (r["retrieval"]["retrieval_images"], r["retrieval"]["retrieval_captions"]) == (10, 20)
     assert r["skipped"] == {"zeroshot": "no class names or labels"}
 
+    # both sets in one command, CLIP_benchmark's way: one warm model, each set's results in its own folder, the same
+    # numbers as alone, and a summary of their headline metrics
+    both = tmp_path / "both"
+    capsys.readouterr()
+    assert main(["eval", str(checkpoint), "--tasks", "zeroshot,retrieval", "--data", str(root), "--data",
+                 str(retrieval_root), "--out", str(both)]) == 0
+    printed = capsys.readouterr().out
+    alone = {"wds_shapes": ours, "wds_captions": r}
+    for name, one in alone.items():
+        here = json.loads((both / name / "eval.json").read_text())
+        assert {t: here.get(t) for t in ("zeroshot", "retrieval", "skipped")} == {
+            t: one.get(t) for t in ("zeroshot", "retrieval", "skipped")}, name
+        assert f"##### {name}" in printed
+    summary = json.loads((both / "summary.json").read_text())["sets"]
+    assert summary == {"wds_shapes": {"zeroshot_top1": zs["zeroshot_top1"], "zeroshot_top5": zs["zeroshot_top5"],
+                                      "images": 25},
+                       "wds_captions": {"i2t_R@5": r["retrieval"]["i2t_R@5"], "t2i_R@5": r["retrieval"]["t2i_R@5"],
+                                        "images": 10}}
+    assert "##### summary" in printed and "zero-shot top-1" in printed.split("##### summary")[1]
+
     # the same folder as a training run's held-out data: its split's shards, its class names, zero-shot runs
     assert main(["train", "--dry-run", "--data", str(demo_dir / "train"), "--eval-data", str(root)]) == 0
     out = capsys.readouterr().out
-    assert f"{root}/test/{{0..1}}.tar" in out and "  zeroshot: runs" in out and "  retrieval: skipped" in out
+    assert "data.eval: 2 shards" in out and f"{root}/test/0.tar: s0000000: 112×112 webp, 'class " in out
+    assert "  zeroshot: runs" in out and "  retrieval: skipped" in out
 
     (retrieval_root / "dataset_type.txt").write_text("multilabel\n")
     assert main(["eval", str(checkpoint), "--data", str(retrieval_root)]) == 2

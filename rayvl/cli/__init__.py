@@ -106,9 +106,11 @@ def _eval_parser(sub) -> None:
                         "win where both are given)")
     e.add_argument("--tasks", default=None, metavar="A,B,...",
                    help=f"comma list of tasks (default: eval.checkpoint_tasks, {','.join(d.checkpoint_tasks)})")
-    e.add_argument("--data", default="", help="img2dataset shards, a CLIP_benchmark webdataset set (its folder: the "
-                                              "test split; or a split's folder), an ImageFolder tree or Fashion-MNIST "
-                                              "IDX files (default: the checkpoint's held-out data)")
+    e.add_argument("--data", action="append", default=[],
+                   help="img2dataset shards, a CLIP_benchmark webdataset set (its folder: the test split; or a "
+                        "split's folder), an ImageFolder tree or Fashion-MNIST IDX files (default: the checkpoint's "
+                        "held-out data). Repeat it for several sets, each scored by the same warm model into "
+                        "<out>/<set's folder name>/, with a summary of all")
     e.add_argument("--kind", default="auto",
                    choices=["auto", "shards", "clip_benchmark", "imagefolder", "fashion-mnist"],
                    help="what --data holds (default: auto, told from the files)")
@@ -201,8 +203,8 @@ def eval_main(args) -> int:
     from rayvl import session
     from rayvl.checkpoints import checkpoint_uri, read_meta
     from rayvl.eval.embed import check_gpus
-    from rayvl.eval.runner import default_out, default_sources, run_eval, settings
-    from rayvl.eval.tables import format_tables
+    from rayvl.eval.runner import HEADLINE, default_out, default_sources, headline, run_eval, set_names, settings
+    from rayvl.eval.tables import format_side_by_side, format_tables
     from rayvl.train.run_dir import find_run
 
     try:  # everything the command line names, checked before any embedding
@@ -214,7 +216,9 @@ def eval_main(args) -> int:
         pool = settings(config, **{**_eval_sets(args.set), **{k: v for k, v in flags.items() if v is not None}})
         tasks = _tasks(args.tasks, pool)
         _check_pool(pool)
-        sources = default_sources(config, args.data, args.kind, args.classes, args.paraphrases, args.sts)
+        texts = (args.kind, args.classes, args.paraphrases, args.sts)
+        sources = ({name: default_sources(config, data, *texts) for name, data in zip(set_names(args.data), args.data)}
+                   if len(args.data) > 1 else default_sources(config, "".join(args.data), *texts))
         gpus = pool.gpus_per_actor
         without_ray = session.runs_without_ray(pool.actors, gpus)
         if not without_ray:
@@ -228,8 +232,14 @@ def eval_main(args) -> int:
         without_ray=without_ray, loader_workers=pool.loader_workers, decode=pool.decode))
     if results is None:
         return 1
-    print(f"checkpoint {ckpt}\ndata {sources.data} ({sources.kind})")
-    print(format_tables(results))
+    print(f"checkpoint {ckpt}")
+    for name, one in (sources.items() if isinstance(sources, dict) else [("", sources)]):
+        print(f"\n##### {name}" if name else "", f"data {one.data} ({one.kind})", sep="\n" if name else "")
+        print(format_tables(results[name] if name else results))
+    if isinstance(sources, dict):
+        print("\n##### summary\n" + format_side_by_side({n: headline(r) for n, r in results.items()},
+                                                        [(label, key, ".1f" if key != "images" else "d")
+                                                         for label, _, key in HEADLINE]))
     print(f"\nresults: {args.out or default_out(ckpt)}")
     return 0
 

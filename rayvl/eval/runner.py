@@ -11,6 +11,7 @@ import io
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from collections import Counter
@@ -136,7 +137,7 @@ def settings(config: dict, **given) -> EvalConfig:
     return replace(pool, batch_size=embed_batch(pool.batch_size, gpu), decode=pool.decode_on(gpu))
 
 
-def run_eval(checkpoint: str, tasks: list[str] | None = None, sources: Sources | None = None,
+def run_eval(checkpoint: str, tasks: list[str] | None = None, sources: Sources | dict[str, Sources] | None = None,
              out: str | Path | None = None, actors: int | None = None, cpus_per_actor: float | None = None,
              batch_size: int | None = None, k: int | None = None, limit: int = 0,
              gpus_per_actor: float | None = None, without_ray: bool = False,
@@ -144,38 +145,79 @@ def run_eval(checkpoint: str, tasks: list[str] | None = None, sources: Sources |
     """Every task of ``tasks`` on a checkpoint; ``tasks`` and the actor pool's settings left None come from its
     config (``eval.checkpoint_tasks``, ``settings``). ``without_ray``: the model embeds in this process, fed by a
     local loader of ``loader_workers`` processes (``LocalEmbedder``, ``load_local``; ``session.runs_without_ray``
-    says when), instead of the pool's actors fed by Ray Data."""
+    says when), instead of the pool's actors fed by Ray Data. ``sources`` by name (CLIP_benchmark's way: many sets,
+    one command): each set scored by the same warm model into ``<out>/<name>/``, the results by name, and
+    ``<out>/summary.json`` the sets' headline metrics."""
     uri = checkpoint_uri(checkpoint)  # local or a URL; every embedding actor loads it on its own node
     meta = read_meta(uri)
     config = meta["config"]
-    sources = sources or default_sources(config)
+    many = isinstance(sources, dict)
+    named = sources if many else {"": sources or default_sources(config)}
     out = storage.normalize(out) if out else default_out(uri)
     pool = settings(config, actors=actors, cpus_per_actor=cpus_per_actor, gpus_per_actor=gpus_per_actor,
                     batch_size=batch_size, paraphrase_k=k, loader_workers=loader_workers, decode=decode)
     tasks = pool.checkpoint_tasks if tasks is None else tasks
+    scored = {"checkpoint": uri, "step": meta["step"]}
     embedder = start_embedder(uri, pool, without_ray)
-    report_name = ""
+    results, reports = {}, []
     try:
-        log.info(f"eval: reading {sources.data} ({sources.kind}) for {', '.join(tasks)}")
-        if without_ray:
-            data = load_local(sources, config, pool.loader_workers, limit, pool.batch_size, pool.decode)
-        else:
-            data, report_name = load(sources, config, pool.cpus_per_actor, limit, pool.batch_size, pool.decode)
-        images, data, counts, speed = embedded(embedder, data, sources, report_name)
-        if pool.decode == "device" and sources.kind == "shards":
-            log.info(f"eval: the images' JPEGs were decoded by {embedder.decoding()}")
-        metrics, embeddings = evaluate(tasks, data, embedder, pool.paraphrase_k, images)
+        for name, one in named.items():
+            where = storage.join(out, name) if name else out
+            results[name] = scored_set(embedder, one, config, pool, tasks, limit, without_ray, where, scored,
+                                       reports)
     finally:
         try:
             embedder.close()
-        finally:
-            release_reports([report_name] if report_name else [])
+        finally:  # after the actors that may still record into them
+            release_reports(reports)
+    if not many:
+        return results[""]
+    storage.write_text(storage.join(out, "summary.json"), json.dumps(
+        {**scored, "sets": {name: headline(r) for name, r in results.items()}}, indent=2))
+    return results
+
+
+def scored_set(embedder, sources: Sources, config: dict, pool: EvalConfig, tasks: list[str], limit: int,
+               without_ray: bool, out: str, scored: dict, reports: list[str]) -> dict:
+    """One evaluation set read, embedded by the warm ``embedder`` and scored; its results written under ``out``;
+    the data report its reading counts into added to ``reports`` (the caller releases them)."""
+    report_name = ""
+    log.info(f"eval: reading {sources.data} ({sources.kind}) for {', '.join(tasks)}")
+    if without_ray:
+        data = load_local(sources, config, pool.loader_workers, limit, pool.batch_size, pool.decode)
+    else:
+        data, report_name = load(sources, config, pool.cpus_per_actor, limit, pool.batch_size, pool.decode)
+        reports += [report_name] if report_name else []
+    images, data, counts, speed = embedded(embedder, data, sources, report_name)
+    if pool.decode == "device" and sources.kind == "shards":
+        log.info(f"eval: the images' JPEGs were decoded by {embedder.decoding()}")
+    metrics, embeddings = evaluate(tasks, data, embedder, pool.paraphrase_k, images)
     results = {**({"data": counts} if counts else {}), "embedding": speed, **metrics}
     skipped = [t for t in tasks if t not in metrics]
     if skipped:
         results["skipped"] = {t: SKIP_REASONS[t] for t in skipped}
-    write_results(out, {"checkpoint": uri, "step": meta["step"]}, results, embeddings, data.keys)
+    write_results(out, scored, results, embeddings, data.keys)
     return results
+
+
+def set_names(data: list[str]) -> list[str]:
+    """A folder name for each of several evaluation sets: its last path component (``wds_imagenet1k``), characters
+    a folder name should not hold replaced, a repeated name numbered."""
+    names: list[str] = []
+    for spec in data:
+        base = re.sub(r"[^A-Za-z0-9._-]+", "_", spec.rstrip("/").rsplit("/", 1)[-1]).strip("_") or "set"
+        names.append(base if base not in names else f"{base}-{sum(n.startswith(base) for n in names) + 1}")
+    return names
+
+
+# a set's headline numbers (summary.json, the printed summary): CLIP_benchmark's main metric of each task
+HEADLINE = (("zero-shot top-1", "zeroshot", "zeroshot_top1"), ("zero-shot top-5", "zeroshot", "zeroshot_top5"),
+            ("image→text R@5", "retrieval", "i2t_R@5"), ("text→image R@5", "retrieval", "t2i_R@5"),
+            ("linear probe top-1", "linear_probe", "linear_probe_top1"), ("images", "embedding", "images"))
+
+
+def headline(results: dict) -> dict:
+    return {key: results[task][key] for _, task, key in HEADLINE if key in results.get(task, {})}
 
 
 def start_embedder(uri: str, pool: EvalConfig, without_ray: bool) -> LocalEmbedder | ActorEmbedder:
@@ -198,7 +240,8 @@ def embedded(embedder, data: eval_data.EvalData, sources: Sources,
     dropped: shards only, else {}, the embedding's speed: eval.json's ``embedding``)."""
     started = time.time()
     images = embedder.images(data.images)
-    ended, ready = time.time(), embedder.first_ready()
+    # the model's start-up apart from the rate once running (for a later set of one command: from its own start)
+    ended, ready = time.time(), max(embedder.first_ready(), started)
     # the start-up (the model loaded and warmed up: EmbeddingActor) apart from the rate once running
     speed = {"images": len(images), "seconds": round(ended - started, 3),
              "startup_s": round(ready - embedder.started, 3),
