@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
-from rayvl import plugins, spec_syntax
+from rayvl import local_paths, plugins
 from rayvl.local_paths import FilePath, NamedOrPath, SpecPath, absolute_paths
 from rayvl.errors import ConfigError  # raised here; callers import it from here too
 
@@ -639,21 +639,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         given = _merge(given, parse_override(text))
     values = _merge(values, given)
     _check_required(values, requires, path)
-    values = _clip_settings(_absolute_clip(values, cwd or os.getcwd()), given)
-    cfg = absolute_paths(_build(RayvlConfig, _loss_defaults(values)), cwd or os.getcwd())
+    base = cwd or os.getcwd()
+    values = _clip_settings(_absolute_clip(values, base), given)
+    cfg = absolute_paths(_build(RayvlConfig, _loss_defaults(values)), base)
     validate(cfg)
     return cfg
 
 
 def with_overrides(cfg: RayvlConfig, overrides: list[str], cwd: str | None = None) -> RayvlConfig:
     """``cfg`` with ``key=value`` overrides applied as load_config applies them to a recipe, validated again."""
+    base = cwd or os.getcwd()
     if not overrides:
-        return absolute_paths(cfg, cwd or os.getcwd())
+        return absolute_paths(cfg, base)
     given: dict = {}
     for text in overrides:
         given = _merge(given, parse_override(text))
-    values = _absolute_clip(_merge(cfg.to_dict(), given), cwd or os.getcwd())
-    cfg = absolute_paths(_build(RayvlConfig, _loss_defaults(_clip_settings(values, given))), cwd or os.getcwd())
+    values = _absolute_clip(_merge(cfg.to_dict(), given), base)
+    cfg = absolute_paths(_build(RayvlConfig, _loss_defaults(_clip_settings(values, given))), base)
     validate(cfg)
     return cfg
 
@@ -662,9 +664,9 @@ def _absolute_clip(values: dict, base: str) -> dict:
     """``values`` with a relative model.init_from_clip under ``base``: its weights decide settings before the
     config is built (``_clip_settings``), where absolute_paths would come too late."""
     clip = values.get("model", {}).get("init_from_clip") if isinstance(values.get("model"), dict) else None
-    if not isinstance(clip, str) or not spec_syntax.is_relative(clip):
+    if not isinstance(clip, str) or not clip:
         return values
-    return {**values, "model": {**values["model"], "init_from_clip": os.path.join(base, clip)}}
+    return {**values, "model": {**values["model"], "init_from_clip": local_paths.absolute(clip, "file", base)}}
 
 
 # what a whole CLIP's weights cannot say, so model.clip may set it by hand

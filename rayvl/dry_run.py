@@ -44,8 +44,9 @@ def describe_sample(sample: dict, held_out: bool = False) -> tuple[str, str | No
     reason (a method may source the caption elsewhere; nothing sources the image). A ``held_out`` sample with a
     class needs no caption (rayvl.data.pipeline)."""
     text, reason = validate_caption(sample.get("txt"))
-    if held_out and sample.get("txt") is None and class_of(sample) >= 0:
-        text, reason = f"class {class_of(sample)}, no caption", None
+    cls = class_of(sample) if held_out and sample.get("txt") is None else -1
+    if cls >= 0:
+        text, reason = f"class {cls}, no caption", None
     image = decode(sample["img"]) if sample.get("img") is not None else None
     if sample.get("img") is None:
         reason = "dropped_missing_image"

@@ -41,15 +41,15 @@ def absolute_paths(cfg: Any, base: str) -> Any:
         if dataclasses.is_dataclass(value):
             new = absolute_paths(value, base)
         elif marks and isinstance(value, str) and value:
-            new = _absolute(value, marks[0].kind, base)
+            new = absolute(value, marks[0].kind, base)
         else:
             continue
-        if new is not value and new != value:
+        if new != value:
             changes[f.name] = new
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
-def _absolute(value: str, kind: str, base: str) -> str:
+def absolute(value: str, kind: str, base: str) -> str:
     """A value of a path field of ``kind`` under ``base``; a "named" field's bare word (``minilm-l6``, ``clip``,
     ``fashion-mnist``, a run's name) is a name, a path with a folder in it (``./mine``, ``runs/x``) a path — a
     name is never taken for a folder of that name in the working directory."""

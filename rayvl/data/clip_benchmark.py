@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rayvl import storage
-from rayvl.data.specs import GLOB_CHARS
+from rayvl.data.specs import GLOB_CHARS, SHARD_SUFFIXES
 from rayvl.spec_syntax import is_pipe
 
 SPLIT = "test"  # CLIP_benchmark's default split
@@ -38,7 +38,7 @@ def find(data: str) -> BenchmarkSet | None:
     ``nshards.txt`` —, or None when ``data`` is not a folder in that layout (shards, globs, ``pipe:``, other trees):
     one or two lookups (on object storage, requests). Its ``dataset_type.txt`` may say classification or retrieval;
     a multilabel set is refused, naming it."""
-    if is_pipe(data) or any(c in data for c in GLOB_CHARS + "{,") or data.endswith((".tar", ".tgz", ".gz", ".txt")) \
+    if is_pipe(data) or any(c in data for c in GLOB_CHARS + "{,") or data.endswith((*SHARD_SUFFIXES, ".txt")) \
             or "::" in data:
         return None
     data = storage.normalize(data)

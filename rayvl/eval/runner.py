@@ -240,9 +240,9 @@ def embedded(embedder, data: eval_data.EvalData, sources: Sources,
     dropped: shards only, else {}, the embedding's speed: eval.json's ``embedding``)."""
     started = time.time()
     images = embedder.images(data.images)
-    # the model's start-up apart from the rate once running (for a later set of one command: from its own start)
     ended, ready = time.time(), max(embedder.first_ready(), started)
-    # the start-up (the model loaded and warmed up: EmbeddingActor) apart from the rate once running
+    # the start-up (the model loaded and warmed up: EmbeddingActor) apart from the rate once running — counted from
+    # the later of the model's readiness and this set's start (a later set of one command: its own start)
     speed = {"images": len(images), "seconds": round(ended - started, 3),
              "startup_s": round(ready - embedder.started, 3),
              "images_per_s_once_ready": round(len(images) / max(ended - ready, 1e-9), 1)}
