@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from rayvl.eval.knn import top_k
-from rayvl.eval.linear_probe import linear_probe, split_indices
+from rayvl.eval.linear_probe import (DECAY_GRID, ProbeSettings, ProbeTrain, clip_benchmark_probe, linear_probe,
+                                     split_indices, trained_layer)
 from rayvl.eval.paraphrase import average_overlap, expand_queries, jaccard, paraphrase_metrics
 from rayvl.eval.retrieval import retrieval_metrics, retrieval_metrics_bruteforce
 from rayvl.eval.sts import read_sts, sts_metrics
@@ -119,3 +120,58 @@ def test_linear_probe_separable_and_stratified():
     r = linear_probe(x[tr], y[tr], x[va], y[va], x[te], y[te])
     assert r["linear_probe_top1"] > 95 and r["linear_probe_C"] in (0.01, 0.1, 1.0, 10.0, 100.0)
     assert r["linear_probe_chance_top1"] == 25.0
+
+
+def test_clip_benchmarks_probe_layer_is_adamw_on_a_cosine_schedule_against_float64():
+    """One batch an epoch (the shuffle is moot): the layer CLIP_benchmark's loop trains — its seeded init, AdamW
+    (decoupled decay, bias-corrected moments), the learning rate 0.5 (1 + cos(π t / T)) · lr before step t — equals
+    that loop written out in float64."""
+    rng = np.random.default_rng(1)
+    x, y = torch.tensor(rng.normal(size=(12, 5)), dtype=torch.float32), torch.tensor(rng.integers(0, 3, 12))
+    s = ProbeSettings(epochs=4, lr=0.1, batch_size=64, seed=7)
+    layer = trained_layer(x, y, 3, 0.01, s)
+    torch.manual_seed(7)
+    start = torch.nn.Linear(5, 3)
+    params = [start.weight.detach().double(), start.bias.detach().double()]
+    m, v = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    for t in range(1, s.epochs + 1):
+        lr = 0.5 * (1 + np.cos(np.pi * (t - 1) / s.epochs)) * s.lr
+        w, b = (p.clone().requires_grad_() for p in params)
+        torch.nn.functional.cross_entropy(x.double() @ w.T + b, y).backward()
+        for i, (p, g) in enumerate(zip(params, (w.grad, b.grad))):
+            m[i] = 0.9 * m[i] + 0.1 * g
+            v[i] = 0.999 * v[i] + 0.001 * g * g
+            p.mul_(1 - lr * 0.01).sub_(lr * (m[i] / (1 - 0.9 ** t)) / ((v[i] / (1 - 0.999 ** t)).sqrt() + 1e-8))
+    assert torch.allclose(layer.weight.double(), params[0], atol=1e-5)
+    assert torch.allclose(layer.bias.double(), params[1], atol=1e-5)
+    assert torch.equal(trained_layer(x, y, 3, 0.01, s).weight, layer.weight)  # seeded: the same layer again
+
+
+def _clusters(n_per_class: int, classes: int = 6, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    y = np.repeat(np.arange(classes), n_per_class)
+    return (rng.normal(size=(len(y), 16)) * 0.3 + 3 * np.eye(classes, 16)[y]).astype(np.float32), y
+
+
+def test_clip_benchmarks_probe_scores_trains_on_k_shots_and_searches_the_decay_on_a_validation_share():
+    x, y = _clusters(20)
+    test_x, test_y = _clusters(5, seed=1)
+    train_y = y.copy()
+    train_y[:3] = -1  # images without a class are left out
+    r = clip_benchmark_probe(ProbeTrain(x, train_y, ProbeSettings()), test_x, test_y)
+    assert (r["linear_probe_top1"], r["linear_probe_top5"], r["linear_probe_mean_per_class_recall"]) == (100, 100, 100)
+    assert (r["linear_probe_train"], r["linear_probe_test"], r["linear_probe_weight_decay"]) == (117, 30, 0.0)
+    assert r["linear_probe_chance_top1"] == pytest.approx(100 / 6) and r["linear_probe_protocol"] == "clip_benchmark"
+    few = clip_benchmark_probe(ProbeTrain(x, y, ProbeSettings(fewshot_k=2)), test_x, test_y)
+    assert few["linear_probe_train"] == 12 and few["linear_probe_fewshot_k"] == 2
+    with pytest.raises(ValueError, match=r"--fewshot-k 21: the train split has fewer than 21 images of class"):
+        clip_benchmark_probe(ProbeTrain(x, y, ProbeSettings(fewshot_k=21)), test_x, test_y)
+    searched = clip_benchmark_probe(ProbeTrain(x, y, ProbeSettings(val_proportion=0.25)), test_x, test_y)
+    assert searched["linear_probe_weight_decay"] in DECAY_GRID and searched["linear_probe_train"] == 120
+    assert searched["linear_probe_top1"] == 100
+    # four classes: no top-5 (CLIP_benchmark reports it past 5 classes)
+    x4, y4 = _clusters(10, classes=4)
+    assert "linear_probe_top5" not in clip_benchmark_probe(ProbeTrain(x4, y4, ProbeSettings()), x4, y4)
+    for bad in (dict(fewshot_k=0), dict(epochs=0), dict(val_proportion=1.0)):
+        with pytest.raises(ValueError):
+            ProbeSettings(**bad).check()

@@ -214,30 +214,39 @@ def test_a_cls_member_is_the_class_and_a_held_out_sample_with_one_needs_no_capti
     assert list(out["caption"]) == ["a cat"]
 
 
-def _clip_benchmark_set(demo_dir, root, images: int = 24, retrieval: bool = False) -> list[int]:
+def _clip_benchmark_set(demo_dir, root, images: int = 24, retrieval: bool = False, train: int = 0) -> list[int]:
     """The demo's first held-out images as CLIP_benchmark's ``clip_benchmark_export_wds`` writes a set: lossless webp
     (the JPEG's pixels), keys s0000000…, two shards in ``test/`` with nshards.txt; a classification set has a
     ``cls`` member (the class index as text), classnames.txt and two templates with ``{c}``, and one more sample of
-    a class id past the names; a retrieval set a ``txt`` of two captions, one a line, and dataset_type.txt.
-    Returns the images' class ids."""
+    a class id past the names; a retrieval set a ``txt`` of two captions, one a line, and dataset_type.txt. With
+    ``train``, the next ``train`` held-out images are its ``train/`` split (one shard). Returns the test split's
+    class ids, then the train split's."""
     with tarfile.open(demo_dir / "eval" / "00000.tar") as src:
         members = {m.name: src.extractfile(m).read() for m in src if m.isfile()}
-    stems = sorted(n[:-4] for n in members if n.endswith(".jpg"))[:images]
-    (root / "test").mkdir(parents=True)
+    stems = sorted(n[:-4] for n in members if n.endswith(".jpg"))
     classes = json.loads((demo_dir / "classes.json").read_text())["classes"]
-    labels = [json.loads(members[f"{s}.json"])["cls"] for s in stems] + ([] if retrieval else [len(classes) + 91])
-    for shard in range(2):
-        with tarfile.open(root / "test" / f"{shard}.tar", "w") as tar:
-            for i in range(shard, len(labels), 2):
-                webp = io.BytesIO()
-                Image.open(io.BytesIO(members[f"{stems[i % len(stems)]}.jpg"])).save(webp, "webp", lossless=True)
-                caption = members[f"{stems[i % len(stems)]}.txt"].decode()
-                other = (f"{caption}\nthe same picture", b"txt") if retrieval else (str(labels[i]), b"cls")
-                for ext, data in (("webp", webp.getvalue()), (other[1].decode(), other[0].encode())):
-                    info = tarfile.TarInfo(f"s{i:07d}.{ext}")
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
-    (root / "test" / "nshards.txt").write_text("2\n")
+
+    def write(split: str, chosen: list[str], shards: int, extra: list[int]) -> list[int]:
+        (root / split).mkdir(parents=True)
+        labels = [json.loads(members[f"{s}.json"])["cls"] for s in chosen] + extra
+        for shard in range(shards):
+            with tarfile.open(root / split / f"{shard}.tar", "w") as tar:
+                for i in range(shard, len(labels), shards):
+                    stem = chosen[i % len(chosen)]
+                    webp = io.BytesIO()
+                    Image.open(io.BytesIO(members[f"{stem}.jpg"])).save(webp, "webp", lossless=True)
+                    caption = members[f"{stem}.txt"].decode()
+                    other = (f"{caption}\nthe same picture", b"txt") if retrieval else (str(labels[i]), b"cls")
+                    for ext, data in (("webp", webp.getvalue()), (other[1].decode(), other[0].encode())):
+                        info = tarfile.TarInfo(f"s{i:07d}.{ext}")
+                        info.size = len(data)
+                        tar.addfile(info, io.BytesIO(data))
+        (root / split / "nshards.txt").write_text(f"{shards}\n")
+        return labels
+
+    labels = write("test", stems[:images], 2, [] if retrieval else [len(classes) + 91])
+    if train:
+        labels += write("train", stems[images:images + train], 1, [])
     if retrieval:
         (root / "dataset_type.txt").write_text("retrieval\n")
     else:
@@ -250,32 +259,46 @@ def test_a_clip_benchmark_set_is_read_as_clip_benchmark_reads_it(demo_dir, tmp_p
     """`rayvl eval --data ROOT` of a set in CLIP_benchmark's webdataset layout: its test split's shards, labels from
     their ``cls`` members, its class names and ``{c}`` templates — scoring exactly what the same images score as
     img2dataset shards with the class in their JSON and the same names and templates in a class file; a class id
-    past the names is left out and counted; ROOT/test names the same set; a retrieval set's captions are its
+    past the names is left out and counted; the linear probe trains on the set's train split, CLIP_benchmark's
+    way, on the embeddings and classes it saved; ROOT/test names the same set; a retrieval set's captions are its
     lines; several sets in one command score as each alone; the folder works as training's held-out data; a
-    multilabel set and --kind clip_benchmark on other data are refused, naming the file."""
+    multilabel set, --kind clip_benchmark on other data and a --train-split the set lacks are refused, naming
+    what is missing."""
     from conftest import untrained_checkpoint
     from rayvl.cli import main
     from rayvl.data.prompts import benchmark_template, read_class_file
+    from rayvl.eval.linear_probe import ProbeSettings, ProbeTrain, clip_benchmark_probe
+    from rayvl.eval.tasks import SKIP_REASONS
 
     assert benchmark_template(" a {c} in {braces}. ").format("cat") == "a cat in {braces}."
     root = tmp_path / "wds_shapes"
-    labels = _clip_benchmark_set(demo_dir, root)
+    labels = _clip_benchmark_set(demo_dir, root, train=30)
     classes, templates = read_class_file(root / "classnames.txt")
     assert templates == ["a photo of a {}.", "a {} in {{braces}}."] and len(classes) == 8
     checkpoint = untrained_checkpoint(demo_dir, tmp_path / "ckpt") / "checkpoint_000000"
 
-    def scored(*args: str) -> dict:
+    def scored(*args: str, tasks: str = "zeroshot,retrieval") -> dict:
         out = tmp_path / f"eval{len(list(tmp_path.glob('eval*')))}"
-        assert main(["eval", str(checkpoint), "--tasks", "zeroshot,retrieval", *args, "--out", str(out)]) == 0, \
+        assert main(["eval", str(checkpoint), "--tasks", tasks, *args, "--out", str(out)]) == 0, \
             capsys.readouterr().err
         return json.loads((out / "eval.json").read_text())
 
-    ours = scored("--data", str(root))
-    assert ours["embedding"]["images"] == len(labels) == 25 and ours["skipped"] == {
-        "retrieval": "the data has no captions"}
+    ours = scored("--data", str(root), tasks="zeroshot,retrieval,linear_probe")
+    assert ours["embedding"]["images"] == 25 and ours["skipped"] == {"retrieval": "the data has no captions"}
     zs = ours["zeroshot"]
     assert (zs["zeroshot_classes"], zs["zeroshot_templates"], zs["zeroshot_unlisted_images"]) == (8, 2, 1)
-    assert scored("--data", str(root / "test"))["zeroshot"] == zs
+    # the linear probe, CLIP_benchmark's: trained on the train split's 30 images (their classes from their cls
+    # members, embedded by the same model: the files it saved), scored on the test split's 25
+    probe = ours["linear_probe"]
+    assert (probe["linear_probe_protocol"], probe["linear_probe_train"], probe["linear_probe_test"]) == (
+        "clip_benchmark", 30, 25)
+    assert ours["probe_train"]["images"] == ours["probe_train"]["images_with_a_class"] == 30
+    out = tmp_path / "eval0"
+    train_labels = np.load(out / "probe_train_labels.npy")
+    assert train_labels.tolist() == labels[25:]
+    again = clip_benchmark_probe(ProbeTrain(np.load(out / "probe_train_embeddings.npy"), train_labels,
+                                            ProbeSettings()), np.load(out / "image_embeddings.npy"), np.array(labels[:25]))
+    assert again == probe
 
     # the same 24 images as img2dataset shards (JPEG, JSON cls, a caption), the names and templates in a class file
     plain = tmp_path / "plain"
@@ -291,31 +314,35 @@ def test_a_clip_benchmark_set_is_read_as_clip_benchmark_reads_it(demo_dir, tmp_p
     theirs = scored("--data", str(plain), "--classes", str(tmp_path / "classes.json"))["zeroshot"]
     assert {k: v for k, v in zs.items() if k != "zeroshot_unlisted_images"} == theirs
 
+    # three sets in one command, CLIP_benchmark's way: one warm model, each set's results in its own folder, the
+    # same numbers as alone, and a summary of their headline metrics; ROOT/test is ROOT's set; a retrieval set's
+    # captions are the lines of its texts
     retrieval_root = tmp_path / "wds_captions"
     _clip_benchmark_set(demo_dir, retrieval_root, images=10, retrieval=True)
-    r = scored("--data", str(retrieval_root))
-    assert (r["retrieval"]["retrieval_images"], r["retrieval"]["retrieval_captions"]) == (10, 20)
-    assert r["skipped"] == {"zeroshot": "no class names or labels"}
-
-    # both sets in one command, CLIP_benchmark's way: one warm model, each set's results in its own folder, the same
-    # numbers as alone, and a summary of their headline metrics
     both = tmp_path / "both"
     capsys.readouterr()
-    assert main(["eval", str(checkpoint), "--tasks", "zeroshot,retrieval", "--data", str(root), "--data",
-                 str(retrieval_root), "--out", str(both)]) == 0
+    assert main(["eval", str(checkpoint), "--tasks", "zeroshot,retrieval,linear_probe", "--data", str(root),
+                 "--data", str(retrieval_root), "--data", str(root / "test"), "--out", str(both)]) == 0
     printed = capsys.readouterr().out
-    alone = {"wds_shapes": ours, "wds_captions": r}
-    for name, one in alone.items():
-        here = json.loads((both / name / "eval.json").read_text())
-        assert {t: here.get(t) for t in ("zeroshot", "retrieval", "skipped")} == {
-            t: one.get(t) for t in ("zeroshot", "retrieval", "skipped")}, name
-        assert f"##### {name}" in printed
+    here = {name: json.loads((both / name / "eval.json").read_text()) for name in ("wds_shapes", "wds_captions", "test")}
+    assert {t: here["wds_shapes"].get(t) for t in ("zeroshot", "linear_probe", "skipped")} == {
+        t: ours.get(t) for t in ("zeroshot", "linear_probe", "skipped")}
+    assert here["test"]["zeroshot"] == zs and here["test"]["linear_probe"] == probe  # ROOT/test: ROOT's train split
+    r = here["wds_captions"]
+    assert (r["retrieval"]["retrieval_images"], r["retrieval"]["retrieval_captions"]) == (10, 20)
+    # no labels: neither zero-shot nor the probe (a retrieval set has no train split to train one on)
+    assert r["skipped"] == {"zeroshot": "no class names or labels", "linear_probe": SKIP_REASONS["linear_probe"]}
+    assert all(f"##### {name}" in printed for name in here)
     summary = json.loads((both / "summary.json").read_text())["sets"]
-    assert summary == {"wds_shapes": {"zeroshot_top1": zs["zeroshot_top1"], "zeroshot_top5": zs["zeroshot_top5"],
-                                      "images": 25},
-                       "wds_captions": {"i2t_R@5": r["retrieval"]["i2t_R@5"], "t2i_R@5": r["retrieval"]["t2i_R@5"],
-                                        "images": 10}}
-    assert "##### summary" in printed and "zero-shot top-1" in printed.split("##### summary")[1]
+    assert summary["wds_shapes"] == {"zeroshot_top1": zs["zeroshot_top1"], "zeroshot_top5": zs["zeroshot_top5"],
+                                     "linear_probe_top1": probe["linear_probe_top1"], "images": 25}
+    assert summary["wds_captions"] == {"i2t_R@5": r["retrieval"]["i2t_R@5"], "t2i_R@5": r["retrieval"]["t2i_R@5"],
+                                       "images": 10}
+    assert "##### summary" in printed and "linear probe top-1" in printed.split("##### summary")[1]
+    # a split the probe is told to train on must be there (checked before anything is embedded)
+    assert main(["eval", str(checkpoint), "--tasks", "linear_probe", "--data", str(root), "--train-split",
+                 "val"]) == 2
+    assert f"--train-split val: no such split beside {root}/test/{{0..1}}.tar" in capsys.readouterr().err
 
     # the same folder as a training run's held-out data: its split's shards, its class names, zero-shot runs
     assert main(["train", "--dry-run", "--data", str(demo_dir / "train"), "--eval-data", str(root)]) == 0

@@ -11,6 +11,7 @@ from rayvl import plugins
 from rayvl.config import EVAL_CPU_BATCH, EVAL_GPU_BATCH, DataConfig, EvalConfig
 from rayvl.cli.recipes import (CONFIGS, USER_ERRORS, RayvlParser, add_train_args, config_from_args,
                            gpu_errors_in_one_line, print_dry_run, train_command, user_error)
+from rayvl.eval.linear_probe import ProbeSettings
 
 # commands that start no distributed work: a missing file or a bad value they raise comes from the command line
 LOCAL_COMMANDS = ("plot", "export")
@@ -147,7 +148,38 @@ def _eval_parser(sub) -> None:
     e.add_argument("--k", type=int, default=None, help=f"k of AO@k / JS@k (default: eval.paraphrase_k, "
                                                        f"{d.paraphrase_k})")
     e.add_argument("--limit", type=int, default=0, help="use only the first N Fashion-MNIST images (default: all)")
+    _probe_options(e)
     e.add_argument("--verbose", action="store_true", help="show Ray's and the actors' own output")
+
+
+def _probe_options(e) -> None:
+    """The linear probe's options: CLIP_benchmark's, by its names and defaults (rayvl.eval.linear_probe)."""
+    d = ProbeSettings()
+    probe = e.add_argument_group("linear probe", "with --tasks linear_probe on a CLIP_benchmark set that has a train "
+                                 "split: CLIP_benchmark's protocol, trained on that split's images (otherwise a "
+                                 "logistic regression on a split of the evaluated set's own labelled images)")
+    probe.add_argument("--train-split", default=None, metavar="NAME",
+                       help=f"the set's split the probe trains on (default: {d.train_split}, where the set has it; "
+                            "none: the evaluated set's own split)")
+    probe.add_argument("--fewshot-k", type=int, metavar="K", default=d.fewshot_k,
+                       help=f"images of each class it trains on, -1 every one (default: {d.fewshot_k})")
+    probe.add_argument("--fewshot-epochs", type=int, metavar="N", default=d.epochs, help=f"epochs (default: {d.epochs})")
+    probe.add_argument("--fewshot-lr", type=float, metavar="LR", default=d.lr, help=f"AdamW's learning rate (default: {d.lr:g})")
+    probe.add_argument("--probe-batch-size", type=int, metavar="N", default=d.batch_size,
+                       help=f"features a step (default: {d.batch_size})")
+    probe.add_argument("--val-proportion", type=float, metavar="P", default=d.val_proportion,
+                       help="a share of the train split held out to search the weight decay on (default: 0, no "
+                            "search: weight decay 0)")
+    probe.add_argument("--seed", type=int, metavar="N", default=d.seed, help=f"the probe's seed (default: {d.seed})")
+
+
+def _probe(args, tasks: list[str]) -> tuple[ProbeSettings, str]:
+    """(the probe's settings, the split default_sources looks for: '' when none is to be read)."""
+    probe = ProbeSettings(args.train_split or ProbeSettings.train_split, args.fewshot_k, args.fewshot_epochs,
+                          args.fewshot_lr, args.probe_batch_size, args.val_proportion, args.seed)
+    probe.check()
+    wanted = "linear_probe" in tasks and probe.train_split != "none"
+    return probe, probe.train_split if wanted else ""
 
 
 def _tune_parser(sub) -> None:
@@ -216,9 +248,11 @@ def eval_main(args) -> int:
         pool = settings(config, **{**_eval_sets(args.set), **{k: v for k, v in flags.items() if v is not None}})
         tasks = _tasks(args.tasks, pool)
         _check_pool(pool)
-        texts = (args.kind, args.classes, args.paraphrases, args.sts)
+        probe, split = _probe(args, tasks)
+        texts = (args.kind, args.classes, args.paraphrases, args.sts, split)
         sources = ({name: default_sources(config, data, *texts) for name, data in zip(set_names(args.data), args.data)}
                    if len(args.data) > 1 else default_sources(config, "".join(args.data), *texts))
+        _check_train_split(args.train_split, split, sources)
         gpus = pool.gpus_per_actor
         without_ray = session.runs_without_ray(pool.actors, gpus)
         if not without_ray:
@@ -229,7 +263,7 @@ def eval_main(args) -> int:
     results = gpu_errors_in_one_line(lambda: run_eval(
         ckpt, tasks, sources, args.out or None, actors=pool.actors, cpus_per_actor=pool.cpus_per_actor,
         batch_size=pool.batch_size, k=pool.paraphrase_k, limit=args.limit, gpus_per_actor=gpus,
-        without_ray=without_ray, loader_workers=pool.loader_workers, decode=pool.decode))
+        without_ray=without_ray, loader_workers=pool.loader_workers, decode=pool.decode, probe=probe))
     if results is None:
         return 1
     print(f"checkpoint {ckpt}")
@@ -242,6 +276,17 @@ def eval_main(args) -> int:
                                                          for label, _, key in HEADLINE]))
     print(f"\nresults: {args.out or default_out(ckpt)}")
     return 0
+
+
+def _check_train_split(given: str | None, split: str, sources) -> None:
+    """--train-split named (not the default): every set must have it."""
+    if not given or not split:
+        return
+    missing = [one.data for one in (sources.values() if isinstance(sources, dict) else [sources])
+               if not one.probe_train]
+    if missing:
+        raise ValueError(f"--train-split {given}: no such split beside {', '.join(missing)} (a CLIP_benchmark set's "
+                         f"<root>/{given}/nshards.txt)")
 
 
 def _eval_sets(overrides: list[str]) -> dict:

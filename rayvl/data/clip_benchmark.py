@@ -71,3 +71,11 @@ def _opened(root: str, split: str) -> BenchmarkSet:
     classes = names if kind != "retrieval" and storage.is_file(names) else ""
     return BenchmarkSet(root, split, storage.join(root, split, f"{{0..{n - 1}}}.tar"), classes,
                         "retrieval" if kind == "retrieval" else "classification")
+
+
+def split(found: BenchmarkSet, name: str) -> BenchmarkSet | None:
+    """The same set's split ``name`` (its linear probe's train split: CLIP_benchmark's ``--train_split``), or None
+    where the set has none."""
+    if name == found.split or not storage.is_file(storage.join(found.root, name, NSHARDS)):
+        return None
+    return _opened(found.root, name)

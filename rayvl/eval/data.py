@@ -26,6 +26,7 @@ from rayvl.data.shard_read import readers_per_shard
 from rayvl.data.shards import Reading, read_shards
 from rayvl.data.specs import resolve_shards
 from rayvl.eval import local_read
+from rayvl.eval.linear_probe import ProbeTrain
 from rayvl.eval.sts import read_sts
 
 # torchvision's ImageFolder's (datasets.folder.IMG_EXTENSIONS), which CLIP_benchmark reads such trees with
@@ -48,6 +49,7 @@ class EvalData:
     keys: list[str] = field(default_factory=list)
     paraphrases: list[dict] = field(default_factory=list)  # {caption, paraphrase[, expansions]}
     sts: tuple[list[str], list[str], np.ndarray] | None = None  # (sentences 1, sentences 2, gold scores)
+    probe: ProbeTrain | None = None  # a train split for the linear probe (CLIP_benchmark's protocol)
 
     def with_text_sets(self, classes: str = "", paraphrases: str = "", sts: str = "") -> "EvalData":
         """The same images with the class list, paraphrase pairs and STS pairs of these files ('' = keep)."""

@@ -31,6 +31,7 @@ from rayvl.eval import data as eval_data
 from rayvl.eval import local_read
 from rayvl.eval.embed import ActorEmbedder, LocalEmbedder
 from rayvl.eval.embed import batch_size as embed_batch
+from rayvl.eval.linear_probe import ProbeSettings, ProbeTrain
 from rayvl.eval.tasks import SKIP_REASONS, evaluate
 
 log = logging.getLogger("rayvl")
@@ -43,13 +44,16 @@ class Sources:
     classes: str = ""
     paraphrases: str = ""
     sts: str = ""
+    probe_train: str = ""  # a CLIP_benchmark set's train split's shards: the linear probe's training images
+
 
 
 def default_sources(config: dict, data: str = "", kind: str = "auto", classes: str = "", paraphrases: str = "",
-                    sts: str = "") -> Sources:
+                    sts: str = "", probe_split: str = "") -> Sources:
     """Unset sources default to the checkpoint's own held-out data and files (the demo's when it trained on the
     demo), then to files of those names next to the data. A CLIP_benchmark set (its root or a split's folder,
-    rayvl.data.clip_benchmark) is its split's shards with its class names and templates."""
+    rayvl.data.clip_benchmark) is its split's shards with its class names and templates — and, given a
+    ``probe_split`` the set has (another than the one evaluated), that split's shards for the linear probe."""
     d = config["data"]
     demo = Path(d["demo_dir"]).expanduser()
     own = not data  # the checkpoint's own held-out data: its own files go with it
@@ -67,8 +71,10 @@ def default_sources(config: dict, data: str = "", kind: str = "auto", classes: s
     found = clip_benchmark.find(data) if kind in ("auto", "clip_benchmark") else None
     if found:
         log.info(f"eval: CLIP_benchmark set {found.root}, split {found.split}: {found.shards}")
+        train = clip_benchmark.split(found, probe_split) if probe_split else None
         return Sources(found.shards, "shards", classes or (d["classes"] if own else "") or found.classes,
-                       pick(paraphrases, d["paraphrases"], "paraphrases.jsonl"), pick(sts, d["sts"], "sts.tsv"))
+                       pick(paraphrases, d["paraphrases"], "paraphrases.jsonl"), pick(sts, d["sts"], "sts.tsv"),
+                       train.shards if train else "")
     if kind == "clip_benchmark":
         raise ValueError(f"--data {data}: no {clip_benchmark.NSHARDS} in it or in its {clip_benchmark.SPLIT}/ folder "
                          "(CLIP_benchmark's webdataset layout)")
@@ -141,13 +147,15 @@ def run_eval(checkpoint: str, tasks: list[str] | None = None, sources: Sources |
              out: str | Path | None = None, actors: int | None = None, cpus_per_actor: float | None = None,
              batch_size: int | None = None, k: int | None = None, limit: int = 0,
              gpus_per_actor: float | None = None, without_ray: bool = False,
-             loader_workers: int | None = None, decode: str | None = None) -> dict:
+             loader_workers: int | None = None, decode: str | None = None,
+             probe: ProbeSettings | None = None) -> dict:
     """Every task of ``tasks`` on a checkpoint; ``tasks`` and the actor pool's settings left None come from its
     config (``eval.checkpoint_tasks``, ``settings``). ``without_ray``: the model embeds in this process, fed by a
     local loader of ``loader_workers`` processes (``LocalEmbedder``, ``load_local``; ``session.runs_without_ray``
     says when), instead of the pool's actors fed by Ray Data. ``sources`` by name (CLIP_benchmark's way: many sets,
     one command): each set scored by the same warm model into ``<out>/<name>/``, the results by name, and
-    ``<out>/summary.json`` the sets' headline metrics."""
+    ``<out>/summary.json`` the sets' headline metrics. ``probe``: the linear probe's settings where a set brings a
+    train split (``Sources.probe_train``: CLIP_benchmark's protocol), CLIP_benchmark's defaults if None."""
     uri = checkpoint_uri(checkpoint)  # local or a URL; every embedding actor loads it on its own node
     meta = read_meta(uri)
     config = meta["config"]
@@ -164,7 +172,7 @@ def run_eval(checkpoint: str, tasks: list[str] | None = None, sources: Sources |
         for name, one in named.items():
             where = storage.join(out, name) if name else out
             results[name] = scored_set(embedder, one, config, pool, tasks, limit, without_ray, where, scored,
-                                       reports)
+                                       reports, probe or ProbeSettings())
     finally:
         try:
             embedder.close()
@@ -178,26 +186,57 @@ def run_eval(checkpoint: str, tasks: list[str] | None = None, sources: Sources |
 
 
 def scored_set(embedder, sources: Sources, config: dict, pool: EvalConfig, tasks: list[str], limit: int,
-               without_ray: bool, out: str, scored: dict, reports: list[str]) -> dict:
+               without_ray: bool, out: str, scored: dict, reports: list[str], probe: ProbeSettings) -> dict:
     """One evaluation set read, embedded by the warm ``embedder`` and scored; its results written under ``out``;
-    the data report its reading counts into added to ``reports`` (the caller releases them)."""
-    report_name = ""
+    the data report its reading counts into added to ``reports`` (the caller releases them). With the linear probe
+    and a train split (``sources.probe_train``), that split is read and embedded too, and the probe trains on it."""
     log.info(f"eval: reading {sources.data} ({sources.kind}) for {', '.join(tasks)}")
-    if without_ray:
-        data = load_local(sources, config, pool.loader_workers, limit, pool.batch_size, pool.decode)
-    else:
-        data, report_name = load(sources, config, pool.cpus_per_actor, limit, pool.batch_size, pool.decode)
-        reports += [report_name] if report_name else []
-    images, data, counts, speed = embedded(embedder, data, sources, report_name)
+    images, data, counts, speed = read_and_embed(embedder, sources, config, pool, limit, without_ray, reports)
     if pool.decode == "device" and sources.kind == "shards":
         log.info(f"eval: the images' JPEGs were decoded by {embedder.decoding()}")
+    trained_on = {}
+    if "linear_probe" in tasks and sources.probe_train:
+        data, trained_on = with_probe_train(embedder, data, sources, config, pool, without_ray, reports, probe, out)
     metrics, embeddings = evaluate(tasks, data, embedder, pool.paraphrase_k, images)
-    results = {**({"data": counts} if counts else {}), "embedding": speed, **metrics}
+    results = {**({"data": counts} if counts else {}), "embedding": speed, **trained_on, **metrics}
     skipped = [t for t in tasks if t not in metrics]
     if skipped:
         results["skipped"] = {t: SKIP_REASONS[t] for t in skipped}
     write_results(out, scored, results, embeddings, data.keys)
     return results
+
+
+def read_and_embed(embedder, sources: Sources, config: dict, pool: EvalConfig, limit: int, without_ray: bool,
+                   reports: list[str]) -> tuple[np.ndarray, eval_data.EvalData, dict, dict]:
+    """``sources`` read (by a local loader, or Ray Data with a data report added to ``reports``) and its images
+    embedded: ``embedded``'s four."""
+    report_name = ""
+    if without_ray:
+        data = load_local(sources, config, pool.loader_workers, limit, pool.batch_size, pool.decode)
+    else:
+        data, report_name = load(sources, config, pool.cpus_per_actor, limit, pool.batch_size, pool.decode)
+        reports += [report_name] if report_name else []
+    return embedded(embedder, data, sources, report_name)
+
+
+def with_probe_train(embedder, data: eval_data.EvalData, sources: Sources, config: dict, pool: EvalConfig,
+                     without_ray: bool, reports: list[str], probe: ProbeSettings,
+                     out: str) -> tuple[eval_data.EvalData, dict]:
+    """(the set with its train split's embeddings and classes for the linear probe, eval.json's ``probe_train``:
+    what was read); the split's embeddings and class ids saved beside the set's (CLIP_benchmark caches its
+    features: ``probe_train_embeddings.npy``, ``probe_train_labels.npy``)."""
+    split = Sources(sources.probe_train, "shards")
+    log.info(f"eval: reading the linear probe's {probe.train_split} split {split.data}")
+    features, train, counts, speed = read_and_embed(embedder, split, config, pool, 0, without_ray, reports)
+    for name, array in (("probe_train_embeddings", features), ("probe_train_labels", train.labels)):
+        buffer = io.BytesIO()
+        np.save(buffer, array)
+        storage.write_bytes(storage.join(out, f"{name}.npy"), buffer.getvalue())
+    said = {"split": probe.train_split, "shards": split.data, "images": int(len(features)),
+            "images_with_a_class": int((train.labels >= 0).sum()), "seconds": speed["seconds"],
+            **{f"dropped_{k}" if not k.startswith("dropped_") else k: v for k, v in counts.items()
+               if k.startswith("dropped_")}}
+    return replace(data, probe=ProbeTrain(features, train.labels, probe)), {"probe_train": said}
 
 
 def set_names(data: list[str]) -> list[str]:

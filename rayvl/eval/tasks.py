@@ -15,6 +15,7 @@ import torch
 from rayvl.config import EVAL_TASKS
 from rayvl.data.prompts import SINGLE_TEMPLATE
 from rayvl.eval.data import EvalData
+from rayvl.eval.linear_probe import clip_benchmark_probe
 from rayvl.eval.linear_probe import linear_probe as fit_linear_probe
 from rayvl.eval.linear_probe import split_indices
 from rayvl.eval.paraphrase import expand_queries, paraphrase_metrics
@@ -26,7 +27,7 @@ from rayvl.eval.zeroshot import class_embeddings, zeroshot_metrics
 TASKS = (*EVAL_TASKS, "linear_probe")
 SKIP_REASONS = {"zeroshot": "no class names or labels", "retrieval": "the data has no captions",
                 "paraphrase": "no paraphrase file", "sts": "no STS file",
-                "linear_probe": "fewer than 10 labelled images"}
+                "linear_probe": "fewer than 10 labelled images (with a train split: none in the evaluated split)"}
 # what the tasks' metric names start with (training reports mix them with the training metrics)
 log = logging.getLogger("rayvl")
 METRIC_PREFIXES = ("eval_", "zeroshot", "single_template", "t2i", "i2t", "retrieval", "paraphrase", "qe_", "sts")
@@ -177,12 +178,17 @@ def sts(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | None:
 
 
 def linear_probe(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | None:
+    """CLIP_benchmark's probe, trained on the set's train split, where the set brings one (``data.probe``); else
+    CLIP's logistic regression on a split of the set's own labelled images."""
     known = np.flatnonzero(data.labels >= 0)
+    if data.probe is not None:
+        return clip_benchmark_probe(data.probe, emb["image"][known], data.labels[known]) if len(known) else None
     if len(known) < 10:
         return None
     x, y = emb["image"][known], data.labels[known]
     train, val, test = split_indices(y)
-    return fit_linear_probe(x[train], y[train], x[val], y[val], x[test], y[test])
+    return {**fit_linear_probe(x[train], y[train], x[val], y[val], x[test], y[test]),
+            "linear_probe_protocol": "held_out_split"}
 
 
 _RUN = {"zeroshot": zeroshot, "retrieval": retrieval, "paraphrase": paraphrase, "sts": sts,
