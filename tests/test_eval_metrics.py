@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from rayvl.eval.knn import top_k
-from rayvl.eval.linear_probe import (DECAY_GRID, ProbeSettings, ProbeTrain, clip_benchmark_probe, linear_probe,
-                                     split_indices, trained_layer)
+from rayvl.eval.linear_probe import (DECAY_GRID, NotProbed, ProbeSettings, ProbeTrain, clip_benchmark_probe,
+                                     linear_probe, split_indices, trained_layer)
 from rayvl.eval.paraphrase import average_overlap, expand_queries, jaccard, paraphrase_metrics
 from rayvl.eval.retrieval import retrieval_metrics, retrieval_metrics_bruteforce
 from rayvl.eval.sts import read_sts, sts_metrics
@@ -123,25 +123,32 @@ def test_linear_probe_separable_and_stratified():
 
 
 def test_clip_benchmarks_probe_layer_is_adamw_on_a_cosine_schedule_against_float64():
-    """One batch an epoch (the shuffle is moot): the layer CLIP_benchmark's loop trains — its seeded init, AdamW
-    (decoupled decay, bias-corrected moments), the learning rate 0.5 (1 + cos(π t / T)) · lr before step t — equals
-    that loop written out in float64."""
+    """The layer CLIP_benchmark's ``train`` fits — torch.manual_seed(seed), the layer built, shuffled batches from
+    that RNG each epoch, AdamW (decoupled decay, bias-corrected moments), the learning rate
+    0.5 (1 + cos(π t / T)) · lr before step t — equals that loop written out in float64, 3 batches an epoch."""
     rng = np.random.default_rng(1)
     x, y = torch.tensor(rng.normal(size=(12, 5)), dtype=torch.float32), torch.tensor(rng.integers(0, 3, 12))
-    s = ProbeSettings(epochs=4, lr=0.1, batch_size=64, seed=7)
+    s = ProbeSettings(epochs=4, lr=0.1, batch_size=5, seed=7)
+    before = torch.random.get_rng_state()
     layer = trained_layer(x, y, 3, 0.01, s)
+    assert torch.equal(torch.random.get_rng_state(), before)  # the process's RNG as it was
     torch.manual_seed(7)
     start = torch.nn.Linear(5, 3)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x.double(), y), batch_size=5, shuffle=True)
     params = [start.weight.detach().double(), start.bias.detach().double()]
     m, v = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
-    for t in range(1, s.epochs + 1):
-        lr = 0.5 * (1 + np.cos(np.pi * (t - 1) / s.epochs)) * s.lr
-        w, b = (p.clone().requires_grad_() for p in params)
-        torch.nn.functional.cross_entropy(x.double() @ w.T + b, y).backward()
-        for i, (p, g) in enumerate(zip(params, (w.grad, b.grad))):
-            m[i] = 0.9 * m[i] + 0.1 * g
-            v[i] = 0.999 * v[i] + 0.001 * g * g
-            p.mul_(1 - lr * 0.01).sub_(lr * (m[i] / (1 - 0.9 ** t)) / ((v[i] / (1 - 0.999 ** t)).sqrt() + 1e-8))
+    steps, t = s.epochs * len(loader), 0
+    for _ in range(s.epochs):
+        for batch_x, batch_y in loader:
+            t += 1
+            lr = 0.5 * (1 + np.cos(np.pi * (t - 1) / steps)) * s.lr
+            w, b = (p.clone().requires_grad_() for p in params)
+            torch.nn.functional.cross_entropy(batch_x @ w.T + b, batch_y).backward()
+            for i, (p, g) in enumerate(zip(params, (w.grad, b.grad))):
+                m[i] = 0.9 * m[i] + 0.1 * g
+                v[i] = 0.999 * v[i] + 0.001 * g * g
+                p.mul_(1 - lr * 0.01).sub_(lr * (m[i] / (1 - 0.9 ** t)) / ((v[i] / (1 - 0.999 ** t)).sqrt() + 1e-8))
+    assert t == 12
     assert torch.allclose(layer.weight.double(), params[0], atol=1e-5)
     assert torch.allclose(layer.bias.double(), params[1], atol=1e-5)
     assert torch.equal(trained_layer(x, y, 3, 0.01, s).weight, layer.weight)  # seeded: the same layer again
@@ -169,6 +176,12 @@ def test_clip_benchmarks_probe_scores_trains_on_k_shots_and_searches_the_decay_o
     searched = clip_benchmark_probe(ProbeTrain(x, y, ProbeSettings(val_proportion=0.25)), test_x, test_y)
     assert searched["linear_probe_weight_decay"] in DECAY_GRID and searched["linear_probe_train"] == 120
     assert searched["linear_probe_top1"] == 100
+    # few-shot with a validation share (CLIP_benchmark's order): the split first, 2 shots a class from its train
+    # part, the decay searched on its whole validation part, the layer fitted to the 12 shots alone
+    both = clip_benchmark_probe(ProbeTrain(x, y, ProbeSettings(fewshot_k=2, val_proportion=0.25)), test_x, test_y)
+    assert both["linear_probe_train"] == 12 and both["linear_probe_weight_decay"] in DECAY_GRID
+    with pytest.raises(NotProbed, match="has no image with a class"):
+        clip_benchmark_probe(ProbeTrain(x, np.full_like(y, -1), ProbeSettings()), test_x, test_y)
     # four classes: no top-5 (CLIP_benchmark reports it past 5 classes)
     x4, y4 = _clusters(10, classes=4)
     assert "linear_probe_top5" not in clip_benchmark_probe(ProbeTrain(x4, y4, ProbeSettings()), x4, y4)

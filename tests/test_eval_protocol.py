@@ -339,6 +339,9 @@ def test_a_clip_benchmark_set_is_read_as_clip_benchmark_reads_it(demo_dir, tmp_p
     assert summary["wds_captions"] == {"i2t_R@5": r["retrieval"]["i2t_R@5"], "t2i_R@5": r["retrieval"]["t2i_R@5"],
                                        "images": 10}
     assert "##### summary" in printed and "linear probe top-1" in printed.split("##### summary")[1]
+    # more shots than a class has: the probe is skipped, saying why (CLIP_benchmark: "insufficient data")
+    few = scored("--data", str(root), "--fewshot-k", "20", tasks="linear_probe")
+    assert few["skipped"]["linear_probe"].startswith("--fewshot-k 20: the train split has fewer than 20 images")
     # a split the probe is told to train on must be there (checked before anything is embedded)
     assert main(["eval", str(checkpoint), "--tasks", "linear_probe", "--data", str(root), "--train-split",
                  "val"]) == 2

@@ -286,7 +286,7 @@ def _check_train_split(given: str | None, split: str, sources) -> None:
                if not one.probe_train]
     if missing:
         raise ValueError(f"--train-split {given}: no such split beside {', '.join(missing)} (a CLIP_benchmark set's "
-                         f"<root>/{given}/nshards.txt)")
+                         f"<root>/{given}/nshards.txt), or it is the split evaluated")
 
 
 def _eval_sets(overrides: list[str]) -> dict:

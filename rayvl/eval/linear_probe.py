@@ -7,7 +7,8 @@
   features, a linear layer trained with AdamW and a cosine schedule without warm-up for ``epochs`` passes of shuffled
   batches, weight decay 0, or, given a validation share of the train split, the decay searched on it as
   CLIP_benchmark searches it (97 values from 1e-6 to 1e2, 7 first, then halving steps around the best) and the
-  layer trained again on train + validation; top-1, top-5 (over 5 classes) and the mean per-class recall on test.
+  layer trained again on train + validation (few-shot: on the k shots alone); top-1, top-5 (past 5 classes) and the
+  mean per-class recall on test. In fp32 (CLIP_benchmark: fp16 autocast on its GPU).
 """
 from __future__ import annotations
 
@@ -84,25 +85,36 @@ class ProbeTrain:
     settings: ProbeSettings
 
 
+class NotProbed(ValueError):
+    """The train split cannot be probed as asked (no image with a class, fewer than k of a class): the task is
+    skipped for the set, saying why, as CLIP_benchmark stops ("insufficient data for this eval")."""
+
+
 def clip_benchmark_probe(train: ProbeTrain, test_x: np.ndarray, test_y: np.ndarray) -> dict:
-    """CLIP_benchmark's linear probe (module docstring) of ``train`` scored on the test features, in percent."""
+    """CLIP_benchmark's linear probe (module docstring) of ``train`` scored on the test features, in percent: its
+    cli's ``random_split`` of the train split into train and validation parts (``val_proportion``), then its
+    ``evaluate``: k shots of each class from the train part, the weight decay searched on the validation part, the
+    layer fitted to the shots and the validation part (every image) or to the shots alone (few-shot)."""
     s = train.settings
     known = train.labels >= 0
     x = torch.nn.functional.normalize(torch.as_tensor(train.features[known], dtype=torch.float32), dim=-1)
     y = torch.as_tensor(train.labels[known], dtype=torch.int64)
     if len(y) == 0:
-        raise ValueError(f"linear probe: the {s.train_split} split has no image with a class")
+        raise NotProbed(f"the {s.train_split} split has no image with a class")
     generator = torch.Generator().manual_seed(s.seed)
-    chosen = _fewshot(y, s.fewshot_k, generator)
-    x, y = x[chosen], y[chosen]
+    rest, val = torch.arange(len(y)), torch.zeros(0, dtype=torch.int64)
+    if s.val_proportion > 0:
+        parts = torch.utils.data.random_split(rest, [1 - s.val_proportion, s.val_proportion], generator=generator)
+        rest, val = (torch.as_tensor(part.indices, dtype=torch.int64) for part in parts)
+        if not len(val) or not len(rest):
+            raise NotProbed(f"--val-proportion {s.val_proportion:g} of {len(y)} images leaves a part empty")
+    shots = rest[_fewshot(y[rest], s.fewshot_k, generator)]
     classes = int(y.max()) + 1  # CLIP_benchmark's outputs: the train split's classes (a test class past them: a miss)
-    decay, fit_on = 0.0, (x, y)
-    if s.val_proportion > 0:  # torch's random_split of the train split, as CLIP_benchmark's cli splits it
-        order = torch.randperm(len(y), generator=generator)
-        n_val = int(round(s.val_proportion * len(y)))
-        val, rest = order[:n_val], order[n_val:]
-        decay = _searched_decay((x[rest], y[rest]), (x[val], y[val]), classes, s)
-        fit_on = (x, y) if s.fewshot_k < 0 else (x[rest], y[rest])  # few-shot: train on the k shots alone
+    decay, fit_on = 0.0, shots
+    if len(val):
+        decay = _searched_decay((x[shots], y[shots]), (x[val], y[val]), classes, s)
+        fit_on = torch.cat([shots, val]) if s.fewshot_k < 0 else shots
+    fit_on = (x[fit_on], y[fit_on])
     layer = trained_layer(*fit_on, classes, decay, s)
     test = torch.nn.functional.normalize(torch.as_tensor(test_x, dtype=torch.float32), dim=-1)
     with torch.no_grad():
@@ -136,45 +148,49 @@ def _fewshot(y: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tenso
             keep.append(i)
     short = sorted(c for c, n in taken.items() if n < k)
     if short:
-        raise ValueError(f"--fewshot-k {k}: the train split has fewer than {k} images of class(es) {short[:10]}")
+        raise NotProbed(f"--fewshot-k {k}: the train split has fewer than {k} images of class(es) {short[:10]}")
     return torch.tensor(keep, dtype=torch.int64)
 
 
 def trained_layer(x: torch.Tensor, y: torch.Tensor, classes: int, decay: float, s: ProbeSettings) -> torch.nn.Linear:
-    """A linear layer fitted to (x, y): seeded init and shuffle, AdamW, the learning rate cosine-annealed to 0 over
-    every batch of every epoch (CLIP_benchmark's ``cosine_lr`` with no warm-up), cross-entropy."""
-    with torch.random.fork_rng(devices=[]):  # CLIP_benchmark seeds the layer's init (here: not the process's RNG)
+    """A linear layer fitted to (x, y) as CLIP_benchmark's ``train`` fits it: ``torch.manual_seed(seed)``, the layer
+    built, then shuffled batches drawn from the same seeded RNG each epoch, AdamW, the learning rate
+    cosine-annealed to 0 over every batch of every epoch (its ``cosine_lr`` with no warm-up), cross-entropy. The
+    process's own RNG is left as it was."""
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(s.seed)
         layer = torch.nn.Linear(x.shape[1], classes)
-    optimizer = torch.optim.AdamW(layer.parameters(), lr=s.lr, weight_decay=decay)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=s.batch_size, shuffle=True,
-                                         generator=torch.Generator().manual_seed(s.seed))
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=s.epochs * len(loader), eta_min=0.0)
-    for _ in range(s.epochs):
-        for batch_x, batch_y in loader:
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(layer(batch_x), batch_y).backward()
-            optimizer.step()
-            schedule.step()
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=s.batch_size,
+                                             shuffle=True)
+        optimizer = torch.optim.AdamW(layer.parameters(), lr=s.lr, weight_decay=decay)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=s.epochs * len(loader), eta_min=0.0)
+        for _ in range(s.epochs):
+            for batch_x, batch_y in loader:
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(layer(batch_x), batch_y).backward()
+                optimizer.step()
+                schedule.step()
     return layer.eval()
 
 
 def _searched_decay(fit: tuple, val: tuple, classes: int, s: ProbeSettings) -> float:
-    """CLIP_benchmark's weight-decay search: the best of DECAY_FIRST on validation top-1, then the best of it and
-    its neighbours 8, 4, 2, 1 grid steps away (the first best kept on a tie)."""
-    def top1(i: int) -> float:
-        layer = trained_layer(*fit, classes, float(DECAY_GRID[i]), s)
-        with torch.no_grad():
-            return float((layer(val[0]).argmax(1) == val[1]).float().mean())
+    """CLIP_benchmark's weight-decay search: ``find_peak`` over DECAY_FIRST on validation top-1, then over the peak
+    and its neighbours 8, 4, 2, 1 grid steps away — its rule exactly: the first strictly better one wins, from
+    index 0 at accuracy 0."""
+    scores: dict[int, float] = {}  # each decay's layer is trained once (the fit is deterministic)
 
-    scores: dict[int, float] = {}
-
-    def best(candidates) -> int:
+    def find_peak(candidates) -> int:
+        best, top = 0, 0.0
         for i in candidates:
-            scores.setdefault(i, top1(i))
-        return max(candidates, key=lambda i: (scores[i], -candidates.index(i)))
+            if i not in scores:
+                layer = trained_layer(*fit, classes, float(DECAY_GRID[i]), s)
+                with torch.no_grad():
+                    scores[i] = float((layer(val[0]).argmax(1) == val[1]).float().mean())
+            if top < scores[i]:
+                best, top = i, scores[i]
+        return best
 
-    peak = best(list(DECAY_FIRST))
+    peak = find_peak(DECAY_FIRST)
     for span in (8, 4, 2, 1):
-        peak = best([max(peak - span, 0), peak, min(peak + span, len(DECAY_GRID) - 1)])
+        peak = find_peak([max(peak - span, 0), peak, min(peak + span, len(DECAY_GRID) - 1)])
     return float(DECAY_GRID[peak])

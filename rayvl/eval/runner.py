@@ -195,13 +195,14 @@ def scored_set(embedder, sources: Sources, config: dict, pool: EvalConfig, tasks
     if pool.decode == "device" and sources.kind == "shards":
         log.info(f"eval: the images' JPEGs were decoded by {embedder.decoding()}")
     trained_on = {}
-    if "linear_probe" in tasks and sources.probe_train:
+    if "linear_probe" in tasks and sources.probe_train and (data.labels >= 0).any():  # a set with classes
         data, trained_on = with_probe_train(embedder, data, sources, config, pool, without_ray, reports, probe, out)
     metrics, embeddings = evaluate(tasks, data, embedder, pool.paraphrase_k, images)
     results = {**({"data": counts} if counts else {}), "embedding": speed, **trained_on, **metrics}
+    reasons = results.pop("skipped", {})
     skipped = [t for t in tasks if t not in metrics]
     if skipped:
-        results["skipped"] = {t: SKIP_REASONS[t] for t in skipped}
+        results["skipped"] = {t: reasons.get(t, SKIP_REASONS[t]) for t in skipped}
     write_results(out, scored, results, embeddings, data.keys)
     return results
 

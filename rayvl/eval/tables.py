@@ -46,7 +46,8 @@ def format_tables(results: dict) -> str:
         lines.append(f"\n== {task} ==")
         width = max(len(k) for k in metrics)
         for key, value in metrics.items():
-            shown = f"{value:>8.2f}" if isinstance(value, float) else f"{value:>8}"
+            small = isinstance(value, float) and 0 < abs(value) < 0.01  # a searched weight decay, say
+            shown = f"{value:>8.3g}" if small else f"{value:>8.2f}" if isinstance(value, float) else f"{value:>8}"
             lines.append(f"{key:<{width}}  {shown}")
     return "\n".join(lines)
 

@@ -15,7 +15,7 @@ import torch
 from rayvl.config import EVAL_TASKS
 from rayvl.data.prompts import SINGLE_TEMPLATE
 from rayvl.eval.data import EvalData
-from rayvl.eval.linear_probe import clip_benchmark_probe
+from rayvl.eval.linear_probe import NotProbed, clip_benchmark_probe
 from rayvl.eval.linear_probe import linear_probe as fit_linear_probe
 from rayvl.eval.linear_probe import split_indices
 from rayvl.eval.paraphrase import expand_queries, paraphrase_metrics
@@ -50,8 +50,9 @@ class Embedder(Protocol):
 
 def evaluate(tasks, data: EvalData, embedder: Embedder, k: int = 10,
              image_embeddings: np.ndarray | None = None) -> tuple[dict, dict]:
-    """({task: metrics} for every task the data allows, {name: embeddings} computed on the way); the images
-    are embedded here unless their ``image_embeddings`` are given."""
+    """({task: metrics} for every task the data allows — and ``skipped``: {task: why} for one the data allows that
+    could not run as asked —, {name: embeddings} computed on the way); the images are embedded here unless their
+    ``image_embeddings`` are given."""
     if image_embeddings is None:
         image_embeddings = embedded_images(embedder, data.images)
     embeddings = {"image": image_embeddings}
@@ -59,14 +60,20 @@ def evaluate(tasks, data: EvalData, embedder: Embedder, k: int = 10,
     embedder = TextsOnce(embedder, [t for task in tasks for t in _TEXTS[task](data)])
     if embedder.rows:
         log.info(f"eval: {len(embedder.rows)} texts embedded ({time.perf_counter() - start:.1f} s)")
-    results = {}
+    results, reasons = {}, {}
     for i, task in enumerate(tasks):
         start = time.perf_counter()
-        metrics = _RUN[task](data, embeddings, embedder, k)
+        try:
+            metrics = _RUN[task](data, embeddings, embedder, k)
+        except NotProbed as e:  # the set's train split cannot be probed as asked: skipped, saying why
+            log.warning(f"eval: linear_probe skipped: {e}")
+            metrics, reasons[task] = None, str(e)
         if metrics is not None:
             results[task] = metrics
         log.info(f"eval: task {i + 1}/{len(tasks)} {task} {'done' if metrics is not None else 'skipped'} "
                  f"({time.perf_counter() - start:.1f} s)")
+    if reasons:  # why a task the data allows did not run (the others: SKIP_REASONS)
+        results["skipped"] = reasons
     return results, embeddings
 
 
