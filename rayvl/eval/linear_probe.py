@@ -123,13 +123,13 @@ def clip_benchmark_probe(train: ProbeTrain, test_x: np.ndarray, test_y: np.ndarr
     top = logits.topk(min(5, classes), dim=1).indices
     from sklearn.metrics import balanced_accuracy_score
 
-    out = {"linear_probe_top1": 100.0 * float((top[:, 0] == target).float().mean()),
+    out = {"linear_probe_top1": 100.0 * float((top[:, 0] == target).double().mean()),
            "linear_probe_mean_per_class_recall": 100.0 * float(balanced_accuracy_score(target, top[:, 0])),
            "linear_probe_weight_decay": decay, "linear_probe_chance_top1": 100.0 / classes,
            "linear_probe_train": int(len(fit_on[1])), "linear_probe_test": int(len(target)),
            "linear_probe_protocol": "clip_benchmark", **{f"linear_probe_{k}": v for k, v in asdict(s).items()}}
     if int(target.max()) >= 5:  # CLIP_benchmark reports top-5 where the test labels go past 5 classes
-        out["linear_probe_top5"] = 100.0 * float((top == target[:, None]).any(dim=1).float().mean())
+        out["linear_probe_top5"] = 100.0 * float((top == target[:, None]).any(dim=1).double().mean())
     return out
 
 
