@@ -47,7 +47,6 @@ class Sources:
     probe_train: str = ""  # a CLIP_benchmark set's train split's shards: the linear probe's training images
 
 
-
 def default_sources(config: dict, data: str = "", kind: str = "auto", classes: str = "", paraphrases: str = "",
                     sts: str = "", probe_split: str = "") -> Sources:
     """Unset sources default to the checkpoint's own held-out data and files (the demo's when it trained on the
@@ -229,14 +228,11 @@ def with_probe_train(embedder, data: eval_data.EvalData, sources: Sources, confi
     split = Sources(sources.probe_train, "shards")
     log.info(f"eval: reading the linear probe's {probe.train_split} split {split.data}")
     features, train, counts, speed = read_and_embed(embedder, split, config, pool, 0, without_ray, reports)
-    for name, array in (("probe_train_embeddings", features), ("probe_train_labels", train.labels)):
-        buffer = io.BytesIO()
-        np.save(buffer, array)
-        storage.write_bytes(storage.join(out, f"{name}.npy"), buffer.getvalue())
+    write_array(out, "probe_train_embeddings", features)
+    write_array(out, "probe_train_labels", train.labels)
     said = {"split": probe.train_split, "shards": split.data, "images": int(len(features)),
             "images_with_a_class": int((train.labels >= 0).sum()), "seconds": speed["seconds"],
-            **{f"dropped_{k}" if not k.startswith("dropped_") else k: v for k, v in counts.items()
-               if k.startswith("dropped_")}}
+            **{k: v for k, v in counts.items() if k.startswith("dropped_")}}
     return replace(data, probe=ProbeTrain(features, train.labels, probe)), {"probe_train": said}
 
 
@@ -312,15 +308,20 @@ def with_dropped(counts: dict, dropped: dict) -> dict:
 def write_results(out: str, scored: dict, results: dict, embeddings: dict, keys: list[str]) -> None:
     """``eval.json`` (``scored``: what it scored), each task's json, the embeddings as .npy, the key of each row."""
     for name, array in embeddings.items():
-        buffer = io.BytesIO()
-        np.save(buffer, array)
-        storage.write_bytes(storage.join(out, f"{name}_embeddings.npy"), buffer.getvalue())
+        write_array(out, f"{name}_embeddings", array)
     for task, values in results.items():
         if task not in ("data", "embedding", "skipped"):
             storage.write_text(storage.join(out, f"{task}.json"), json.dumps(values, indent=2))
     if keys:  # the sample of each row of the embeddings (shards: sorted by key)
         storage.write_text(storage.join(out, "keys.json"), json.dumps(keys))
     storage.write_text(storage.join(out, "eval.json"), json.dumps({**scored, **results}, indent=2))
+
+
+def write_array(out: str, name: str, array: np.ndarray) -> None:
+    """``<out>/<name>.npy``, local or on object storage."""
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    storage.write_bytes(storage.join(out, f"{name}.npy"), buffer.getvalue())
 
 
 def default_out(checkpoint: str) -> str:
