@@ -272,13 +272,13 @@ def evaluation_lines(cfg: RayvlConfig, held_out: SpecCheck | None, read: dict, c
     if d.train and held_out is None:
         return ["evaluation: none — no held-out shards (data.eval, --eval-data)"]
     samples = read[held_out.paths[0]] if held_out is not None else []
-    labelled = sum(class_of(x) >= 0 for x in samples)
+    labelled = sum(class_of(x) >= 0 or x.get("npy") is not None for x in samples)  # a class, or a multilabel set's
     captioned = sum(x.get("txt") is not None for x in samples)
     demo = not d.train  # the demo's held-out split and files
     skipped = {
         "zeroshot": None if (classes or d.classes or demo) and (labelled or demo) else
         "no class list (data.classes)" if not (classes or d.classes or demo) else
-        f"none of the first {len(samples)} held-out samples has a class (a `cls` member or JSON field)",
+        f"none of the first {len(samples)} held-out samples has a class (a `cls` or `npy` member, a JSON field)",
         "retrieval": None if captioned or demo else f"none of the first {len(samples)} held-out samples has a caption",
         "paraphrase": None if d.paraphrases or demo else "no paraphrase file (data.paraphrases)",
         "sts": None if d.sts or demo else "no STS file (data.sts)"}

@@ -9,7 +9,7 @@ from rayvl.eval.linear_probe import (DECAY_GRID, NotProbed, ProbeSettings, Probe
 from rayvl.eval.paraphrase import average_overlap, expand_queries, jaccard, paraphrase_metrics
 from rayvl.eval.retrieval import retrieval_metrics, retrieval_metrics_bruteforce
 from rayvl.eval.sts import read_sts, sts_metrics
-from rayvl.eval.zeroshot import zeroshot_metrics
+from rayvl.eval.zeroshot import average_precision, zeroshot_metrics
 
 
 def test_average_overlap_and_jaccard_by_hand():
@@ -95,6 +95,14 @@ def test_zeroshot_per_class_recall_by_hand():
     assert r["zeroshot_top1"] == pytest.approx(80.0)
     assert r["zeroshot_mean_per_class_recall"] == pytest.approx(100 * (1 + 0.5 + 1) / 3)
     assert r["zeroshot_chance_top1"] == pytest.approx(100 / 3)
+
+
+def test_average_precision_by_hand():
+    """Class 0: positives ranked 1st and 3rd → (1/1 + 2/3) / 2; class 1: its one positive last of 4 → 1/4; class 2
+    has none → 0 (CLIP_benchmark averages it in)."""
+    scores = np.array([[0.9, 0.1, 0.5], [0.8, 0.2, 0.4], [0.7, 0.3, 0.3], [0.6, 0.0, 0.2]])
+    targets = np.array([[1, 0, 0], [0, 0, 0], [1, 0, 0], [0, 1, 0]])
+    np.testing.assert_allclose(average_precision(scores, targets), [(1 + 2 / 3) / 2, 1 / 4, 0.0], rtol=0, atol=1e-15)
 
 
 def test_sts_metrics_and_reader(tmp_path):

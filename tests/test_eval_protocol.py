@@ -199,28 +199,40 @@ def test_a_cls_member_is_the_class_and_a_held_out_sample_with_one_needs_no_capti
 
     from rayvl import assets
     from rayvl.data.pipeline import Rows, class_of, preprocess
+    from rayvl.eval.data import from_batches
 
     with tarfile.open(demo_dir / "eval" / "00000.tar") as src:
         jpg = next(src.extractfile(m).read() for m in src if m.name.endswith(".jpg"))
     assert class_of({"cls": b"7", "json": b'{"cls": 3}'}) == 7 and class_of({"json": b'{"cls": 3}'}) == 3
     assert class_of({"cls": b"seven"}) == -1 and class_of({}) == -1
+    # a multilabel set's npy member (a multi-hot vector, as webdataset saves an array): a held-out row's label set
+    vector = io.BytesIO()
+    np.save(vector, np.array([0, 1, 0, 1], np.float32))
     batch = {"key": ["a", "b", "c"], "img": [jpg] * 3, "img_ext": ["jpg"] * 3, "txt": [None, None, b"a cat"],
-             "json": [None, None, b'{"cls": 1}'], "cls": [b"4", None, None]}
+             "json": [None, None, b'{"cls": 1}'], "cls": [b"4", None, None],
+             "npy": [vector.getvalue(), None, b"\x93NUMPY, but cut"]}
     for train, kept, dropped in ((False, ["a", "c"], 1), (True, ["c"], 2)):
         counts: Counter = Counter()
         out = preprocess(batch, counts, Rows(16, 0.6, train, str(assets.text_model_path("minilm-l6")), 8))
         assert list(out["key"]) == kept and counts["dropped_missing_caption"] == dropped, train
         assert list(out["cls"]) == ([4, 1] if not train else [1]) and counts["samples_kept"] == len(kept)
-    assert list(out["caption"]) == ["a cat"]
+        if not train:  # an npy that is no saved array: counted, its image's label set unknown
+            assert list(out["label_set"]) == ["[1, 3]", ""] and counts["unreadable_label_vector"] == 1
+            held_out = from_batches([out])  # as a training run's evaluation reads its rows
+            assert held_out.multilabel and held_out.label_sets == [[1, 3], None] and held_out.labelled()
+    assert list(out["caption"]) == ["a cat"] and "label_set" not in out  # training rows carry none
 
 
-def _clip_benchmark_set(demo_dir, root, images: int = 24, retrieval: bool = False, train: int = 0) -> list[int]:
+def _clip_benchmark_set(demo_dir, root, images: int = 24, retrieval: bool = False, train: int = 0,
+                        multilabel: bool = False) -> list:
     """The demo's first held-out images as CLIP_benchmark's ``clip_benchmark_export_wds`` writes a set: lossless webp
     (the JPEG's pixels), keys s0000000…, two shards in ``test/`` with nshards.txt; a classification set has a
     ``cls`` member (the class index as text), classnames.txt and two templates with ``{c}``, and one more sample of
     a class id past the names; a retrieval set a ``txt`` of two captions, one a line, and dataset_type.txt. With
     ``train``, the next ``train`` held-out images are its ``train/`` split (one shard). Returns the test split's
-    class ids, then the train split's."""
+    class ids, then the train split's. A ``multilabel`` set (VOC2007's layout) has an ``npy`` member instead of
+    ``cls``: a float32 multi-hot vector (``_multi_hot``), saved as webdataset saves an array, and dataset_type.txt;
+    its vectors are returned."""
     with tarfile.open(demo_dir / "eval" / "00000.tar") as src:
         members = {m.name: src.extractfile(m).read() for m in src if m.isfile()}
     stems = sorted(n[:-4] for n in members if n.endswith(".jpg"))
@@ -228,7 +240,9 @@ def _clip_benchmark_set(demo_dir, root, images: int = 24, retrieval: bool = Fals
 
     def write(split: str, chosen: list[str], shards: int, extra: list[int]) -> list[int]:
         (root / split).mkdir(parents=True)
-        labels = [json.loads(members[f"{s}.json"])["cls"] for s in chosen] + extra
+        info = [json.loads(members[f"{s}.json"]) for s in chosen]
+        labels = ([_multi_hot(x["cls"], i, len(classes)) for i, x in enumerate(info)] if multilabel
+                  else [x["cls"] for x in info] + extra)
         for shard in range(shards):
             with tarfile.open(root / split / f"{shard}.tar", "w") as tar:
                 for i in range(shard, len(labels), shards):
@@ -236,23 +250,38 @@ def _clip_benchmark_set(demo_dir, root, images: int = 24, retrieval: bool = Fals
                     webp = io.BytesIO()
                     Image.open(io.BytesIO(members[f"{stem}.jpg"])).save(webp, "webp", lossless=True)
                     caption = members[f"{stem}.txt"].decode()
-                    other = (f"{caption}\nthe same picture", b"txt") if retrieval else (str(labels[i]), b"cls")
-                    for ext, data in (("webp", webp.getvalue()), (other[1].decode(), other[0].encode())):
+                    other = (("txt", f"{caption}\nthe same picture".encode()) if retrieval else
+                             ("npy", _saved(labels[i])) if multilabel else ("cls", str(labels[i]).encode()))
+                    for ext, data in (("webp", webp.getvalue()), other):
                         info = tarfile.TarInfo(f"s{i:07d}.{ext}")
                         info.size = len(data)
                         tar.addfile(info, io.BytesIO(data))
         (root / split / "nshards.txt").write_text(f"{shards}\n")
         return labels
 
-    labels = write("test", stems[:images], 2, [] if retrieval else [len(classes) + 91])
+    labels = write("test", stems[:images], 2, [] if retrieval or multilabel else [len(classes) + 91])
     if train:
         labels += write("train", stems[images:images + train], 1, [])
-    if retrieval:
-        (root / "dataset_type.txt").write_text("retrieval\n")
-    else:
+    if retrieval or multilabel:
+        (root / "dataset_type.txt").write_text("retrieval\n" if retrieval else "multilabel\n")
+    if not retrieval:
         (root / "classnames.txt").write_text("\n".join(classes) + "\n")
         (root / "zeroshot_classification_templates.txt").write_text("a photo of a {c}.\na {c} in {braces}.\n")
     return labels
+
+
+def _multi_hot(cls: int, i: int, classes: int) -> np.ndarray:
+    """The image's class and, for every third image, the class 3 past it (the demo's scenes hold one shape each)."""
+    vector = np.zeros(classes, np.float32)
+    vector[[cls, (cls + 3) % classes] if i % 3 == 0 else [cls]] = 1
+    return vector
+
+
+def _saved(array: np.ndarray) -> bytes:
+    """An array as webdataset writes an ``npy`` member (numpy's own format)."""
+    out = io.BytesIO()
+    np.save(out, array)
+    return out.getvalue()
 
 
 def test_a_clip_benchmark_set_is_read_as_clip_benchmark_reads_it(demo_dir, tmp_path, capsys):
@@ -261,9 +290,8 @@ def test_a_clip_benchmark_set_is_read_as_clip_benchmark_reads_it(demo_dir, tmp_p
     img2dataset shards with the class in their JSON and the same names and templates in a class file; a class id
     past the names is left out and counted; the linear probe trains on the set's train split, CLIP_benchmark's
     way, on the embeddings and classes it saved; ROOT/test names the same set; a retrieval set's captions are its
-    lines; several sets in one command score as each alone; the folder works as training's held-out data; a
-    multilabel set, --kind clip_benchmark on other data and a --train-split the set lacks are refused, naming
-    what is missing."""
+    lines; several sets in one command score as each alone; the folder works as training's held-out data;
+    --kind clip_benchmark on other data and a --train-split the set lacks are refused, naming what is missing."""
     from conftest import untrained_checkpoint
     from rayvl.cli import main
     from rayvl.data.prompts import benchmark_template, read_class_file
@@ -353,8 +381,85 @@ def test_a_clip_benchmark_set_is_read_as_clip_benchmark_reads_it(demo_dir, tmp_p
     assert "data.eval: 2 shards" in out and f"{root}/test/0.tar: s0000000: 112×112 webp, 'class " in out
     assert "  zeroshot: runs" in out and "  retrieval: skipped" in out
 
-    (retrieval_root / "dataset_type.txt").write_text("multilabel\n")
-    assert main(["eval", str(checkpoint), "--data", str(retrieval_root)]) == 2
-    assert "dataset_type.txt: multilabel sets" in capsys.readouterr().err
     assert main(["eval", str(checkpoint), "--data", str(plain), "--kind", "clip_benchmark"]) == 2
     assert "no nshards.txt in it or in its test/ folder" in capsys.readouterr().err
+
+
+def _clip_benchmark_ap(scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """CLIP_benchmark's ``average_precision_per_class`` (zeroshot_classification.py), as it is written: per class,
+    the images sorted by score, the precision curve of the true ones' cumulative count, summed at the true ones."""
+    ap = torch.zeros(scores.size(1), dtype=torch.float64)
+    rg = torch.arange(1, scores.size(0) + 1).double()
+    for k in range(scores.size(1)):
+        _, sortind = torch.sort(scores[:, k], 0, True)
+        truth = targets[:, k][sortind]
+        precision = truth.double().cumsum(0).div(rg)
+        ap[k] = precision[truth.bool()].sum() / max(float(truth.sum()), 1)
+    return ap
+
+
+def test_a_clip_benchmark_multilabel_set_is_scored_by_mean_average_precision(demo_dir, tmp_path, capsys):
+    """A multilabel set as CLIP_benchmark's exporter writes VOC2007's (dataset_type.txt ``multilabel``, an ``npy``
+    multi-hot vector a sample): `rayvl eval`'s zero-shot task is CLIP_benchmark's mean average precision over the
+    classes — its loop, in float64, on the image embeddings rayvl saved and the same model's class embeddings —
+    for the template ensemble and one template; an npy that is no array is counted (its image, without a class or
+    a caption, dropped), a class
+    past the names counted and left out of its image's set; the linear probe is skipped saying why; the summary
+    and the table give the mAP; a training run's dry run with the set as held-out data runs zero-shot."""
+    from conftest import untrained_checkpoint
+    from rayvl import assets
+    from rayvl.checkpoints import load_model
+    from rayvl.cli import main
+    from rayvl.eval.embed import ModelEmbedder
+    from rayvl.eval.runner import headline
+    from rayvl.eval.tables import format_eval_table
+
+    root = tmp_path / "wds_shapes_multilabel"
+    vectors = _clip_benchmark_set(demo_dir, root, images=20, multilabel=True)
+    assert {int(v.sum()) for v in vectors} == {1, 2}  # scenes of one shape and of two
+    past = np.zeros(9, np.float32)
+    past[[2, 8]] = 1  # class 8: past the 8 names
+    with tarfile.open(root / "test" / "2.tar", "w") as tar:  # a third shard: keys after the others'
+        webp = (root / "test" / "0.tar")
+        with tarfile.open(webp) as first:
+            image = first.extractfile(first.getmember("s0000000.webp")).read()
+        for key, label in (("s0000100", b"\x93NUMPY cut short"), ("s0000101", _saved(past))):
+            for ext, data in (("webp", image), ("npy", label)):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    (root / "test" / "nshards.txt").write_text("3\n")
+    checkpoint = untrained_checkpoint(demo_dir, tmp_path / "ckpt") / "checkpoint_000000"
+    out = tmp_path / "eval"
+    assert main(["eval", str(checkpoint), "--data", str(root), "--tasks", "zeroshot,linear_probe",
+                 "--out", str(out)]) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    ours = json.loads((out / "eval.json").read_text())
+    zs = ours["zeroshot"]
+    assert (zs["zeroshot_classes"], zs["zeroshot_templates"], zs["zeroshot_multilabel_images"]) == (8, 2, 21)
+    assert zs["zeroshot_unlisted_labels"] == 1 and "zeroshot_top1" not in zs
+    assert ours["skipped"] == {"linear_probe": "a multilabel set (its images' classes from npy members): the linear "
+                                               "probe fits one class an image"}
+    assert (ours["data"]["unreadable_label_vector"], ours["data"]["dropped_missing_caption"]) == (1, 1)
+    assert "zeroshot_mean_average_precision" in printed
+
+    # CLIP_benchmark's numbers from the same embeddings: each class's prompts normalised, averaged, normalised again
+    images = torch.from_numpy(np.load(out / "image_embeddings.npy")).double()
+    assert len(images) == 21  # s0000100: neither a class nor a caption, dropped (and counted)
+    model, _ = load_model(checkpoint)
+    embedder = ModelEmbedder(model, str(assets.text_model_path("minilm-l6")), 16)
+    names = (root / "classnames.txt").read_text().split()
+    templates = ["a photo of a {c}.", "a {c} in {braces}."]
+    prompts = torch.from_numpy(embedder.texts([t.replace("{c}", c) for c in names for t in templates])).double()
+    prompts = torch.nn.functional.normalize(prompts, dim=-1).reshape(8, 2, -1)
+    targets = torch.from_numpy(np.stack([*vectors, past[:8]]))
+    for key, per_class in (("zeroshot_mean_average_precision", prompts.mean(1)),
+                           ("single_template_zeroshot_mean_average_precision", prompts[:, 0])):
+        classifier = torch.nn.functional.normalize(per_class, dim=-1).T
+        reference = 100 * _clip_benchmark_ap(100.0 * images @ classifier, targets).mean().item()
+        assert zs[key] == pytest.approx(reference, abs=1e-9), key
+    assert headline(ours) == {"zeroshot_mean_average_precision": zs["zeroshot_mean_average_precision"], "images": 21}
+    assert "zero-shot mAP (8 classes, several an image)" in format_eval_table(zs)
+
+    assert main(["train", "--dry-run", "--data", str(demo_dir / "train"), "--eval-data", str(root)]) == 0
+    assert "  zeroshot: runs" in capsys.readouterr().out

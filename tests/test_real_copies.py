@@ -91,7 +91,7 @@ def test_shards_of_every_image_format_and_metadata_are_checked_and_trained_with_
     assert "AdamW lr 0.001, betas 0.9/0.98, weight decay 0.1; linear warm-up over 1 steps, cosine decay to 0 at " \
            "step 2" in out
     assert ("evaluation: at the last step only\n"
-            "  zeroshot: skipped: none of the first 32 held-out samples has a class (a `cls` member or JSON field)\n"
+            "  zeroshot: skipped: none of the first 32 held-out samples has a class (a `cls` or `npy` member, a JSON field)\n"
             "  retrieval: runs\n"
             "  paraphrase: skipped: no paraphrase file (data.paraphrases)\n"
             "  sts: skipped: no STS file (data.sts)\n") in out

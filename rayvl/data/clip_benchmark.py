@@ -3,14 +3,17 @@ writes (the ``wds_*`` sets it publishes) — as `rayvl eval --data` takes it, lo
 
     ROOT/classnames.txt                          a class name a line (classification sets)
     ROOT/zeroshot_classification_templates.txt   a template a line, ``{c}`` where the name goes (optional)
-    ROOT/dataset_type.txt                        ``retrieval`` for caption sets (absent: classification)
+    ROOT/dataset_type.txt                        ``retrieval`` for caption sets, ``multilabel`` for sets of
+                                                 several classes an image (absent: classification)
     ROOT/<split>/nshards.txt                     the split's shard count n: its shards are 0.tar … n-1.tar
     ROOT/<split>/<i>.tar                         samples of an image (webp, png, jpg) and a ``cls`` member (the
-                                                 class index) or a ``txt`` (the image's captions, a line each)
+                                                 class index), an ``npy`` (a multilabel set's multi-hot vector of
+                                                 its classes) or a ``txt`` (the image's captions, a line each)
 
 ``ROOT`` is read as its ``test`` split, CLIP_benchmark's default; ``ROOT/<split>`` as that split. The shards are
-then read as any shards are (their samples' ``cls`` members are the labels, rayvl.data.pipeline); the class names
-and templates are the text sets beside them (rayvl.data.prompts.read_class_file).
+then read as any shards are (their samples' ``cls`` members are the labels, a held-out row's ``npy`` its label
+set: rayvl.data.pipeline); the class names and templates are the text sets beside them
+(rayvl.data.prompts.read_class_file).
 """
 from __future__ import annotations
 
@@ -30,14 +33,14 @@ class BenchmarkSet:
     split: str
     shards: str  # the split's shard spec: <root>/<split>/{0..n-1}.tar
     classes: str  # its classnames.txt ('' for a retrieval set, or a classification set without one)
-    kind: str  # "classification" (a class a sample, no caption) or "retrieval" (captions)
+    kind: str  # "classification" (a class a sample, no caption), "multilabel" (classes a sample) or "retrieval"
 
 
 def find(data: str) -> BenchmarkSet | None:
     """The CLIP_benchmark set ``data`` names — its root (the test split) or a split's folder, one with an
     ``nshards.txt`` —, or None when ``data`` is not a folder in that layout (shards, globs, ``pipe:``, other trees):
-    one or two lookups (on object storage, requests). Its ``dataset_type.txt`` may say classification or retrieval;
-    a multilabel set is refused, naming it."""
+    one or two lookups (on object storage, requests). Its ``dataset_type.txt`` may say classification, multilabel
+    or retrieval."""
     if is_pipe(data) or any(c in data for c in GLOB_CHARS + "{,") or data.endswith((*SHARD_SUFFIXES, ".txt")) \
             or "::" in data:
         return None
@@ -64,13 +67,10 @@ def _opened(root: str, split: str) -> BenchmarkSet:
         raise ValueError(f"{count_file}: {n} shards")
     type_file = storage.join(root, TYPE)
     kind = storage.read_text(type_file).strip().lower() if storage.is_file(type_file) else "classification"
-    if kind == "multilabel":
-        raise ValueError(f"{type_file}: multilabel sets (an .npy of labels a sample) are not evaluated by rayvl eval; "
-                         "classification and retrieval sets are")
     names = storage.join(root, CLASSNAMES)
     classes = names if kind != "retrieval" and storage.is_file(names) else ""
     return BenchmarkSet(root, split, storage.join(root, split, f"{{0..{n - 1}}}.tar"), classes,
-                        "retrieval" if kind == "retrieval" else "classification")
+                        kind if kind in ("retrieval", "multilabel") else "classification")
 
 
 def split(found: BenchmarkSet, name: str) -> BenchmarkSet | None:

@@ -8,6 +8,7 @@ the caption itself, the training rows one sample becomes and the columns they ca
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from collections import Counter
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 TRAIN_COLUMNS = ["image", "input_ids", "attention_mask", "label"]
 UNLABELLED = -1  # the label of a row no transform labels: the training loop gives each such row a unique one
 DIGEST = "image_digest"  # a held-out row's: its encoded image's (blake2b, 8 bytes), which retrieval groups rows by
+LABEL_SET = "label_set"  # a held-out row's classes from its npy member, a JSON list ('' for none: _label_set)
 FORMATS = {"jpeg": "jpg"}  # image member extensions counted as another's format
 
 
@@ -96,14 +98,15 @@ def preprocess(batch: dict, counts: Counter, rows: Rows) -> dict:
     passes = np.full(len(ids), batch["cycle"]) if "cycle" in batch else unit_of(np.asarray(ids, dtype=np.int64))[0]
     draws = rows.draws
     none = [None] * len(batch["key"])
-    exts, members = batch.get("img_ext", none), batch.get("cls", none)
-    for key, img, ext, txt, meta, member, row, pass_ in zip(batch["key"], batch["img"], exts, batch["txt"],
-                                                            batch["json"], members, ids, passes):
+    exts, members, vectors = batch.get("img_ext", none), batch.get("cls", none), batch.get("npy", none)
+    for key, img, ext, txt, meta, member, vector, row, pass_ in zip(batch["key"], batch["img"], exts, batch["txt"],
+                                                                    batch["json"], members, vectors, ids, passes):
         info = _meta(meta)
         sample = Sample(key, meta, info, _cls(member, info), row_rng(rows.seed, key, pass_) if draws else None)
         if ext is not None:  # the image members read, by format (jpeg and jpg are one)
             counts[f"format_{FORMATS.get(ext, ext)}"] += 1
-        text, reason = _caption(rows, txt, sample, counts)
+        label_set = "" if rows.train else _label_set(vector, counts)
+        text, reason = _caption(rows, txt, sample, counts, labelled=sample.cls >= 0 or bool(label_set))
         image = None
         if not reason:
             image, reason = _image(img, rows, sample.rng)
@@ -113,12 +116,13 @@ def preprocess(batch: dict, counts: Counter, rows: Rows) -> dict:
         counts["caption_words"] += len(text.split())
         values = _expanded(rows, text, sample, counts)
         kept += bool(values)
-        made += [(image, text, key, sample.cls, row, v, img) for v in values]
+        made += [(image, text, key, sample.cls, row, v, img, label_set) for v in values]
     counts.update({"samples_seen": len(batch["key"]), "samples_kept": kept})
-    images, captions, keys, classes, ids, values, data = (list(c) for c in zip(*made)) if made else ([],) * 7
-    digests = {} if rows.train else {DIGEST: np.array([digest(d) for d in data], dtype=np.int64)}
+    images, captions, keys, classes, ids, values, data, sets = (list(c) for c in zip(*made)) if made else ([],) * 8
+    held_out = {} if rows.train else {DIGEST: np.array([digest(d) for d in data], dtype=np.int64),
+                                      LABEL_SET: np.array(sets, dtype=object)}
     return {**model_inputs(images, captions, keys, rows), "cls": np.array(classes, dtype=np.int64),
-            "row": np.array(ids, dtype=np.int64), **digests,
+            "row": np.array(ids, dtype=np.int64), **held_out,
             **{c: np.array([v.get(c, default) for v in values], dtype=np.int64) for c, default in rows.columns.items()}}
 
 
@@ -167,17 +171,17 @@ def read_columns(decode: str) -> list[str]:
     return image_column_names(decode) + TRAIN_COLUMNS[1:]
 
 
-def _caption(rows: Rows, raw, sample: Sample, counts: Counter) -> tuple[str, str | None]:
+def _caption(rows: Rows, raw, sample: Sample, counts: Counter, labelled: bool) -> tuple[str, str | None]:
     """The caption the row trains on, or ("", the reason it is dropped): the first transform that sources one
-    (else the sample's own text, validated; a held-out sample with a class may have none), then each transform's
-    change to it."""
+    (else the sample's own text, validated; a held-out sample with a class or label set — ``labelled`` — may have
+    none), then each transform's change to it."""
     for t in rows.transforms:
         sourced = t.source(raw, sample)
         if sourced is not None:
             text, reason = sourced
             break
     else:
-        if raw is None and not rows.train and sample.cls >= 0:
+        if raw is None and not rows.train and labelled:
             return "", None  # a held-out image with a class and no caption (a classification set): no caption lines
         text, reason = validate_caption(raw) if rows.train else validate_caption_lines(raw)
     for t in rows.transforms:
@@ -218,6 +222,23 @@ def _meta(meta) -> dict:
 def class_of(sample: dict) -> int:
     """The class of a raw shard sample (its ``cls`` and ``json`` members, tar.COLUMNS) as ``preprocess`` reads it."""
     return _cls(sample.get("cls"), _meta(sample.get("json")))
+
+
+def _label_set(member: bytes | None, counts: Counter) -> str:
+    """A held-out sample's classes from its ``npy`` member — CLIP_benchmark's multilabel shards (VOC2007's) hold a
+    multi-hot vector a sample, saved as webdataset saves an array —: the JSON list of its nonzero entries (``[]``: an
+    image of none of the classes); '' without the member. One that is not a saved vector of numbers is counted
+    (``unreadable_label_vector``) and left unknown, as a ``cls`` that is not an integer is."""
+    if member is None:
+        return ""
+    try:
+        vector = np.load(io.BytesIO(member), allow_pickle=False)
+        if vector.ndim != 1 or not (np.issubdtype(vector.dtype, np.number) or vector.dtype == bool):
+            raise ValueError(f"a {vector.dtype} array of shape {vector.shape}")
+    except (ValueError, OSError, EOFError):
+        counts["unreadable_label_vector"] += 1
+        return ""
+    return json.dumps(np.flatnonzero(vector).tolist())
 
 
 def _cls(member: bytes | None, info: dict) -> int:

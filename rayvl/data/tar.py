@@ -23,10 +23,11 @@ from rayvl.storage import replaced
 IMAGE_EXTENSIONS = ("jpg", "png", "jpeg", "webp")
 """The image members a sample may carry, as webdataset and open_clip read them (``jpg;png;jpeg;webp``; img2dataset
 writes jpg, png or webp by its ``--encode_format``), in any case; of several, the first in this order."""
-COLUMNS = ("key", "img", "img_ext", "txt", "json", "cls")
+COLUMNS = ("key", "img", "img_ext", "txt", "json", "cls", "npy")
 """``img``: the bytes of the sample's image member, whichever its extension; ``img_ext``: that extension, lower
-case; ``txt``, ``json``, ``cls``: those members' bytes (``cls``: the class index as text, as webdataset writes it
-for CLIP_benchmark's classification shards). Every value is None where the sample has no such member."""
+case; ``txt``, ``json``, ``cls``, ``npy``: those members' bytes (``cls``: the class index as text, as webdataset
+writes it for CLIP_benchmark's classification shards; ``npy``: a saved numpy array, its multilabel shards' multi-hot
+vector of classes). Every value is None where the sample has no such member."""
 
 
 # what reading a damaged tar stream raises (a cut or bad member, a broken gzip): the caller keeps what it read

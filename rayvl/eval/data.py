@@ -21,7 +21,7 @@ import ray
 from rayvl.data import fashion_mnist
 from rayvl.data.images import decode_and_crop
 from rayvl.data.prompts import DEFAULT_TEMPLATES, read_class_file, templates
-from rayvl.data.pipeline import DIGEST, Rows, image_column_names
+from rayvl.data.pipeline import DIGEST, LABEL_SET, Rows, image_column_names
 from rayvl.data.shard_read import readers_per_shard
 from rayvl.data.shards import Reading, read_shards
 from rayvl.data.specs import resolve_shards
@@ -40,6 +40,9 @@ class EvalData:
     images: np.ndarray | ray.data.Dataset | local_read.Batches
     size: int
     labels: np.ndarray  # class id per image (-1 unknown)
+    # a multilabel set's (CLIP_benchmark's npy members): each image's class ids, None where unknown; empty: no image
+    # has a label set (a set of one class an image, or none)
+    label_sets: list[list[int] | None] = field(default_factory=list)
     classes: list[str] = field(default_factory=list)
     templates: list[str] = field(default_factory=list)
     captions: list[str] = field(default_factory=list)
@@ -63,8 +66,8 @@ class EvalData:
         return out
 
     def with_rows(self, rows: dict) -> "EvalData":
-        """The set whose rows, in order, are ``rows``: shards' (key, caption, cls and image digest columns: one
-        label per sample, in key order), or an image set's read as a stream (index and cls). Retrieval's captions
+        """The set whose rows, in order, are ``rows``: shards' (key, caption, cls, image digest and label set
+        columns: one label per sample, in key order), or an image set's read as a stream (index and cls). Retrieval's captions
         are the lines of each row's caption, and its gallery the distinct images: rows of one digest — one photo
         under several keys, as COCO-style shards hold an image's captions — are one image, whose captions are all
         theirs (CLIP_benchmark's: a query is right when any of its image's captions, or its image, is in the top k)."""
@@ -78,9 +81,20 @@ class EvalData:
         position[order] = np.arange(len(first))
         lines = [str(c).split("\n") if c else [] for c in rows["caption"]]  # none: a classification set's image
         caption_to_image = np.repeat(position[image_of_row.reshape(-1)], [len(x) for x in lines])
+        sets = [json.loads(s) if s else None for s in rows[LABEL_SET]] if LABEL_SET in rows else []
         return replace(self, size=n, labels=np.asarray(rows["cls"], np.int64),
+                       label_sets=sets if any(s is not None for s in sets) else [],
                        captions=[line for x in lines for line in x], caption_to_image=caption_to_image,
                        gallery=first[order], keys=[str(k) for k in rows["key"]])
+
+    @property
+    def multilabel(self) -> bool:
+        """Whether the images carry label sets (several classes each) rather than one class id."""
+        return bool(self.label_sets)
+
+    def labelled(self) -> bool:
+        """Whether any image has a known class (or label set)."""
+        return self.multilabel or bool((self.labels >= 0).any())
 
     def retrieval_images(self) -> np.ndarray:
         """The rows of retrieval's gallery (every row where no digests grouped them)."""
@@ -120,13 +134,13 @@ def detect_kind(spec: str) -> str:
 
 def from_batches(batches: list[dict]) -> EvalData:
     """In memory, from numpy batches of preprocessed shard rows (key, caption, image, cls), in key order."""
-    cols = {c: np.concatenate([b[c] for b in batches]) for c in ("key", "caption", "image", "cls", DIGEST)
+    cols = {c: np.concatenate([b[c] for b in batches]) for c in ("key", "caption", "image", "cls", DIGEST, LABEL_SET)
             if c in batches[0]}
     order = np.argsort(cols["key"].astype(str), kind="stable")
     return EvalData(cols["image"][order], 0, np.zeros(0, np.int64)).with_rows({c: cols[c][order] for c in cols})
 
 
-SHARD_COLUMNS = ["key", "caption", "cls", DIGEST]  # and the image's (pipeline.image_column_names)
+SHARD_COLUMNS = ["key", "caption", "cls", DIGEST, LABEL_SET]  # and the image's (pipeline.image_column_names)
 
 
 def load_shards(spec: str, image_size: int, tokenizer_path: str, max_tokens: int, read_cpus: float,

@@ -248,6 +248,7 @@ def set_names(data: list[str]) -> list[str]:
 
 # a set's headline numbers (summary.json, the printed summary): CLIP_benchmark's main metric of each task
 HEADLINE = (("zero-shot top-1", "zeroshot", "zeroshot_top1"), ("zero-shot top-5", "zeroshot", "zeroshot_top5"),
+            ("zero-shot mAP", "zeroshot", "zeroshot_mean_average_precision"),
             ("image→text R@5", "retrieval", "i2t_R@5"), ("text→image R@5", "retrieval", "t2i_R@5"),
             ("linear probe top-1", "linear_probe", "linear_probe_top1"), ("images", "embedding", "images"))
 

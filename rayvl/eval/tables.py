@@ -14,6 +14,9 @@ def format_eval_table(metrics: dict) -> str:
             rows.append(("zero-shot top-5", f"{metrics['zeroshot_top5']:.1f}", f"{min(100, 500 / n):.1f}"))
         rows.append(("zero-shot mean per-class recall", f"{metrics['zeroshot_mean_per_class_recall']:.1f}",
                      f"{metrics['zeroshot_chance_top1']:.1f}"))
+    if "zeroshot_mean_average_precision" in metrics:  # a multilabel set's (no chance level stated)
+        rows.append((f"zero-shot mAP ({metrics.get('zeroshot_classes', 0)} classes, several an image)",
+                     f"{metrics['zeroshot_mean_average_precision']:.1f}", "-"))
     for direction, label in (("i2t", "image→text"), ("t2i", "text→image")):
         for k in (1, 5, 10):
             key = f"{direction}_R@{k}"

@@ -21,7 +21,7 @@ from rayvl.eval.linear_probe import split_indices
 from rayvl.eval.paraphrase import expand_queries, paraphrase_metrics
 from rayvl.eval.retrieval import retrieval_metrics
 from rayvl.eval.sts import sts_metrics
-from rayvl.eval.zeroshot import class_embeddings, zeroshot_metrics
+from rayvl.eval.zeroshot import class_embeddings, multilabel_metrics, zeroshot_metrics
 
 # the tasks training runs (config.EVAL_TASKS) and the linear probe, which fits a classifier: `rayvl eval` only
 TASKS = (*EVAL_TASKS, "linear_probe")
@@ -65,7 +65,7 @@ def evaluate(tasks, data: EvalData, embedder: Embedder, k: int = 10,
         start = time.perf_counter()
         try:
             metrics = _RUN[task](data, embeddings, embedder, k)
-        except NotProbed as e:  # the set's train split cannot be probed as asked: skipped, saying why
+        except NotProbed as e:  # the set cannot be probed as asked (its train split or labels): skipped
             log.warning(f"eval: linear_probe skipped: {e}")
             metrics, reasons[task] = None, str(e)
         if metrics is not None:
@@ -106,6 +106,8 @@ def zeroshot(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | No
     prompts = zeroshot_texts(data)
     if not prompts:
         return None
+    if data.multilabel:
+        return zeroshot_multilabel(data, emb, embedder.texts(prompts))
     known = (data.labels >= 0) & (data.labels < len(data.classes))
     # a class id past the class list (a class file not the set's): those images are left out and counted
     unlisted = int((data.labels >= len(data.classes)).sum())
@@ -126,9 +128,37 @@ def zeroshot(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | No
     return out
 
 
+def zeroshot_multilabel(data: EvalData, emb: dict, prompts: np.ndarray) -> dict | None:
+    """A multilabel set's zero-shot score: mean average precision over its classes (CLIP_benchmark's), for the
+    template ensemble and for one template alone, over the images whose label set is known; a class id past the
+    class list is left out of its image's set and counted."""
+    known = [i for i, s in enumerate(data.label_sets) if s is not None]
+    if not known:
+        return None
+    targets = np.zeros((len(known), len(data.classes)), np.float64)
+    unlisted = 0
+    for row, i in enumerate(known):
+        ids = np.asarray(data.label_sets[i], np.int64)
+        unlisted += int((ids >= len(data.classes)).sum())
+        targets[row, ids[ids < len(data.classes)]] = 1.0
+    per_template = prompts.reshape(len(data.classes), len(data.templates), -1)
+    images = emb["image"][known]
+    out = multilabel_metrics(images, targets, class_embeddings(per_template))
+    one = data.templates.index(SINGLE_TEMPLATE) if SINGLE_TEMPLATE in data.templates else 0
+    single = multilabel_metrics(images, targets, class_embeddings(per_template[:, one:one + 1]))
+    out.update({f"single_template_{name}": v for name, v in single.items()})
+    out.update(zeroshot_classes=len(data.classes), zeroshot_templates=len(data.templates),
+               zeroshot_multilabel_images=len(known))
+    if unlisted:
+        log.warning(f"eval: zeroshot: {unlisted} class ids of the images' label sets are ≥ the {len(data.classes)} "
+                    f"names of the class list; they are left out of the zero-shot metrics")
+        out["zeroshot_unlisted_labels"] = unlisted
+    return out
+
+
 def zeroshot_texts(data: EvalData) -> list[str]:
     """Every class name in every template (none when no image has a known class)."""
-    if not data.classes or not (data.labels >= 0).any():
+    if not data.classes or not data.labelled():
         return []
     return [t.format(c) for c in data.classes for t in data.templates]
 
@@ -186,7 +216,11 @@ def sts(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | None:
 
 def linear_probe(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | None:
     """CLIP_benchmark's probe, trained on the set's train split, where the set brings one (``data.probe``); else
-    CLIP's logistic regression on a split of the set's own labelled images."""
+    CLIP's logistic regression on a split of the set's own labelled images. A multilabel set is not probed
+    (CLIP_benchmark's probe is single-label)."""
+    if data.multilabel:
+        raise NotProbed("a multilabel set (its images' classes from npy members): the linear probe fits one class "
+                        "an image")
     known = np.flatnonzero(data.labels >= 0)
     if data.probe is not None:
         return clip_benchmark_probe(data.probe, emb["image"][known], data.labels[known]) if len(known) else None

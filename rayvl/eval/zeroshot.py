@@ -24,3 +24,21 @@ def zeroshot_metrics(image_emb: torch.Tensor, labels: torch.Tensor, class_emb: t
     recalls = [hit1[labels == c].float().mean().item() for c in labels.unique()]
     out["zeroshot_mean_per_class_recall"] = 100.0 * sum(recalls) / len(recalls)
     return out
+
+
+def average_precision(scores: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """[N, C] scores and [N, C] 0/1 targets → [C] average precisions: each class's images ranked by its score, the
+    precision at the rank of each of its positives averaged over them, 0 for a class without one — CLIP_benchmark's
+    multilabel metric (its ``average_precision_per_class``, torchnet's APMeter). In float64; tied scores keep the
+    images' order (CLIP_benchmark's ``torch.sort`` leaves ties in no fixed order)."""
+    order = np.argsort(-np.asarray(scores, np.float64), axis=0, kind="stable")
+    truth = np.take_along_axis(np.asarray(targets, np.float64), order, axis=0)
+    precision = truth.cumsum(0) / np.arange(1, len(truth) + 1, dtype=np.float64)[:, None]
+    return (precision * truth).sum(0) / np.maximum(truth.sum(0), 1.0)
+
+
+def multilabel_metrics(image_emb: np.ndarray, targets: np.ndarray, class_emb: np.ndarray) -> dict:
+    """Mean average precision over the classes, in percent: a multilabel set's zero-shot score (CLIP_benchmark's
+    ``mean_average_precision``), the images ranked for each class by their similarity to its embedding."""
+    scores = np.asarray(image_emb, np.float64) @ np.asarray(class_emb, np.float64).T
+    return {"zeroshot_mean_average_precision": 100.0 * float(average_precision(scores, targets).mean())}

@@ -61,8 +61,8 @@ def data_part(cfg, train: str, evalset: str) -> TonicsData | None:
         benchmark = clip_benchmark.find(cfg.data.eval) if cfg.data.eval else None
     except ValueError as e:
         raise ConfigError(f"data.eval: {e}") from None
-    if benchmark is not None and benchmark.kind == "classification":
-        raise ConfigError(f"data.eval: {cfg.data.eval} is a CLIP_benchmark classification set (no captions); the "
+    if benchmark is not None and benchmark.kind != "retrieval":
+        raise ConfigError(f"data.eval: {cfg.data.eval} is a CLIP_benchmark {benchmark.kind} set (no captions); the "
                           f"TOnICS curriculum refresh ranks held-out captions: give captioned held-out shards")
     try:
         assets.require_wordnet()  # a Debian asset a cluster fetches only when asked (cluster.yaml)
