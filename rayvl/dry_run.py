@@ -9,12 +9,14 @@ import math
 from collections import Counter
 from itertools import islice
 
+import numpy as np
+
 from rayvl import plugins, storage
 from rayvl.assets import VISION_ASSETS
 from rayvl.config import ConfigError, RayvlConfig, precision
 from rayvl.data.images import decode
 from rayvl.data.mix import Mix
-from rayvl.data.pipeline import class_of
+from rayvl.data.pipeline import class_of, label_vector
 from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
 from rayvl.data.shards import samples_per_pass
 from rayvl.data.specs import SpecCheck, checked
@@ -42,11 +44,16 @@ IMAGE_DROPS = ("dropped_missing_image", "dropped_corrupt_image")  # the data rep
 def describe_sample(sample: dict, held_out: bool = False) -> tuple[str, str | None]:
     """(a line describing the sample, the reason it would be dropped or None): an image reason before a caption
     reason (a method may source the caption elsewhere; nothing sources the image). A ``held_out`` sample with a
-    class needs no caption (rayvl.data.pipeline)."""
+    class, or a multi-hot vector of classes (a multilabel set's ``npy``: the line does not check it is one), needs
+    no caption (rayvl.data.pipeline)."""
     text, reason = validate_caption(sample.get("txt"))
-    cls = class_of(sample) if held_out and sample.get("txt") is None else -1
+    uncaptioned = held_out and sample.get("txt") is None
+    cls = class_of(sample) if uncaptioned else -1
+    vector = label_vector(sample.get("npy")) if uncaptioned and cls < 0 else None
     if cls >= 0:
         text, reason = f"class {cls}, no caption", None
+    elif vector is not None:
+        text, reason = f"classes {np.flatnonzero(vector).tolist()}, no caption", None
     image = decode(sample["img"]) if sample.get("img") is not None else None
     if sample.get("img") is None:
         reason = "dropped_missing_image"
@@ -272,7 +279,7 @@ def evaluation_lines(cfg: RayvlConfig, held_out: SpecCheck | None, read: dict, c
     if d.train and held_out is None:
         return ["evaluation: none — no held-out shards (data.eval, --eval-data)"]
     samples = read[held_out.paths[0]] if held_out is not None else []
-    labelled = sum(class_of(x) >= 0 or x.get("npy") is not None for x in samples)  # a class, or a multilabel set's
+    labelled = sum(class_of(x) >= 0 or label_vector(x.get("npy")) is not None for x in samples)
     captioned = sum(x.get("txt") is not None for x in samples)
     demo = not d.train  # the demo's held-out split and files
     skipped = {

@@ -198,29 +198,39 @@ def test_a_cls_member_is_the_class_and_a_held_out_sample_with_one_needs_no_capti
     from collections import Counter
 
     from rayvl import assets
-    from rayvl.data.pipeline import Rows, class_of, preprocess
+    from rayvl.data.pipeline import Rows, class_of, label_vector, preprocess
     from rayvl.eval.data import from_batches
 
     with tarfile.open(demo_dir / "eval" / "00000.tar") as src:
         jpg = next(src.extractfile(m).read() for m in src if m.name.endswith(".jpg"))
     assert class_of({"cls": b"7", "json": b'{"cls": 3}'}) == 7 and class_of({"json": b'{"cls": 3}'}) == 3
     assert class_of({"cls": b"seven"}) == -1 and class_of({}) == -1
-    # a multilabel set's npy member (a multi-hot vector, as webdataset saves an array): a held-out row's label set
-    vector = io.BytesIO()
-    np.save(vector, np.array([0, 1, 0, 1], np.float32))
-    batch = {"key": ["a", "b", "c"], "img": [jpg] * 3, "img_ext": ["jpg"] * 3, "txt": [None, None, b"a cat"],
-             "json": [None, None, b'{"cls": 1}'], "cls": [b"4", None, None],
-             "npy": [vector.getvalue(), None, b"\x93NUMPY, but cut"]}
-    for train, kept, dropped in ((False, ["a", "c"], 1), (True, ["c"], 2)):
+    # a multilabel set's npy member (a multi-hot vector, as webdataset saves an array): in a set of 4 classes
+    # (Rows.label_vectors), a held-out row's label set; anything else that member may hold is no label
+    assert label_vector(_saved(np.array([True, False]))).tolist() == [1, 0]
+    for other in (np.array([1, -1, 0]), np.ones((2, 2)), np.array(["1", "0"]), np.array([0.5, 1.0])):
+        assert label_vector(_saved(other)) is None, other  # VOC's devkit marks (-1/0/1), a matrix, text, scores
+    npz = io.BytesIO()
+    np.savez(npz, labels=np.array([0, 1]))
+    assert label_vector(npz.getvalue()) is None and label_vector(b"\x93NUMPY, but cut") is None
+    batch = {"key": ["a", "b", "c", "d"], "img": [jpg] * 4, "img_ext": ["jpg"] * 4,
+             "txt": [None, None, b"a cat", None], "json": [None, None, b'{"cls": 1}', None],
+             "cls": [b"4", None, None, None],
+             "npy": [_saved(np.array([0, 1, 0, 1], np.float32)), None, b"\x93NUMPY, but cut", _saved(np.zeros(5))]}
+    tokenizer = str(assets.text_model_path("minilm-l6"))
+    for train, vectors, kept, dropped in ((False, 4, ["a", "c"], 2), (False, 0, ["a", "c"], 2),
+                                          (True, 4, ["c"], 3)):
         counts: Counter = Counter()
-        out = preprocess(batch, counts, Rows(16, 0.6, train, str(assets.text_model_path("minilm-l6")), 8))
+        out = preprocess(batch, counts, Rows(16, 0.6, train, tokenizer, 8, label_vectors=vectors))
         assert list(out["key"]) == kept and counts["dropped_missing_caption"] == dropped, train
         assert list(out["cls"]) == ([4, 1] if not train else [1]) and counts["samples_kept"] == len(kept)
-        if not train:  # an npy that is no saved array: counted, its image's label set unknown
-            assert list(out["label_set"]) == ["[1, 3]", ""] and counts["unreadable_label_vector"] == 1
+        if not train and vectors:  # no saved array, 5 entries of 4 classes: counted, that label set unknown
+            assert list(out["label_set"]) == ["[1, 3]", ""] and counts["unreadable_label_vector"] == 2
             held_out = from_batches([out])  # as a training run's evaluation reads its rows
             assert held_out.multilabel and held_out.label_sets == [[1, 3], None] and held_out.labelled()
-    assert list(out["caption"]) == ["a cat"] and "label_set" not in out  # training rows carry none
+        else:  # training rows, and the held-out rows of any other set, carry none
+            assert "label_set" not in out and "unreadable_label_vector" not in counts
+    assert list(out["caption"]) == ["a cat"]
 
 
 def _clip_benchmark_set(demo_dir, root, images: int = 24, retrieval: bool = False, train: int = 0,
@@ -386,12 +396,13 @@ def test_a_clip_benchmark_set_is_read_as_clip_benchmark_reads_it(demo_dir, tmp_p
 
 
 def _clip_benchmark_ap(scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """CLIP_benchmark's ``average_precision_per_class`` (zeroshot_classification.py), as it is written: per class,
-    the images sorted by score, the precision curve of the true ones' cumulative count, summed at the true ones."""
+    """CLIP_benchmark's ``average_precision_per_class`` (zeroshot_classification.py), as it is written but for a
+    stable sort: per class, the images sorted by score, the precision curve of the true ones' cumulative count,
+    summed at the true ones."""
     ap = torch.zeros(scores.size(1), dtype=torch.float64)
     rg = torch.arange(1, scores.size(0) + 1).double()
     for k in range(scores.size(1)):
-        _, sortind = torch.sort(scores[:, k], 0, True)
+        _, sortind = torch.sort(scores[:, k], stable=True, dim=0, descending=True)
         truth = targets[:, k][sortind]
         precision = truth.double().cumsum(0).div(rg)
         ap[k] = precision[truth.bool()].sum() / max(float(truth.sum()), 1)
@@ -402,10 +413,10 @@ def test_a_clip_benchmark_multilabel_set_is_scored_by_mean_average_precision(dem
     """A multilabel set as CLIP_benchmark's exporter writes VOC2007's (dataset_type.txt ``multilabel``, an ``npy``
     multi-hot vector a sample): `rayvl eval`'s zero-shot task is CLIP_benchmark's mean average precision over the
     classes — its loop, in float64, on the image embeddings rayvl saved and the same model's class embeddings —
-    for the template ensemble and one template; an npy that is no array is counted (its image, without a class or
-    a caption, dropped), a class
-    past the names counted and left out of its image's set; the linear probe is skipped saying why; the summary
-    and the table give the mAP; a training run's dry run with the set as held-out data runs zero-shot."""
+    for the template ensemble and one template; an npy that is no multi-hot vector of the 8 classes is counted (its
+    image, without a class or a caption, dropped); the linear probe is skipped saying why; the summary and the
+    table give the mAP; a training run's dry run with the set as held-out data runs zero-shot; a multilabel set
+    without class names is refused."""
     from conftest import untrained_checkpoint
     from rayvl import assets
     from rayvl.checkpoints import load_model
@@ -417,13 +428,11 @@ def test_a_clip_benchmark_multilabel_set_is_scored_by_mean_average_precision(dem
     root = tmp_path / "wds_shapes_multilabel"
     vectors = _clip_benchmark_set(demo_dir, root, images=20, multilabel=True)
     assert {int(v.sum()) for v in vectors} == {1, 2}  # scenes of one shape and of two
-    past = np.zeros(9, np.float32)
-    past[[2, 8]] = 1  # class 8: past the 8 names
     with tarfile.open(root / "test" / "2.tar", "w") as tar:  # a third shard: keys after the others'
-        webp = (root / "test" / "0.tar")
-        with tarfile.open(webp) as first:
+        with tarfile.open(root / "test" / "0.tar") as first:
             image = first.extractfile(first.getmember("s0000000.webp")).read()
-        for key, label in (("s0000100", b"\x93NUMPY cut short"), ("s0000101", _saved(past))):
+        for key, label in (("s0000100", b"\x93NUMPY cut short"), ("s0000101", _saved(np.ones(9, np.float32))),
+                           ("s0000102", _saved(np.array([1, -1, -1, -1, -1, -1, -1, -1], np.float32)))):
             for ext, data in (("webp", image), ("npy", label)):
                 info = tarfile.TarInfo(f"{key}.{ext}")
                 info.size = len(data)
@@ -436,30 +445,34 @@ def test_a_clip_benchmark_multilabel_set_is_scored_by_mean_average_precision(dem
     printed = capsys.readouterr().out
     ours = json.loads((out / "eval.json").read_text())
     zs = ours["zeroshot"]
-    assert (zs["zeroshot_classes"], zs["zeroshot_templates"], zs["zeroshot_multilabel_images"]) == (8, 2, 21)
-    assert zs["zeroshot_unlisted_labels"] == 1 and "zeroshot_top1" not in zs
+    assert (zs["zeroshot_classes"], zs["zeroshot_templates"], zs["zeroshot_multilabel_images"]) == (8, 2, 20)
+    assert "zeroshot_top1" not in zs
     assert ours["skipped"] == {"linear_probe": "a multilabel set (its images' classes from npy members): the linear "
                                                "probe fits one class an image"}
-    assert (ours["data"]["unreadable_label_vector"], ours["data"]["dropped_missing_caption"]) == (1, 1)
+    assert (ours["data"]["unreadable_label_vector"], ours["data"]["dropped_missing_caption"]) == (3, 3)
     assert "zeroshot_mean_average_precision" in printed
 
     # CLIP_benchmark's numbers from the same embeddings: each class's prompts normalised, averaged, normalised again
     images = torch.from_numpy(np.load(out / "image_embeddings.npy")).double()
-    assert len(images) == 21  # s0000100: neither a class nor a caption, dropped (and counted)
+    assert len(images) == 20  # s00001xx: neither a class nor a caption, dropped (and counted)
     model, _ = load_model(checkpoint)
     embedder = ModelEmbedder(model, str(assets.text_model_path("minilm-l6")), 16)
     names = (root / "classnames.txt").read_text().split()
     templates = ["a photo of a {c}.", "a {c} in {braces}."]
     prompts = torch.from_numpy(embedder.texts([t.replace("{c}", c) for c in names for t in templates])).double()
     prompts = torch.nn.functional.normalize(prompts, dim=-1).reshape(8, 2, -1)
-    targets = torch.from_numpy(np.stack([*vectors, past[:8]]))
+    targets = torch.from_numpy(np.stack(vectors))
     for key, per_class in (("zeroshot_mean_average_precision", prompts.mean(1)),
                            ("single_template_zeroshot_mean_average_precision", prompts[:, 0])):
         classifier = torch.nn.functional.normalize(per_class, dim=-1).T
         reference = 100 * _clip_benchmark_ap(100.0 * images @ classifier, targets).mean().item()
         assert zs[key] == pytest.approx(reference, abs=1e-9), key
-    assert headline(ours) == {"zeroshot_mean_average_precision": zs["zeroshot_mean_average_precision"], "images": 21}
+    assert headline(ours) == {"zeroshot_mean_average_precision": zs["zeroshot_mean_average_precision"], "images": 20}
     assert "zero-shot mAP (8 classes, several an image)" in format_eval_table(zs)
 
     assert main(["train", "--dry-run", "--data", str(demo_dir / "train"), "--eval-data", str(root)]) == 0
-    assert "  zeroshot: runs" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "  zeroshot: runs" in printed and f"{root}/test/0.tar: s0000000: 112×112 webp, 'classes [" in printed
+    (root / "classnames.txt").unlink()
+    assert main(["eval", str(checkpoint), "--data", str(root)]) == 2
+    assert f"{root}: a multilabel set without classnames.txt" in capsys.readouterr().err

@@ -73,6 +73,19 @@ def _opened(root: str, split: str) -> BenchmarkSet:
                         kind if kind in ("retrieval", "multilabel") else "classification")
 
 
+def label_vectors(found: BenchmarkSet | None, classes_file: str) -> int:
+    """A multilabel set's class count — how many entries each sample's npy vector has (pipeline.Rows.label_vectors)
+    —, from the class list it is evaluated with; 0 for any other set. A multilabel set needs one."""
+    if found is None or found.kind != "multilabel":
+        return 0
+    if not classes_file:
+        raise ValueError(f"{found.root}: a multilabel set without {CLASSNAMES}: its samples' vectors of classes need "
+                         "the class names (--classes, data.classes)")
+    from rayvl.data.prompts import read_class_file
+
+    return len(read_class_file(classes_file)[0])
+
+
 def split(found: BenchmarkSet, name: str) -> BenchmarkSet | None:
     """The same set's split ``name`` (its linear probe's train split: CLIP_benchmark's ``--train_split``), or None
     where the set has none."""

@@ -58,14 +58,20 @@ class Rows:
     """where images are decoded: "cpu" here, into ``image``; "device" where they are used — a JPEG the device
     takes kept encoded with its crop box, in ``image_bytes`` and ``image_box`` (data/encoded_jpegs.py,
     rayvl/device_decode.py)."""
+    label_vectors: int = 0
+    """a multilabel set's class count (CLIP_benchmark's ``dataset_type.txt`` says ``multilabel``): a held-out
+    sample's ``npy`` member is its multi-hot vector of that many classes, its row's ``label_set``; 0: no set of
+    that kind, npy members are not labels."""
 
     @classmethod
-    def of(cls, cfg: RayvlConfig, train: bool, transforms: tuple[RowTransform, ...] = ()) -> Rows:
-        """The rows ``cfg``'s data settings make, with ``transforms``."""
+    def of(cls, cfg: RayvlConfig, train: bool, transforms: tuple[RowTransform, ...] = (),
+           label_vectors: int = 0) -> Rows:
+        """The rows ``cfg``'s data settings make, with ``transforms`` (``label_vectors``: Rows.label_vectors)."""
         d = cfg.data
         # the held-out rows of a training run are embedded by ModelEmbedder, which takes decoded images
         return cls(d.image_size, d.crop_scale_min, train, str(assets.text_model_path(cfg.model.text)),
-                   d.max_text_tokens, cfg.train.seed, tuple(transforms), d.decode if train else "cpu")
+                   d.max_text_tokens, cfg.train.seed, tuple(transforms), d.decode if train else "cpu",
+                   0 if train else label_vectors)
 
     @property
     def columns(self) -> dict[str, int]:
@@ -97,6 +103,7 @@ def preprocess(batch: dict, counts: Counter, rows: Rows) -> dict:
     # a row's draws follow its shard's read (its cycle, data/mix.py: the pass, unless its source is upsampled)
     passes = np.full(len(ids), batch["cycle"]) if "cycle" in batch else unit_of(np.asarray(ids, dtype=np.int64))[0]
     draws = rows.draws
+    vector_classes = 0 if rows.train else rows.label_vectors  # a multilabel held-out set's: npy members are labels
     none = [None] * len(batch["key"])
     exts, members, vectors = batch.get("img_ext", none), batch.get("cls", none), batch.get("npy", none)
     for key, img, ext, txt, meta, member, vector, row, pass_ in zip(batch["key"], batch["img"], exts, batch["txt"],
@@ -105,7 +112,7 @@ def preprocess(batch: dict, counts: Counter, rows: Rows) -> dict:
         sample = Sample(key, meta, info, _cls(member, info), row_rng(rows.seed, key, pass_) if draws else None)
         if ext is not None:  # the image members read, by format (jpeg and jpg are one)
             counts[f"format_{FORMATS.get(ext, ext)}"] += 1
-        label_set = "" if rows.train else _label_set(vector, counts)
+        label_set = _label_set(vector, vector_classes, counts) if vector_classes else ""
         text, reason = _caption(rows, txt, sample, counts, labelled=sample.cls >= 0 or bool(label_set))
         image = None
         if not reason:
@@ -119,8 +126,9 @@ def preprocess(batch: dict, counts: Counter, rows: Rows) -> dict:
         made += [(image, text, key, sample.cls, row, v, img, label_set) for v in values]
     counts.update({"samples_seen": len(batch["key"]), "samples_kept": kept})
     images, captions, keys, classes, ids, values, data, sets = (list(c) for c in zip(*made)) if made else ([],) * 8
-    held_out = {} if rows.train else {DIGEST: np.array([digest(d) for d in data], dtype=np.int64),
-                                      LABEL_SET: np.array(sets, dtype=object)}
+    held_out = {} if rows.train else {DIGEST: np.array([digest(d) for d in data], dtype=np.int64)}
+    if vector_classes:
+        held_out[LABEL_SET] = np.array(sets, dtype=object)
     return {**model_inputs(images, captions, keys, rows), "cls": np.array(classes, dtype=np.int64),
             "row": np.array(ids, dtype=np.int64), **held_out,
             **{c: np.array([v.get(c, default) for v in values], dtype=np.int64) for c, default in rows.columns.items()}}
@@ -224,18 +232,30 @@ def class_of(sample: dict) -> int:
     return _cls(sample.get("cls"), _meta(sample.get("json")))
 
 
-def _label_set(member: bytes | None, counts: Counter) -> str:
-    """A held-out sample's classes from its ``npy`` member — CLIP_benchmark's multilabel shards (VOC2007's) hold a
-    multi-hot vector a sample, saved as webdataset saves an array —: the JSON list of its nonzero entries (``[]``: an
-    image of none of the classes); '' without the member. One that is not a saved vector of numbers is counted
-    (``unreadable_label_vector``) and left unknown, as a ``cls`` that is not an integer is."""
+def label_vector(member: bytes | None) -> np.ndarray | None:
+    """The multi-hot vector an ``npy`` member holds — CLIP_benchmark's multilabel shards (VOC2007's) save one a
+    sample as webdataset saves an array: 1-D, every entry 0 or 1 —, or None for a member that is none."""
     if member is None:
-        return ""
+        return None
     try:
         vector = np.load(io.BytesIO(member), allow_pickle=False)
-        if vector.ndim != 1 or not (np.issubdtype(vector.dtype, np.number) or vector.dtype == bool):
-            raise ValueError(f"a {vector.dtype} array of shape {vector.shape}")
     except (ValueError, OSError, EOFError):
+        return None
+    if not isinstance(vector, np.ndarray) or vector.ndim != 1 or vector.dtype.kind not in "biuf" \
+            or not np.isin(vector, (0, 1)).all():  # an .npz, a matrix, text; VOC's devkit's -1/0/1 marks
+        return None
+    return vector
+
+
+def _label_set(member: bytes | None, classes: int, counts: Counter) -> str:
+    """A held-out sample's classes (the JSON list of its vector's ones; ``[]``: an image of none of them) in a
+    multilabel set of ``classes`` classes, '' without an ``npy`` member. A member that is no multi-hot vector of
+    ``classes`` entries is counted (``unreadable_label_vector``) and its image's classes left unknown, as a ``cls``
+    that is not an integer is."""
+    if member is None:
+        return ""
+    vector = label_vector(member)
+    if vector is None or len(vector) != classes:
         counts["unreadable_label_vector"] += 1
         return ""
     return json.dumps(np.flatnonzero(vector).tolist())

@@ -40,9 +40,6 @@ class EvalData:
     images: np.ndarray | ray.data.Dataset | local_read.Batches
     size: int
     labels: np.ndarray  # class id per image (-1 unknown)
-    # a multilabel set's (CLIP_benchmark's npy members): each image's class ids, None where unknown; empty: no image
-    # has a label set (a set of one class an image, or none)
-    label_sets: list[list[int] | None] = field(default_factory=list)
     classes: list[str] = field(default_factory=list)
     templates: list[str] = field(default_factory=list)
     captions: list[str] = field(default_factory=list)
@@ -53,6 +50,9 @@ class EvalData:
     paraphrases: list[dict] = field(default_factory=list)  # {caption, paraphrase[, expansions]}
     sts: tuple[list[str], list[str], np.ndarray] | None = None  # (sentences 1, sentences 2, gold scores)
     probe: ProbeTrain | None = None  # a train split for the linear probe (CLIP_benchmark's protocol)
+    # a multilabel set's (CLIP_benchmark's npy members): each image's class ids, None where unknown; empty: no image
+    # has a label set (a set of one class an image, or none)
+    label_sets: list[list[int] | None] = field(default_factory=list)
 
     def with_text_sets(self, classes: str = "", paraphrases: str = "", sts: str = "") -> "EvalData":
         """The same images with the class list, paraphrase pairs and STS pairs of these files ('' = keep)."""
@@ -66,8 +66,8 @@ class EvalData:
         return out
 
     def with_rows(self, rows: dict) -> "EvalData":
-        """The set whose rows, in order, are ``rows``: shards' (key, caption, cls, image digest and label set
-        columns: one label per sample, in key order), or an image set's read as a stream (index and cls). Retrieval's captions
+        """The set whose rows, in order, are ``rows``: shards' (key, caption, cls, image digest[, label set]:
+        one label per sample, in key order), or an image set's read as a stream (index and cls). Retrieval's captions
         are the lines of each row's caption, and its gallery the distinct images: rows of one digest — one photo
         under several keys, as COCO-style shards hold an image's captions — are one image, whose captions are all
         theirs (CLIP_benchmark's: a query is right when any of its image's captions, or its image, is in the top k)."""
@@ -140,35 +140,40 @@ def from_batches(batches: list[dict]) -> EvalData:
     return EvalData(cols["image"][order], 0, np.zeros(0, np.int64)).with_rows({c: cols[c][order] for c in cols})
 
 
-SHARD_COLUMNS = ["key", "caption", "cls", DIGEST, LABEL_SET]  # and the image's (pipeline.image_column_names)
+SHARD_COLUMNS = ["key", "caption", "cls", DIGEST]  # and the image's (pipeline.image_column_names)
+
+
+def shard_columns(decode: str, label_vectors: int) -> list[str]:
+    """The columns an evaluation reads of shard rows: SHARD_COLUMNS, a multilabel set's label sets, the image's."""
+    return SHARD_COLUMNS + ([LABEL_SET] if label_vectors else []) + image_column_names(decode)
 
 
 def load_shards(spec: str, image_size: int, tokenizer_path: str, max_tokens: int, read_cpus: float,
                 report_name: str | None = None, threads: int = 1, batch_size: int = 64,
-                decode: str = "cpu") -> EvalData:
+                decode: str = "cpu", label_vectors: int = 0) -> EvalData:
     """The held-out shards as a stream of rows (columns key, caption, cls and the image: decoded, or for
     ``decode`` "device" a JPEG's bytes and box), read as they are embedded and never held whole: its size,
     labels, captions and keys come with the rows' embeddings (``with_rows``), in blocks of ``batch_size`` rows.
     Fewer shards than the cluster's CPUs hold read tasks are read by several tasks each
     (``shard_read.readers_per_shard``). Dropped samples are counted in the DataReport ``report_name`` (created by
-    the caller)."""
+    the caller). ``label_vectors``: a multilabel set's class count (pipeline.Rows.label_vectors)."""
     paths = resolve_shards(spec)
     readers = readers_per_shard(paths, read_cpus, ray.cluster_resources().get("CPU", 1.0))
     reading = Reading(read_cpus=read_cpus, batch_size=batch_size, threads=threads, report_name=report_name,
                       readers_per_shard=readers)
-    rows = Rows(image_size, 1.0, False, tokenizer_path, max_tokens, decode=decode)
-    ds = read_shards(paths, rows, reading, SHARD_COLUMNS + image_column_names(decode))
+    rows = Rows(image_size, 1.0, False, tokenizer_path, max_tokens, decode=decode, label_vectors=label_vectors)
+    ds = read_shards(paths, rows, reading, shard_columns(decode, label_vectors))
     return EvalData(ds, 0, np.zeros(0, np.int64))
 
 
 def local_shards(spec: str, image_size: int, tokenizer_path: str, max_tokens: int, workers: int = 0,
-                 batch_size: int = 64, decode: str = "cpu") -> EvalData:
+                 batch_size: int = 64, decode: str = "cpu", label_vectors: int = 0) -> EvalData:
     """``load_shards`` without Ray: the held-out shards streamed by a local loader's ``workers`` processes
     (rayvl.eval.local_read; 0 = CPUs − 1, one thread each: the processes fill the CPUs), the samples they drop
     counted in ``images.counts``."""
-    rows = Rows(image_size, 1.0, False, tokenizer_path, max_tokens, decode=decode)
+    rows = Rows(image_size, 1.0, False, tokenizer_path, max_tokens, decode=decode, label_vectors=label_vectors)
     reading = Reading(batch_size=batch_size)
-    images = local_read.shard_batches(resolve_shards(spec), rows, reading, SHARD_COLUMNS + image_column_names(decode),
+    images = local_read.shard_batches(resolve_shards(spec), rows, reading, shard_columns(decode, label_vectors),
                                       workers)
     return EvalData(images, 0, np.zeros(0, np.int64))
 

@@ -45,6 +45,7 @@ class Sources:
     paraphrases: str = ""
     sts: str = ""
     probe_train: str = ""  # a CLIP_benchmark set's train split's shards: the linear probe's training images
+    label_vectors: int = 0  # a multilabel set's class count: its samples' npy vectors are their classes
 
 
 def default_sources(config: dict, data: str = "", kind: str = "auto", classes: str = "", paraphrases: str = "",
@@ -71,9 +72,10 @@ def default_sources(config: dict, data: str = "", kind: str = "auto", classes: s
     if found:
         log.info(f"eval: CLIP_benchmark set {found.root}, split {found.split}: {found.shards}")
         train = clip_benchmark.split(found, probe_split) if probe_split else None
-        return Sources(found.shards, "shards", classes or (d["classes"] if own else "") or found.classes,
-                       pick(paraphrases, d["paraphrases"], "paraphrases.jsonl"), pick(sts, d["sts"], "sts.tsv"),
-                       train.shards if train else "")
+        names = classes or (d["classes"] if own else "") or found.classes
+        return Sources(found.shards, "shards", names, pick(paraphrases, d["paraphrases"], "paraphrases.jsonl"),
+                       pick(sts, d["sts"], "sts.tsv"), train.shards if train else "",
+                       clip_benchmark.label_vectors(found, names))
     if kind == "clip_benchmark":
         raise ValueError(f"--data {data}: no {clip_benchmark.NSHARDS} in it or in its {clip_benchmark.SPLIT}/ folder "
                          "(CLIP_benchmark's webdataset layout)")
@@ -90,7 +92,7 @@ def load_local(sources: Sources, config: dict, workers: int = 0, limit: int = 0,
     size = cfg.data.image_size
     if sources.kind == "shards":
         data = eval_data.local_shards(sources.data, size, str(assets.text_model_path(cfg.model.text)),
-                                      cfg.data.max_text_tokens, workers, batch_size, decode)
+                                      cfg.data.max_text_tokens, workers, batch_size, decode, sources.label_vectors)
     elif sources.kind == "imagefolder":
         data = eval_data.local_imagefolder(sources.data, size, workers, batch_size)
     else:
@@ -111,7 +113,7 @@ def load(sources: Sources, config: dict, read_cpus: float, limit: int = 0,
             create_report(report_name)  # owned by this driver; counts the samples dropped while reading
             data = eval_data.load_shards(sources.data, size, str(assets.text_model_path(cfg.model.text)),
                                          cfg.data.max_text_tokens, read_cpus, report_name, cfg.data.read_threads,
-                                         batch_size, decode)
+                                         batch_size, decode, sources.label_vectors)
         elif sources.kind == "imagefolder":
             data = eval_data.load_imagefolder(sources.data, size, read_cpus)
         else:

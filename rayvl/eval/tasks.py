@@ -130,17 +130,14 @@ def zeroshot(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | No
 
 def zeroshot_multilabel(data: EvalData, emb: dict, prompts: np.ndarray) -> dict | None:
     """A multilabel set's zero-shot score: mean average precision over its classes (CLIP_benchmark's), for the
-    template ensemble and for one template alone, over the images whose label set is known; a class id past the
-    class list is left out of its image's set and counted."""
+    template ensemble and for one template alone, over the images whose label set is known (each a vector as long
+    as the class list: pipeline._label_set)."""
     known = [i for i, s in enumerate(data.label_sets) if s is not None]
     if not known:
         return None
     targets = np.zeros((len(known), len(data.classes)), np.float64)
-    unlisted = 0
     for row, i in enumerate(known):
-        ids = np.asarray(data.label_sets[i], np.int64)
-        unlisted += int((ids >= len(data.classes)).sum())
-        targets[row, ids[ids < len(data.classes)]] = 1.0
+        targets[row, data.label_sets[i]] = 1.0
     per_template = prompts.reshape(len(data.classes), len(data.templates), -1)
     images = emb["image"][known]
     out = multilabel_metrics(images, targets, class_embeddings(per_template))
@@ -149,10 +146,6 @@ def zeroshot_multilabel(data: EvalData, emb: dict, prompts: np.ndarray) -> dict 
     out.update({f"single_template_{name}": v for name, v in single.items()})
     out.update(zeroshot_classes=len(data.classes), zeroshot_templates=len(data.templates),
                zeroshot_multilabel_images=len(known))
-    if unlisted:
-        log.warning(f"eval: zeroshot: {unlisted} class ids of the images' label sets are ≥ the {len(data.classes)} "
-                    f"names of the class list; they are left out of the zero-shot metrics")
-        out["zeroshot_unlisted_labels"] = unlisted
     return out
 
 

@@ -245,7 +245,8 @@ def _check_values(s: Sweep, values: dict[str, list]) -> None:
 def reported_metrics(cfg: RayvlConfig) -> set[str]:
     """Metric names a training run of this config reports that a sweep can optimise."""
     k = cfg.eval.paraphrase_k
-    by_task = {"zeroshot": ["zeroshot_top1", "zeroshot_top5", "zeroshot_mean_per_class_recall"],
+    by_task = {"zeroshot": ["zeroshot_top1", "zeroshot_top5", "zeroshot_mean_per_class_recall",
+                            "zeroshot_mean_average_precision"],  # a multilabel held-out set's
                "retrieval": [f"{d}_R@{n}" for d in ("t2i", "i2t") for n in (1, 5, 10)],
                "paraphrase": [f"paraphrase_AO@{k}", f"paraphrase_JS@{k}"], "sts": ["sts_spearman", "sts_pearson"]}
     return {"loss", "lr", "logit_scale", *(m for task in cfg.eval.tasks for m in by_task[task])}

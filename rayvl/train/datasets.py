@@ -48,6 +48,8 @@ class ResolvedData:
     train_mix: Mix | None = None
     """how often a pass reads each ``::`` source of ``train_shards`` (data.upsampling_factors; None: no shards
     listed — the dry run of the demo)."""
+    eval_label_vectors: int = 0
+    """a multilabel held-out set's class count (rayvl.data.clip_benchmark.label_vectors); 0: none."""
 
     @property
     def train_slots(self) -> int:
@@ -77,7 +79,7 @@ def resolve(cfg: RayvlConfig, make_demo: bool = True) -> ResolvedData:
     """Everything about a run's data that can be wrong, found before Ray starts (ConfigError naming the key).
     ``make_demo=False`` (the dry run): with no data given, the demo dataset is not written — its shards are neither
     checked nor listed, its methods' parts planned on its paths."""
-    train, evalset, files = resolve_data(cfg, make_demo)
+    train, evalset, files, label_vectors = resolve_data(cfg, make_demo)
     made = make_demo or bool(cfg.data.train)
     checks = check_inputs(cfg, train if made else "", evalset if made or cfg.data.eval else "")
     parts = plugins.data_parts(cfg, train, evalset)
@@ -85,7 +87,7 @@ def resolve(cfg: RayvlConfig, make_demo: bool = True) -> ResolvedData:
     listed = {key: tuple(check.paths) for key, check in checks.items()}
     mix = training_mix(cfg, checks["data.train"]) if "data.train" in checks else None
     return ResolvedData(cfg, train, evalset, files, parts, listed.get("data.train", ()), listed.get("data.eval", ()),
-                    checks, mix)
+                        checks, mix, label_vectors)
 
 
 def with_classes(cfg: RayvlConfig, parts) -> RayvlConfig:
@@ -133,7 +135,7 @@ def build(data: ResolvedData, run_dir: str, report_name: str, passes: int) -> Bu
     made = {part.name: part.build(run) for part in data.parts}
     transforms = tuple(c.transform for c in made.values() if c.transform is not None)
     sets = shard_datasets(cfg, data.train_shards, data.eval_shards, report_name, transforms, passes,
-                          data.train_mix)
+                          data.train_mix, data.eval_label_vectors)
     for contribution in made.values():
         sets.update(contribution.datasets)
     return Built(sets, {name: c.worker for name, c in made.items() if c.worker})
@@ -160,10 +162,11 @@ def check_inputs(cfg: RayvlConfig, train: str, evalset: str) -> dict[str, specs.
     return checks
 
 
-def resolve_data(cfg: RayvlConfig, make_demo: bool = True) -> tuple[str, str, dict]:
-    """(train shards, eval shards, eval files); generates the embedded demo dataset when no data is given (its
-    paths only with ``make_demo=False``). A CLIP_benchmark set as data.eval (rayvl.data.clip_benchmark) is its
-    split's shards, with its class names and templates unless data.classes names others."""
+def resolve_data(cfg: RayvlConfig, make_demo: bool = True) -> tuple[str, str, dict, int]:
+    """(train shards, eval shards, eval files, a multilabel held-out set's class count or 0); generates the
+    embedded demo dataset when no data is given (its paths only with ``make_demo=False``). A CLIP_benchmark set as
+    data.eval (rayvl.data.clip_benchmark) is its split's shards, with its class names and templates unless
+    data.classes names others."""
     d = cfg.data
     train, evalset = d.train, d.eval
     given = {"classes_file": d.classes, "paraphrases_file": d.paraphrases, "sts_file": d.sts}
@@ -174,6 +177,10 @@ def resolve_data(cfg: RayvlConfig, make_demo: bool = True) -> tuple[str, str, di
         raise ConfigError(f"data.eval: {e}") from None
     if found:
         evalset, files["classes_file"] = found.shards, d.classes or found.classes
+    try:
+        label_vectors = clip_benchmark.label_vectors(found, files["classes_file"])
+    except ValueError as e:
+        raise ConfigError(f"data.eval: {e}") from None
     if not train and not make_demo:  # its paths, as a run would make them
         root = Path(d.demo_dir).expanduser()
     elif not train:
@@ -192,7 +199,7 @@ def resolve_data(cfg: RayvlConfig, make_demo: bool = True) -> tuple[str, str, di
         if value and (make_demo or given[key]) and not storage.is_file(value):
             raise ConfigError(f"data.{EVAL_FILES[key]}: {value!r} does not exist")
     return train, evalset, {k: v if storage.is_url(v) else str(Path(v).expanduser()) if v else ""
-                            for k, v in files.items()}
+                            for k, v in files.items()}, label_vectors
 
 
 def rows_needed(data: ResolvedData) -> int:
@@ -220,10 +227,12 @@ def train_passes(data: ResolvedData, samples_per_pass: int | None, shard_count: 
 
 
 def shard_datasets(cfg: RayvlConfig, train: str | Sequence[str], evalset: str | Sequence[str], report_name: str,
-                   transforms: tuple[RowTransform, ...] = (), passes: int = 1, mix: Mix | None = None) -> dict:
+                   transforms: tuple[RowTransform, ...] = (), passes: int = 1, mix: Mix | None = None,
+                   label_vectors: int = 0) -> dict:
     """{"train": ``passes`` passes over the training shards (each as ``mix`` upsamples its sources), their rows
-    changed by ``transforms``, "eval": … (the held-out rows as they are, counted in their own report
-    "<report_name>-eval"); each a spec or its shards."""
+    changed by ``transforms``, "eval": … (the held-out rows as they are — a multilabel set's, of
+    ``label_vectors`` classes, with their label sets —, counted in their own report "<report_name>-eval"); each a
+    spec or its shards."""
     # only tensor columns go to the training iterator (keys and captions are strings)
     columns = list(dict.fromkeys(read_columns(cfg.data.decode) + [ROW] + [c for t in transforms for c in t.columns]))
     reading = Reading.of(cfg, report_name)
@@ -233,7 +242,7 @@ def shard_datasets(cfg: RayvlConfig, train: str | Sequence[str], evalset: str | 
     held_out = eval_report(cfg, evalset, report_name)
     if held_out:
         # held-out samples are counted in their own report, so training counts stay per pass over training data
-        datasets["eval"] = shards.read_shards(evalset, Rows.of(cfg, False),
+        datasets["eval"] = shards.read_shards(evalset, Rows.of(cfg, False, label_vectors=label_vectors),
                                               dataclasses.replace(reading, shuffle=False, report_name=held_out))
     return datasets
 

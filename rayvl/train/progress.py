@@ -19,7 +19,8 @@ from rayvl.train import startup
 log = logging.getLogger("rayvl")
 
 # the evaluation numbers a progress line shows when an evaluation ran at that step (the final table has them all)
-EVAL_SHOWN = ("zeroshot_top1", "t2i_R@1", "i2t_R@1", "t2i_R@10", "paraphrase_AO@10", "sts_spearman")
+EVAL_SHOWN = ("zeroshot_top1", "zeroshot_mean_average_precision", "t2i_R@1", "i2t_R@1", "t2i_R@10", "paraphrase_AO@10",
+              "sts_spearman")
 
 
 def duration(seconds: float) -> str:
