@@ -73,7 +73,7 @@ def split(args) -> Split:
         if not args.unaligned:
             raise ConfigError("--unaligned: required with --data")
         return Split(args.data, args.unaligned, **paths, trials=[])
-    train, evalset, files = resolve_data(cfg)
+    train, evalset, files = resolve_data(cfg)[:3]
     shards = resolve_shards(train)
     half = len(shards) // 2
     trials = [f"data.eval={evalset}", *(f"data.{k.removesuffix('_file')}={v}" for k, v in files.items())]
