@@ -70,8 +70,7 @@ class Rows:
         d = cfg.data
         # the held-out rows of a training run are embedded by ModelEmbedder, which takes decoded images
         return cls(d.image_size, d.crop_scale_min, train, str(assets.text_model_path(cfg.model.text)),
-                   d.max_text_tokens, cfg.train.seed, tuple(transforms), d.decode if train else "cpu",
-                   0 if train else label_vectors)
+                   d.max_text_tokens, cfg.train.seed, tuple(transforms), d.decode if train else "cpu", label_vectors)
 
     @property
     def columns(self) -> dict[str, int]:

@@ -116,13 +116,9 @@ def zeroshot(data: EvalData, emb: dict, embedder: Embedder, k: int) -> dict | No
                     f"list (largest {int(data.labels.max())}); they are left out of the zero-shot metrics")
     if not known.any():
         return None
-    per_template = embedder.texts(prompts).reshape(len(data.classes), len(data.templates), -1)
     images, labels = torch.from_numpy(emb["image"][known]), torch.from_numpy(data.labels[known])
-    out = zeroshot_metrics(images, labels, torch.from_numpy(class_embeddings(per_template)))
-    one = data.templates.index(SINGLE_TEMPLATE) if SINGLE_TEMPLATE in data.templates else 0
-    single = zeroshot_metrics(images, labels, torch.from_numpy(class_embeddings(per_template[:, one:one + 1])))
-    out.update({f"single_template_{name}": v for name, v in single.items() if "chance" not in name})
-    out["zeroshot_classes"], out["zeroshot_templates"] = len(data.classes), len(data.templates)
+    out = _ensemble_and_one_template(data, embedder.texts(prompts),
+                                     lambda classes: zeroshot_metrics(images, labels, torch.from_numpy(classes)))
     if unlisted:
         out["zeroshot_unlisted_images"] = unlisted
     return out
@@ -138,14 +134,21 @@ def zeroshot_multilabel(data: EvalData, emb: dict, prompts: np.ndarray) -> dict 
     targets = np.zeros((len(known), len(data.classes)), np.float64)
     for row, i in enumerate(known):
         targets[row, data.label_sets[i]] = 1.0
-    per_template = prompts.reshape(len(data.classes), len(data.templates), -1)
     images = emb["image"][known]
-    out = multilabel_metrics(images, targets, class_embeddings(per_template))
+    out = _ensemble_and_one_template(data, prompts, lambda classes: multilabel_metrics(images, targets, classes))
+    out["zeroshot_multilabel_images"] = len(known)
+    return out
+
+
+def _ensemble_and_one_template(data: EvalData, prompts: np.ndarray, score) -> dict:
+    """``score`` of the class embeddings of the template ensemble, and (``single_template_…``, chance levels left
+    out) of one template alone, with the class and template counts; ``prompts``: zeroshot_texts' embeddings."""
+    per_template = prompts.reshape(len(data.classes), len(data.templates), -1)
+    out = score(class_embeddings(per_template))
     one = data.templates.index(SINGLE_TEMPLATE) if SINGLE_TEMPLATE in data.templates else 0
-    single = multilabel_metrics(images, targets, class_embeddings(per_template[:, one:one + 1]))
-    out.update({f"single_template_{name}": v for name, v in single.items()})
-    out.update(zeroshot_classes=len(data.classes), zeroshot_templates=len(data.templates),
-               zeroshot_multilabel_images=len(known))
+    single = score(class_embeddings(per_template[:, one:one + 1]))
+    out.update({f"single_template_{name}": v for name, v in single.items() if "chance" not in name})
+    out["zeroshot_classes"], out["zeroshot_templates"] = len(data.classes), len(data.templates)
     return out
 
 

@@ -177,10 +177,6 @@ def resolve_data(cfg: RayvlConfig, make_demo: bool = True) -> tuple[str, str, di
         raise ConfigError(f"data.eval: {e}") from None
     if found:
         evalset, files["classes_file"] = found.shards, d.classes or found.classes
-    try:
-        label_vectors = clip_benchmark.label_vectors(found, files["classes_file"])
-    except ValueError as e:
-        raise ConfigError(f"data.eval: {e}") from None
     if not train and not make_demo:  # its paths, as a run would make them
         root = Path(d.demo_dir).expanduser()
     elif not train:
@@ -198,8 +194,12 @@ def resolve_data(cfg: RayvlConfig, make_demo: bool = True) -> tuple[str, str, di
     for key, value in files.items():
         if value and (make_demo or given[key]) and not storage.is_file(value):
             raise ConfigError(f"data.{EVAL_FILES[key]}: {value!r} does not exist")
-    return train, evalset, {k: v if storage.is_url(v) else str(Path(v).expanduser()) if v else ""
-                            for k, v in files.items()}, label_vectors
+    files = {k: v if storage.is_url(v) else str(Path(v).expanduser()) if v else "" for k, v in files.items()}
+    try:  # the class list the set is evaluated with, once it is known to be there
+        label_vectors = clip_benchmark.label_vectors(found, files["classes_file"])
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"data.eval: {e}") from None
+    return train, evalset, files, label_vectors
 
 
 def rows_needed(data: ResolvedData) -> int:
