@@ -1,7 +1,8 @@
 """Where runs, sweeps and artifacts live: a local path, a ``file://`` URL, object storage (``s3://``, ``gs://``,
 anything ``pyarrow.fs`` opens, as Ray Train does) or any other fsspec URL (wrapped for pyarrow, and handed to Ray
 Train as its ``storage_filesystem``). One set of helpers, so the driver, the workers and ``rayvl eval`` read the
-same files Ray Train wrote.
+same files Ray Train wrote. ``http://`` and ``https://`` URLs are read-only objects (rayvl.http_objects): looked up,
+read and copied here, never listed or written.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Callable
 
 import pyarrow.fs as pafs
+
+from rayvl import http_objects
 
 
 def is_url(path: str) -> bool:
@@ -48,6 +51,8 @@ def filesystem(path: str | os.PathLike, patient: bool = False) -> tuple[pafs.Fil
     path = str(path)
     if not is_url(path):
         return pafs.LocalFileSystem(), str(local_path(path))
+    if http_objects.is_http(path):  # no filesystem: objects to read (exists, is_file, size, read_bytes, download_file)
+        raise OSError(f"{path}: an http(s) URL is a file to read, not storage to list or write runs to")
     scheme = path.split("://", 1)[0]
     if scheme in ("gs", "gcs") and "?" not in path:  # a bounded retry: unreachable GCS is an error in seconds
         return _gcs(patient), path.split("://", 1)[1]
@@ -72,17 +77,41 @@ def _gcs(patient: bool = False) -> pafs.FileSystem:
 
 
 def exists(path: str) -> bool:
+    if http_objects.is_http(path):
+        return http_objects.info(path) is not None
     fs, inner = filesystem(path)
     return fs.get_file_info(inner).type != pafs.FileType.NotFound
 
 
 def is_file(path: str) -> bool:
+    if http_objects.is_http(path):
+        return http_objects.info(path) is not None
     fs, inner = filesystem(path)
     return fs.get_file_info(inner).type == pafs.FileType.File
 
 
-def read_bytes(path: str) -> bytes:
+def size(path: str) -> int | None:
+    """The file's bytes (None where an HTTP server does not say); a missing file is a FileNotFoundError."""
+    if http_objects.is_http(path):
+        found = http_objects.info(path)
+        if found is None:
+            raise FileNotFoundError(f"{path}: HTTP 404")
+        return found.size
     fs, inner = filesystem(path)
+    found = fs.get_file_info(inner)
+    if found.type != pafs.FileType.File:
+        raise FileNotFoundError(f"{path} is not a file")
+    return found.size
+
+
+def read_bytes(path: str, limit: int | None = None) -> bytes:
+    """The file's bytes, or its first ``limit`` of them (on object storage and HTTP, one ranged read)."""
+    if http_objects.is_http(path):
+        return http_objects.read_bytes(path, limit)
+    fs, inner = filesystem(path)
+    if limit is not None:
+        with fs.open_input_file(inner) as f:
+            return f.read(limit)
     with fs.open_input_stream(inner) as f:
         return f.read()
 
@@ -141,6 +170,8 @@ def subdirs(path: str, prefix: str = "") -> list[str]:
 
 def _names(path: str, kind: pafs.FileType) -> list[str]:
     """Sorted names of the entries of one kind directly under ``path`` (none when it does not exist)."""
+    if http_objects.is_http(path):
+        raise OSError(f"{path}: HTTP has no listing — an http(s) URL names one file")
     fs, inner = filesystem(path)
     infos = fs.get_file_info(pafs.FileSelector(inner, allow_not_found=True))
     return sorted(posixpath.basename(i.path.rstrip("/")) for i in infos if i.type == kind)
@@ -178,17 +209,32 @@ def download_file(path: str) -> Path:
     if local is not None:
         return local
     target = _cached(path)
+    stamp, open_stream = _versioned(path)
+    stamp_file = target.parent / ".object"
+    with FileLock(str(target.parent / ".lock")):
+        if not target.exists() or not stamp_file.exists() or stamp_file.read_text() != stamp:
+            src = open_stream()
+            try:
+                replaced(target, lambda tmp: _copy_stream(src, tmp))
+            finally:
+                src.close()
+            stamp_file.write_text(stamp)
+    return target
+
+
+def _versioned(path: str) -> tuple[str, Callable]:
+    """(what changes when the remote file is replaced — its size and modification time, or over HTTP its size and
+    ETag —, a function opening it as a stream)."""
+    if http_objects.is_http(path):
+        found = http_objects.info(path)
+        if found is None:
+            raise FileNotFoundError(f"{path}: HTTP 404")
+        return found.version, lambda: http_objects.open_at(path, 0)
     fs, inner = filesystem(path)
     info = fs.get_file_info(inner)
     if info.type != pafs.FileType.File:
         raise FileNotFoundError(f"{path} is not a file on its storage")
-    stamp, stamp_file = f"{info.size} {info.mtime_ns}", target.parent / ".object"
-    with FileLock(str(target.parent / ".lock")):
-        if not target.exists() or not stamp_file.exists() or stamp_file.read_text() != stamp:
-            with fs.open_input_stream(inner) as src:
-                replaced(target, lambda tmp: _copy_stream(src, tmp))
-            stamp_file.write_text(stamp)
-    return target
+    return f"{info.size} {info.mtime_ns}", lambda: fs.open_input_stream(inner)
 
 
 def _cached(path: str) -> Path:

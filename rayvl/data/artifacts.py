@@ -10,7 +10,7 @@ from typing import Callable
 
 import pyarrow.fs as pafs
 
-from rayvl import storage
+from rayvl import http_objects, storage
 from rayvl.spec_syntax import is_pipe
 
 
@@ -19,7 +19,8 @@ class ArtifactMismatch(RuntimeError):
 
 
 def shard_sizes(paths: list[str]) -> dict[str, int]:
-    """{shard name: bytes} (-1 for a ``pipe:`` shard, whose size is unknown). Names are file names — the
+    """{shard name: bytes} (-1 for a ``pipe:`` shard, whose size is unknown, and for the shards of a folder of more
+    than 8 over HTTP, which has no listing). Names are file names — the
     fingerprint survives moving the shards — unless two shards share one (``--data aligned,pseudo``: both folders
     have 00000.tar); then every shard is named by its path. A folder holding many of the shards is listed once
     instead of asked about each (41k shards on object storage: ~42 listing pages, not 41k requests)."""
@@ -31,16 +32,25 @@ def shard_sizes(paths: list[str]) -> dict[str, int]:
         else:
             folders[storage.parent(p)].append(p)
     for folder, members in folders.items():
-        fs, inner = storage.filesystem(folder)
-        if len(members) > 8:
+        if len(members) <= 8:
+            found += [(p, _size(p)) for p in members]
+        elif http_objects.is_http(folder):  # no listing over HTTP, and a request a shard is too many
+            found += [(p, -1) for p in members]
+        else:
+            fs, inner = storage.filesystem(folder)
             listed = {posixpath.basename(i.path): i.size for i in fs.get_file_info(pafs.FileSelector(inner))}
             found += [(p, int(listed.get(posixpath.basename(p)) or 0)) for p in members]
-        else:
-            found += [(p, int(fs.get_file_info(storage.filesystem(p)[1]).size or 0)) for p in members]
     names = [os.path.basename(path) for path, _ in found]
     if len(set(names)) < len(names):
         names = [path for path, _ in found]
     return dict(sorted(zip(names, (size for _, size in found))))
+
+
+def _size(path: str) -> int:
+    try:
+        return int(storage.size(path) or 0)
+    except FileNotFoundError:  # gone since the run's plan: its fingerprint says 0 bytes
+        return 0
 
 
 def diff(saved: dict, now: dict) -> str:

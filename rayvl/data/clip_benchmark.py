@@ -10,7 +10,10 @@ writes (the ``wds_*`` sets it publishes) — as `rayvl eval --data` takes it, lo
                                                  class index), an ``npy`` (a multilabel set's multi-hot vector of
                                                  its classes) or a ``txt`` (the image's captions, a line each)
 
-``ROOT`` is read as its ``test`` split, CLIP_benchmark's default; ``ROOT/<split>`` as that split. The shards are
+``ROOT`` is read as its ``test`` split, CLIP_benchmark's default; ``ROOT/<split>`` as that split. ``ROOT`` may be a
+folder, an object-store URL or, as CLIP_benchmark's README gives the sets it publishes, a Hugging Face repository's
+page (``https://huggingface.co/datasets/clip-benchmark/wds_vtab-cifar10/tree/main``: its files are read from
+``…/resolve/main``, the Hub at HF_ENDPOINT, with HF_TOKEN: rayvl.http_objects). The shards are
 then read as any shards are (their samples' ``cls`` members are the labels, a held-out row's ``npy`` its label
 set: rayvl.data.pipeline); the class names and templates are the text sets beside them
 (rayvl.data.prompts.read_class_file).
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rayvl import storage
+from rayvl import http_objects, storage
 from rayvl.data.specs import GLOB_CHARS, SHARD_SUFFIXES
 from rayvl.spec_syntax import is_pipe
 
@@ -44,7 +47,7 @@ def find(data: str) -> BenchmarkSet | None:
     if is_pipe(data) or any(c in data for c in GLOB_CHARS + "{,") or data.endswith((*SHARD_SUFFIXES, ".txt")) \
             or "::" in data:
         return None
-    data = storage.normalize(data)
+    data = http_objects.file_url(storage.normalize(data))  # the Hub's …/tree/main: its files' …/resolve/main
     for root, split in ((data, SPLIT), (storage.parent(data), data.rstrip("/").rsplit("/", 1)[-1])):
         try:
             here = storage.is_file(storage.join(root, split, NSHARDS))

@@ -3,8 +3,8 @@
 Object storage fails now and then: a connection reset in the middle of an object, a stalled read, throttling
 (503 SlowDown). None of that says anything about the shard, so it must not cost rows. A shard is read as a byte
 stream that knows its position: after a transient error the stream is opened again *at the byte it reached* (a
-ranged GET on object storage, a seek on a file, a re-run command whose first bytes are skipped for ``pipe:``) and
-the tar parser above never notices. What retries cannot mend — the object is missing, access is denied, or the
+ranged GET on object storage and over HTTP, a seek on a file, a re-run command whose first bytes are skipped for
+``pipe:``) and the tar parser above never notices. What retries cannot mend — the object is missing, access is denied, or the
 errors outlast ``data.io_retries`` — is a ``ShardIOError`` naming the shard and the cause: the run fails with it,
 or, under ``data.unreadable_shards=skip`` (a choice the user makes), the rest of that shard is skipped and counted
 as ``unreadable_shards``. A damaged tar (truncated, bad header) is the data's fault: ``shards.py`` counts it as
@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
-from rayvl import storage
+from rayvl import http_objects, storage
 from rayvl.errors import DataPlaneError
 from rayvl.data.specs import DENIED_WORDS
 from rayvl.spec_syntax import PIPE
@@ -145,6 +145,8 @@ def _open_at(path: str, position: int):
     """A source with ``read(n)`` positioned at byte ``position`` of the shard."""
     if path.startswith(PIPE):
         return _Command(path[len(PIPE):], position)
+    if http_objects.is_http(path):  # one streamed GET from the byte reached (Range), as webdataset streams it
+        return http_objects.open_at(path, position)
     if not storage.is_url(path):
         f = open(path, "rb")
     else:

@@ -365,10 +365,8 @@ def remote_shard_samples(url: str) -> tuple[int, str]:
     ESTIMATE_BYTES' samples scaled to its size (one lookup and one ranged read, not the whole object)."""
     import io
 
-    fs, inner = storage.filesystem(url)
-    size = fs.get_file_info(inner).size or 0
-    with fs.open_input_file(inner) as f:
-        head = f.read(ESTIMATE_BYTES)
+    size = storage.size(url) or 0
+    head = storage.read_bytes(url, ESTIMATE_BYTES)
     compressed = url.endswith((".gz", ".tgz"))
     try:
         # r|*: a .tar.gz shard's head is read through its decompression, as the shard readers read it; its

@@ -6,7 +6,8 @@ as webdataset does) into
 
 - ``pipe:COMMAND`` — the shard is the command's standard output (``pipe:aws s3 cp s3://b/00000.tar -``);
 - a URL (``s3://``, ``gs://``, ``file://``, any fsspec scheme): a ``.tar`` object, a folder (its ``.tar`` files) or
-  a glob in the last path component (one listing of its folder);
+  a glob in the last path component (one listing of its folder); an ``http(s)://`` URL names one shard, its
+  query (``?download=true``, a presigned URL's signature) kept (rayvl.http_objects: HTTP has no listing);
 - a local path: a ``.tar`` file, a folder, a glob, or a ``.txt`` file listing one shard per line.
 
 Resolving costs a listing per folder or glob and no request per brace-expanded object name: LAION-400M's 41,408
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from braceexpand import braceexpand
 
-from rayvl import storage
+from rayvl import http_objects, storage
 from rayvl.config import ConfigError
 from rayvl.errors import DataPlaneError
 from rayvl.spec_syntax import is_pipe, source_parts, sources
@@ -94,6 +95,15 @@ def _add(item: str, found: Resolved, named: list[str]) -> None:
 
 
 def _add_url(url: str, found: Resolved, named: list[str]) -> None:
+    if http_objects.is_http(url):  # one object a URL: HTTP lists nothing, and a ? starts the URL's query
+        named_path = url.split("?", 1)[0]
+        if not named_path.endswith(SHARD_SUFFIXES) or any(c in named_path for c in "*["):
+            raise DataPlaneError(f"{url!r}: an http(s) URL names one shard (HTTP has no listing of folders or "
+                                 f"globs) — name them with brace ranges (…/{{00000..00099}}.tar) or list them in a "
+                                 f".txt file")
+        found.paths.append(url)
+        named.append(url)
+        return
     base = url.rstrip("/").rsplit("/", 1)[-1]
     if any(c in base for c in GLOB_CHARS) or not base.endswith(SHARD_SUFFIXES):  # a glob or a folder: one listing
         try:
@@ -181,13 +191,14 @@ def check(spec: str) -> SpecCheck:
 # what object stores' clients (pyarrow's S3 and GCS) say when the credentials are refused or missing, and when the
 # store cannot be reached: the way out is the machine's access, not the spec's form
 DENIED_WORDS = ("ACCESS_DENIED", "AccessDenied", "PERMISSION_DENIED", "INVALID_ACCESS_KEY_ID", "InvalidAccessKeyId",
-                "SIGNATURE_DOES_NOT_MATCH", "SignatureDoesNotMatch", "ExpiredToken", "UNAUTHENTICATED")
+                "SIGNATURE_DOES_NOT_MATCH", "SignatureDoesNotMatch", "ExpiredToken", "UNAUTHENTICATED", "HTTP 401",
+                "HTTP 403")
 _NO_CREDENTIALS = ("access token", "credentials", "NoCredentials", "No response body")
 _UNREACHABLE = ("UNAVAILABLE", "Could not resolve host", "Couldn't connect", "Connection refused", "timed out",
-                "Timeout", "curlCode: 6", "curlCode: 7", "curlCode: 28")
+                "Timeout", "curlCode: 6", "curlCode: 7", "curlCode: 28", "Failed to resolve")
 ACCESS_HINT = ("check the credentials this machine and every node use — S3: AWS_PROFILE or AWS_ACCESS_KEY_ID / "
                "AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL for an S3-compatible store, or the instance role; GCS: "
-               "GOOGLE_APPLICATION_CREDENTIALS or the VM's service account")
+               "GOOGLE_APPLICATION_CREDENTIALS or the VM's service account; the Hugging Face Hub: HF_TOKEN")
 REACH_HINT = ("the store cannot be reached from this machine: its network, or the endpoint (AWS_ENDPOINT_URL, the "
               "bucket's region)")
 FORM_HINT = ("give img2dataset shards as a folder, a glob, brace ranges ({00000..00099}.tar), a comma or :: list, "

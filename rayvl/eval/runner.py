@@ -22,7 +22,7 @@ import numpy as np
 import ray
 import torch
 
-from rayvl import assets, spec_syntax, storage
+from rayvl import assets, http_objects, spec_syntax, storage
 from rayvl.checkpoints import checkpoint_uri, read_meta
 from rayvl.config import EvalConfig, from_dict
 from rayvl.data import clip_benchmark
@@ -239,11 +239,13 @@ def with_probe_train(embedder, data: eval_data.EvalData, sources: Sources, confi
 
 
 def set_names(data: list[str]) -> list[str]:
-    """A folder name for each of several evaluation sets: its last path component (``wds_imagenet1k``), characters
+    """A folder name for each of several evaluation sets: its last path component (``wds_imagenet1k``; of a Hugging
+    Face Hub URL, of the path in its repository: ``…/clip-benchmark/wds_cars/tree/main`` → ``wds_cars``), characters
     a folder name should not hold replaced, a repeated name numbered."""
     names: list[str] = []
     for spec in data:
-        base = re.sub(r"[^A-Za-z0-9._-]+", "_", spec.rstrip("/").rsplit("/", 1)[-1]).strip("_") or "set"
+        last = http_objects.repository_path(spec).rstrip("/").rsplit("/", 1)[-1]
+        base = re.sub(r"[^A-Za-z0-9._-]+", "_", last).strip("_") or "set"
         names.append(base if base not in names else f"{base}-{sum(n.startswith(base) for n in names) + 1}")
     return names
 

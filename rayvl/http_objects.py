@@ -1,0 +1,176 @@
+"""Objects behind ``http://`` and ``https://`` URLs — shards on a web server or a CDN, a Hugging Face repository's
+files (``https://huggingface.co/datasets/OWNER/NAME/resolve/main/…``), a presigned object-store URL — read the way
+webdataset and open_clip read ``https://`` shards (one streamed GET), with what a long run needs around it:
+
+- a read resumed at a byte (``Range: bytes=N-``; a server that ignores ranges answers 200 and its first N bytes are
+  skipped), so a reset connection costs no rows (rayvl.data.shard_io retries it);
+- statuses as the errors they are: 404/410 a missing object, 401/403 a refused one (not retried), 408/429/5xx and
+  cut connections transient (retried);
+- the Hugging Face Hub: its page URLs (``…/tree/main``, ``…/blob/main/x.tar``, ``…/raw/main/…``) read as the
+  files they show (``…/resolve/main/…``, as CLIP_benchmark rewrites its ``tree/main`` roots), the Hub at
+  ``HF_ENDPOINT`` (huggingface_hub's variable: a mirror) and ``HF_TOKEN`` sent to it for gated and private
+  repositories — only to it: requests drops the header when the Hub redirects to its CDN on another host.
+
+HTTP has no listing: a URL names one object (a shard, a file), never a folder or a glob.
+"""
+from __future__ import annotations
+
+import os
+import re
+import threading
+from dataclasses import dataclass
+
+SCHEMES = ("http://", "https://")
+HUB = "https://huggingface.co"
+# a Hub page: /[datasets|spaces/]OWNER/NAME/(tree|blob|raw)/REVISION[/PATH]; its file: …/resolve/…
+_HUB_PAGE = re.compile(r"^/((?:datasets/|spaces/)?[^/]+/[^/]+)/(?:tree|blob|raw)/(.+)$")
+_HUB_FILE = re.compile(r"^/(?:datasets/|spaces/)?[^/]+/([^/]+)/(?:tree|blob|raw|resolve)/[^/]+/?(.*)$")
+_MISSING, _REFUSED = (404, 410), (401, 403)
+_sessions = threading.local()  # a requests Session a thread: its connection pool is reused across shards
+
+
+def is_http(path: str) -> bool:
+    return str(path).startswith(SCHEMES)
+
+
+def hub() -> str:
+    """The Hugging Face Hub this machine reaches: HF_ENDPOINT (a mirror, or a test server), else huggingface.co."""
+    return os.environ.get("HF_ENDPOINT", HUB).rstrip("/")
+
+
+def file_url(url: str) -> str:
+    """The URL of the file a Hub page shows (``tree``/``blob``/``raw`` → ``resolve``); any other URL as it is."""
+    base = hub()
+    if not url.startswith(base + "/"):
+        return url
+    page = _HUB_PAGE.match(url[len(base):])
+    return f"{base}/{page[1]}/resolve/{page[2]}" if page else url
+
+
+def repository_path(url: str) -> str:
+    """A Hub URL as the repository's path (``…/datasets/clip-benchmark/wds_cars/tree/main/test`` →
+    ``wds_cars/test``: what a folder of the same files would be called); any other URL as it is."""
+    base = hub()
+    found = _HUB_FILE.match(url[len(base):].rstrip("/")) if url.startswith(base + "/") else None
+    return "/".join(p for p in found.groups() if p) if found else url
+
+
+@dataclass(frozen=True)
+class Info:
+    size: int | None  # bytes (None: the server did not say)
+    version: str  # what changes when the object is replaced: its ETag, else its Last-Modified, with its size
+
+
+def info(url: str) -> Info | None:
+    """What a HEAD says of the object (a GET's headers where the server refuses HEAD); None when it does not
+    exist. Raises PermissionError when access is refused, OSError for any other failure."""
+    url = file_url(url)
+    response = _request("HEAD", url)
+    if response.status_code in (405, 501):  # no HEAD here: the headers of a GET, its body left unread
+        response = _request("GET", url, stream=True)
+        response.close()
+    if response.status_code in _MISSING:
+        return None
+    _raise_for(response, url)
+    length = response.headers.get("Content-Length")
+    size = int(length) if length and length.isdigit() else None
+    return Info(size, f"{size} {response.headers.get('ETag') or response.headers.get('Last-Modified') or ''}")
+
+
+def read_bytes(url: str, limit: int | None = None) -> bytes:
+    """The object's bytes (its first ``limit`` where given: one ranged GET)."""
+    body = open_at(url, 0, limit)
+    try:
+        return body.read()
+    finally:
+        body.close()
+
+
+def open_at(url: str, position: int, limit: int | None = None) -> "Body":
+    """The object's bytes from ``position`` on (up to ``limit`` of them), as a stream with ``read(n)``."""
+    url = file_url(url)
+    headers = {}
+    if position or limit is not None:
+        headers["Range"] = f"bytes={position}-" + ("" if limit is None else str(position + limit - 1))
+    response = _request("GET", url, headers, stream=True)
+    if response.status_code == 416 and position:  # nothing from position on: the stream was at the end
+        response.close()
+        return Body(None, 0)
+    if response.status_code in _MISSING:
+        response.close()
+        raise FileNotFoundError(f"{url}: HTTP {response.status_code} {response.reason}")
+    _raise_for(response, url)
+    body = Body(response, limit)
+    if position and response.status_code == 200:  # the server sent the whole object: skip what was read before
+        body.skip(position)
+    elif position and not response.headers.get("Content-Range", "").startswith(f"bytes {position}-"):
+        body.close()
+        raise OSError(f"{url}: asked for bytes {position}- and got {response.headers.get('Content-Range')!r}")
+    return body
+
+
+class Body:
+    """A GET's body read as it arrives; a cut connection or a stalled read is an OSError (rayvl.data.shard_io
+    retries it from the byte reached)."""
+
+    def __init__(self, response, limit: int | None):
+        self.response, self.left = response, limit
+
+    def read(self, n: int = -1) -> bytes:
+        import urllib3
+
+        if self.response is None or self.left == 0:
+            return b""
+        if self.left is not None:
+            n = self.left if n < 0 else min(n, self.left)
+        try:
+            data = self.response.raw.read(None if n < 0 else n)
+        except urllib3.exceptions.HTTPError as e:  # a reset, a read timeout, a body cut short: urllib3's, not OSError
+            raise OSError(f"{self.response.url}: {type(e).__name__}: {e}") from e
+        if self.left is not None:
+            self.left -= len(data)
+        return data
+
+    def skip(self, n: int) -> None:
+        while n > 0:
+            data = self.read(min(n, 1 << 20))
+            if not data:
+                raise OSError(f"{self.response.url}: the object ended before byte {n} of an earlier read")
+            n -= len(data)
+
+    def close(self) -> None:
+        if self.response is not None:
+            self.response.close()
+
+
+def _request(method: str, url: str, headers: dict | None = None, stream: bool = False):
+    """One request, redirects followed, with the Hub's token where the URL is the Hub's. A connection that cannot
+    be made or a timeout is requests' error — an OSError."""
+    import requests
+
+    session = getattr(_sessions, "session", None)
+    if session is None:
+        session = _sessions.session = requests.Session()
+    # identity: a .tar.gz's bytes as stored (a server's gzip encoding would otherwise be undone under the parser)
+    headers = {"Accept-Encoding": "identity", **(headers or {})}
+    token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
+    if token and url.startswith(hub() + "/"):
+        headers["Authorization"] = f"Bearer {token}"
+    timeout = float(os.environ.get("RAYVL_HTTP_TIMEOUT_S", 60))
+    return session.request(method, url, headers=headers, stream=stream, allow_redirects=True,
+                           timeout=(min(timeout, 30.0), timeout))
+
+
+def _raise_for(response, url: str) -> None:
+    """A status that is no answer: refused (PermissionError, with the way in for the Hub), else an OSError."""
+    if response.status_code < 400:
+        return
+    response.close()
+    said = f"{url}: HTTP {response.status_code} {response.reason}"
+    if response.status_code in _REFUSED:
+        hint = "" if not url.startswith(hub() + "/") else (
+            " — a gated or private Hugging Face repository: accept its terms and set HF_TOKEN on every node"
+            if not (os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")) else
+            " — HF_TOKEN is set: its account has no access to this repository")
+        raise PermissionError(said + hint)
+    raise OSError(said)
