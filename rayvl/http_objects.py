@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass
 
 SCHEMES = ("http://", "https://")
@@ -62,17 +63,25 @@ class Info:
 
 
 def info(url: str) -> Info | None:
-    """What a HEAD says of the object (a GET's headers where the server refuses HEAD); None when it does not
-    exist. Raises PermissionError when access is refused, OSError for any other failure."""
+    """What a lookup says of the object; None when it does not exist. Raises PermissionError when access is
+    refused, OSError for any other failure. The Hub's answer is its redirect's (the file's size and ETag, as
+    huggingface_hub reads them: the CDN's signed URL is for GETs alone); a server that refuses HEAD — as a URL
+    signed for GET does, with 403 — is asked for the object's first byte instead."""
     url = file_url(url)
-    response = _request("HEAD", url)
-    if response.status_code in (405, 501):  # no HEAD here: the headers of a GET, its body left unread
-        response = _request("GET", url, stream=True)
+    response = _request("HEAD", url, redirects=not url.startswith(hub() + "/"))
+    if response.is_redirect:
+        linked = response.headers.get("X-Linked-Size")
+        if linked and linked.isdigit():
+            return Info(int(linked), f"{linked} {response.headers.get('X-Linked-Etag', '')}")
+        response = _request("HEAD", url)
+    if response.status_code in (403, 405, 501):
+        response = _request("GET", url, {"Range": "bytes=0-0"}, stream=True)
         response.close()
     if response.status_code in _MISSING:
         return None
     _raise_for(response, url)
-    length = response.headers.get("Content-Length")
+    whole = response.headers.get("Content-Range", "").rpartition("/")[2]  # "bytes 0-0/SIZE" of a ranged answer
+    length = whole if response.status_code == 206 else response.headers.get("Content-Length")
     size = int(length) if length and length.isdigit() else None
     return Info(size, f"{size} {response.headers.get('ETag') or response.headers.get('Last-Modified') or ''}")
 
@@ -86,6 +95,29 @@ def read_bytes(url: str, limit: int | None = None) -> bytes:
         body.close()
 
 
+def copy_to(url: str, out, retries: int = 5) -> None:
+    """The object's bytes written to the open file ``out``, a cut connection resumed at the byte written (a
+    weights file of gigabytes is not fetched again from its start)."""
+    written, attempt = 0, 0
+    while True:
+        try:
+            body = open_at(url, written)
+            try:
+                while data := body.read(16 << 20):
+                    out.write(data)
+                    written += len(data)
+            finally:
+                body.close()
+            return
+        except (FileNotFoundError, PermissionError):
+            raise
+        except OSError:
+            attempt += 1
+            if attempt > retries:
+                raise
+            time.sleep(min(30.0, 2.0 ** (attempt - 1)))
+
+
 def open_at(url: str, position: int, limit: int | None = None) -> "Body":
     """The object's bytes from ``position`` on (up to ``limit`` of them), as a stream with ``read(n)``."""
     url = file_url(url)
@@ -93,14 +125,17 @@ def open_at(url: str, position: int, limit: int | None = None) -> "Body":
     if position or limit is not None:
         headers["Range"] = f"bytes={position}-" + ("" if limit is None else str(position + limit - 1))
     response = _request("GET", url, headers, stream=True)
-    if response.status_code == 416 and position:  # nothing from position on: the stream was at the end
+    if response.status_code == 416 and position:  # nothing from position on: at the end, if the object is as long
         response.close()
-        return Body(None, 0)
+        if response.headers.get("Content-Range", "") != f"bytes */{position}":
+            raise OSError(f"{url}: asked for bytes {position}- and got HTTP 416 "
+                          f"({response.headers.get('Content-Range')!r}): the object is not the one read before")
+        return Body(url, None, 0)
     if response.status_code in _MISSING:
         response.close()
         raise FileNotFoundError(f"{url}: HTTP {response.status_code} {response.reason}")
     _raise_for(response, url)
-    body = Body(response, limit)
+    body = Body(url, response, limit)
     if position and response.status_code == 200:  # the server sent the whole object: skip what was read before
         body.skip(position)
     elif position and not response.headers.get("Content-Range", "").startswith(f"bytes {position}-"):
@@ -111,54 +146,86 @@ def open_at(url: str, position: int, limit: int | None = None) -> "Body":
 
 class Body:
     """A GET's body read as it arrives; a cut connection or a stalled read is an OSError (rayvl.data.shard_io
-    retries it from the byte reached)."""
+    retries it from the byte reached), said with the URL asked for (not a CDN's signed one)."""
 
-    def __init__(self, response, limit: int | None):
-        self.response, self.left = response, limit
+    def __init__(self, url: str, response, limit: int | None):
+        self.url, self.response, self.left = url, response, limit
 
     def read(self, n: int = -1) -> bytes:
-        import urllib3
-
-        if self.response is None or self.left == 0:
-            return b""
         if self.left is not None:
             n = self.left if n < 0 else min(n, self.left)
-        try:
-            data = self.response.raw.read(None if n < 0 else n)
-        except urllib3.exceptions.HTTPError as e:  # a reset, a read timeout, a body cut short: urllib3's, not OSError
-            raise OSError(f"{self.response.url}: {type(e).__name__}: {e}") from e
+        data = self._raw(n)
         if self.left is not None:
             self.left -= len(data)
         return data
 
     def skip(self, n: int) -> None:
+        """Past the object's first ``n`` bytes (a whole object sent for a ranged ask), ``limit`` untouched."""
         while n > 0:
-            data = self.read(min(n, 1 << 20))
+            data = self._raw(min(n, 1 << 20))
             if not data:
-                raise OSError(f"{self.response.url}: the object ended before byte {n} of an earlier read")
+                raise OSError(f"{self.url}: the object ended before byte {n} of an earlier read")
             n -= len(data)
+
+    def _raw(self, n: int) -> bytes:
+        import urllib3
+
+        if self.response is None or n == 0:
+            return b""
+        try:
+            return self.response.raw.read(None if n < 0 else n)
+        except urllib3.exceptions.HTTPError as e:  # a reset, a read timeout, a body cut short: urllib3's, not OSError
+            raise OSError(f"{self.url}: {type(e).__name__}: {e}") from e
 
     def close(self) -> None:
         if self.response is not None:
             self.response.close()
 
 
-def _request(method: str, url: str, headers: dict | None = None, stream: bool = False):
-    """One request, redirects followed, with the Hub's token where the URL is the Hub's. A connection that cannot
-    be made or a timeout is requests' error — an OSError."""
+# statuses worth asking again, at once and then after 1, 2 s (or as Retry-After says) — before the answer is an
+# error; a shard's read has data.io_retries above this, resuming at the byte it reached
+_RETRIED = (408, 429, 500, 502, 503, 504)
+
+
+def _session():
     import requests
+    from requests.adapters import HTTPAdapter
+    from urllib3.util.retry import Retry
 
     session = getattr(_sessions, "session", None)
     if session is None:
         session = _sessions.session = requests.Session()
+        retry = Retry(total=3, connect=2, status_forcelist=_RETRIED, allowed_methods=("HEAD", "GET"),
+                      backoff_factor=0.5, respect_retry_after_header=True, raise_on_status=False)
+        for scheme in SCHEMES:
+            session.mount(scheme, HTTPAdapter(max_retries=retry))
+    return session
+
+
+def _request(method: str, url: str, headers: dict | None = None, stream: bool = False, redirects: bool = True):
+    """One request, redirects followed, with the Hub's token where the URL is the Hub's. A connection that cannot
+    be made or a timeout is requests' error — an OSError; a URL or a header that cannot be sent is no object at all
+    (FileNotFoundError: not retried), said without the header's value."""
+    import requests
+
     # identity: a .tar.gz's bytes as stored (a server's gzip encoding would otherwise be undone under the parser)
     headers = {"Accept-Encoding": "identity", **(headers or {})}
-    token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
+    token = _token()
     if token and url.startswith(hub() + "/"):
         headers["Authorization"] = f"Bearer {token}"
     timeout = float(os.environ.get("RAYVL_HTTP_TIMEOUT_S", 60))
-    return session.request(method, url, headers=headers, stream=stream, allow_redirects=True,
-                           timeout=(min(timeout, 30.0), timeout))
+    try:
+        return _session().request(method, url, headers=headers, stream=stream, allow_redirects=redirects,
+                                  timeout=(min(timeout, 30.0), timeout))
+    except requests.exceptions.InvalidHeader:
+        raise FileNotFoundError(f"{url}: HF_TOKEN is not a valid HTTP header value") from None
+    except (requests.exceptions.InvalidURL, requests.exceptions.InvalidSchema,
+            requests.exceptions.MissingSchema) as e:
+        raise FileNotFoundError(f"{url}: not a URL requests can fetch ({type(e).__name__}: {e})") from None
+
+
+def _token() -> str:
+    return (os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN") or "").strip()
 
 
 def _raise_for(response, url: str) -> None:
@@ -169,8 +236,8 @@ def _raise_for(response, url: str) -> None:
     said = f"{url}: HTTP {response.status_code} {response.reason}"
     if response.status_code in _REFUSED:
         hint = "" if not url.startswith(hub() + "/") else (
-            " — a gated or private Hugging Face repository: accept its terms and set HF_TOKEN on every node"
-            if not (os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")) else
-            " — HF_TOKEN is set: its account has no access to this repository")
+            " — a gated or private Hugging Face repository (or none of that name): accept its terms and set "
+            "HF_TOKEN on every node" if not _token() else
+            " — HF_TOKEN is set: its account has no access to this repository (or there is none of that name)")
         raise PermissionError(said + hint)
     raise OSError(said)

@@ -209,46 +209,48 @@ def download_file(path: str) -> Path:
     if local is not None:
         return local
     target = _cached(path)
-    stamp, open_stream = _versioned(path)
+    stamp, copy = _versioned(path)
     stamp_file = target.parent / ".object"
     with FileLock(str(target.parent / ".lock")):
         if not target.exists() or not stamp_file.exists() or stamp_file.read_text() != stamp:
-            src = open_stream()
-            try:
-                replaced(target, lambda tmp: _copy_stream(src, tmp))
-            finally:
-                src.close()
+            replaced(target, copy)
             stamp_file.write_text(stamp)
     return target
 
 
-def _versioned(path: str) -> tuple[str, Callable]:
+def _versioned(path: str) -> tuple[str, Callable[[Path], None]]:
     """(what changes when the remote file is replaced — its size and modification time, or over HTTP its size and
-    ETag —, a function opening it as a stream)."""
+    ETag —, a function copying it into a local file; over HTTP a cut connection resumes where it broke off)."""
     if http_objects.is_http(path):
         found = http_objects.info(path)
         if found is None:
             raise FileNotFoundError(f"{path}: HTTP 404")
-        return found.version, lambda: http_objects.open_at(path, 0)
+
+        def fetch(out: Path) -> None:
+            with open(out, "wb") as f:
+                http_objects.copy_to(path, f)
+
+        return found.version, fetch
     fs, inner = filesystem(path)
     info = fs.get_file_info(inner)
     if info.type != pafs.FileType.File:
         raise FileNotFoundError(f"{path} is not a file on its storage")
-    return f"{info.size} {info.mtime_ns}", lambda: fs.open_input_stream(inner)
+
+    def copy(out: Path) -> None:
+        with fs.open_input_stream(inner) as src, open(out, "wb") as f:
+            while data := src.read(16 << 20):
+                f.write(data)
+
+    return f"{info.size} {info.mtime_ns}", copy
 
 
 def _cached(path: str) -> Path:
     """Where ``download`` and ``download_file`` keep a URL's copy: a folder of its own under $RAYVL_CACHE (made)."""
     cache = Path(os.environ.get("RAYVL_CACHE", "~/.cache/rayvl")).expanduser() / "downloads"
-    target = cache / hashlib.sha1(path.encode()).hexdigest()[:16] / posixpath.basename(path.rstrip("/"))
+    name = posixpath.basename(path.split("?", 1)[0].rstrip("/") if http_objects.is_http(path) else path.rstrip("/"))
+    target = cache / hashlib.sha1(path.encode()).hexdigest()[:16] / name
     target.parent.mkdir(parents=True, exist_ok=True)
     return target
-
-
-def _copy_stream(src, out: Path, chunk: int = 16 << 20) -> None:
-    with open(out, "wb") as f:
-        while data := src.read(chunk):
-            f.write(data)
 
 
 def download_to(path: str, local: Path) -> None:

@@ -24,20 +24,23 @@ def web(demo_dir, tmp_path):
 
 
 def test_http_shards_are_named_checked_and_read_through_resets_and_throttling(web, demo_dir):
-    """Brace ranges of http(s) shards are names made, their first and last looked up (HEAD); a folder or a glob is
-    refused (HTTP lists nothing), a query (``?download=true``) kept. A shard read through two connection resets
-    and a 503 is byte for byte the file — resumed with ``Range`` where the server answers it, by skipping the bytes
-    already read where it does not —, the retries counted; a 403 is not retried, a 404 is a missing shard, and
-    both say so naming the shard."""
+    """Brace ranges of http(s) shards are names made, their first and last looked up (HEAD; a 429 asked again); a
+    folder or a glob is refused (HTTP lists nothing), a query (``?download=true``) kept. A shard read through two
+    connection resets and a 503 is byte for byte the file — resumed with ``Range`` where the server answers it, by
+    skipping the bytes already read where it does not —, the resets counted as retries; a 403 is not retried, a
+    404 or a URL that cannot be fetched is a missing shard, and each says so naming the shard; a server out of
+    reach or busy gets the network's hint, not the spec forms'."""
+    from rayvl import http_objects
     from rayvl.config import ConfigError
     from rayvl.data import specs
     from rayvl.data.shard_io import ReadPolicy, ShardIOError, open_shard
 
     spec = f"{web.url}/files/train/{{00000..00002}}.tar"
+    web.faults.add("HEAD /files/train/00001.tar", ("status", 429, "Too Many Requests"))
     checked = specs.checked("data.train", spec)
     assert checked.paths == [f"{web.url}/files/train/0000{i}.tar" for i in range(3)]
     assert "3 object names made from the spec, 3 of them checked" in checked.summary
-    assert [r[0] for r in web.seen] == ["HEAD"] * 3  # looked up, not read
+    assert [r[0] for r in web.seen] == ["HEAD"] * 4  # looked up, not read; the 429 asked again
     with pytest.raises(ConfigError, match=r"^data.train: '.*/files/train/00009.tar' does not exist"):
         specs.checked("data.train", f"{web.url}/files/train/{{00000..00009}}.tar")
     for listing in (f"{web.url}/files/train/", f"{web.url}/files/train/*.tar"):
@@ -55,24 +58,41 @@ def test_http_shards_are_named_checked_and_read_through_resets_and_throttling(we
         retried = Counter()
         with open_shard(web.url + path, policy, retried) as f:
             assert f.read() == whole, where
-        assert retried == {"io_retries": 3} and [r[2] for r in web.requests_to(path) if r[0] == "GET"] == resumed, where
+        # the 503 is asked again at once by the request (its body not begun), the resets by the stream
+        assert retried == {"io_retries": 2} and [r[2] for r in web.requests_to(path) if r[0] == "GET"] == resumed, where
+    # at the end, a resumed read asks past the last byte (416): nothing more, unless the object is no longer as long
+    assert http_objects.open_at(f"{web.url}/files/train/00000.tar", len(whole)).read() == b""
+    with pytest.raises(OSError, match="HTTP 416 .*the object is not the one read before"):
+        http_objects.open_at(f"{web.url}/files/train/00000.tar", len(whole) + 5)
+    # a head of the file from a server that ignores ranges: the bytes asked for, no more
+    assert http_objects.read_bytes(f"{web.url}/plain/train/00000.tar", 100) == whole[:100]
+    assert http_objects.open_at(f"{web.url}/plain/train/00000.tar", 1000, 100).read() == whole[1000:1100]
 
     web.faults.add("/files/train/00001.tar", ("status", 403, "Forbidden"))
     with pytest.raises(ShardIOError, match=r"00001.tar cannot be read: access is denied .*HTTP 403 .*1 attempt\)"):
         open_shard(f"{web.url}/files/train/00001.tar", policy).read()
     with pytest.raises(ShardIOError, match=r"00007.tar cannot be read: it does not exist .*HTTP 404"):
         open_shard(f"{web.url}/files/train/00007.tar", policy).read()
-    # a refused lookup before Ray starts: the hint names the Hub's token with the stores' credentials
+    with pytest.raises(ShardIOError, match=r"cannot be read: it does not exist .*InvalidURL.*1 attempt\)"):
+        open_shard("http://[::1/00000.tar", policy).read()
+    # lookups before Ray starts: a refusal's hint names the Hub's token with the stores' credentials; a server out
+    # of reach, or failing past the request's own retries, the network's
     with pytest.raises(ConfigError, match="cannot look up .*HTTP 401 .*the Hugging Face Hub: HF_TOKEN"):
         specs.checked("data.train", f"{web.url}/laion/CLIP-gated/resolve/main/00000.tar")
+    with pytest.raises(ConfigError, match="Connection refused.* — the store cannot be reached from this machine"):
+        specs.checked("data.train", "http://127.0.0.1:9/00000.tar")
+    web.faults.add("HEAD /files/train/00002.tar", *[("status", 502, "Bad Gateway")] * 4)
+    with pytest.raises(ConfigError, match="HTTP 502 .* — the store cannot be reached from this machine, or answers"):
+        specs.checked("data.train", f"{web.url}/files/train/00002.tar")
 
 
 def test_the_hubs_files_are_read_with_its_token_sent_to_it_alone_and_copied_once(web, tmp_path, monkeypatch):
-    """A gated repository on the Hub (HF_ENDPOINT): refused without HF_TOKEN, the refusal saying how in; with it,
-    a page URL (``blob``) reads as the file (``resolve``), the token going to the Hub and not to the CDN it
-    redirects to (another host). A CLIP's weights by URL (model.init_from_clip) are copied once into the cache
-    with the open_clip_config.json beside them; the same URL again asks (HEAD) and copies nothing; a replaced
-    object is copied again."""
+    """A gated repository on the Hub (HF_ENDPOINT): refused without HF_TOKEN, the refusal saying how in; with it
+    (a trailing newline and all), a page URL (``blob``) reads as the file (``resolve``), the token going to the
+    Hub and not to the CDN it redirects to, nor to any other host. A CLIP's weights by URL (model.init_from_clip)
+    are copied once into the cache with the open_clip_config.json beside them, through a reset (resumed at the byte
+    written); the same URL again asks the Hub (its redirect says size and ETag) and nothing of the CDN; a replaced
+    object is copied again. A URL signed for GET (HEAD refused) is looked up with a GET of its first byte."""
     from rayvl import storage
     from rayvl.config import ConfigError
     from rayvl.models import whole_clip
@@ -87,24 +107,31 @@ def test_the_hubs_files_are_read_with_its_token_sent_to_it_alone_and_copied_once
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
     url = f"{web.url}/laion/CLIP-gated/resolve/main/open_clip_pytorch_model.bin"
-    with pytest.raises(ConfigError, match="HTTP 401 .*gated or private Hugging Face repository: accept its terms "
-                                          "and set HF_TOKEN on every node"):
+    with pytest.raises(ConfigError, match="HTTP 401 .*gated or private Hugging Face repository .*: accept its "
+                                          "terms and set HF_TOKEN on every node"):
         whole_clip.local(url)
 
-    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setenv("HF_TOKEN", TOKEN + "\n")  # as `cat token` leaves it
     page = f"{web.url}/laion/CLIP-gated/blob/main/open_clip_config.json"
     assert storage.read_text(page) == '{"model_cfg": {"embed_dim": 64}}'
     web.seen.clear()
-    copy = whole_clip.local(url)
-    assert copy.read_bytes() == weights and json.loads((copy.parent / "open_clip_config.json").read_text())
     hub_path, cdn_path = "/laion/CLIP-gated/resolve/main/open_clip_pytorch_model.bin", \
         "/cdn/laion/CLIP-gated/open_clip_pytorch_model.bin"
+    web.faults.add(cdn_path, ("reset", 100_000))
+    copy = whole_clip.local(url)
+    assert copy.read_bytes() == weights and json.loads((copy.parent / "open_clip_config.json").read_text())
     assert {r[3] for r in web.requests_to(hub_path)} == {True}  # the token, to the Hub
-    assert web.requests_to(cdn_path) and {r[3] for r in web.requests_to(cdn_path)} == {False}  # not to its CDN
+    assert [(r[0], r[2], r[3]) for r in web.requests_to(cdn_path)] == [  # not to its CDN; the reset resumed
+        ("GET", "", False), ("GET", "bytes=100000-", False)]
     web.seen.clear()
-    assert whole_clip.local(url) == copy and {r[0] for r in web.requests_to(cdn_path)} == {"HEAD"}
+    assert whole_clip.local(url) == copy and web.requests_to(hub_path) and not web.requests_to(cdn_path)
     (repo / "open_clip_pytorch_model.bin").write_bytes(weights[:1000])
     assert whole_clip.local(url).read_bytes() == weights[:1000]
+    cdn = f"http://localhost:{web.port}{cdn_path}"  # signed for GET: HEAD refused (403)
+    assert storage.size(cdn) == 1000 and [r[0] for r in web.requests_to(cdn_path)][-2:] == ["HEAD", "GET"]
+    web.seen.clear()
+    assert storage.read_bytes(f"http://localhost:{web.port}/files/train/00000.tar", 10)
+    assert [r[3] for r in web.seen] == [False]  # HF_TOKEN set, the host not the Hub: no token
 
 
 def test_ray_datas_read_tasks_read_http_shards_as_files_through_resets(ray_local, web, demo_dir):

@@ -3,13 +3,14 @@
 - ``/files/PATH``: as a web server or a CDN does — HEAD, ETag, ``Range`` answered with 206 (werkzeug's send_file);
 - ``/plain/PATH``: a server that ignores ``Range`` (always 200 and the whole file);
 - the Hugging Face Hub's file URLs, ``/[datasets/]OWNER/NAME/resolve/REVISION/PATH`` → ``hub/[datasets/]OWNER/NAME/
-  PATH``: text files answered there, others (LFS files on the Hub) redirected (302) to ``/cdn/…`` on ``localhost``
-  — another host, as the Hub's CDN is; a repository in ``gated`` answers 401 without ``Authorization: Bearer
+  PATH``: text files answered there, others (LFS files on the Hub) redirected (302, the file's size and ETag in
+  X-Linked-Size and X-Linked-Etag) to ``/cdn/…`` on ``localhost`` — another host, as the Hub's CDN is, whose URLs
+  refuse HEAD as URLs signed for GET do; a repository in ``gated`` answers 401 without ``Authorization: Bearer
   TOKEN``, as a gated or private one does.
 
-Faults come from object_store.Faults, keyed by the request's path: ``("reset", after)`` sends ``after`` bytes of the
-body then resets the connection, ``("status", code, reason)`` answers with that status. Every request is recorded
-with its method, path, Range and whether it carried an Authorization header."""
+Faults come from object_store.Faults, keyed by a GET's path or by ``"HEAD PATH"``: ``("reset", after)`` sends
+``after`` bytes of the body then resets the connection, ``("status", code, reason)`` answers with that status.
+Every request is recorded with its method, path, Range and whether it carried an Authorization header."""
 from __future__ import annotations
 
 import re
@@ -49,6 +50,7 @@ class WebServer:
         self.thread.start()
 
     def app(self, environ, start_response):
+        from werkzeug.exceptions import HTTPException
         from werkzeug.utils import redirect, send_file
         from werkzeug.wrappers import Request, Response
 
@@ -57,7 +59,7 @@ class WebServer:
         with self.lock:
             self.seen.append((request.method, path, request.headers.get("Range", ""),
                               "Authorization" in request.headers))
-        action = self.faults.next_action(path) if request.method == "GET" else None
+        action = self.faults.next_action(path if request.method == "GET" else f"{request.method} {path}")
         if action is not None:
             self.faults.injected[(path, action[0])] += 1
             if action[0] == "status":
@@ -67,9 +69,15 @@ class WebServer:
             if hub[1] in self.gated and request.headers.get("Authorization") != f"Bearer {TOKEN}":
                 return Response("gated", status=401)(environ, start_response)
             file = self.root / "hub" / hub[1] / hub[2]
-            if file.is_file() and not file.name.endswith(".txt"):  # an LFS file: the CDN, on another host
-                return redirect(f"http://localhost:{self.port}/cdn/{hub[1]}/{hub[2]}")(environ, start_response)
-        elif path.startswith("/cdn/"):
+            if file.is_file() and not file.name.endswith(".txt"):  # an LFS file: the CDN, on another host, and
+                # the file's size and ETag in the redirect, as the Hub says them
+                response = redirect(f"http://localhost:{self.port}/cdn/{hub[1]}/{hub[2]}")
+                response.headers["X-Linked-Size"] = str(file.stat().st_size)
+                response.headers["X-Linked-Etag"] = f'"{file.stat().st_mtime_ns}-{file.stat().st_size}"'
+                return response(environ, start_response)
+        elif path.startswith("/cdn/"):  # its URLs are signed for GET: a HEAD is refused, as S3 refuses it
+            if request.method == "HEAD":
+                return Response("signed for GET", status=403)(environ, start_response)
             file = self.root / "hub" / path.removeprefix("/cdn/")
         elif path.startswith(("/files/", "/plain/")):
             file = self.root / path.split("/", 2)[2]
@@ -77,7 +85,10 @@ class WebServer:
             file = Path("/nonexistent")
         if not file.is_file():
             return Response("not found", status=404)(environ, start_response)
-        response = send_file(file, environ, conditional=not path.startswith("/plain/"), max_age=None)
+        try:
+            response = send_file(file, environ, conditional=not path.startswith("/plain/"), max_age=None)
+        except HTTPException as e:  # a range past the end: 416, with Content-Range bytes */SIZE
+            return e(environ, start_response)
         if action is None:
             return response(environ, start_response)
         return self._cut(response, environ, start_response, action[1])

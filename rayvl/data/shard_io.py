@@ -4,14 +4,15 @@ Object storage fails now and then: a connection reset in the middle of an object
 (503 SlowDown). None of that says anything about the shard, so it must not cost rows. A shard is read as a byte
 stream that knows its position: after a transient error the stream is opened again *at the byte it reached* (a
 ranged GET on object storage and over HTTP, a seek on a file, a re-run command whose first bytes are skipped for
-``pipe:``) and the tar parser above never notices. What retries cannot mend — the object is missing, access is denied, or the
-errors outlast ``data.io_retries`` — is a ``ShardIOError`` naming the shard and the cause: the run fails with it,
-or, under ``data.unreadable_shards=skip`` (a choice the user makes), the rest of that shard is skipped and counted
-as ``unreadable_shards``. A damaged tar (truncated, bad header) is the data's fault: ``shards.py`` counts it as
-``truncated_shards`` and keeps the samples before the damage.
+``pipe:``) and the tar parser above never notices. What retries cannot mend — the object is missing, access is
+denied, or the errors outlast ``data.io_retries`` — is a ``ShardIOError`` naming the shard and the cause: the run
+fails with it, or, under ``data.unreadable_shards=skip`` (a choice the user makes), the rest of that shard is
+skipped and counted as ``unreadable_shards``. A damaged tar (truncated, bad header) is the data's fault:
+``shards.py`` counts it as ``truncated_shards`` and keeps the samples before the damage.
 
 pyarrow's S3 client retries each request on its own first (about 30 attempts over a few seconds, seen against
-the test server); ``data.io_retries`` is the layer above it, with waits long enough to outlast a throttling spell.
+the test server), as rayvl.http_objects' requests do a busy or failing status (429, 5xx) before a body comes;
+``data.io_retries`` is the layer above them, with waits long enough to outlast a throttling spell.
 """
 from __future__ import annotations
 

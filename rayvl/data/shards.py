@@ -365,9 +365,9 @@ def remote_shard_samples(url: str) -> tuple[int, str]:
     ESTIMATE_BYTES' samples scaled to its size (one lookup and one ranged read, not the whole object)."""
     import io
 
-    size = storage.size(url) or 0
+    size = storage.size(url)  # None: an HTTP server that does not say
     head = storage.read_bytes(url, ESTIMATE_BYTES)
-    compressed = url.endswith((".gz", ".tgz"))
+    compressed = url.split("?", 1)[0].endswith((".gz", ".tgz"))
     try:
         # r|*: a .tar.gz shard's head is read through its decompression, as the shard readers read it; its
         # members' offsets are the archive's, not the file's: the head's share of the file scales its count
@@ -377,8 +377,10 @@ def remote_shard_samples(url: str) -> tuple[int, str]:
         keys, complete = 0, 0
     if compressed and keys:
         complete = len(head)
-    if len(head) >= size or not complete:
+    if len(head) < ESTIMATE_BYTES or (size is not None and len(head) >= size) or not complete:
         return keys, "holds"
+    if size is None:
+        return keys, f"holds at least ({keys:,} in its first {complete / 2**20:.1f} MiB; the server gives no size)"
     return round(keys * size / complete), (f"holds ≈ ({keys:,} in its first {complete / 2**20:.1f} MiB of "
                                            f"{size / 2**20:.1f} MiB)")
 

@@ -195,12 +195,12 @@ DENIED_WORDS = ("ACCESS_DENIED", "AccessDenied", "PERMISSION_DENIED", "INVALID_A
                 "HTTP 403")
 _NO_CREDENTIALS = ("access token", "credentials", "NoCredentials", "No response body")
 _UNREACHABLE = ("UNAVAILABLE", "Could not resolve host", "Couldn't connect", "Connection refused", "timed out",
-                "Timeout", "curlCode: 6", "curlCode: 7", "curlCode: 28", "Failed to resolve")
+                "Timeout", "curlCode: 6", "curlCode: 7", "curlCode: 28", "Failed to resolve", "HTTP 429", "HTTP 5")
 ACCESS_HINT = ("check the credentials this machine and every node use — S3: AWS_PROFILE or AWS_ACCESS_KEY_ID / "
                "AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL for an S3-compatible store, or the instance role; GCS: "
                "GOOGLE_APPLICATION_CREDENTIALS or the VM's service account; the Hugging Face Hub: HF_TOKEN")
-REACH_HINT = ("the store cannot be reached from this machine: its network, or the endpoint (AWS_ENDPOINT_URL, the "
-              "bucket's region)")
+REACH_HINT = ("the store cannot be reached from this machine, or answers that it is busy or failing: its network, or "
+              "the endpoint (AWS_ENDPOINT_URL, the bucket's region, the server of an http(s) URL)")
 FORM_HINT = ("give img2dataset shards as a folder, a glob, brace ranges ({00000..00099}.tar), a comma or :: list, "
              "a .txt list file, a URL or pipe:COMMAND")
 

@@ -53,7 +53,7 @@ def local(source: str) -> Path:
 
     if not storage.is_url(source):
         return Path(source).expanduser()
-    if not source.endswith(WEIGHT_SUFFIXES):
+    if not source.split("?", 1)[0].endswith(WEIGHT_SUFFIXES):  # an https URL's query (?download=true) aside
         raise ConfigError(f"{KEY}: {source!r}: on object storage rayvl reads a CLIP's weights file "
                           f"({', '.join(WEIGHT_SUFFIXES)}); a Hugging Face CLIP folder must be a local path or on a "
                           f"mount every node shares")
