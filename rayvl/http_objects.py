@@ -229,15 +229,29 @@ def _token() -> str:
 
 
 def _raise_for(response, url: str) -> None:
-    """A status that is no answer: refused (PermissionError, with the way in for the Hub), else an OSError."""
+    """A status that is no answer: refused (PermissionError, with the way in for the Hub), else an OSError. The
+    Hub says why in X-Error-Code and X-Error-Message (huggingface_hub reads them too): said with the status."""
     if response.status_code < 400:
         return
     response.close()
-    said = f"{url}: HTTP {response.status_code} {response.reason}"
+    why = " ".join(f"{response.headers.get('X-Error-Code', '')} {response.headers.get('X-Error-Message', '')}".split())
+    said = f"{url}: HTTP {response.status_code} {response.reason}" + (f" ({why})" if why else "")
     if response.status_code in _REFUSED:
-        hint = "" if not url.startswith(hub() + "/") else (
-            " — a gated or private Hugging Face repository (or none of that name): accept its terms and set "
-            "HF_TOKEN on every node" if not _token() else
-            " — HF_TOKEN is set: its account has no access to this repository (or there is none of that name)")
-        raise PermissionError(said + hint)
+        raise PermissionError(said + _way_in(url, response.headers.get("X-Error-Code", "")))
     raise OSError(said)
+
+
+def _way_in(url: str, code: str) -> str:
+    """What to do about a refusal of the Hub: a gated repository's terms, a missing or private one's name or
+    token, a token without access."""
+    if not url.startswith(hub() + "/"):
+        return ""
+    if code == "GatedRepo":
+        return (" — a gated repository: accept its terms on its page with the account whose HF_TOKEN every node "
+                "sets")
+    if code == "RepoNotFound":
+        return (" — no repository of that name, or a private one: check the name (and datasets/ before a data "
+                "set's) or set HF_TOKEN of an account with access on every node")
+    return (" — a gated or private Hugging Face repository (or none of that name): accept its terms and set HF_TOKEN "
+            "on every node" if not _token() else
+            " — HF_TOKEN is set: its account has no access to this repository (or there is none of that name)")

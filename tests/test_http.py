@@ -107,9 +107,12 @@ def test_the_hubs_files_are_read_with_its_token_sent_to_it_alone_and_copied_once
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
     url = f"{web.url}/laion/CLIP-gated/resolve/main/open_clip_pytorch_model.bin"
-    with pytest.raises(ConfigError, match="HTTP 401 .*gated or private Hugging Face repository .*: accept its "
-                                          "terms and set HF_TOKEN on every node"):
+    with pytest.raises(ConfigError, match=r"HTTP 401 UNAUTHORIZED \(GatedRepo Access to model laion/CLIP-gated is "
+                                          r"restricted.\) — a gated repository: accept its terms on its page"):
         whole_clip.local(url)
+    with pytest.raises(ConfigError, match=r"HTTP 401 .*\(RepoNotFound .*\) — no repository of that name, or a "
+                                          r"private one: check the name \(and datasets/"):
+        whole_clip.local(f"{web.url}/laion/CLIP-typo/resolve/main/open_clip_pytorch_model.bin")
 
     monkeypatch.setenv("HF_TOKEN", TOKEN + "\n")  # as `cat token` leaves it
     page = f"{web.url}/laion/CLIP-gated/blob/main/open_clip_config.json"

@@ -6,7 +6,8 @@
   PATH``: text files answered there, others (LFS files on the Hub) redirected (302, the file's size and ETag in
   X-Linked-Size and X-Linked-Etag) to ``/cdn/…`` on ``localhost`` — another host, as the Hub's CDN is, whose URLs
   refuse HEAD as URLs signed for GET do; a repository in ``gated`` answers 401 without ``Authorization: Bearer
-  TOKEN``, as a gated or private one does.
+  TOKEN``, as a gated one does, and one that is not there 401 too, as the Hub answers for a missing or private
+  one (each with the Hub's X-Error-Code and X-Error-Message).
 
 Faults come from object_store.Faults, keyed by a GET's path or by ``"HEAD PATH"``: ``("reset", after)`` sends
 ``after`` bytes of the body then resets the connection, ``("status", code, reason)`` answers with that status.
@@ -67,7 +68,12 @@ class WebServer:
         hub = _RESOLVE.match(path)
         if hub:
             if hub[1] in self.gated and request.headers.get("Authorization") != f"Bearer {TOKEN}":
-                return Response("gated", status=401)(environ, start_response)
+                return Response("gated", status=401, headers={  # the Hub's words
+                    "X-Error-Code": "GatedRepo", "X-Error-Message": f"Access to model {hub[1]} is restricted."
+                })(environ, start_response)
+            if not (self.root / "hub" / hub[1]).is_dir():  # the Hub: 401 for a repository it has not (or hides)
+                return Response("no repository", status=401, headers={
+                    "X-Error-Code": "RepoNotFound", "X-Error-Message": "Repository not found"})(environ, start_response)
             file = self.root / "hub" / hub[1] / hub[2]
             if file.is_file() and not file.name.endswith(".txt"):  # an LFS file: the CDN, on another host, and
                 # the file's size and ETag in the redirect, as the Hub says them
