@@ -71,8 +71,8 @@ def info(url: str) -> Info | None:
     response = _request("HEAD", url, redirects=not url.startswith(hub() + "/"))
     if response.is_redirect:
         linked = response.headers.get("X-Linked-Size")
-        if linked and linked.isdigit():
-            return Info(int(linked), f"{linked} {response.headers.get('X-Linked-Etag', '')}")
+        if _count(linked) is not None:
+            return Info(_count(linked), f"{linked} {response.headers.get('X-Linked-Etag', '')}")
         response = _request("HEAD", url)
     if response.status_code in (403, 405, 501):
         response = _request("GET", url, {"Range": "bytes=0-0"}, stream=True)
@@ -82,8 +82,12 @@ def info(url: str) -> Info | None:
     _raise_for(response, url)
     whole = response.headers.get("Content-Range", "").rpartition("/")[2]  # "bytes 0-0/SIZE" of a ranged answer
     length = whole if response.status_code == 206 else response.headers.get("Content-Length")
-    size = int(length) if length and length.isdigit() else None
+    size = _count(length)
     return Info(size, f"{size} {response.headers.get('ETag') or response.headers.get('Last-Modified') or ''}")
+
+
+def _count(text: str | None) -> int | None:
+    return int(text) if text and text.isascii() and text.isdecimal() else None
 
 
 def read_bytes(url: str, limit: int | None = None) -> bytes:
@@ -182,43 +186,67 @@ class Body:
             self.response.close()
 
 
-# statuses worth asking again, at once and then after 1, 2 s (or as Retry-After says) — before the answer is an
-# error; a shard's read has data.io_retries above this, resuming at the byte it reached
+# statuses worth asking again, at once and then after 1, 2 s (or as Retry-After says, up to RETRY_AFTER_MAX_S) —
+# before the answer is an error; a shard's read has data.io_retries above this, resuming at the byte it reached
 _RETRIED = (408, 429, 500, 502, 503, 504)
+RETRY_AFTER_MAX_S = 30.0
 
 
 def _session():
+    """This thread's requests Session (its pool's connections reused across shards), with its retries."""
     import requests
     from requests.adapters import HTTPAdapter
-    from urllib3.util.retry import Retry
 
     session = getattr(_sessions, "session", None)
     if session is None:
         session = _sessions.session = requests.Session()
-        retry = Retry(total=3, connect=2, status_forcelist=_RETRIED, allowed_methods=("HEAD", "GET"),
-                      backoff_factor=0.5, respect_retry_after_header=True, raise_on_status=False)
+        retry = _retry_class()(total=3, connect=2, read=1, status_forcelist=_RETRIED, allowed_methods=("HEAD", "GET"),
+                               backoff_factor=0.5, respect_retry_after_header=True, raise_on_status=False)
         for scheme in SCHEMES:
             session.mount(scheme, HTTPAdapter(max_retries=retry))
     return session
 
 
+def _retry_class():
+    """urllib3's Retry with Retry-After bounded (its own bound is 6 hours a wait) and an unreadable one ignored
+    (urllib3 raises InvalidHeader for ``Retry-After: soon``, which would end the request)."""
+    from urllib3.exceptions import InvalidHeader
+    from urllib3.util.retry import Retry
+
+    class BoundedRetry(Retry):
+        def get_retry_after(self, response):
+            try:
+                after = super().get_retry_after(response)
+            except InvalidHeader:
+                return None
+            return None if after is None else min(after, RETRY_AFTER_MAX_S)
+
+    return BoundedRetry
+
+
+# a process forked from one that used a Session makes its own (the pool's sockets are the parent's)
+os.register_at_fork(after_in_child=_sessions.__dict__.clear)
+
+
 def _request(method: str, url: str, headers: dict | None = None, stream: bool = False, redirects: bool = True):
     """One request, redirects followed, with the Hub's token where the URL is the Hub's. A connection that cannot
-    be made or a timeout is requests' error — an OSError; a URL or a header that cannot be sent is no object at all
-    (FileNotFoundError: not retried), said without the header's value."""
+    be made, a timeout or a header the server sent that cannot be read is requests' error — an OSError; a URL that
+    cannot be fetched is no object at all (FileNotFoundError: not retried), a token that cannot be sent a refusal
+    (PermissionError), said without its value."""
     import requests
 
     # identity: a .tar.gz's bytes as stored (a server's gzip encoding would otherwise be undone under the parser)
     headers = {"Accept-Encoding": "identity", **(headers or {})}
     token = _token()
     if token and url.startswith(hub() + "/"):
+        if not all(" " < c <= "~" for c in token):  # what a header can carry: a pasted quote or break cannot
+            raise PermissionError(f"{url}: HF_TOKEN holds characters an HTTP header cannot carry (a pasted quote, a "
+                                  f"space or a line break?)")
         headers["Authorization"] = f"Bearer {token}"
     timeout = float(os.environ.get("RAYVL_HTTP_TIMEOUT_S", 60))
     try:
         return _session().request(method, url, headers=headers, stream=stream, allow_redirects=redirects,
                                   timeout=(min(timeout, 30.0), timeout))
-    except requests.exceptions.InvalidHeader:
-        raise FileNotFoundError(f"{url}: HF_TOKEN is not a valid HTTP header value") from None
     except (requests.exceptions.InvalidURL, requests.exceptions.InvalidSchema,
             requests.exceptions.MissingSchema) as e:
         raise FileNotFoundError(f"{url}: not a URL requests can fetch ({type(e).__name__}: {e})") from None

@@ -247,8 +247,9 @@ def _versioned(path: str) -> tuple[str, Callable[[Path], None]]:
 def _cached(path: str) -> Path:
     """Where ``download`` and ``download_file`` keep a URL's copy: a folder of its own under $RAYVL_CACHE (made)."""
     cache = Path(os.environ.get("RAYVL_CACHE", "~/.cache/rayvl")).expanduser() / "downloads"
-    name = posixpath.basename(path.split("?", 1)[0].rstrip("/") if http_objects.is_http(path) else path.rstrip("/"))
-    target = cache / hashlib.sha1(path.encode()).hexdigest()[:16] / name
+    if http_objects.is_http(path):  # a presigned URL, signed anew each run, is the same file (its stamp says if not)
+        path = path.split("?", 1)[0]
+    target = cache / hashlib.sha1(path.encode()).hexdigest()[:16] / posixpath.basename(path.rstrip("/"))
     target.parent.mkdir(parents=True, exist_ok=True)
     return target
 

@@ -23,7 +23,8 @@ def web(demo_dir, tmp_path):
     server.stop()
 
 
-def test_http_shards_are_named_checked_and_read_through_resets_and_throttling(web, demo_dir):
+@pytest.mark.slow  # the requests' own backoff: ~4 s of waits
+def test_http_shards_are_named_checked_and_read_through_resets_and_throttling(web, demo_dir, monkeypatch):
     """Brace ranges of http(s) shards are names made, their first and last looked up (HEAD; a 429 asked again); a
     folder or a glob is refused (HTTP lists nothing), a query (``?download=true``) kept. A shard read through two
     connection resets and a 503 is byte for byte the file — resumed with ``Range`` where the server answers it, by
@@ -81,6 +82,11 @@ def test_http_shards_are_named_checked_and_read_through_resets_and_throttling(we
         specs.checked("data.train", f"{web.url}/laion/CLIP-gated/resolve/main/00000.tar")
     with pytest.raises(ConfigError, match="Connection refused.* — the store cannot be reached from this machine"):
         specs.checked("data.train", "http://127.0.0.1:9/00000.tar")
+    # a Retry-After past RETRY_AFTER_MAX_S waits that long, an unreadable one is ignored: both asked again
+    monkeypatch.setattr(http_objects, "RETRY_AFTER_MAX_S", 0.2)
+    web.faults.add("HEAD /files/train/00000.tar", ("status", 503, "Slow Down", {"Retry-After": "3600"}),
+                   ("status", 503, "Slow Down", {"Retry-After": "soon"}))
+    assert specs.check(f"{web.url}/files/train/00000.tar").paths
     web.faults.add("HEAD /files/train/00002.tar", *[("status", 502, "Bad Gateway")] * 4)
     with pytest.raises(ConfigError, match="HTTP 502 .* — the store cannot be reached from this machine, or answers"):
         specs.checked("data.train", f"{web.url}/files/train/00002.tar")
@@ -135,6 +141,9 @@ def test_the_hubs_files_are_read_with_its_token_sent_to_it_alone_and_copied_once
     web.seen.clear()
     assert storage.read_bytes(f"http://localhost:{web.port}/files/train/00000.tar", 10)
     assert [r[3] for r in web.seen] == [False]  # HF_TOKEN set, the host not the Hub: no token
+    monkeypatch.setenv("HF_TOKEN", "hf_\u201cpasted")  # a quote a header cannot carry: refused here, not sent
+    with pytest.raises(PermissionError, match="HF_TOKEN holds characters an HTTP header cannot carry"):
+        storage.read_text(page)
 
 
 def test_ray_datas_read_tasks_read_http_shards_as_files_through_resets(ray_local, web, demo_dir):

@@ -10,7 +10,8 @@
   one (each with the Hub's X-Error-Code and X-Error-Message).
 
 Faults come from object_store.Faults, keyed by a GET's path or by ``"HEAD PATH"``: ``("reset", after)`` sends
-``after`` bytes of the body then resets the connection, ``("status", code, reason)`` answers with that status.
+``after`` bytes of the body then resets the connection, ``("status", code, reason[, headers])`` answers with that
+status.
 Every request is recorded with its method, path, Range and whether it carried an Authorization header."""
 from __future__ import annotations
 
@@ -63,8 +64,9 @@ class WebServer:
         action = self.faults.next_action(path if request.method == "GET" else f"{request.method} {path}")
         if action is not None:
             self.faults.injected[(path, action[0])] += 1
-            if action[0] == "status":
-                return Response(f"injected {action[1]}", status=f"{action[1]} {action[2]}")(environ, start_response)
+            if action[0] == "status":  # ("status", code, reason[, headers])
+                return Response(f"injected {action[1]}", status=f"{action[1]} {action[2]}",
+                                headers=action[3] if len(action) > 3 else None)(environ, start_response)
         hub = _RESOLVE.match(path)
         if hub:
             if hub[1] in self.gated and request.headers.get("Authorization") != f"Bearer {TOKEN}":
