@@ -48,6 +48,12 @@ def file_url(url: str) -> str:
     return f"{base}/{page[1]}/resolve/{page[2]}" if page else url
 
 
+def without_query(url: str) -> str:
+    """An http(s) URL without its query (a presigned URL's signature, ``?download=true``): the object it names;
+    any other path as it is."""
+    return url.split("?", 1)[0] if is_http(url) else url
+
+
 def repository_path(url: str) -> str:
     """A Hub URL as the repository's path (``…/datasets/clip-benchmark/wds_cars/tree/main/test`` →
     ``wds_cars/test``: what a folder of the same files would be called); any other URL as it is."""
@@ -70,9 +76,9 @@ def info(url: str) -> Info | None:
     url = file_url(url)
     response = _request("HEAD", url, redirects=not url.startswith(hub() + "/"))
     if response.is_redirect:
-        linked = response.headers.get("X-Linked-Size")
-        if _count(linked) is not None:
-            return Info(_count(linked), f"{linked} {response.headers.get('X-Linked-Etag', '')}")
+        linked = _count(response.headers.get("X-Linked-Size"))
+        if linked is not None:
+            return Info(linked, f"{linked} {response.headers.get('X-Linked-Etag', '')}")
         response = _request("HEAD", url)
     if response.status_code in (403, 405, 501):
         response = _request("GET", url, {"Range": "bytes=0-0"}, stream=True)

@@ -93,15 +93,19 @@ def is_file(path: str) -> bool:
 def size(path: str) -> int | None:
     """The file's bytes (None where an HTTP server does not say); a missing file is a FileNotFoundError."""
     if http_objects.is_http(path):
-        found = http_objects.info(path)
-        if found is None:
-            raise FileNotFoundError(f"{path}: HTTP 404")
-        return found.size
+        return _http_info(path).size
     fs, inner = filesystem(path)
     found = fs.get_file_info(inner)
     if found.type != pafs.FileType.File:
         raise FileNotFoundError(f"{path} is not a file")
     return found.size
+
+
+def _http_info(path: str) -> http_objects.Info:
+    found = http_objects.info(path)
+    if found is None:
+        raise FileNotFoundError(f"{path}: HTTP 404")
+    return found
 
 
 def read_bytes(path: str, limit: int | None = None) -> bytes:
@@ -222,15 +226,13 @@ def _versioned(path: str) -> tuple[str, Callable[[Path], None]]:
     """(what changes when the remote file is replaced — its size and modification time, or over HTTP its size and
     ETag —, a function copying it into a local file; over HTTP a cut connection resumes where it broke off)."""
     if http_objects.is_http(path):
-        found = http_objects.info(path)
-        if found is None:
-            raise FileNotFoundError(f"{path}: HTTP 404")
+        version = _http_info(path).version
 
         def fetch(out: Path) -> None:
             with open(out, "wb") as f:
                 http_objects.copy_to(path, f)
 
-        return found.version, fetch
+        return version, fetch
     fs, inner = filesystem(path)
     info = fs.get_file_info(inner)
     if info.type != pafs.FileType.File:
@@ -247,8 +249,8 @@ def _versioned(path: str) -> tuple[str, Callable[[Path], None]]:
 def _cached(path: str) -> Path:
     """Where ``download`` and ``download_file`` keep a URL's copy: a folder of its own under $RAYVL_CACHE (made)."""
     cache = Path(os.environ.get("RAYVL_CACHE", "~/.cache/rayvl")).expanduser() / "downloads"
-    if http_objects.is_http(path):  # a presigned URL, signed anew each run, is the same file (its stamp says if not)
-        path = path.split("?", 1)[0]
+    # a presigned URL, signed anew each run, is the same file (its stamp says if it is not)
+    path = http_objects.without_query(path)
     target = cache / hashlib.sha1(path.encode()).hexdigest()[:16] / posixpath.basename(path.rstrip("/"))
     target.parent.mkdir(parents=True, exist_ok=True)
     return target

@@ -41,7 +41,7 @@ def shard_sizes(paths: list[str]) -> dict[str, int]:
             listed = {posixpath.basename(i.path): i.size for i in fs.get_file_info(pafs.FileSelector(inner))}
             found += [(p, int(listed.get(posixpath.basename(p)) or 0)) for p in members]
     # an http(s) shard's query (a presigned URL's signature, re-signed on every run) is no part of its name
-    names = [os.path.basename(path.split("?", 1)[0] if http_objects.is_http(path) else path) for path, _ in found]
+    names = [os.path.basename(http_objects.without_query(path)) for path, _ in found]
     if len(set(names)) < len(names):
         names = [path for path, _ in found]
     return dict(sorted(zip(names, (size for _, size in found))))

@@ -96,7 +96,7 @@ def _add(item: str, found: Resolved, named: list[str]) -> None:
 
 def _add_url(url: str, found: Resolved, named: list[str]) -> None:
     if http_objects.is_http(url):  # one object a URL: HTTP lists nothing, and a ? starts the URL's query
-        named_path = url.split("?", 1)[0]
+        named_path = http_objects.without_query(url)
         if not named_path.endswith(SHARD_SUFFIXES) or any(c in named_path for c in "*["):
             raise DataPlaneError(f"{url!r}: an http(s) URL names one shard (HTTP has no listing of folders or "
                                  f"globs) — name them with brace ranges (…/{{00000..00099}}.tar) or list them in a "
